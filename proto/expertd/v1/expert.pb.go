@@ -1775,9 +1775,12 @@ type LoadExpertsRequest_SafetensorsSource struct {
 	// Number of experts; 0 means count them from the file.
 	NumExperts int32 `protobuf:"varint,10,opt,name=num_experts,json=numExperts,proto3" json:"num_experts,omitempty"`
 	// Replace a set of the same name.
-	Overwrite     bool `protobuf:"varint,11,opt,name=overwrite,proto3" json:"overwrite,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Overwrite bool `protobuf:"varint,11,opt,name=overwrite,proto3" json:"overwrite,omitempty"`
+	// [Bn, Bk] of block-scaled weights, used when a weight scale is a 2-D
+	// tile grid (e.g. Qwen3 FP8 "weight_scale_inv"); empty means [128, 128].
+	WeightBlockShape []int32 `protobuf:"varint,12,rep,packed,name=weight_block_shape,json=weightBlockShape,proto3" json:"weight_block_shape,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *LoadExpertsRequest_SafetensorsSource) Reset() {
@@ -1885,6 +1888,13 @@ func (x *LoadExpertsRequest_SafetensorsSource) GetOverwrite() bool {
 		return x.Overwrite
 	}
 	return false
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetWeightBlockShape() []int32 {
+	if x != nil {
+		return x.WeightBlockShape
+	}
+	return nil
 }
 
 // BackendInfo is one backend's capabilities.
@@ -2109,7 +2119,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\fkernel_nanos\x18\x04 \x01(\x03R\vkernelNanos\x12\x1b\n" +
 	"\td2h_nanos\x18\x05 \x01(\x03R\bd2hNanos\x12\x1f\n" +
 	"\vtotal_nanos\x18\x06 \x01(\x03R\n" +
-	"totalNanos\"\x87\a\n" +
+	"totalNanos\"\xb5\a\n" +
 	"\x12LoadExpertsRequest\x12?\n" +
 	"\x06header\x18\x01 \x01(\v2%.expertd.v1.LoadExpertsRequest.HeaderH\x00R\x06header\x12<\n" +
 	"\x05chunk\x18\x02 \x01(\v2$.expertd.v1.LoadExpertsRequest.ChunkH\x00R\x05chunk\x12T\n" +
@@ -2124,7 +2134,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x05Chunk\x12\x16\n" +
 	"\x06tensor\x18\x01 \x01(\tR\x06tensor\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x12\n" +
-	"\x04data\x18\x03 \x01(\fR\x04data\x1a\x98\x03\n" +
+	"\x04data\x18\x03 \x01(\fR\x04data\x1a\xc6\x03\n" +
 	"\x11SafetensorsSource\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x14\n" +
@@ -2141,7 +2151,8 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\vnum_experts\x18\n" +
 	" \x01(\x05R\n" +
 	"numExperts\x12\x1c\n" +
-	"\toverwrite\x18\v \x01(\bR\toverwriteB\t\n" +
+	"\toverwrite\x18\v \x01(\bR\toverwrite\x12,\n" +
+	"\x12weight_block_shape\x18\f \x03(\x05R\x10weightBlockShapeB\t\n" +
 	"\apayload\"\xd9\x04\n" +
 	"\rExpertSetInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x126\n" +
