@@ -1,0 +1,116 @@
+// Internal launch interface for the two grouped FP8 GEMMs of fused MoE.
+//
+// Both GEMMs run over expert-sorted, block-aligned rows: routing produces
+// M*top_k (token, slot) pairs, numbered pair = token*top_k + slot; the align
+// step groups them by expert and pads each expert's run to a multiple of
+// block_rows, so every block of block_rows consecutive sorted rows belongs to
+// one expert (block_expert[block]). Sorted row r holds pair sorted_pairs[r],
+// or -1 for padding. The activations are gathered into sorted order before
+// GEMM1 (a1q[r] = quantized hidden[token of sorted_pairs[r]]), so both GEMMs
+// read A rows contiguously, which TMA and cp.async want.
+//
+// GEMM1: act[r, :] = epilogue((a1q[r] . W13[e]^T) * a_scale(r) * w_scale[e])
+//   written in sorted order, FP8 (static a2) or BF16 (dynamic a2 runs a
+//   separate per-row quantize pass, see moe.cu).
+// GEMM2: y[pair, :] = (a2q[r] . W2[e]^T) * a_scale(r) * w_scale[e] * topk_w[pair]
+//   written per pair (BF16); the combine kernel sums each token's top_k rows
+//   in slot order, which keeps the result deterministic.
+//
+// Two implementations: gemm_portable.cu (any sm_80+, any K and N) and
+// gemm_sm90.cu (sm_90a wgmma + TMA; built only where that file exists, which
+// the build announces with -DEXPERTD_HAVE_SM90). Plain structs of device
+// pointers and ints; no templates leak across the boundary.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace expertd {
+
+// GemmEpilogue is what a GEMM does with its FP32 accumulators.
+enum class GemmEpilogue : int {
+  // GEMM1: dequantize, activation, quantize to FP8 E4M3 (satfinite) with
+  // out_inv_scale = 1/a2_scale; out is FP8 [sorted row, ld_out].
+  kAct1FP8 = 0,
+  // GEMM1: dequantize, activation, BF16 out [sorted row, ld_out].
+  kAct1BF16 = 1,
+  // GEMM2: dequantize, times pair_weight[pair], BF16 out [pair, ld_out].
+  kWeightedBF16 = 2,
+};
+
+// GemmAct is GEMM1's nonlinearity (ignored by GEMM2).
+enum class GemmAct : int {
+  // silu(gate) * up over w_rows = 2*n_out rows: gate rows [0, n_out), up
+  // rows [n_out, 2*n_out) (vLLM order).
+  kSiluGated = 0,
+  // relu(h)^2 over w_rows = n_out rows.
+  kRelu2 = 1,
+};
+
+// MoeGemmArgs describes one grouped GEMM launch. All pointers are device
+// pointers; the launch reads num_blocks from device memory, so one capture
+// serves any routing outcome.
+struct MoeGemmArgs {
+  // Weights: FP8 E4M3 [num_experts, w_rows, k], k contiguous.
+  const uint8_t* w;
+  int num_experts;
+  int w_rows;
+  int k;
+  GemmAct act;
+  // Output channels: N for GEMM1, K (hidden) for GEMM2.
+  int n_out;
+
+  // Activations: FP8 E4M3 [a_rows, k] in sorted order; a_rows is
+  // max_blocks * block_rows (rows of padding are finite but meaningless).
+  const uint8_t* a;
+  int a_rows;
+  int block_rows;
+
+  // Per block: expert id or -1. num_blocks (device scalar) <= max_blocks,
+  // and max_blocks sizes the grid; blocks at or past *num_blocks exit.
+  const int32_t* block_expert;
+  const int32_t* num_blocks;
+  int max_blocks;
+  // Per sorted row: pair index or -1 (padding; nothing is written for it).
+  const int32_t* sorted_pairs;
+
+  // Dequantization: a_scale_rows[sorted row] when non-null (dynamic
+  // per-token), else a_scale; times w_scale[expert] (per-expert; a
+  // per-tensor scale is expanded to [E] at upload).
+  const float* a_scale_rows;
+  float a_scale;
+  const float* w_scale;
+
+  // Output.
+  GemmEpilogue epilogue;
+  void* out;
+  int ld_out;               // elements between output rows
+  float out_inv_scale;      // kAct1FP8
+  const float* pair_weight; // kWeightedBF16: router weight per pair
+};
+
+// Portable path (gemm_portable.cu): mma.sync m16n8k32 e4m3 on sm_89+, or
+// FP8 decoded to FP16 and mma.sync m16n8k16 on sm_80..sm_88. Any k, n_out;
+// block_rows must be one of PortableBlockRows' answers (16, 32 or 64).
+// use_f16 forces the FP16 inner product on sm_89+ too (tests use it to cover
+// the sm_80 code path on a Hopper card).
+cudaError_t launch_gemm1_portable(const MoeGemmArgs& args, bool use_f16, cudaStream_t stream);
+cudaError_t launch_gemm2_portable(const MoeGemmArgs& args, bool use_f16, cudaStream_t stream);
+
+// PortableBlockRows picks the portable kernel's token tile for a call.
+int portable_block_rows(int m, int top_k, int num_experts);
+
+#ifdef EXPERTD_HAVE_SM90
+// Hopper path (gemm_sm90.cu, sm_90a): wgmma (QGMMA) fed by TMA. It returns
+// cudaErrorInvalidValue for shapes it cannot take, so callers check
+// sm90_supported first and use the portable path otherwise.
+cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream);
+cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream);
+// sm90_supported says whether the Hopper kernels take this layer shape
+// (k = hidden, n = intermediate).
+bool sm90_supported(int hidden, int inter);
+// sm90_block_rows picks the Hopper kernels' token tile for a call.
+int sm90_block_rows(int m, int top_k, int num_experts);
+#endif
+
+}  // namespace expertd
