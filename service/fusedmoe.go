@@ -1,0 +1,148 @@
+package service
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"math"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"google.golang.org/grpc"
+
+	"github.com/expertd/expertd/kernels"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+)
+
+// FusedMoE runs one MoE layer.
+func (s *Server) FusedMoE(ctx context.Context, req *pb.FusedMoERequest) (*pb.FusedMoEResponse, error) {
+	resp, err := s.fusedMoE(ctx, time.Now(), req)
+	return resp, s.toStatus(ctx, "FusedMoE", err)
+}
+
+// FusedMoEStream answers each request in order. The first failure ends the
+// stream with that request's status, so a client never has to match
+// responses to requests.
+func (s *Server) FusedMoEStream(stream grpc.BidiStreamingServer[pb.FusedMoERequest, pb.FusedMoEResponse]) error {
+	ctx := stream.Context()
+	for {
+		req, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		resp, err := s.fusedMoE(ctx, time.Now(), req)
+		if err != nil {
+			return s.toStatus(ctx, "FusedMoEStream", err)
+		}
+		if err := stream.Send(resp); err != nil {
+			return err
+		}
+	}
+}
+
+// fusedMoE is one call: resolve the set, validate, wait for a slot, run.
+func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoERequest) (*pb.FusedMoEResponse, error) {
+	done, err := s.begin()
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+
+	var (
+		loaded kernels.Loaded
+		set    *kernels.ExpertSet
+		kreq   *kernels.Request
+	)
+	switch ex := req.GetExperts().(type) {
+	case *pb.FusedMoERequest_ExpertSet:
+		e, err := s.reg.acquire(ex.ExpertSet)
+		if err != nil {
+			return nil, err
+		}
+		defer s.reg.done(e)
+		loaded, set = e.loaded, e.loaded.Set()
+		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}); err != nil {
+			return nil, err
+		}
+	case *pb.FusedMoERequest_Weights:
+		// Validate the whole call before Load: a device backend copies the
+		// weights to the GPU, which a bad request should never cost.
+		var n int64
+		if set, n, err = inlineSet(ex.Weights); err != nil {
+			return nil, err
+		}
+		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}); err != nil {
+			return nil, err
+		}
+		if err := s.reg.reserve("weights", n); err != nil {
+			return nil, err
+		}
+		defer s.reg.release(n)
+		if loaded, err = s.backend.Load(ctx, set); err != nil {
+			return nil, err
+		}
+		defer func() {
+			if err := loaded.Close(); err != nil {
+				s.log.ErrorContext(ctx, "closing inline expert set", "err", err)
+			}
+		}()
+	default:
+		return nil, invalidf("experts", "set expert_set (a loaded set's name) or weights (inline)")
+	}
+	decoded := time.Now()
+
+	select {
+	case s.slots <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	queued := time.Now()
+	res, err := s.backend.FusedMoE(ctx, loaded, kreq)
+	<-s.slots
+	if err != nil {
+		return nil, err
+	}
+
+	attrs := metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String()))
+	s.tokens.Add(ctx, int64(kreq.M()), attrs)
+	s.kernelTime.Record(ctx, float64(res.KernelNanos)/1e9, attrs)
+
+	m, k := int64(kreq.M()), int64(set.K)
+	resp := &pb.FusedMoEResponse{
+		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
+		Backend: s.backend.Name(),
+	}
+	if req.GetReturnRouting() {
+		topk := int64(kreq.Routing.TopK)
+		resp.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: int32Bytes(res.TopKIDs)}}
+		resp.TopkWeights = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: float32Bytes(res.TopKWeights)}}
+	}
+	resp.Timings = &pb.Timings{
+		DecodeNanos: decoded.Sub(start).Nanoseconds(),
+		QueueNanos:  queued.Sub(decoded).Nanoseconds(),
+		KernelNanos: res.KernelNanos,
+		TotalNanos:  time.Since(start).Nanoseconds(),
+	}
+	return resp, nil
+}
+
+func int32Bytes(v []int32) []byte {
+	b := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
+	}
+	return b
+}
+
+func float32Bytes(v []float32) []byte {
+	b := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
+	}
+	return b
+}

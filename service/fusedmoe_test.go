@@ -1,0 +1,337 @@
+package service_test
+
+import (
+	"math"
+	"math/rand/v2"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/testing/protocmp"
+
+	"github.com/expertd/expertd/kernels"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service"
+	"github.com/expertd/expertd/service/servicetest"
+)
+
+// Shapes of the set most FusedMoE tests load: small, with K and N not
+// multiples of 16.
+const (
+	testE, testK, testN, testTopK = 6, 40, 24, 2
+)
+
+// request is a valid FusedMoE request on the set "layer" with m tokens.
+func request(rng *rand.Rand, m int) *pb.FusedMoERequest {
+	return &pb.FusedMoERequest{
+		Experts:      &pb.FusedMoERequest_ExpertSet{ExpertSet: "layer"},
+		HiddenStates: f32Tensor(randn(rng, m*testK, 0.1), int64(m), testK),
+		RouterLogits: f32Tensor(randn(rng, m*testE, 1), int64(m), testE),
+		Routing:      &pb.Routing{TopK: testTopK, Renormalize: true},
+	}
+}
+
+// loadedServer starts a server on b with a random set loaded as "layer".
+func loadedServer(t *testing.T, rng *rand.Rand, cfg service.Config, b kernels.Backend) (pb.ExpertServiceClient, *pb.ExpertWeights) {
+	t.Helper()
+	c, _, _ := servicetest.StartServerConfig(t, cfg, b)
+	w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)
+	if _, err := servicetest.Upload(testContext(t), c, servicetest.Header("layer", w, false), servicetest.Chunks(w, 1000)); err != nil {
+		t.Fatalf("LoadExperts: %v", err)
+	}
+	return c, w
+}
+
+func TestFusedMoEInvalid(t *testing.T) {
+	rng := newRand(t)
+	const m = 3
+	fp8Hidden := func(r *pb.FusedMoERequest) {
+		r.HiddenStates = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{m, testK}, Source: &pb.Tensor_Data{Data: make([]byte, m*testK)}}
+	}
+	precomputed := func(r *pb.FusedMoERequest) {
+		r.RouterLogits, r.Routing = nil, nil
+		r.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, 2}, Source: &pb.Tensor_Data{Data: i32Bytes([]int32{0, 1, 2, 3, 4, 5})}}
+		r.TopkWeights = f32Tensor([]float32{.5, .5, .5, .5, .5, .5}, m, 2)
+	}
+	tests := []struct {
+		name     string
+		edit     func(r *pb.FusedMoERequest)
+		cfg      service.Config
+		wantCode codes.Code
+		wantMsg  string
+	}{
+		{"no experts", func(r *pb.FusedMoERequest) { r.Experts = nil }, service.Config{}, codes.InvalidArgument, "experts: set expert_set"},
+		{"unknown set", func(r *pb.FusedMoERequest) { r.Experts = &pb.FusedMoERequest_ExpertSet{ExpertSet: "nope"} }, service.Config{}, codes.NotFound, `expert_set: no expert set "nope"`},
+		{"no hidden", func(r *pb.FusedMoERequest) { r.HiddenStates = nil }, service.Config{}, codes.InvalidArgument, "hidden_states: is required"},
+		{"short hidden", func(r *pb.FusedMoERequest) {
+			d := r.HiddenStates.GetData()
+			r.HiddenStates.Source = &pb.Tensor_Data{Data: d[:len(d)-1]}
+		}, service.Config{}, codes.InvalidArgument, "hidden_states: shape [3 40] needs 480 bytes, got 479"},
+		{"hidden no data", func(r *pb.FusedMoERequest) { r.HiddenStates.Source = nil }, service.Config{}, codes.InvalidArgument, "hidden_states.data: is required"},
+		{"hidden shm", func(r *pb.FusedMoERequest) {
+			r.HiddenStates.Source = &pb.Tensor_Shm{Shm: &pb.SharedMemoryRef{RegionName: "r", ByteSize: 480}}
+		}, service.Config{}, codes.InvalidArgument, "hidden_states.shm"},
+		{"hidden wrong K", func(r *pb.FusedMoERequest) { r.HiddenStates.Shape = []int64{4, 30} }, service.Config{}, codes.InvalidArgument, "hidden_states: shape [4 30]: want [M, 40]"},
+		{"hidden rank", func(r *pb.FusedMoERequest) { r.HiddenStates.Shape = []int64{3 * testK} }, service.Config{}, codes.InvalidArgument, "want [M, 40]"},
+		{"hidden int32", func(r *pb.FusedMoERequest) { r.HiddenStates.Dtype = pb.DataType_DATA_TYPE_INT32 }, service.Config{}, codes.InvalidArgument, "hidden_states: dtype DATA_TYPE_INT32"},
+		{"hidden unspecified", func(r *pb.FusedMoERequest) { r.HiddenStates.Dtype = pb.DataType_DATA_TYPE_UNSPECIFIED }, service.Config{}, codes.InvalidArgument, "hidden_states: dtype"},
+		{"zero tokens", func(r *pb.FusedMoERequest) {
+			r.HiddenStates = f32Tensor(nil, 0, testK)
+			r.RouterLogits = f32Tensor(nil, 0, testE)
+		}, service.Config{}, codes.InvalidArgument, "want M >= 1"},
+		{"over max tokens", func(r *pb.FusedMoERequest) {}, service.Config{MaxTokens: 2}, codes.ResourceExhausted, "M = 3 tokens exceeds"},
+		{"fp8 without scale", fp8Hidden, service.Config{}, codes.InvalidArgument, "hidden_states_scale: is required"},
+		{"fp8 bad scale shape", func(r *pb.FusedMoERequest) {
+			fp8Hidden(r)
+			r.HiddenStatesScale = f32Tensor([]float32{1, 1}, 2)
+		}, service.Config{}, codes.InvalidArgument, "hidden_states_scale: shape [2]: want [] or [1] (per-tensor) or [3] (per-token)"},
+		{"fp8 group scale without blocks", func(r *pb.FusedMoERequest) {
+			fp8Hidden(r)
+			r.HiddenStatesScale = f32Tensor(make([]float32, 3), 3, 1)
+		}, service.Config{}, codes.InvalidArgument, "hidden_states_scale: shape [3 1]"},
+		{"fp8 nan scale", func(r *pb.FusedMoERequest) {
+			fp8Hidden(r)
+			r.HiddenStatesScale = f32Tensor([]float32{float32(math.NaN())})
+		}, service.Config{}, codes.InvalidArgument, "hidden_states_scale: element 0 is NaN"},
+		{"scale on bf16", func(r *pb.FusedMoERequest) { r.HiddenStatesScale = f32Tensor([]float32{1}) }, service.Config{}, codes.InvalidArgument, "hidden_states_scale: only FLOAT8_E4M3FN"},
+		{"no logits", func(r *pb.FusedMoERequest) { r.RouterLogits = nil }, service.Config{}, codes.InvalidArgument, "router_logits: is required"},
+		{"logits shape", func(r *pb.FusedMoERequest) { r.RouterLogits.Shape = []int64{testE, 3} }, service.Config{}, codes.InvalidArgument, "router_logits: shape [6 3]: want [3 6]"},
+		{"logits nan", func(r *pb.FusedMoERequest) {
+			v := bytesF32(r.RouterLogits.GetData())
+			v[7] = float32(math.NaN())
+			r.RouterLogits.Source = &pb.Tensor_Data{Data: f32Bytes(v)}
+		}, service.Config{}, codes.InvalidArgument, "router_logits: element 7 is NaN"},
+		{"no routing", func(r *pb.FusedMoERequest) { r.Routing = nil }, service.Config{}, codes.InvalidArgument, "routing: is required"},
+		{"top_k 0", func(r *pb.FusedMoERequest) { r.Routing.TopK = 0 }, service.Config{}, codes.InvalidArgument, "routing.top_k: 0: want in [1, 6]"},
+		{"top_k > E", func(r *pb.FusedMoERequest) { r.Routing.TopK = 7 }, service.Config{}, codes.InvalidArgument, "routing.top_k: 7"},
+		{"bad scoring", func(r *pb.FusedMoERequest) { r.Routing.Scoring = 9 }, service.Config{}, codes.InvalidArgument, "routing.scoring"},
+		{"bias with softmax", func(r *pb.FusedMoERequest) { r.Routing.CorrectionBias = f32Tensor(make([]float32, testE), testE) }, service.Config{}, codes.InvalidArgument, "routing.correction_bias: only valid with SCORING_SIGMOID"},
+		{"bias shape", func(r *pb.FusedMoERequest) {
+			r.Routing.Scoring = pb.Scoring_SCORING_SIGMOID
+			r.Routing.CorrectionBias = f32Tensor(make([]float32, 5), 5)
+		}, service.Config{}, codes.InvalidArgument, "routing.correction_bias: shape [5]: want [6]"},
+		{"bias inf", func(r *pb.FusedMoERequest) {
+			r.Routing.Scoring = pb.Scoring_SCORING_SIGMOID
+			r.Routing.CorrectionBias = f32Tensor([]float32{0, 0, float32(math.Inf(1)), 0, 0, 0}, testE)
+		}, service.Config{}, codes.InvalidArgument, "routing.correction_bias: element 2 is +Inf"},
+		{"groups do not divide", func(r *pb.FusedMoERequest) { r.Routing.NumExpertGroups = 4 }, service.Config{}, codes.InvalidArgument, "routing.num_expert_groups: 4 does not divide E = 6"},
+		{"topk_groups > groups", func(r *pb.FusedMoERequest) { r.Routing.NumExpertGroups, r.Routing.TopkGroups = 3, 4 }, service.Config{}, codes.InvalidArgument, "routing.topk_groups: 4: want in [1, 3]"},
+		{"topk_groups 0", func(r *pb.FusedMoERequest) { r.Routing.NumExpertGroups = 3 }, service.Config{}, codes.InvalidArgument, "routing.topk_groups: 0"},
+		{"groups too few experts", func(r *pb.FusedMoERequest) {
+			r.Routing.NumExpertGroups, r.Routing.TopkGroups, r.Routing.TopK = 3, 1, 3
+		}, service.Config{}, codes.InvalidArgument, "1 groups of 2 experts cannot supply top_k = 3"},
+		{"negative scaling factor", func(r *pb.FusedMoERequest) { r.Routing.RoutedScalingFactor = -1 }, service.Config{}, codes.InvalidArgument, "routing.routed_scaling_factor"},
+		{"nan scaling factor", func(r *pb.FusedMoERequest) { r.Routing.RoutedScalingFactor = float32(math.NaN()) }, service.Config{}, codes.InvalidArgument, "routing.routed_scaling_factor"},
+		{"output fp8", func(r *pb.FusedMoERequest) { r.OutputDtype = pb.DataType_DATA_TYPE_FLOAT8_E4M3FN }, service.Config{}, codes.InvalidArgument, "output_dtype: DATA_TYPE_FLOAT8_E4M3FN: want DATA_TYPE_BFLOAT16 (default) or DATA_TYPE_FLOAT32"},
+		{"topk ids alone", func(r *pb.FusedMoERequest) { precomputed(r); r.TopkWeights = nil }, service.Config{}, codes.InvalidArgument, "topk_weights: is required"},
+		{"topk id out of range", func(r *pb.FusedMoERequest) {
+			precomputed(r)
+			r.TopkIds.Source = &pb.Tensor_Data{Data: i32Bytes([]int32{0, 1, 2, 6, 4, 5})}
+		}, service.Config{}, codes.InvalidArgument, "topk_ids: element 3 is 6: want an expert id in [0, 6)"},
+		{"topk id negative", func(r *pb.FusedMoERequest) {
+			precomputed(r)
+			r.TopkIds.Source = &pb.Tensor_Data{Data: i32Bytes([]int32{0, -1, 2, 3, 4, 5})}
+		}, service.Config{}, codes.InvalidArgument, "topk_ids: element 1 is -1"},
+		{"topk weights nan", func(r *pb.FusedMoERequest) {
+			precomputed(r)
+			r.TopkWeights = f32Tensor([]float32{.5, .5, .5, .5, .5, float32(math.NaN())}, m, 2)
+		}, service.Config{}, codes.InvalidArgument, "topk_weights: element 5 is NaN"},
+		{"topk shapes disagree", func(r *pb.FusedMoERequest) {
+			precomputed(r)
+			r.TopkWeights = f32Tensor([]float32{.5, .5, .5}, m, 1)
+		}, service.Config{}, codes.InvalidArgument, "topk_weights: shape [3 1]: want [3 2]"},
+		{"topk k vs routing", func(r *pb.FusedMoERequest) {
+			precomputed(r)
+			r.Routing = &pb.Routing{TopK: 3}
+		}, service.Config{}, codes.InvalidArgument, "routing.top_k: 3 disagrees with topk_ids' k = 2"},
+		{"topk ids wrong M", func(r *pb.FusedMoERequest) {
+			precomputed(r)
+			r.TopkIds.Shape = []int64{2, 3}
+		}, service.Config{}, codes.InvalidArgument, "topk_ids: shape [2 3]: want [3, k]"},
+		{"inline bad", func(r *pb.FusedMoERequest) {
+			r.Experts = &pb.FusedMoERequest_Weights{Weights: &pb.ExpertWeights{Activation: pb.Activation_ACTIVATION_RELU2}}
+		}, service.Config{}, codes.InvalidArgument, "weights.w13: is required"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := testContext(t)
+			b := &fakeBackend{}
+			c, _ := loadedServer(t, rng, tt.cfg, b)
+			req := request(rng, m)
+			tt.edit(req)
+			_, err := c.FusedMoE(ctx, req)
+			if got := status.Code(err); got != tt.wantCode || !strings.Contains(status.Convert(err).Message(), tt.wantMsg) {
+				t.Errorf("FusedMoE: got %v, want %v containing %q", err, tt.wantCode, tt.wantMsg)
+			}
+			if n := b.numCalls(); n != 0 {
+				t.Errorf("backend ran %d calls for an invalid request", n)
+			}
+		})
+	}
+}
+
+// TestFusedMoEConversion checks what the backend receives for valid
+// requests: defaults applied, bytes aliased, routing passed through.
+func TestFusedMoEConversion(t *testing.T) {
+	rng := newRand(t)
+	const m = 3
+	ids := []int32{5, 0, 1, 1, 3, 2}
+	weights := []float32{0.25, 0.75, 1, -0.5, 2, 0}
+	tests := []struct {
+		name        string
+		edit        func(r *pb.FusedMoERequest)
+		wantRouting kernels.Routing
+		wantOut     kernels.DType
+		wantIDs     []int32
+		wantWeights []float32
+	}{
+		{"defaults", func(r *pb.FusedMoERequest) {},
+			kernels.Routing{TopK: testTopK, Renormalize: true, Scoring: kernels.Softmax, ScalingFactor: 1}, kernels.BFloat16, nil, nil},
+		{"sigmoid groups bias", func(r *pb.FusedMoERequest) {
+			r.Routing = &pb.Routing{TopK: 4, Scoring: pb.Scoring_SCORING_SIGMOID, NumExpertGroups: 3, TopkGroups: 2, RoutedScalingFactor: 2.5,
+				CorrectionBias: f32Tensor([]float32{0.1, -0.2, 0.3, 0, 0.5, -1}, testE)}
+			r.OutputDtype = pb.DataType_DATA_TYPE_FLOAT32
+		}, kernels.Routing{TopK: 4, Scoring: kernels.Sigmoid, NumGroups: 3, TopKGroups: 2, ScalingFactor: 2.5,
+			CorrectionBias: []float32{0.1, -0.2, 0.3, 0, 0.5, -1}}, kernels.Float32, nil, nil},
+		{"one group is no grouping", func(r *pb.FusedMoERequest) { r.Routing.NumExpertGroups, r.Routing.TopkGroups = 1, 5 },
+			kernels.Routing{TopK: testTopK, Renormalize: true, Scoring: kernels.Softmax, ScalingFactor: 1}, kernels.BFloat16, nil, nil},
+		{"precomputed", func(r *pb.FusedMoERequest) {
+			r.RouterLogits, r.Routing = nil, nil
+			r.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, 2}, Source: &pb.Tensor_Data{Data: i32Bytes(ids)}}
+			r.TopkWeights = f32Tensor(weights, m, 2)
+		}, kernels.Routing{TopK: 2, Scoring: kernels.Softmax, ScalingFactor: 1}, kernels.BFloat16, ids, weights},
+	}
+	b := &fakeBackend{}
+	c, _ := loadedServer(t, rng, service.Config{}, b)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req := request(rng, m)
+			tt.edit(req)
+			resp, err := c.FusedMoE(testContext(t), req)
+			if err != nil {
+				t.Fatalf("FusedMoE: %v", err)
+			}
+			got := b.lastCall()
+			if diff := cmp.Diff(tt.wantRouting, got.Routing); diff != "" {
+				t.Errorf("routing (-want +got):\n%s", diff)
+			}
+			if got.OutDType != tt.wantOut {
+				t.Errorf("OutDType = %v, want %v", got.OutDType, tt.wantOut)
+			}
+			if diff := cmp.Diff(tt.wantIDs, got.TopKIDs); diff != "" {
+				t.Errorf("TopKIDs (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff(tt.wantWeights, got.TopKWeights); diff != "" {
+				t.Errorf("TopKWeights (-want +got):\n%s", diff)
+			}
+			wantHidden := kernels.Tensor{DType: kernels.Float32, Shape: []int{m, testK}, Data: req.GetHiddenStates().GetData()}
+			if diff := cmp.Diff(wantHidden, got.Hidden); diff != "" {
+				t.Errorf("Hidden (-want +got):\n%s", diff)
+			}
+			if tt.wantIDs == nil {
+				wantLogits := kernels.Tensor{DType: kernels.Float32, Shape: []int{m, testE}, Data: req.GetRouterLogits().GetData()}
+				if diff := cmp.Diff(wantLogits, got.Logits); diff != "" {
+					t.Errorf("Logits (-want +got):\n%s", diff)
+				}
+			}
+			out := resp.GetOutput()
+			if out.GetDtype() != wireDType(tt.wantOut) || !cmp.Equal(out.GetShape(), []int64{m, testK}) || len(out.GetData()) != m*testK*tt.wantOut.Size() {
+				t.Errorf("output %v %v with %d bytes, want %v [%d %d]", out.GetDtype(), out.GetShape(), len(out.GetData()), tt.wantOut, m, testK)
+			}
+			if resp.GetBackend() != "fake" || resp.GetTimings().GetKernelNanos() != 1234 || resp.GetTimings().GetTotalNanos() <= 0 {
+				t.Errorf("backend %q timings %v, want fake with kernel 1234 ns and total > 0", resp.GetBackend(), resp.GetTimings())
+			}
+			if resp.GetTopkIds() != nil {
+				t.Errorf("routing returned without return_routing")
+			}
+		})
+	}
+}
+
+func wireDType(d kernels.DType) pb.DataType { return pb.DataType(d) }
+
+func TestFusedMoEReturnRouting(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{}
+	c, _ := loadedServer(t, rng, service.Config{}, b)
+	req := request(rng, 3)
+	req.RouterLogits, req.Routing = nil, nil
+	ids := []int32{4, 1, 0, 5, 2, 2}
+	ws := []float32{0.5, 0.25, 1, 2, 0.125, 0}
+	req.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{3, 2}, Source: &pb.Tensor_Data{Data: i32Bytes(ids)}}
+	req.TopkWeights = f32Tensor(ws, 3, 2)
+	req.ReturnRouting = true
+	resp, err := c.FusedMoE(testContext(t), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &pb.FusedMoEResponse{TopkIds: req.TopkIds, TopkWeights: req.TopkWeights}
+	got := &pb.FusedMoEResponse{TopkIds: resp.GetTopkIds(), TopkWeights: resp.GetTopkWeights()}
+	if diff := cmp.Diff(want, got, protocmp.Transform()); diff != "" {
+		t.Errorf("returned routing (-want +got):\n%s", diff)
+	}
+}
+
+// TestFusedMoEStream checks one response per request, in order, and that a
+// bad request ends the stream with its status.
+func TestFusedMoEStream(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{}
+	c, _ := loadedServer(t, rng, service.Config{}, b)
+	ctx := testContext(t)
+	stream, err := c.FusedMoEStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sizes := []int{1, 5, 2, 7}
+	for _, m := range sizes {
+		if err := stream.Send(request(rng, m)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, m := range sizes {
+		resp, err := stream.Recv()
+		if err != nil {
+			t.Fatalf("response %d: %v", i, err)
+		}
+		if got := resp.GetOutput().GetShape(); !cmp.Equal(got, []int64{int64(m), testK}) {
+			t.Errorf("response %d has shape %v, want [%d %d]", i, got, m, testK)
+		}
+	}
+	bad := request(rng, 2)
+	bad.Routing.TopK = 0
+	if err := stream.Send(bad); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "routing.top_k") {
+		t.Errorf("after a bad request: got %v, want InvalidArgument naming routing.top_k", err)
+	}
+}
+
+// TestFusedMoEInline runs inline weights and checks the backend saw the
+// same set a chunked load produces, and freed it after the call.
+func TestFusedMoEInline(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{}
+	c, w := loadedServer(t, rng, service.Config{MaxLoadedBytes: 1 << 20}, b)
+	req := request(rng, 4)
+	req.Experts = &pb.FusedMoERequest_Weights{Weights: w}
+	if _, err := c.FusedMoE(testContext(t), req); err != nil {
+		t.Fatalf("FusedMoE inline: %v", err)
+	}
+	if loads, closes := b.counts(); loads != 2 || closes != 1 {
+		t.Errorf("backend loads/closes = %d/%d, want 2/1 (the inline set is freed)", loads, closes)
+	}
+	list, _ := c.ListExperts(testContext(t), &pb.ListExpertsRequest{})
+	if len(list.GetExpertSets()) != 1 {
+		t.Errorf("inline call changed the registry: %v", list)
+	}
+
+	// An inline set counts against max loaded bytes.
+	c2, _, _ := servicetest.StartServerConfig(t, service.Config{MaxLoadedBytes: 100}, &fakeBackend{})
+	if _, err := c2.FusedMoE(testContext(t), req); status.Code(err) != codes.ResourceExhausted {
+		t.Errorf("inline set over max loaded bytes: got %v, want ResourceExhausted", err)
+	}
+}

@@ -1,0 +1,272 @@
+package service_test
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/testing/protocmp"
+
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service"
+	"github.com/expertd/expertd/service/servicetest"
+)
+
+func TestLoadListUnload(t *testing.T) {
+	ctx := testContext(t)
+	rng := newRand(t)
+	c, _ := servicetest.StartServer(t, &fakeBackend{})
+	w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, 4, 40, 24)
+	chunks := servicetest.Chunks(w, 333)
+	rng.Shuffle(len(chunks), func(i, j int) { chunks[i], chunks[j] = chunks[j], chunks[i] })
+	h := servicetest.Header("layer0", w, false)
+	h.Sha256 = strings.ToUpper(fingerprintOf(w))
+
+	got, err := servicetest.Upload(ctx, c, h, chunks)
+	if err != nil {
+		t.Fatalf("LoadExperts: %v", err)
+	}
+	want := &pb.ExpertSetInfo{
+		Name: "layer0", Activation: pb.Activation_ACTIVATION_SILU_GATED,
+		NumExperts: 4, HiddenSize: 40, IntermediateSize: 24,
+		W13ScaleGranularity: "per-expert", W2ScaleGranularity: "per-expert",
+		Bytes:       4*48*40 + 4*40*24 + 4*4 + 4*4,
+		Fingerprint: fingerprintOf(w),
+		Backend:     "fake",
+	}
+	ignoreTime := protocmp.IgnoreFields(&pb.ExpertSetInfo{}, "loaded_at")
+	if diff := cmp.Diff(want, got, protocmp.Transform(), ignoreTime); diff != "" {
+		t.Errorf("LoadExperts info (-want +got):\n%s", diff)
+	}
+	if got.GetLoadedAt().AsTime().IsZero() {
+		t.Errorf("loaded_at is unset")
+	}
+
+	list, err := c.ListExperts(ctx, &pb.ListExpertsRequest{})
+	if err != nil {
+		t.Fatalf("ListExperts: %v", err)
+	}
+	if diff := cmp.Diff(&pb.ListExpertsResponse{ExpertSets: []*pb.ExpertSetInfo{got}}, list, protocmp.Transform()); diff != "" {
+		t.Errorf("ListExperts (-want +got):\n%s", diff)
+	}
+
+	un, err := c.UnloadExperts(ctx, &pb.UnloadExpertsRequest{Name: "layer0"})
+	if err != nil {
+		t.Fatalf("UnloadExperts: %v", err)
+	}
+	if un.GetFreedBytes() != want.Bytes {
+		t.Errorf("freed %d bytes, want %d", un.GetFreedBytes(), want.Bytes)
+	}
+	if _, err := c.UnloadExperts(ctx, &pb.UnloadExpertsRequest{Name: "layer0"}); status.Code(err) != codes.NotFound {
+		t.Errorf("second UnloadExperts: got %v, want NotFound", err)
+	}
+	if list, _ := c.ListExperts(ctx, &pb.ListExpertsRequest{}); len(list.GetExpertSets()) != 0 {
+		t.Errorf("ListExperts after unload: %v, want none", list)
+	}
+}
+
+// TestLoadErrors checks that each malformed upload fails with the right code
+// and a message naming the field, and leaves nothing loaded.
+func TestLoadErrors(t *testing.T) {
+	rng := newRand(t)
+	w := randomWeights(rng, pb.Activation_ACTIVATION_RELU2, 3, 32, 16)
+	good := func() (*pb.LoadExpertsRequest_Header, []*pb.LoadExpertsRequest_Chunk) {
+		return servicetest.Header("set", w, false), servicetest.Chunks(w, 100)
+	}
+	tests := []struct {
+		name     string
+		edit     func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk
+		cfg      service.Config
+		wantCode codes.Code
+		wantMsg  string
+	}{
+		{"bad name", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Name = "a b"
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.name"},
+		{"no activation", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.Activation = pb.Activation_ACTIVATION_UNSPECIFIED
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.weights.activation"},
+		{"missing w2", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W2 = nil
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.weights.w2: is required"},
+		{"w13 not fp8", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W13.Dtype = pb.DataType_DATA_TYPE_BFLOAT16
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.weights.w13: dtype DATA_TYPE_BFLOAT16"},
+		{"w2 shape disagrees", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W2.Shape = []int64{3, 32, 17}
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.weights.w2: shape [3 32 17]: want [3 32 16]"},
+		{"gated odd rows", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.Activation = pb.Activation_ACTIVATION_SILU_GATED
+			h.Weights.W13.Shape = []int64{3, 15, 32}
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "even middle dimension"},
+		{"huge shape", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W13.Shape = []int64{1 << 30, 1 << 30, 1 << 30}
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "more than 2^40 elements"},
+		{"negative dim", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W13.Shape = []int64{3, -16, 32}
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "negative"},
+		{"bad scale shape", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W13Scale.Shape = []int64{2}
+			h.TotalBytes -= 4
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.weights.w13_scale"},
+		{"header with data", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W2Scale = proto.Clone(w.GetW2Scale()).(*pb.Tensor)
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.weights.w2_scale: carries data"},
+		{"total bytes", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.TotalBytes++
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.total_bytes"},
+		{"bad sha256", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Sha256 = "xyz"
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.sha256"},
+		{"sha256 mismatch", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Sha256 = strings.Repeat("ab", 32)
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "does not match"},
+		{"over max loaded bytes", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			return ch
+		}, service.Config{MaxLoadedBytes: 1000}, codes.ResourceExhausted, "max loaded bytes"},
+		{"unknown tensor", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			ch[0].Tensor = "a13_scale"
+			return ch
+		}, service.Config{}, codes.InvalidArgument, `chunk.tensor: "a13_scale": not a tensor the header declared`},
+		{"overlap", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			ch[1].Offset -= 1
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "chunk[w13]: bytes [99, 199) overlap bytes [0, 100)"},
+		{"duplicate", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			return append(ch, ch[2])
+		}, service.Config{}, codes.InvalidArgument, "overlap"},
+		{"out of range", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			ch[0].Offset = 3*16*32 - 50
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "outside the tensor's 1536 bytes"},
+		{"negative offset", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			ch[0].Offset = -1
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "outside"},
+		{"empty chunk", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			ch[0].Data = nil
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "chunk[w13].data: is empty"},
+		{"gap", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			return append(ch[:3], ch[4:]...)
+		}, service.Config{}, codes.InvalidArgument, "chunk[w13]: incomplete: missing bytes [300, 400) of 1536"},
+		{"nothing after header", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			return nil
+		}, service.Config{}, codes.InvalidArgument, "incomplete: missing bytes [0, 1536)"},
+		{"zero scale", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			last := ch[len(ch)-1] // w2_scale
+			last.Data = append([]byte{0, 0, 0, 0}, last.Data[4:]...)
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.weights.w2_scale: element 0 is 0: scales must be finite and > 0"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := testContext(t)
+			b := &fakeBackend{}
+			c, _, _ := servicetest.StartServerConfig(t, tt.cfg, b)
+			h, ch := good()
+			// Chunks alias w's bytes: copy before editing.
+			for i := range ch {
+				ch[i] = proto.Clone(ch[i]).(*pb.LoadExpertsRequest_Chunk)
+			}
+			ch = tt.edit(h, ch)
+			_, err := servicetest.Upload(ctx, c, h, ch)
+			if got := status.Code(err); got != tt.wantCode || !strings.Contains(status.Convert(err).Message(), tt.wantMsg) {
+				t.Errorf("LoadExperts: got %v, want %v containing %q", err, tt.wantCode, tt.wantMsg)
+			}
+			if list, _ := c.ListExperts(ctx, &pb.ListExpertsRequest{}); len(list.GetExpertSets()) != 0 {
+				t.Errorf("a failed load left %v loaded", list)
+			}
+			if loads, _ := b.counts(); loads != 0 {
+				t.Errorf("backend.Load called %d times for a bad upload", loads)
+			}
+		})
+	}
+}
+
+func TestLoadStreamShape(t *testing.T) {
+	rng := newRand(t)
+	w := randomWeights(rng, pb.Activation_ACTIVATION_RELU2, 2, 16, 8)
+	tests := []struct {
+		name    string
+		msgs    []*pb.LoadExpertsRequest
+		wantMsg string
+	}{
+		{"empty stream", nil, "stream ended before a header"},
+		{"chunk first", []*pb.LoadExpertsRequest{{Payload: &pb.LoadExpertsRequest_Chunk_{Chunk: servicetest.Chunks(w, 10)[0]}}}, "chunk: arrived before the header"},
+		{"two headers", []*pb.LoadExpertsRequest{
+			{Payload: &pb.LoadExpertsRequest_Header_{Header: servicetest.Header("x", w, false)}},
+			{Payload: &pb.LoadExpertsRequest_Header_{Header: servicetest.Header("x", w, false)}},
+		}, "message 1 after the header is not a chunk"},
+		{"safetensors then more", []*pb.LoadExpertsRequest{
+			{Payload: &pb.LoadExpertsRequest_Safetensors{Safetensors: &pb.LoadExpertsRequest_SafetensorsSource{Name: "x"}}},
+			{Payload: &pb.LoadExpertsRequest_Safetensors{Safetensors: &pb.LoadExpertsRequest_SafetensorsSource{Name: "x"}}},
+		}, "safetensors: must be the stream's only message"},
+		{"empty payload", []*pb.LoadExpertsRequest{{}}, "payload"},
+	}
+	c, _ := servicetest.StartServer(t, &fakeBackend{})
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := testContext(t)
+			stream, err := c.LoadExperts(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, m := range tt.msgs {
+				if stream.Send(m) != nil {
+					break
+				}
+			}
+			_, err = stream.CloseAndRecv()
+			if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tt.wantMsg) {
+				t.Errorf("got %v, want InvalidArgument containing %q", err, tt.wantMsg)
+			}
+		})
+	}
+}
+
+func TestLoadOverwrite(t *testing.T) {
+	ctx := testContext(t)
+	rng := newRand(t)
+	b := &fakeBackend{}
+	c, _ := servicetest.StartServer(t, b)
+	w1 := randomWeights(rng, pb.Activation_ACTIVATION_RELU2, 2, 16, 8)
+	w2 := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, 3, 16, 8)
+	if _, err := servicetest.Upload(ctx, c, servicetest.Header("s", w1, false), servicetest.Chunks(w1, 64)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := servicetest.Upload(ctx, c, servicetest.Header("s", w2, false), servicetest.Chunks(w2, 64))
+	if status.Code(err) != codes.AlreadyExists {
+		t.Errorf("second load without overwrite: got %v, want AlreadyExists", err)
+	}
+	info, err := servicetest.Upload(ctx, c, servicetest.Header("s", w2, true), servicetest.Chunks(w2, 64))
+	if err != nil {
+		t.Fatalf("load with overwrite: %v", err)
+	}
+	if got, want := info.GetFingerprint(), fingerprintOf(w2); got != want {
+		t.Errorf("fingerprint %s, want %s", got, want)
+	}
+	list, _ := c.ListExperts(ctx, &pb.ListExpertsRequest{})
+	if got := len(list.GetExpertSets()); got != 1 || list.GetExpertSets()[0].GetNumExperts() != 3 {
+		t.Errorf("ListExperts = %v, want the one overwritten set", list)
+	}
+	if loads, closes := b.counts(); loads != 2 || closes != 1 {
+		t.Errorf("backend loads/closes = %d/%d, want 2/1 (the replaced set is freed)", loads, closes)
+	}
+}

@@ -1,0 +1,312 @@
+package service
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"google.golang.org/grpc/codes"
+
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
+)
+
+// A .safetensors file is an 8-byte little-endian header length, a JSON
+// header naming each tensor's dtype, shape and [begin, end) byte offsets
+// into the data that follows, then the data. Only what expert weights use
+// is decoded: F8_E4M3 weights and F32 or BF16 scales.
+
+// maxSafetensorsHeader bounds the JSON header, as the format's reference
+// implementation does (100 MB), so a hostile length cannot make us allocate.
+const maxSafetensorsHeader = 100 << 20
+
+// stTensor is one header entry.
+type stTensor struct {
+	Dtype       string   `json:"dtype"`
+	Shape       []int64  `json:"shape"`
+	DataOffsets [2]int64 `json:"data_offsets"`
+}
+
+// stFile is a parsed safetensors file.
+type stFile struct {
+	r io.ReaderAt
+	// base is the file offset of the data section.
+	base    int64
+	tensors map[string]stTensor
+	meta    map[string]string
+}
+
+// parseSafetensors reads and checks the header of a file of the given size.
+// Offsets are checked against the data section for every tensor, so later
+// reads never run past the file.
+func parseSafetensors(r io.ReaderAt, size int64) (*stFile, error) {
+	var lenb [8]byte
+	if _, err := r.ReadAt(lenb[:], 0); err != nil {
+		return nil, fmt.Errorf("reading header length: %w", err)
+	}
+	n := binary.LittleEndian.Uint64(lenb[:])
+	if n > maxSafetensorsHeader || int64(n) > size-8 {
+		return nil, fmt.Errorf("header length %d exceeds the file (%d bytes) or the 100 MB limit", n, size)
+	}
+	hdr := make([]byte, n)
+	if _, err := r.ReadAt(hdr, 8); err != nil {
+		return nil, fmt.Errorf("reading header: %w", err)
+	}
+	var raw map[string]json.RawMessage
+	if err := json.Unmarshal(hdr, &raw); err != nil {
+		return nil, fmt.Errorf("header is not a JSON object: %w", err)
+	}
+	f := &stFile{r: r, base: 8 + int64(n), tensors: make(map[string]stTensor, len(raw))}
+	dataLen := size - f.base
+	for name, v := range raw {
+		if name == "__metadata__" {
+			if err := json.Unmarshal(v, &f.meta); err != nil {
+				return nil, fmt.Errorf("__metadata__: %w", err)
+			}
+			continue
+		}
+		var t stTensor
+		if err := json.Unmarshal(v, &t); err != nil {
+			return nil, fmt.Errorf("tensor %q: %w", name, err)
+		}
+		if b, e := t.DataOffsets[0], t.DataOffsets[1]; b < 0 || e < b || e > dataLen {
+			return nil, fmt.Errorf("tensor %q: data_offsets [%d, %d) outside the %d data bytes", name, b, e, dataLen)
+		}
+		f.tensors[name] = t
+	}
+	return f, nil
+}
+
+// stItemSize is the element size of the dtypes expert weights use.
+var stItemSize = map[string]int64{"F8_E4M3": 1, "F32": 4, "BF16": 2}
+
+// check returns the named tensor after checking its dtype is one of
+// dtypes and its byte length matches its shape.
+func (f *stFile) check(name string, dtypes ...string) (stTensor, int64, error) {
+	t, ok := f.tensors[name]
+	if !ok {
+		return t, 0, fmt.Errorf("no tensor named %q", name)
+	}
+	if !slices.Contains(dtypes, t.Dtype) {
+		return t, 0, fmt.Errorf("tensor %q has dtype %s, want one of %v", name, t.Dtype, dtypes)
+	}
+	n := int64(1)
+	for _, d := range t.Shape {
+		if d < 0 || (d != 0 && n > maxElements/d) {
+			return t, 0, fmt.Errorf("tensor %q: bad shape %v", name, t.Shape)
+		}
+		n *= d
+	}
+	size := n * stItemSize[t.Dtype]
+	if t.DataOffsets[1]-t.DataOffsets[0] != size {
+		return t, 0, fmt.Errorf("tensor %q: shape %v %s needs %d bytes, data_offsets span %d", name, t.Shape, t.Dtype, size, t.DataOffsets[1]-t.DataOffsets[0])
+	}
+	return t, size, nil
+}
+
+// read returns the named tensor's bytes (see check).
+func (f *stFile) read(name string, dtypes ...string) (stTensor, []byte, error) {
+	t, size, err := f.check(name, dtypes...)
+	if err != nil {
+		return t, nil, err
+	}
+	b := make([]byte, size)
+	if _, err := f.r.ReadAt(b, f.base+t.DataOffsets[0]); err != nil {
+		return t, nil, fmt.Errorf("tensor %q: %w", name, err)
+	}
+	return t, b, nil
+}
+
+// readInto reads the named F8_E4M3 tensor into dst, which must be its
+// exact size: weights go straight into the set's buffer.
+func (f *stFile) readInto(name string, dst []byte) error {
+	t, size, err := f.check(name, "F8_E4M3")
+	if err != nil {
+		return err
+	}
+	if size != int64(len(dst)) {
+		return fmt.Errorf("tensor %q holds %d bytes, want %d", name, size, len(dst))
+	}
+	if _, err := f.r.ReadAt(dst, f.base+t.DataOffsets[0]); err != nil {
+		return fmt.Errorf("tensor %q: %w", name, err)
+	}
+	return nil
+}
+
+// floats reads a scale tensor as float32 values.
+func (f *stFile) floats(name string) (stTensor, []float32, error) {
+	t, b, err := f.read(name, "F32", "BF16")
+	if err != nil {
+		return t, nil, err
+	}
+	v := make([]float32, len(b)/int(stItemSize[t.Dtype]))
+	for i := range v {
+		if t.Dtype == "BF16" {
+			v[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
+		} else {
+			v[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
+		}
+	}
+	return t, v, nil
+}
+
+// openWeights opens rel inside the configured weights directory. Paths
+// with "..", absolute paths and symlinks that resolve outside the directory
+// are refused; os.OpenInRoot then opens it without following anything out
+// of the root, which also closes the race between the check and the open.
+func (s *Server) openWeights(rel string) (*os.File, error) {
+	const field = "safetensors.path"
+	if s.cfg.WeightsDir == "" {
+		return nil, codedf(codes.FailedPrecondition, field, "this server has no weights directory configured")
+	}
+	if rel == "" || filepath.IsAbs(rel) || strings.HasPrefix(rel, "/") {
+		return nil, invalidf(field, "%q: want a path relative to the weights directory", rel)
+	}
+	for _, el := range strings.Split(filepath.ToSlash(rel), "/") {
+		if el == ".." {
+			return nil, invalidf(field, "%q: may not contain \"..\"", rel)
+		}
+	}
+	root, err := filepath.EvalSymlinks(s.cfg.WeightsDir)
+	if err != nil {
+		return nil, fmt.Errorf("weights directory: %w", err)
+	}
+	full, err := filepath.EvalSymlinks(filepath.Join(root, filepath.Clean(rel)))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, codedf(codes.NotFound, field, "%q: no such file in the weights directory", rel)
+	}
+	if err != nil {
+		return nil, invalidf(field, "%q: %v", rel, err)
+	}
+	inside, err := filepath.Rel(root, full)
+	if err != nil || inside == ".." || strings.HasPrefix(inside, ".."+string(filepath.Separator)) {
+		return nil, invalidf(field, "%q resolves outside the weights directory", rel)
+	}
+	f, err := os.OpenInRoot(root, inside)
+	if err != nil {
+		return nil, invalidf(field, "%q: %v", rel, err)
+	}
+	return f, nil
+}
+
+// projection names one weight matrix of an expert and its scales.
+type projection struct {
+	weight string
+	// scales are candidate weight-scale names, first found wins; none found
+	// is an error unless unitScale.
+	scales    []string
+	unitScale bool
+	// input is the static input-scale name, "" for none.
+	input string
+}
+
+// stLayout maps a preset to per-expert names: w13 is the stack of its
+// projections (gate then up for gated presets).
+type stLayout struct {
+	act pb.Activation
+	w13 []projection
+	w2  projection
+}
+
+func expand(tmpl string, layer, e int) string {
+	return strings.NewReplacer("{L}", strconv.Itoa(layer), "{e}", strconv.Itoa(e)).Replace(tmpl)
+}
+
+// presetLayout returns the names of expert e of the source's layer.
+func presetLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (stLayout, error) {
+	layer := int(src.GetLayer())
+	proj := func(prefix string) projection {
+		return projection{
+			weight: prefix + ".weight",
+			// ModelOpt and compressed-tensors write weight_scale; DeepSeek
+			// and Qwen block checkpoints write weight_scale_inv, which
+			// despite its name multiplies, as a dequantization scale does.
+			scales: []string{prefix + ".weight_scale", prefix + ".weight_scale_inv"},
+			input:  prefix + ".input_scale",
+		}
+	}
+	switch src.GetPreset() {
+	case pb.NamingPreset_NAMING_PRESET_NEMOTRON_H:
+		p := expand("backbone.layers.{L}.mixer.experts.{e}.", layer, e)
+		return stLayout{act: pb.Activation_ACTIVATION_RELU2, w13: []projection{proj(p + "up_proj")}, w2: proj(p + "down_proj")}, nil
+	case pb.NamingPreset_NAMING_PRESET_QWEN3_MOE:
+		p := expand("model.layers.{L}.mlp.experts.{e}.", layer, e)
+		return stLayout{act: pb.Activation_ACTIVATION_SILU_GATED, w13: []projection{proj(p + "gate_proj"), proj(p + "up_proj")}, w2: proj(p + "down_proj")}, nil
+	case pb.NamingPreset_NAMING_PRESET_CUSTOM:
+		if src.GetActivation() == pb.Activation_ACTIVATION_UNSPECIFIED {
+			return stLayout{}, invalidf("safetensors.activation", "is required with NAMING_PRESET_CUSTOM")
+		}
+		if src.GetW13Template() == "" || src.GetW2Template() == "" {
+			return stLayout{}, invalidf("safetensors.w13_template", "w13_template and w2_template are required with NAMING_PRESET_CUSTOM")
+		}
+		custom := func(w, sc string) projection {
+			p := projection{weight: expand(w, layer, e), unitScale: sc == ""}
+			if sc != "" {
+				p.scales = []string{expand(sc, layer, e)}
+			}
+			return p
+		}
+		return stLayout{
+			act: src.GetActivation(),
+			w13: []projection{custom(src.GetW13Template(), src.GetW13ScaleTemplate())},
+			w2:  custom(src.GetW2Template(), src.GetW2ScaleTemplate()),
+		}, nil
+	}
+	return stLayout{}, invalidf("safetensors.preset", "%v: want NEMOTRON_H, QWEN3_MOE or CUSTOM", src.GetPreset())
+}
+
+// loadSafetensors loads one layer's experts from a file in the weights
+// directory.
+func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest_SafetensorsSource) (*pb.ExpertSetInfo, error) {
+	if err := checkName("safetensors.name", src.GetName()); err != nil {
+		return nil, err
+	}
+	if !src.GetOverwrite() && s.reg.exists(src.GetName()) {
+		return nil, codedf(codes.AlreadyExists, "safetensors.name", "expert set %q is already loaded; set overwrite to replace it", src.GetName())
+	}
+	if _, err := presetLayout(src, 0); err != nil {
+		return nil, err
+	}
+	block := [2]int{128, 128}
+	if bs := src.GetWeightBlockShape(); len(bs) != 0 {
+		if len(bs) != 2 || bs[0] < 1 || bs[1] < 1 {
+			return nil, invalidf("safetensors.weight_block_shape", "%v: want [Bn, Bk] with both >= 1", bs)
+		}
+		block = [2]int{int(bs[0]), int(bs[1])}
+	}
+	fh, err := s.openWeights(src.GetPath())
+	if err != nil {
+		return nil, err
+	}
+	defer fh.Close()
+	st, err := fh.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("stat weights file: %w", err)
+	}
+	f, err := parseSafetensors(fh, st.Size())
+	if err != nil {
+		return nil, invalidf("safetensors.path", "%s: %v", src.GetPath(), err)
+	}
+	a, err := assemble(f, src, block, s.reg)
+	if err != nil {
+		return nil, err
+	}
+	defer a.release()
+	hint, _ := strconv.Atoi(f.meta["num_experts_per_tok"])
+	info, err := s.commit(ctx, src.GetName(), a.set, a.bytes, fingerprint(a.bufs), hint, src.GetOverwrite())
+	if err != nil {
+		return nil, err
+	}
+	a.committed = true
+	return info, nil
+}

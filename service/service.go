@@ -1,0 +1,231 @@
+// Package service implements expertd.v1.ExpertService: it validates requests
+// (validate.go, the only place that looks at raw protos), keeps the registry
+// of loaded expert sets, bounds concurrency and hands checked work to a
+// kernels.Backend.
+package service
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/noop"
+	"google.golang.org/grpc"
+
+	"github.com/expertd/expertd/kernels"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+)
+
+// Config bounds what the service accepts. The zero value is usable: no
+// weights directory, no limits beyond a single concurrent call per core.
+type Config struct {
+	// Version is reported by GetServerInfo.
+	Version string
+	// WeightsDir is the only directory safetensors sources may read from;
+	// empty disables safetensors loading.
+	WeightsDir string
+	// MaxMessageBytes is the gRPC message limit the daemon configured; the
+	// service only reports it.
+	MaxMessageBytes int64
+	// MaxTokens bounds M per FusedMoE call; 0 means the backend's limit, or
+	// none.
+	MaxTokens int
+	// MaxLoadedBytes bounds the memory of resident expert sets plus loads
+	// and inline sets in flight; 0 means unlimited.
+	MaxLoadedBytes int64
+	// MaxConcurrent bounds FusedMoE calls running at once; more wait in
+	// order of arrival. 0 means 1.
+	MaxConcurrent int
+	// Meter records the service's own instruments; nil records nothing.
+	Meter metric.Meter
+}
+
+// Server is the ExpertService implementation. Create it with New, attach it
+// with Register, and stop it with Shutdown.
+type Server struct {
+	pb.UnimplementedExpertServiceServer
+
+	cfg     Config
+	backend kernels.Backend
+	log     *slog.Logger
+	reg     *registry
+	// slots is a semaphore of cfg.MaxConcurrent execution slots.
+	slots chan struct{}
+
+	mu       sync.Mutex
+	draining bool
+	inflight sync.WaitGroup
+
+	tokens      metric.Int64Counter
+	kernelTime  metric.Float64Histogram
+	loadedBytes metric.Int64ObservableGauge
+}
+
+// New returns a Server running calls on backend. A nil logger discards.
+func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.MaxConcurrent < 1 {
+		cfg.MaxConcurrent = 1
+	}
+	if mt := backend.Capabilities().MaxTokens; mt > 0 && (cfg.MaxTokens == 0 || cfg.MaxTokens > mt) {
+		cfg.MaxTokens = mt
+	}
+	if cfg.Version == "" {
+		cfg.Version = "dev"
+	}
+	s := &Server{
+		cfg:     cfg,
+		backend: backend,
+		log:     logger,
+		reg:     newRegistry(cfg.MaxLoadedBytes),
+		slots:   make(chan struct{}, cfg.MaxConcurrent),
+	}
+	s.reg.closeFn = s.free
+	s.initMetrics(cfg.Meter)
+	return s
+}
+
+// initMetrics creates the service's instruments. Instrument errors only
+// degrade telemetry, so they are logged, never fatal.
+func (s *Server) initMetrics(m metric.Meter) {
+	if m == nil {
+		m = noop.NewMeterProvider().Meter("")
+	}
+	var err error
+	if s.tokens, err = m.Int64Counter("expertd.tokens",
+		metric.WithDescription("Tokens processed by FusedMoE calls."),
+		metric.WithUnit("{token}")); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.tokens"), slog.Any("err", err))
+		s.tokens, _ = noop.NewMeterProvider().Meter("").Int64Counter("")
+	}
+	if s.kernelTime, err = m.Float64Histogram("expertd.kernel.duration",
+		metric.WithDescription("Backend compute time of one FusedMoE call."),
+		metric.WithUnit("s"),
+		metric.WithExplicitBucketBoundaries(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10)); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.kernel.duration"), slog.Any("err", err))
+		s.kernelTime, _ = noop.NewMeterProvider().Meter("").Float64Histogram("")
+	}
+	if s.loadedBytes, err = m.Int64ObservableGauge("expertd.loaded_expert_bytes",
+		metric.WithDescription("Bytes of resident expert sets, including loads in flight."),
+		metric.WithUnit("By"),
+		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+			o.Observe(s.reg.usedBytes(), metric.WithAttributes(attribute.String("backend", s.backend.Name())))
+			return nil
+		})); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.loaded_expert_bytes"), slog.Any("err", err))
+	}
+}
+
+// Register attaches the service to a gRPC server.
+func (s *Server) Register(r grpc.ServiceRegistrar) { pb.RegisterExpertServiceServer(r, s) }
+
+// begin admits a call, or refuses it while draining; the caller must call
+// the returned function when the call ends.
+func (s *Server) begin() (func(), error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.draining {
+		return nil, errDraining
+	}
+	s.inflight.Add(1)
+	return s.inflight.Done, nil
+}
+
+// Draining reports whether Shutdown has begun.
+func (s *Server) Draining() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.draining
+}
+
+// Shutdown refuses new calls with Unavailable, waits for calls in flight
+// until ctx ends, then unloads every expert set. It returns ctx's error if
+// calls were still running; the sets are unloaded regardless (a set still
+// in use is freed when its last call ends). The backend is the caller's to
+// close.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	s.draining = true
+	s.mu.Unlock()
+	idle := make(chan struct{})
+	go func() {
+		s.inflight.Wait()
+		close(idle)
+	}()
+	var err error
+	select {
+	case <-idle:
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	s.reg.removeAll()
+	return err
+}
+
+// free releases a set's backend memory once nothing uses it.
+func (s *Server) free(e *entry) {
+	if err := e.loaded.Close(); err != nil {
+		s.log.Error("closing expert set", slog.String("name", e.info.GetName()), slog.Any("err", err))
+	}
+}
+
+// ListExperts reports the loaded expert sets, sorted by name.
+func (s *Server) ListExperts(ctx context.Context, _ *pb.ListExpertsRequest) (*pb.ListExpertsResponse, error) {
+	return &pb.ListExpertsResponse{ExpertSets: s.reg.list()}, nil
+}
+
+// UnloadExperts removes a set; its memory is freed when running calls end.
+func (s *Server) UnloadExperts(ctx context.Context, req *pb.UnloadExpertsRequest) (*pb.UnloadExpertsResponse, error) {
+	done, err := s.begin()
+	if err != nil {
+		return nil, s.toStatus(ctx, "UnloadExperts", err)
+	}
+	defer done()
+	e, err := s.reg.remove(req.GetName())
+	if err != nil {
+		return nil, s.toStatus(ctx, "UnloadExperts", err)
+	}
+	s.log.InfoContext(ctx, "expert set unloaded", slog.String("name", req.GetName()), slog.Int64("bytes", e.bytes))
+	return &pb.UnloadExpertsResponse{FreedBytes: e.bytes}, nil
+}
+
+// GetServerInfo reports the version, backend capabilities and limits.
+func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) (*pb.ServerInfo, error) {
+	caps := s.backend.Capabilities()
+	bi := &pb.ServerInfo_BackendInfo{
+		Name:      s.backend.Name(),
+		Devices:   caps.Devices,
+		MaxTokens: int32(caps.MaxTokens),
+	}
+	for _, a := range caps.Activations {
+		bi.Activations = append(bi.Activations, wireActivation(a))
+	}
+	for _, g := range caps.Granularities {
+		bi.Granularities = append(bi.Granularities, g.String())
+	}
+	return &pb.ServerInfo{
+		Version:  s.cfg.Version,
+		Backends: []*pb.ServerInfo_BackendInfo{bi},
+		Devices:  caps.Devices,
+		Limits: &pb.ServerInfo_Limits{
+			MaxMessageBytes: s.cfg.MaxMessageBytes,
+			MaxTokens:       int32(s.cfg.MaxTokens),
+			MaxLoadedBytes:  s.cfg.MaxLoadedBytes,
+			MaxConcurrent:   int32(s.cfg.MaxConcurrent),
+		},
+	}, nil
+}
+
+func wireActivation(a kernels.Activation) pb.Activation {
+	switch a {
+	case kernels.SiluGated:
+		return pb.Activation_ACTIVATION_SILU_GATED
+	case kernels.Relu2:
+		return pb.Activation_ACTIVATION_RELU2
+	}
+	return pb.Activation_ACTIVATION_UNSPECIFIED
+}
