@@ -1,0 +1,198 @@
+"""ctypes mirror of kernels/cuda/csrc/expertd_cuda.h, for the device benchmark.
+
+Only what the benchmark needs: version check, init, expert-set create/free and
+the device-pointer entry point expertd_moe_device. The constants below must
+equal the header's #defines (ABI_VERSION is checked at load time). Every call's
+return code is checked; a failure raises ExpertdError with expertd_last_error().
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+ABI_VERSION = 1
+
+OK = 0
+_CODES = {1: "INVALID", 2: "UNSUPPORTED", 3: "OOM", 4: "CUDA", 5: "NO_DEVICE", 6: "NOT_FOUND"}
+
+DTYPE_FLOAT32 = 1
+DTYPE_BFLOAT16 = 2
+DTYPE_FLOAT8_E4M3FN = 4
+
+ACT_SILU_GATED = 1
+ACT_RELU2 = 2
+SCORING_SOFTMAX = 1
+SCORING_SIGMOID = 2
+
+GEMM_AUTO = 0
+GEMM_PORTABLE = 1
+GEMM_PORTABLE_F16 = 2
+GEMM_SM90 = 3
+
+P_M = 0
+P_HIDDEN_DTYPE = 1
+P_N_HIDDEN_SCALE = 2
+P_LOGITS_DTYPE = 3
+P_OUT_DTYPE = 4
+P_TOP_K = 5
+P_RENORMALIZE = 6
+P_SCORING = 7
+P_NUM_GROUPS = 8
+P_TOPK_GROUPS = 9
+P_GEMM = 10
+P_USE_GRAPH = 11
+NUM_IPARAMS = 12
+
+F_SCALING_FACTOR = 0
+NUM_FPARAMS = 1
+
+_DTYPES = {
+    torch.float32: DTYPE_FLOAT32,
+    torch.bfloat16: DTYPE_BFLOAT16,
+    torch.float8_e4m3fn: DTYPE_FLOAT8_E4M3FN,
+}
+
+DEFAULT_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build",
+                           "libexpertd_cuda.so")
+
+
+class ExpertdError(RuntimeError):
+    """A libexpertd_cuda call returned a code other than EXPERTD_OK."""
+
+    def __init__(self, func: str, code: int, msg: str):
+        super().__init__(f"{func}: EXPERTD_ERR_{_CODES.get(code, code)}: {msg}")
+        self.code = code
+
+
+_p = ctypes.c_void_p
+_i64p = ctypes.POINTER(ctypes.c_int64)
+_f32p = ctypes.POINTER(ctypes.c_float)
+
+# (name, restype, argtypes), in the header's order and spelling of types.
+_SIGNATURES = [
+    ("expertd_abi_version", ctypes.c_int, []),
+    ("expertd_init", ctypes.c_int, [ctypes.c_int]),
+    ("expertd_device_info", ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]),
+    ("expertd_set_create", ctypes.c_int,
+     [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+      _p, _p, _p, ctypes.c_int, _p, ctypes.c_int, ctypes.c_float, ctypes.c_float,
+      ctypes.POINTER(ctypes.c_uint64)]),
+    ("expertd_set_free", ctypes.c_int, [ctypes.c_uint64]),
+    ("expertd_moe_device", ctypes.c_int,
+     [ctypes.c_uint64, _i64p, ctypes.c_int, _f32p, ctypes.c_int,
+      _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.c_size_t]),
+    ("expertd_last_error", ctypes.c_char_p, []),
+]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """Device address of a contiguous tensor, or NULL."""
+    if t is None:
+        return None
+    if not t.is_contiguous():
+        raise ValueError("expertd needs contiguous tensors")
+    return t.data_ptr()
+
+
+class Library:
+    """A loaded libexpertd_cuda.so whose ABI version matches this mirror."""
+
+    def __init__(self, path: str = DEFAULT_LIB):
+        self.path = os.path.abspath(path)
+        self.lib = ctypes.CDLL(self.path)
+        for name, res, args in _SIGNATURES:
+            fn = getattr(self.lib, name)
+            fn.restype, fn.argtypes = res, args
+        got = self.lib.expertd_abi_version()
+        if got != ABI_VERSION:
+            raise ExpertdError("expertd_abi_version", 1,
+                               f"library ABI {got}, this mirror speaks {ABI_VERSION}")
+
+    def check(self, func: str, code: int) -> None:
+        """Raise ExpertdError with the thread's last error unless code is OK."""
+        if code != OK:
+            raise ExpertdError(func, code, self.lib.expertd_last_error().decode(errors="replace"))
+
+    def init(self, device: int) -> None:
+        """expertd_init on device."""
+        self.check("expertd_init", self.lib.expertd_init(device))
+
+    def device_info(self, device: int) -> str:
+        """expertd_device_info as a str."""
+        buf = ctypes.create_string_buffer(256)
+        self.check("expertd_device_info", self.lib.expertd_device_info(device, buf, len(buf)))
+        return buf.value.decode(errors="replace")
+
+
+class ExpertSet:
+    """One layer's experts uploaded to expertd, and calls of the op on them."""
+
+    def __init__(self, lib: Library, device: int, weights):
+        """Upload bench.peer.MoEWeights (copied to host: the ABI takes host weights)."""
+        s = weights.shape
+        self.lib, self.shape, self.weights = lib, s, weights
+        act = ACT_RELU2 if s.activation == "relu2" else ACT_SILU_GATED
+        # Host copies live only for the call; the library copies them to the GPU.
+        w13 = weights.w13.view(torch.uint8).cpu().contiguous()
+        w2 = weights.w2.view(torch.uint8).cpu().contiguous()
+        s13 = weights.w13_scale.float().cpu().contiguous()
+        s2 = weights.w2_scale.float().cpu().contiguous()
+        handle = ctypes.c_uint64(0)
+        lib.check("expertd_set_create", lib.lib.expertd_set_create(
+            device, s.E, s.K, s.N, act, w13.data_ptr(), w2.data_ptr(),
+            s13.data_ptr(), s13.numel(), s2.data_ptr(), s2.numel(),
+            float(weights.a13_scale), float(weights.a2_scale), ctypes.byref(handle)))
+        self.handle = handle.value
+        self.hidden_scale = weights.a13_scale.float().reshape(1).contiguous()
+        self.bias = None
+        if weights.correction_bias is not None:
+            self.bias = weights.correction_bias.float().contiguous()
+
+    def params(self, M: int, gemm: int = GEMM_AUTO):
+        """The iparams / fparams arrays for M tokens of FP8 hidden, FP32 logits, BF16 out."""
+        s = self.shape
+        ip = (ctypes.c_int64 * NUM_IPARAMS)()
+        ip[P_M] = M
+        ip[P_HIDDEN_DTYPE] = DTYPE_FLOAT8_E4M3FN
+        ip[P_N_HIDDEN_SCALE] = 1
+        ip[P_LOGITS_DTYPE] = DTYPE_FLOAT32
+        ip[P_OUT_DTYPE] = DTYPE_BFLOAT16
+        ip[P_TOP_K] = s.top_k
+        ip[P_RENORMALIZE] = int(s.renormalize)
+        ip[P_SCORING] = SCORING_SIGMOID if s.scoring == "sigmoid" else SCORING_SOFTMAX
+        ip[P_NUM_GROUPS] = 0
+        ip[P_TOPK_GROUPS] = 0
+        ip[P_GEMM] = gemm
+        ip[P_USE_GRAPH] = 0
+        fp = (ctypes.c_float * NUM_FPARAMS)()
+        fp[F_SCALING_FACTOR] = s.scaling_factor
+        return ip, fp
+
+    def moe_device(self, x_fp8: torch.Tensor, logits: torch.Tensor, out: torch.Tensor,
+                   params=None, topk_ids: torch.Tensor | None = None,
+                   topk_w: torch.Tensor | None = None) -> torch.Tensor:
+        """Enqueue the op on torch's current stream (capturable); returns out."""
+        M = x_fp8.shape[0]
+        ip, fp = params or self.params(M)
+        stream = torch.cuda.current_stream(x_fp8.device).cuda_stream
+        self.lib.check("expertd_moe_device", self.lib.lib.expertd_moe_device(
+            self.handle, ip, NUM_IPARAMS, fp, NUM_FPARAMS,
+            _ptr(x_fp8), _ptr(self.hidden_scale), _ptr(logits), _ptr(self.bias),
+            None, None, _ptr(out), _ptr(topk_ids), _ptr(topk_w), stream))
+        return out
+
+    def free(self) -> None:
+        """expertd_set_free; safe to call twice."""
+        if self.handle:
+            self.lib.check("expertd_set_free", self.lib.lib.expertd_set_free(self.handle))
+            self.handle = 0
+
+
+def load(path: str = DEFAULT_LIB) -> Library | None:
+    """The library at path, or None when the file is absent (peer-only runs)."""
+    if not os.path.exists(path):
+        return None
+    return Library(path)

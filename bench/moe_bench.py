@@ -1,0 +1,336 @@
+"""FusedMoE kernel benchmark on one GPU: expertd against the PyTorch peer.
+
+For each model and token count M it builds a random FP8 layer (randn weights
+quantized per expert, randn/10 hidden states at a static per-tensor scale,
+randn logits), checks expertd and the peer against the float64 reference on
+small M, then times with CUDA events, median of --iters replays after warm-up,
+rotating --sets input sets (the weights, 1.28 GB for Nemotron, exceed the 60 MB
+L2 by themselves; rotation keeps M=1's few experts from staying cached):
+
+  expertd       the full op through expertd_moe_device, CUDA-graph replay
+  expertd-gemm  skipped: the ABI has no GEMM-only entry point
+  peer          bench/peer.py's TorchPeer, the full op, CUDA-graph replay
+  peer-gemm     the peer's two torch._scaled_grouped_mm calls on pre-permuted data
+
+Without build/libexpertd_cuda.so it runs the peer alone and says so.
+Results are printed as tables (the last one is the summary) and written to
+$OUT/moe_bench.json and $OUT/moe_bench.md when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import expertd_ctypes  # noqa: E402
+import peer  # noqa: E402
+
+# MOE_SPEC.md section 3, measured on the lent H200.
+COPY_TBPS = 4.28
+FP8_TFLOPS = 1471.0
+# vLLM Triton fused-MoE on this machine under CUDA graph, ms per layer, as quoted
+# in the issue (not measured here).
+VLLM_QUOTED_MS = {
+    ("nemotron-3-nano", 1): 0.098, ("nemotron-3-nano", 16): 0.253,
+    ("nemotron-3-nano", 64): 0.417, ("nemotron-3-nano", 256): 0.462,
+    ("nemotron-3-nano", 1024): 0.554, ("nemotron-3-nano", 4096): 1.007,
+    ("nemotron-3-nano", 8192): 1.617,
+    ("qwen3-30b-a3b", 256): 0.391, ("qwen3-30b-a3b", 8192): 2.601,
+}
+TOKENS = [1, 16, 64, 256, 1024, 4096, 8192]
+CHECK_BAR = 2e-2
+
+
+def log(msg: str) -> None:
+    """Progress to stderr, so stdout ends with the tables."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def capture(fn, mode: str):
+    """A CUDA graph of fn (after two eager warm-up calls on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode=mode):
+        fn()
+    return g
+
+
+def time_replays(fns, iters: int, warmup: int, graph: bool = True,
+                 mode: str = "thread_local") -> tuple[float, str, list[float]]:
+    """Median ms of one call, rotating through fns (one per input set).
+
+    Each fn is captured in its own graph and replayed; if capture fails the fns
+    run eagerly and the returned mode says so.
+    """
+    runs, how = fns, "eager"
+    if graph:
+        try:
+            runs = [capture(fn, mode).replay for fn in fns]
+            how = "graph"
+        except Exception as e:  # capture refused: say so and time eagerly
+            log(f"  graph capture failed ({type(e).__name__}: {str(e)[:200]}); timing eagerly")
+            torch.cuda.synchronize()
+            runs, how = fns, "eager (capture failed)"
+    n = len(runs)
+    for i in range(warmup):
+        runs[i % n]()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        runs[i % n]()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return statistics.median(ms), how, ms
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_outputs(w, xset, lib_set, peer_gmm) -> list[dict]:
+    """expertd and the peer against the float64 reference on the given inputs.
+
+    expertd's output is poisoned with NaN first, so an unwritten element fails.
+    """
+    rows = []
+    for x, logits in xset:
+        M = x.shape[0]
+        ref = peer.reference_moe(w, x, logits)
+        got_peer = peer.TorchPeer(w, M, peer_gmm)(x, logits)
+        row = {"M": M, "peer_vs_ref": peer.rel_l2(got_peer, ref)}
+        if lib_set is not None:
+            out = torch.full((M, w.shape.K), float("nan"), dtype=torch.bfloat16, device=x.device)
+            lib_set.moe_device(x, logits, out)
+            torch.cuda.synchronize()
+            row["expertd_vs_ref"] = peer.rel_l2(out, ref)
+            row["expertd_vs_peer"] = peer.rel_l2(out, got_peer.double())
+            row["expertd_unwritten"] = int((~torch.isfinite(out.float())).sum())
+        row["ok"] = all(row[k] <= CHECK_BAR for k in ("peer_vs_ref", "expertd_vs_ref") if k in row)
+        row["ok"] = row["ok"] and row.get("expertd_unwritten", 0) == 0
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- one model
+
+
+def distinct_experts(w, sets) -> float:
+    """Mean count of distinct experts the routing hits, over the input sets."""
+    hits = [torch.unique(peer.route(lg, w.shape, w.correction_bias)[0]).numel() for _, lg in sets]
+    return sum(hits) / len(hits)
+
+
+def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
+    """Checks and timings of one model at every M."""
+    dev = torch.device("cuda")
+    t0 = time.time()
+    w = peer.make_weights(shape, dev, gen)
+    peer.calibrate_a2_scale(w, 256, dev, gen)
+    log(f"{shape.name}: weights built ({time.time() - t0:.1f} s), a2_scale={w.a2_scale.item():.3e}")
+    peer.check_routing(shape, dev, gen)
+    gmm = peer.default_grouped_mm(dev)
+    lib_set = None
+    if lib is not None:
+        lib_set = expertd_ctypes.ExpertSet(lib, args.device, w)
+    checks = check_outputs(w, [peer.make_inputs(shape, w, m, dev, gen) for m in args.check_m],
+                           lib_set, gmm)
+    for c in checks:
+        log(f"  check M={c['M']}: " + ", ".join(
+            f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items() if k != "M"))
+    results = []
+    for M in Ms:
+        sets = [peer.make_inputs(shape, w, M, dev, gen) for _ in range(args.sets)]
+        hit = distinct_experts(w, sets)
+        rec = {"model": shape.name, "M": M, "distinct_experts": hit,
+               "flops": shape.flops(M), "weight_bytes": hit * shape.expert_bytes(),
+               "vllm_quoted_ms": VLLM_QUOTED_MS.get((shape.name, M))}
+
+        p = peer.TorchPeer(w, M, gmm)
+        outs = [None] * len(sets)
+
+        def peer_fn(i):
+            def f():
+                outs[i] = p(*sets[i])
+            return f
+        rec["peer_ms"], rec["peer_mode"], _ = time_replays(
+            [peer_fn(i) for i in range(len(sets))], args.iters, args.warmup)
+
+        # GEMM-only inputs: permuted FP8 rows and the requantized intermediate.
+        pre = []
+        for x, logits in sets:
+            ids, _ = peer.route(logits, shape, w.correction_bias)
+            perm = peer.permute(ids, shape)
+            a1 = peer.gather_rows_fp8(x, perm.src_token)
+            h = p.gmm(a1, p.b1, p.sa1, p.sb1, perm.offs)
+            pre.append((a1, peer.quantize_static(p.activation(h), w.a2_scale), perm.offs))
+        rec["peer_gemm_ms"], rec["peer_gemm_mode"], _ = time_replays(
+            [lambda a=a: p.gemm_only(*a) for a in pre], args.iters, args.warmup)
+        del pre
+
+        if lib_set is not None:
+            params = lib_set.params(M)
+            xo = [torch.empty(M, shape.K, dtype=torch.bfloat16, device=dev) for _ in sets]
+            rec["expertd_ms"], rec["expertd_mode"], _ = time_replays(
+                [lambda i=i: lib_set.moe_device(*sets[i], xo[i], params) for i in range(len(sets))],
+                args.iters, args.warmup)
+            del xo
+        rec["expertd_gemm_ms"] = None
+        rec["expertd_gemm_note"] = "no GEMM-only entry point in the ABI"
+        results.append(rec)
+        log(f"  M={M:5d} experts={hit:6.1f} peer {rec['peer_ms']:.4f} ms ({rec['peer_mode']}), "
+            f"peer-gemm {rec['peer_gemm_ms']:.4f} ms"
+            + (f", expertd {rec['expertd_ms']:.4f} ms ({rec['expertd_mode']})"
+               if "expertd_ms" in rec else ""))
+        del p, outs, sets
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    if lib_set is not None:
+        lib_set.free()
+    del w
+    torch.cuda.empty_cache()
+    return results, [dict(c, model=shape.name) for c in checks]
+
+
+# ---------------------------------------------------------------- report
+
+
+def rates(rec: dict, ms: float | None) -> dict:
+    """TFLOP/s, weight GB/s and their shares of the section-3 ceilings."""
+    if ms is None or ms <= 0:
+        return {"tflops": None, "gbps": None, "pct_bw": None, "pct_fp8": None}
+    tflops = rec["flops"] / (ms * 1e-3) / 1e12
+    gbps = rec["weight_bytes"] / (ms * 1e-3) / 1e9
+    return {"tflops": tflops, "gbps": gbps, "pct_bw": 100 * gbps / (COPY_TBPS * 1e3),
+            "pct_fp8": 100 * tflops / FP8_TFLOPS}
+
+
+def fmt(v, spec=".3f", none="—") -> str:
+    """A number for a table cell, or a dash."""
+    return none if v is None else format(v, spec)
+
+
+def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
+    """Markdown tables: checks, every implementation's rates, then the summary."""
+    lines = ["### Correctness (rel-L2 vs float64 reference; bar 2e-2)", "",
+             "| model | M | peer vs ref | expertd vs ref | expertd vs peer | unwritten | ok |",
+             "|---|---|---|---|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c['model']} | {c['M']} | {fmt(c['peer_vs_ref'], '.2e')} | "
+                     f"{fmt(c.get('expertd_vs_ref'), '.2e')} | {fmt(c.get('expertd_vs_peer'), '.2e')} | "
+                     f"{fmt(c.get('expertd_unwritten'), 'd')} | {'yes' if c['ok'] else 'NO'} |")
+    lines += ["", "### Per implementation", "",
+              "| model | M | impl | timing | ms | TFLOP/s | weight GB/s | % 4.28 TB/s | % 1471 TFLOP/s |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        impls = [("peer", "peer_ms", "peer_mode"), ("peer-gemm", "peer_gemm_ms", "peer_gemm_mode")]
+        if have_lib:
+            impls.insert(0, ("expertd", "expertd_ms", "expertd_mode"))
+        for name, key, mode in impls:
+            ms = r.get(key)
+            q = rates(r, ms)
+            lines.append(f"| {r['model']} | {r['M']} | {name} | {r.get(mode, '—')} | {fmt(ms, '.4f')} | "
+                         f"{fmt(q['tflops'], '.1f')} | {fmt(q['gbps'], '.0f')} | {fmt(q['pct_bw'], '.1f')} | "
+                         f"{fmt(q['pct_fp8'], '.1f')} |")
+    who = "expertd" if have_lib else "peer"
+    lines += ["", f"### Summary (rates are {who}'s full op; vLLM column quoted from the issue, not measured)",
+              "", "| model | M | experts hit | expertd ms | peer ms | peer GEMM ms | vLLM ms (quoted) | "
+              "speedup vs peer | TFLOP/s | weight GB/s | % 4.28 TB/s | % 1471 TFLOP/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        e = r.get("expertd_ms")
+        q = rates(r, e if have_lib else r["peer_ms"])
+        speed = r["peer_ms"] / e if e else None
+        lines.append(f"| {r['model']} | {r['M']} | {r['distinct_experts']:.1f} | {fmt(e, '.4f')} | "
+                     f"{r['peer_ms']:.4f} | {r['peer_gemm_ms']:.4f} | {fmt(r['vllm_quoted_ms'], '.3f')} | "
+                     f"{fmt(speed, '.2f')} | {fmt(q['tflops'], '.1f')} | {fmt(q['gbps'], '.0f')} | "
+                     f"{fmt(q['pct_bw'], '.1f')} | {fmt(q['pct_fp8'], '.1f')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(peer.MODELS), help="comma-separated model names")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated M values")
+    ap.add_argument("--check-m", default="1,64,256", help="M values checked against the reference")
+    ap.add_argument("--iters", type=int, default=100, help="timed replays per measurement (>= 50)")
+    ap.add_argument("--warmup", type=int, default=20, help="untimed replays first")
+    ap.add_argument("--sets", type=int, default=8, help="input sets rotated (>= 4)")
+    ap.add_argument("--lib", default=expertd_ctypes.DEFAULT_LIB, help="path to libexpertd_cuda.so")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
+    args = ap.parse_args(argv)
+    args.check_m = [int(m) for m in args.check_m.split(",") if m]
+    if args.iters < 50 or args.sets < 4:
+        ap.error("need --iters >= 50 and --sets >= 4")
+    if not torch.cuda.is_available():
+        log("no CUDA device: nothing to benchmark")
+        return 2
+    torch.cuda.set_device(args.device)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed)
+
+    lib = None
+    try:
+        lib = expertd_ctypes.load(args.lib)
+    except (OSError, expertd_ctypes.ExpertdError) as e:
+        log(f"WARNING: {args.lib} would not load ({e}); running the peer only")
+    if lib is None and not os.path.exists(args.lib):
+        log(f"NOTE: {args.lib} is absent; running the peer only")
+    if lib is not None:
+        lib.init(args.device)
+        log(f"expertd: {lib.device_info(args.device)}")
+
+    props = torch.cuda.get_device_properties(args.device)
+    meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "commit": os.environ.get("EXPERTD_COMMIT", "unknown"),
+            "seed": seed, "iters": args.iters, "warmup": args.warmup, "sets": args.sets,
+            "expertd": lib.path if lib else None, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    log(f"device {props.name}, torch {torch.__version__}, seed {seed}, commit {meta['commit']}")
+
+    results, checks = [], []
+    for name in args.models.split(","):
+        r, c = bench_model(peer.MODELS[name], [int(m) for m in args.tokens.split(",")], lib, args, gen)
+        results += r
+        checks += c
+
+    md = tables(results, checks, lib is not None)
+    head = (f"device {meta['device']} ({meta['sms']} SMs), torch {meta['torch']} (CUDA {meta['cuda']}), "
+            f"commit {meta['commit']}, seed {seed}, median of {args.iters} replays after {args.warmup} "
+            f"warm-up, {args.sets} input sets rotated"
+            + ("" if lib else "; expertd library absent: peer only"))
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "moe_bench.json"), "w") as f:
+            json.dump({"meta": meta, "checks": checks, "results": results}, f, indent=1,
+                      default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
+        with open(os.path.join(out, "moe_bench.md"), "w") as f:
+            f.write(head + "\n\n" + md + "\n")
+    print(head)
+    print()
+    print(md)
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
