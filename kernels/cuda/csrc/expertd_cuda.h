@@ -1,0 +1,141 @@
+/* expertd_cuda.h: the C ABI of libexpertd_cuda.so, expertd's fused-MoE GPU
+ * kernels.
+ *
+ * The ABI is flat on purpose: ints, floats, uint64 handles and pointers; no
+ * structs by value, no callbacks. Host pointers passed in are read (or
+ * written) only during the call and never retained. Every function returns
+ * an EXPERTD_* code; on failure expertd_last_error() describes the failure
+ * for the calling thread. Nothing here exits or aborts.
+ *
+ * The Go mirror is kernels/cuda/abi.go; abi_test.go checks that every
+ * #define below has the same value there. Bump EXPERTD_ABI_VERSION on any
+ * change to a signature or a constant's meaning.
+ */
+#ifndef EXPERTD_CUDA_H_
+#define EXPERTD_CUDA_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The library is built with hidden visibility; only these are exported. */
+#if defined(__GNUC__)
+#define EXPERTD_API __attribute__((visibility("default")))
+#else
+#define EXPERTD_API
+#endif
+
+#define EXPERTD_ABI_VERSION 1
+
+/* Return codes. */
+#define EXPERTD_OK 0
+#define EXPERTD_ERR_INVALID 1     /* bad argument */
+#define EXPERTD_ERR_UNSUPPORTED 2 /* valid, but this library cannot run it */
+#define EXPERTD_ERR_OOM 3         /* device or pinned host allocation failed */
+#define EXPERTD_ERR_CUDA 4        /* a CUDA call failed */
+#define EXPERTD_ERR_NO_DEVICE 5   /* no usable GPU, or the ordinal is out of range */
+#define EXPERTD_ERR_NOT_FOUND 6   /* unknown expert-set handle */
+
+/* Element types; the values are kernels.DType's (and expertd.v1.DataType's). */
+#define EXPERTD_DTYPE_FLOAT32 1
+#define EXPERTD_DTYPE_BFLOAT16 2
+#define EXPERTD_DTYPE_FLOAT8_E4M3FN 4
+
+/* Activations and scorings; the values are kernels.Activation's and
+ * kernels.Scoring's. */
+#define EXPERTD_ACT_SILU_GATED 1
+#define EXPERTD_ACT_RELU2 2
+#define EXPERTD_SCORING_SOFTMAX 1
+#define EXPERTD_SCORING_SIGMOID 2
+
+/* GEMM implementation choice (iparams[EXPERTD_P_GEMM]). AUTO is sm90 where
+ * the card and shape allow it, else portable; the others force a path
+ * (tests compare them). SM90 on a card or shape without it is UNSUPPORTED. */
+#define EXPERTD_GEMM_AUTO 0
+#define EXPERTD_GEMM_PORTABLE 1     /* mma.sync e4m3 on sm_89+, else FP16 mma */
+#define EXPERTD_GEMM_PORTABLE_F16 2 /* FP8 decoded to FP16 mma (the sm_80 path) */
+#define EXPERTD_GEMM_SM90 3         /* wgmma + TMA (sm_90a builds only) */
+
+/* Integer parameters of expertd_moe, by index into iparams. */
+#define EXPERTD_P_M 0              /* tokens, >= 1 */
+#define EXPERTD_P_HIDDEN_DTYPE 1   /* EXPERTD_DTYPE_*: FP8, BF16 or FP32 */
+#define EXPERTD_P_N_HIDDEN_SCALE 2 /* FP8 hidden: 1 (per-tensor) or M (per-token) */
+#define EXPERTD_P_LOGITS_DTYPE 3   /* FP32 or BF16; ignored with topk_ids_in */
+#define EXPERTD_P_OUT_DTYPE 4      /* BF16 or FP32 */
+#define EXPERTD_P_TOP_K 5
+#define EXPERTD_P_RENORMALIZE 6    /* 0 or 1 */
+#define EXPERTD_P_SCORING 7        /* EXPERTD_SCORING_* */
+#define EXPERTD_P_NUM_GROUPS 8     /* 0 or 1: no grouping */
+#define EXPERTD_P_TOPK_GROUPS 9
+#define EXPERTD_P_GEMM 10          /* EXPERTD_GEMM_* */
+#define EXPERTD_P_USE_GRAPH 11     /* 1: capture and replay a CUDA graph per (set, call shape) */
+#define EXPERTD_NUM_IPARAMS 12
+
+/* Float parameters of expertd_moe, by index into fparams. */
+#define EXPERTD_F_SCALING_FACTOR 0 /* routed_scaling_factor, > 0 */
+#define EXPERTD_NUM_FPARAMS 1
+
+/* Limits of this build. */
+#define EXPERTD_MAX_EXPERTS 1024
+#define EXPERTD_MAX_TOP_K 32
+
+/* expertd_abi_version returns EXPERTD_ABI_VERSION of the built library. */
+EXPERTD_API int expertd_abi_version(void);
+
+/* expertd_init makes device current for the calling thread and creates its
+ * context. */
+EXPERTD_API int expertd_init(int device);
+
+/* expertd_device_info writes a NUL-terminated description of device into buf
+ * (at most buflen bytes, truncated), e.g.
+ * "NVIDIA H200 (sm_90, 132 SMs, 139 GiB, gemm=sm90)". */
+EXPERTD_API int expertd_device_info(int device, char* buf, int buflen);
+
+/* expertd_set_create uploads one MoE layer's experts to device memory.
+ * w13 is FP8 [E, rows1, K] with rows1 = 2N (SILU_GATED) or N (RELU2); w2 is
+ * FP8 [E, K, N]. Weight scales have 1 (per-tensor) or E (per-expert) values;
+ * any other count (per-channel, block) is EXPERTD_ERR_UNSUPPORTED.
+ * a13_scale and a2_scale are static activation scales; <= 0 means dynamic
+ * per-token quantization (amax / 448). On success *out_handle names the set. */
+EXPERTD_API int expertd_set_create(int device, int num_experts, int hidden, int inter, int activation,
+                       const uint8_t* w13, const uint8_t* w2, const float* w13_scale,
+                       int n_w13_scale, const float* w2_scale, int n_w2_scale, float a13_scale,
+                       float a2_scale, uint64_t* out_handle);
+
+/* expertd_set_free releases a set's device memory and cached graphs. */
+EXPERTD_API int expertd_set_free(uint64_t handle);
+
+/* expertd_moe runs one fused MoE layer with host buffers, synchronously.
+ * hidden is [M, K] of iparams[EXPERTD_P_HIDDEN_DTYPE]; hidden_scale has
+ * iparams[EXPERTD_P_N_HIDDEN_SCALE] floats (FP8 hidden only, else NULL).
+ * Either logits [M, E] (with correction_bias [E] or NULL) or topk_ids_in and
+ * topk_w_in [M, top_k] are given. out is [M, K] of the out dtype;
+ * topk_ids_out, topk_w_out [M, top_k] and kernel_ms (the device time of the
+ * pipeline, one float) may be NULL. Calls on one set are serialized. */
+EXPERTD_API int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const float* fparams,
+                int n_fparams, const void* hidden, const float* hidden_scale, const void* logits,
+                const float* correction_bias, const int32_t* topk_ids_in, const float* topk_w_in,
+                void* out, int32_t* topk_ids_out, float* topk_w_out, float* kernel_ms);
+
+/* expertd_moe_device is expertd_moe with device pointers, enqueued on stream
+ * (a cudaStream_t as an integer; 0 is the legacy default stream) with no
+ * host synchronization and no graph. The set's workspace is shared, so the
+ * caller must not overlap calls on one set across streams. */
+EXPERTD_API int expertd_moe_device(uint64_t handle, const int64_t* iparams, int n_iparams,
+                       const float* fparams, int n_fparams, const void* hidden,
+                       const float* hidden_scale, const void* logits,
+                       const float* correction_bias, const int32_t* topk_ids_in,
+                       const float* topk_w_in, void* out, int32_t* topk_ids_out,
+                       float* topk_w_out, uintptr_t stream);
+
+/* expertd_last_error describes the calling thread's last failure ("" if
+ * none). The string stays valid until that thread's next call. */
+EXPERTD_API const char* expertd_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EXPERTD_CUDA_H_ */

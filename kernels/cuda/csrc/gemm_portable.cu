@@ -1,0 +1,335 @@
+// Portable grouped FP8 GEMMs for fused MoE (any sm_80+ GPU, any K and N).
+//
+// One CTA computes TM sorted rows (one expert block) by 64 weight rows, with
+// K streamed through shared memory in 64-byte slices, double-buffered with
+// cp.async when rows are 16-byte aligned (K % 16 == 0) and with plain byte
+// loads otherwise. Tails in K are zero-filled, so any K works; tails in N
+// are masked at the store.
+//
+// The inner product is mma.sync m16n8k32 with E4M3 operands on cards that
+// have it (sm_89+; here only sm_90 runs this cubin), or FP8 decoded to FP16
+// (exact: every E4M3 value is an FP16 value) and mma.sync m16n8k16 on sm_80
+// class cards. Both accumulate in FP32.
+//
+// Gated GEMM1 puts gate rows [c0, c0+32) and the matching up rows
+// [N+c0, N+c0+32) in one 64-row weight tile, so the thread that holds gate
+// accumulator (row, c) also holds up accumulator (row, c) and the SiLU-and-
+// mul epilogue needs no shuffle.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "moe_gemm.h"
+
+namespace expertd {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kWRows = 64;     // weight rows per CTA
+constexpr int kBK = 64;        // K bytes per stage
+constexpr int kPitch = kBK + 16;  // smem row pitch: 20 words, conflict-free fragment loads
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // src-size 0 zero-fills the 16 bytes
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// mma_e4m3 is D += A(16x32 e4m3, row) * B(32x8 e4m3, col).
+__device__ __forceinline__ void mma_e4m3(float* d, const uint32_t* a, const uint32_t* b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  // Never launched: the dispatcher picks the FP16 path below sm_89.
+  __trap();
+#endif
+}
+
+// mma_f16 is D += A(16x16 f16, row) * B(16x8 f16, col).
+__device__ __forceinline__ void mma_f16(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// fp8x2_to_half2 decodes two E4M3 bytes (low byte first) to a packed half2.
+__device__ __forceinline__ uint32_t fp8x2_to_half2(const uint8_t* p) {
+  const __nv_fp8x2_storage_t v = *reinterpret_cast<const uint16_t*>(p);
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(v, __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+template <int TM, bool kGated, GemmEpilogue kEpi, bool kF16, bool kVec>
+__global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGemmArgs p) {
+  const int blk = blockIdx.y;
+  if (blk >= *p.num_blocks) return;
+  const int expert = p.block_expert[blk];
+  if (expert < 0 || expert >= p.num_experts) return;
+
+  // Output channels this CTA covers: 32 gated (gate+up fill 64 rows), else 64.
+  constexpr int kOC = kGated ? kWRows / 2 : kWRows;
+  const int c0 = blockIdx.x * kOC;
+
+  __shared__ __align__(16) uint8_t a_s[2][TM][kPitch];
+  __shared__ __align__(16) uint8_t w_s[2][kWRows][kPitch];
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int k = p.k;
+  const uint8_t* wexp = p.w + size_t(expert) * p.w_rows * k;
+  const uint8_t* arow0 = p.a + size_t(blk) * TM * k;
+
+  // Weight row of tile row r, or -1 past the end of the channels.
+  auto w_row = [&](int r) -> int {
+    if (kGated) {
+      const int c = c0 + (r & 31);
+      if (c >= p.n_out) return -1;
+      return r < 32 ? c : p.n_out + c;
+    }
+    const int c = c0 + r;
+    return c < p.w_rows ? c : -1;
+  };
+
+  auto load_stage = [&](int stage, int k0) {
+    if (kVec) {
+      // 16-byte chunks: 4 per row.
+      for (int i = tid; i < kWRows * 4; i += kThreads) {
+        const int r = i / 4, ch = i % 4;
+        const int wr = w_row(r);
+        const int kk = k0 + ch * 16;
+        const bool ok = wr >= 0 && kk < k;
+        cp_async16(&w_s[stage][r][ch * 16], ok ? wexp + size_t(wr) * k + kk : p.w, ok);
+      }
+      for (int i = tid; i < TM * 4; i += kThreads) {
+        const int r = i / 4, ch = i % 4;
+        const int kk = k0 + ch * 16;
+        const bool ok = kk < k;
+        cp_async16(&a_s[stage][r][ch * 16], ok ? arow0 + size_t(r) * k + kk : p.a, ok);
+      }
+    } else {
+      // Unaligned rows: bytes, zero past K. Slow but only for odd shapes.
+      for (int i = tid; i < kWRows * kBK; i += kThreads) {
+        const int r = i / kBK, c = i % kBK;
+        const int wr = w_row(r);
+        const int kk = k0 + c;
+        w_s[stage][r][c] = (wr >= 0 && kk < k) ? wexp[size_t(wr) * k + kk] : 0;
+      }
+      for (int i = tid; i < TM * kBK; i += kThreads) {
+        const int r = i / kBK, c = i % kBK;
+        const int kk = k0 + c;
+        a_s[stage][r][c] = kk < k ? arow0[size_t(r) * k + kk] : 0;
+      }
+    }
+  };
+
+  // Warp w owns two 8-row weight slices: gate/up pair for gated, else two
+  // adjacent slices.
+  const int o0 = kGated ? 8 * warp : 16 * warp;
+  const int o1 = kGated ? 32 + 8 * warp : 16 * warp + 8;
+
+  float acc[TM / 16][2][4];
+#pragma unroll
+  for (int mi = 0; mi < TM / 16; ++mi)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
+
+  const int nk = (k + kBK - 1) / kBK;
+  load_stage(0, 0);
+  cp_async_commit();
+  for (int it = 0; it < nk; ++it) {
+    const int s = it & 1;
+    if (it + 1 < nk) {
+      load_stage(s ^ 1, (it + 1) * kBK);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 32) {
+      if (!kF16) {
+        uint32_t b[2][2];
+        b[0][0] = *reinterpret_cast<const uint32_t*>(&w_s[s][o0 + g][kk + t * 4]);
+        b[0][1] = *reinterpret_cast<const uint32_t*>(&w_s[s][o0 + g][kk + 16 + t * 4]);
+        b[1][0] = *reinterpret_cast<const uint32_t*>(&w_s[s][o1 + g][kk + t * 4]);
+        b[1][1] = *reinterpret_cast<const uint32_t*>(&w_s[s][o1 + g][kk + 16 + t * 4]);
+#pragma unroll
+        for (int mi = 0; mi < TM / 16; ++mi) {
+          uint32_t a[4];
+          a[0] = *reinterpret_cast<const uint32_t*>(&a_s[s][mi * 16 + g][kk + t * 4]);
+          a[1] = *reinterpret_cast<const uint32_t*>(&a_s[s][mi * 16 + g + 8][kk + t * 4]);
+          a[2] = *reinterpret_cast<const uint32_t*>(&a_s[s][mi * 16 + g][kk + 16 + t * 4]);
+          a[3] = *reinterpret_cast<const uint32_t*>(&a_s[s][mi * 16 + g + 8][kk + 16 + t * 4]);
+          mma_e4m3(acc[mi][0], a, b[0]);
+          mma_e4m3(acc[mi][1], a, b[1]);
+        }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < 32; ks += 16) {
+          const int kb = kk + ks;
+          uint32_t b[2][2];
+          b[0][0] = fp8x2_to_half2(&w_s[s][o0 + g][kb + t * 2]);
+          b[0][1] = fp8x2_to_half2(&w_s[s][o0 + g][kb + 8 + t * 2]);
+          b[1][0] = fp8x2_to_half2(&w_s[s][o1 + g][kb + t * 2]);
+          b[1][1] = fp8x2_to_half2(&w_s[s][o1 + g][kb + 8 + t * 2]);
+#pragma unroll
+          for (int mi = 0; mi < TM / 16; ++mi) {
+            uint32_t a[4];
+            a[0] = fp8x2_to_half2(&a_s[s][mi * 16 + g][kb + t * 2]);
+            a[1] = fp8x2_to_half2(&a_s[s][mi * 16 + g + 8][kb + t * 2]);
+            a[2] = fp8x2_to_half2(&a_s[s][mi * 16 + g][kb + 8 + t * 2]);
+            a[3] = fp8x2_to_half2(&a_s[s][mi * 16 + g + 8][kb + 8 + t * 2]);
+            mma_f16(acc[mi][0], a, b[0]);
+            mma_f16(acc[mi][1], a, b[1]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // Epilogue straight from registers: accumulator c of tile (mi, j) sits at
+  // row mi*16 + g + 8*(c/2), column t*2 + c%2 of the tile's 8 channels.
+  const float ws = p.w_scale[expert];
+#pragma unroll
+  for (int mi = 0; mi < TM / 16; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int srow = blk * TM + mi * 16 + g + 8 * h;
+      const int pair = p.sorted_pairs[srow];
+      if (pair < 0) continue;
+      float sc = (p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale) * ws;
+      if (kEpi == GemmEpilogue::kWeightedBF16) sc *= p.pair_weight[pair];
+      const size_t orow = kEpi == GemmEpilogue::kWeightedBF16 ? size_t(pair) : size_t(srow);
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int c = 2 * h + cc;
+        if (kGated) {
+          const int ch = c0 + 8 * warp + t * 2 + cc;
+          if (ch >= p.n_out) continue;
+          const float v = silu(acc[mi][0][c] * sc) * (acc[mi][1][c] * sc);
+          if (kEpi == GemmEpilogue::kAct1FP8) {
+            const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
+            static_cast<uint8_t*>(p.out)[orow * p.ld_out + ch] = q;
+          } else {
+            static_cast<__nv_bfloat16*>(p.out)[orow * p.ld_out + ch] = __float2bfloat16_rn(v);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int ch = c0 + (j == 0 ? o0 : o1) + t * 2 + cc;
+            if (ch >= p.n_out) continue;
+            float v = acc[mi][j][c] * sc;
+            if (kEpi != GemmEpilogue::kWeightedBF16) {
+              v = fmaxf(v, 0.f);
+              v = v * v;
+            }
+            if (kEpi == GemmEpilogue::kAct1FP8) {
+              const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
+              static_cast<uint8_t*>(p.out)[orow * p.ld_out + ch] = q;
+            } else {
+              static_cast<__nv_bfloat16*>(p.out)[orow * p.ld_out + ch] = __float2bfloat16_rn(v);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int TM, bool kGated, GemmEpilogue kEpi>
+cudaError_t launch_cfg(const MoeGemmArgs& a, bool f16, cudaStream_t stream) {
+  constexpr int kOC = kGated ? kWRows / 2 : kWRows;
+  const dim3 grid((a.n_out + kOC - 1) / kOC, a.max_blocks);
+  const bool vec = a.k % 16 == 0 && (reinterpret_cast<uintptr_t>(a.w) % 16) == 0 &&
+                   (reinterpret_cast<uintptr_t>(a.a) % 16) == 0;
+  if (f16) {
+    if (vec) {
+      moe_gemm_portable_kernel<TM, kGated, kEpi, true, true><<<grid, kThreads, 0, stream>>>(a);
+    } else {
+      moe_gemm_portable_kernel<TM, kGated, kEpi, true, false><<<grid, kThreads, 0, stream>>>(a);
+    }
+  } else {
+    if (vec) {
+      moe_gemm_portable_kernel<TM, kGated, kEpi, false, true><<<grid, kThreads, 0, stream>>>(a);
+    } else {
+      moe_gemm_portable_kernel<TM, kGated, kEpi, false, false><<<grid, kThreads, 0, stream>>>(a);
+    }
+  }
+  return cudaGetLastError();
+}
+
+template <bool kGated, GemmEpilogue kEpi>
+cudaError_t launch_tm(const MoeGemmArgs& a, bool f16, cudaStream_t s) {
+  switch (a.block_rows) {
+    case 16:
+      return launch_cfg<16, kGated, kEpi>(a, f16, s);
+    case 32:
+      return launch_cfg<32, kGated, kEpi>(a, f16, s);
+    case 64:
+      return launch_cfg<64, kGated, kEpi>(a, f16, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+bool args_ok(const MoeGemmArgs& a) {
+  return a.w && a.a && a.out && a.block_expert && a.num_blocks && a.sorted_pairs && a.w_scale &&
+         a.k > 0 && a.n_out > 0 && a.max_blocks > 0 && a.num_experts > 0 &&
+         a.a_rows >= a.max_blocks * a.block_rows;
+}
+
+}  // namespace
+
+int portable_block_rows(int m, int top_k, int num_experts) {
+  const long per_expert = (long(m) * top_k + num_experts - 1) / num_experts;
+  if (per_expert <= 16) return 16;
+  if (per_expert <= 32) return 32;
+  return 64;
+}
+
+cudaError_t launch_gemm1_portable(const MoeGemmArgs& a, bool use_f16, cudaStream_t stream) {
+  if (!args_ok(a)) return cudaErrorInvalidValue;
+  const bool gated = a.act == GemmAct::kSiluGated;
+  if (a.w_rows != (gated ? 2 * a.n_out : a.n_out)) return cudaErrorInvalidValue;
+  switch (a.epilogue) {
+    case GemmEpilogue::kAct1FP8:
+      return gated ? launch_tm<true, GemmEpilogue::kAct1FP8>(a, use_f16, stream)
+                   : launch_tm<false, GemmEpilogue::kAct1FP8>(a, use_f16, stream);
+    case GemmEpilogue::kAct1BF16:
+      return gated ? launch_tm<true, GemmEpilogue::kAct1BF16>(a, use_f16, stream)
+                   : launch_tm<false, GemmEpilogue::kAct1BF16>(a, use_f16, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t launch_gemm2_portable(const MoeGemmArgs& a, bool use_f16, cudaStream_t stream) {
+  if (!args_ok(a) || a.epilogue != GemmEpilogue::kWeightedBF16 || !a.pair_weight ||
+      a.w_rows != a.n_out) {
+    return cudaErrorInvalidValue;
+  }
+  return launch_tm<false, GemmEpilogue::kWeightedBF16>(a, use_f16, stream);
+}
+
+}  // namespace expertd

@@ -1,0 +1,692 @@
+// The fused-MoE pipeline and the C ABI of libexpertd_cuda.so.
+//
+// One call runs, all on the GPU and on the set's own stream:
+//   route (or take precomputed ids) -> align (expert-sorted, block-padded
+//   rows) -> gather + quantize hidden into sorted FP8 rows -> GEMM1 with the
+//   activation epilogue -> [dynamic a2 only: per-row FP8 requant] -> GEMM2
+//   with the router weight -> combine into BF16/FP32.
+//
+// Dynamic a2 (no static a2 scale): GEMM1 writes the activation as BF16 and a
+// small kernel quantizes each pair row with amax/448. That costs one BF16
+// round trip of the intermediate (M*top_k*N*2 bytes each way), small next to
+// the weights at decode sizes; with a static a2 scale GEMM1 writes FP8
+// directly and nothing extra moves.
+//
+// Small-M decode would be launch-bound (7 launches), so the host-pointer
+// entry captures the pipeline into a CUDA graph per (set, call shape) the
+// second time that shape is seen and replays it afterwards; the workspace
+// only grows, and a regrow drops the set's graphs.
+#include <cuda_runtime.h>
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "expertd_cuda.h"
+#include "moe_gemm.h"
+#include "moe_kernels.cuh"
+
+namespace expertd {
+namespace {
+
+thread_local std::string g_last_error;
+
+int fail(int code, const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  g_last_error = buf;
+  return code;
+}
+
+int cuda_fail(cudaError_t err, const char* what) {
+  cudaGetLastError();  // clear a non-sticky error so the next call starts clean
+  const int code = err == cudaErrorMemoryAllocation ? EXPERTD_ERR_OOM
+                   : (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
+                      err == cudaErrorInvalidDevice)
+                       ? EXPERTD_ERR_NO_DEVICE
+                       : EXPERTD_ERR_CUDA;
+  return fail(code, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+
+#define CK(call)                                   \
+  do {                                             \
+    const cudaError_t err_ = (call);               \
+    if (err_ != cudaSuccess) return cuda_fail(err_, #call); \
+  } while (0)
+
+size_t align_up(size_t n) { return (n + 255) & ~size_t(255); }
+
+float clamp_scale_host(float s) { return s > kMinScale ? s : kMinScale; }
+
+// Call is the shape of one expertd_moe call: everything that changes kernel
+// arguments other than the workspace pointers. It keys the graph cache.
+struct Call {
+  int m, hidden_dtype, n_hidden_scale, logits_dtype, out_dtype, top_k, renormalize, scoring,
+      num_groups, topk_groups, gemm;
+  int have_logits, have_bias;
+  float scaling;
+  bool operator<(const Call& o) const { return std::memcmp(this, &o, sizeof(Call)) < 0; }
+};
+
+// Layout is the workspace carve-up for one (M, block_rows).
+struct Layout {
+  int p, block_rows, max_blocks, max_rows;
+  size_t hidden, hscale, logits, bias, ids, w;  // inputs (host path copies into these)
+  size_t sorted, block_expert, num_blocks, a1q, a1s, act, a2q, a2s, y, out;
+  size_t in_begin, in_end, total;
+};
+
+struct Graph {
+  cudaGraphExec_t exec = nullptr;
+  int seen = 0;  // calls of this shape so far
+  bool failed = false;
+};
+
+struct Set {
+  int device, cc_major, cc_minor;
+  int E, K, N, act;  // act: EXPERTD_ACT_*
+  uint8_t* w13 = nullptr;
+  uint8_t* w2 = nullptr;
+  float* w13_scale = nullptr;  // [E]
+  float* w2_scale = nullptr;   // [E]
+  float a13_scale, a2_scale;   // <= 0: dynamic
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
+  uint8_t* ws = nullptr;
+  size_t ws_bytes = 0;
+  uint8_t* pin_in = nullptr;
+  size_t pin_in_bytes = 0;
+  uint8_t* pin_out = nullptr;
+  size_t pin_out_bytes = 0;
+  std::map<Call, Graph> graphs;
+  std::mutex mu;
+
+  void drop_graphs() {
+    for (auto& kv : graphs) {
+      if (kv.second.exec) cudaGraphExecDestroy(kv.second.exec);
+    }
+    graphs.clear();
+  }
+  ~Set() {
+    cudaSetDevice(device);
+    if (stream) cudaStreamSynchronize(stream);
+    drop_graphs();
+    cudaFree(w13);
+    cudaFree(w2);
+    cudaFree(w13_scale);
+    cudaFree(w2_scale);
+    cudaFree(ws);
+    if (pin_in) cudaFreeHost(pin_in);
+    if (pin_out) cudaFreeHost(pin_out);
+    if (ev0) cudaEventDestroy(ev0);
+    if (ev1) cudaEventDestroy(ev1);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+std::mutex g_sets_mu;
+std::map<uint64_t, std::shared_ptr<Set>> g_sets;
+uint64_t g_next_handle = 1;
+
+std::shared_ptr<Set> find_set(uint64_t h) {
+  std::lock_guard<std::mutex> lk(g_sets_mu);
+  auto it = g_sets.find(h);
+  return it == g_sets.end() ? nullptr : it->second;
+}
+
+int device_count(int* n) {
+  const cudaError_t err = cudaGetDeviceCount(n);
+  if (err != cudaSuccess) return cuda_fail(err, "cudaGetDeviceCount");
+  if (*n <= 0) return fail(EXPERTD_ERR_NO_DEVICE, "no CUDA device");
+  return EXPERTD_OK;
+}
+
+int check_device(int device) {
+  int n = 0;
+  if (int rc = device_count(&n)) return rc;
+  if (device < 0 || device >= n) return fail(EXPERTD_ERR_NO_DEVICE, "device %d out of range (have %d)", device, n);
+  return EXPERTD_OK;
+}
+
+bool e4m3_mma(const Set& s) {
+  // The e4m3 mma.sync lives in the sm_90a cubin only; every other card runs
+  // the sm_80 cubin or its PTX, which has the FP16 path.
+  return s.cc_major == 9 && s.cc_minor == 0;
+}
+
+bool sm90_ok(const Set& s) {
+#ifdef EXPERTD_HAVE_SM90
+  return s.cc_major == 9 && s.cc_minor == 0 && sm90_supported(s.K, s.N);
+#else
+  (void)s;
+  return false;
+#endif
+}
+
+int block_rows_for(const Set& s, const Call& c, bool sm90) {
+#ifdef EXPERTD_HAVE_SM90
+  if (sm90) return sm90_block_rows(c.m, c.top_k, s.E);
+#endif
+  (void)sm90;
+  return portable_block_rows(c.m, c.top_k, s.E);
+}
+
+Layout layout(const Set& s, const Call& c, int block_rows) {
+  Layout L;
+  L.p = c.m * c.top_k;
+  L.block_rows = block_rows;
+  L.max_blocks = (L.p + block_rows - 1) / block_rows + (L.p < s.E ? L.p : s.E);
+  L.max_rows = L.max_blocks * block_rows;
+  const size_t m = c.m, K = s.K, N = s.N, P = L.p, R = L.max_rows;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += align_up(bytes);
+    return at;
+  };
+  L.in_begin = off;
+  L.hidden = take(m * K * 4);
+  L.hscale = take(m * 4);
+  L.logits = take(m * s.E * 4);
+  L.bias = take(size_t(s.E) * 4);
+  L.ids = take(P * 4);
+  L.w = take(P * 4);
+  L.in_end = off;
+  L.out = take(m * K * 4);
+  L.sorted = take(R * 4);
+  L.block_expert = take(size_t(L.max_blocks) * 4);
+  L.num_blocks = take(4);
+  L.a1q = take(R * K);
+  L.a1s = take(R * 4);
+  L.act = take(R * N * 2);
+  L.a2q = take(R * N);
+  L.a2s = take(R * 4);
+  L.y = take(P * K * 2);
+  L.total = off;
+  return L;
+}
+
+int ensure_workspace(Set& s, const Layout& L) {
+  if (L.total <= s.ws_bytes) return EXPERTD_OK;
+  CK(cudaStreamSynchronize(s.stream));
+  s.drop_graphs();
+  cudaFree(s.ws);
+  s.ws = nullptr;
+  s.ws_bytes = 0;
+  const size_t want = L.total + L.total / 4;
+  CK(cudaMalloc(&s.ws, want));
+  // Padding rows of the GEMM inputs are read but never used; start them finite.
+  CK(cudaMemsetAsync(s.ws, 0, want, s.stream));
+  s.ws_bytes = want;
+  return EXPERTD_OK;
+}
+
+int ensure_pinned(uint8_t** p, size_t* have, size_t want) {
+  if (want <= *have) return EXPERTD_OK;
+  if (*p) cudaFreeHost(*p);
+  *p = nullptr;
+  *have = 0;
+  want = want + want / 4;
+  CK(cudaHostAlloc(reinterpret_cast<void**>(p), want, cudaHostAllocDefault));
+  *have = want;
+  return EXPERTD_OK;
+}
+
+// Ptrs are the device buffers one pipeline run reads and writes.
+struct Ptrs {
+  const void* hidden;
+  const float* hidden_scale;
+  const void* logits;
+  const float* bias;
+  int32_t* ids;        // routing output, or the precomputed ids
+  float* w;            // likewise for weights
+  void* out;
+};
+
+int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t st) {
+  uint8_t* ws = s.ws;
+  int32_t* sorted = reinterpret_cast<int32_t*>(ws + L.sorted);
+  int32_t* block_expert = reinterpret_cast<int32_t*>(ws + L.block_expert);
+  int32_t* num_blocks = reinterpret_cast<int32_t*>(ws + L.num_blocks);
+  uint8_t* a1q = ws + L.a1q;
+  float* a1s = reinterpret_cast<float*>(ws + L.a1s);
+  uint8_t* a2q = ws + L.a2q;
+  float* a2s = reinterpret_cast<float*>(ws + L.a2s);
+  __nv_bfloat16* act = reinterpret_cast<__nv_bfloat16*>(ws + L.act);
+  __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(ws + L.y);
+  const int BM = L.block_rows;
+
+  if (c.have_logits) {
+    RouteParams rp{c.m, s.E, c.top_k, c.renormalize, c.scoring, c.num_groups, c.topk_groups, c.scaling,
+                   c.logits_dtype};
+    const int warps = s.E <= 512 ? 4 : 2;
+    const size_t smem = size_t(warps) * s.E * 14;
+    route_kernel<<<(c.m + warps - 1) / warps, warps * 32, smem, st>>>(rp, p.logits, p.bias, p.ids, p.w);
+    CK(cudaGetLastError());
+  }
+  align_kernel<<<1, 1024, 2 * s.E * sizeof(int), st>>>(p.ids, L.p, s.E, BM, L.max_blocks, sorted, block_expert,
+                                                        num_blocks);
+  CK(cudaGetLastError());
+
+  GatherParams gp;
+  gp.k = s.K;
+  gp.top_k = c.top_k;
+  gp.hidden_dtype = c.hidden_dtype;
+  gp.n_hidden_scale = c.n_hidden_scale;
+  gp.fallback_scale = s.a13_scale > 0 ? s.a13_scale : 1.0f;
+  gp.static_scale = c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN ? 0.f : s.a13_scale;
+  gather_quant_kernel<<<L.max_rows, 128, 0, st>>>(gp, p.hidden, p.hidden_scale, sorted, num_blocks, BM, a1q,
+                                                  a1s);
+  CK(cudaGetLastError());
+  const bool a1_rows = !(c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && s.a13_scale > 0);
+
+  const bool sm90 = c.gemm == EXPERTD_GEMM_SM90 || (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s));
+  const bool f16 = c.gemm == EXPERTD_GEMM_PORTABLE_F16 || !e4m3_mma(s);
+
+  MoeGemmArgs g1{};
+  g1.w = s.w13;
+  g1.num_experts = s.E;
+  g1.act = s.act == EXPERTD_ACT_SILU_GATED ? GemmAct::kSiluGated : GemmAct::kRelu2;
+  g1.w_rows = s.act == EXPERTD_ACT_SILU_GATED ? 2 * s.N : s.N;
+  g1.k = s.K;
+  g1.n_out = s.N;
+  g1.a = a1q;
+  g1.a_rows = L.max_rows;
+  g1.block_rows = BM;
+  g1.block_expert = block_expert;
+  g1.num_blocks = num_blocks;
+  g1.max_blocks = L.max_blocks;
+  g1.sorted_pairs = sorted;
+  g1.a_scale_rows = a1_rows ? a1s : nullptr;
+  g1.a_scale = s.a13_scale > 0 ? clamp_scale_host(s.a13_scale) : 1.f;
+  g1.w_scale = s.w13_scale;
+  const bool static_a2 = s.a2_scale > 0;
+  g1.epilogue = static_a2 ? GemmEpilogue::kAct1FP8 : GemmEpilogue::kAct1BF16;
+  g1.out = static_a2 ? static_cast<void*>(a2q) : static_cast<void*>(act);
+  g1.ld_out = s.N;
+  g1.out_inv_scale = static_a2 ? 1.0f / clamp_scale_host(s.a2_scale) : 1.f;
+  g1.pair_weight = p.w;
+
+  cudaError_t err;
+#ifdef EXPERTD_HAVE_SM90
+  err = sm90 ? launch_gemm1_sm90(g1, st) : launch_gemm1_portable(g1, f16, st);
+#else
+  err = launch_gemm1_portable(g1, f16, st);
+#endif
+  if (err != cudaSuccess) return cuda_fail(err, sm90 ? "gemm1 (sm90)" : "gemm1 (portable)");
+
+  if (!static_a2) {
+    requant_kernel<<<L.max_rows, 128, 0, st>>>(act, s.N, sorted, num_blocks, BM, a2q, a2s);
+    CK(cudaGetLastError());
+  }
+
+  MoeGemmArgs g2 = g1;
+  g2.w = s.w2;
+  g2.w_rows = s.K;
+  g2.k = s.N;
+  g2.n_out = s.K;
+  g2.act = GemmAct::kRelu2;  // unused by GEMM2
+  g2.a = a2q;
+  g2.a_scale_rows = static_a2 ? nullptr : a2s;
+  g2.a_scale = static_a2 ? clamp_scale_host(s.a2_scale) : 1.f;
+  g2.w_scale = s.w2_scale;
+  g2.epilogue = GemmEpilogue::kWeightedBF16;
+  g2.out = y;
+  g2.ld_out = s.K;
+  g2.out_inv_scale = 1.f;
+#ifdef EXPERTD_HAVE_SM90
+  err = sm90 ? launch_gemm2_sm90(g2, st) : launch_gemm2_portable(g2, f16, st);
+#else
+  err = launch_gemm2_portable(g2, f16, st);
+#endif
+  if (err != cudaSuccess) return cuda_fail(err, sm90 ? "gemm2 (sm90)" : "gemm2 (portable)");
+
+  combine_kernel<<<c.m, 256, 0, st>>>(y, p.ids, c.m, c.top_k, s.K, s.E, c.out_dtype, p.out);
+  CK(cudaGetLastError());
+  return EXPERTD_OK;
+}
+
+// parse_call validates iparams/fparams against the set.
+int parse_call(const Set& s, const int64_t* ip, int nip, const float* fp, int nfp, bool have_logits,
+               bool have_topk, bool have_bias, Call* c) {
+  if (!ip || nip < EXPERTD_NUM_IPARAMS) return fail(EXPERTD_ERR_INVALID, "iparams: need %d, got %d", EXPERTD_NUM_IPARAMS, nip);
+  if (!fp || nfp < EXPERTD_NUM_FPARAMS) return fail(EXPERTD_ERR_INVALID, "fparams: need %d, got %d", EXPERTD_NUM_FPARAMS, nfp);
+  std::memset(c, 0, sizeof *c);
+  auto get = [&](int i) { return ip[i] > 0x7fffffff || ip[i] < -0x7fffffff ? -1 : int(ip[i]); };
+  c->m = get(EXPERTD_P_M);
+  c->hidden_dtype = get(EXPERTD_P_HIDDEN_DTYPE);
+  c->n_hidden_scale = get(EXPERTD_P_N_HIDDEN_SCALE);
+  c->logits_dtype = get(EXPERTD_P_LOGITS_DTYPE);
+  c->out_dtype = get(EXPERTD_P_OUT_DTYPE);
+  c->top_k = get(EXPERTD_P_TOP_K);
+  c->renormalize = get(EXPERTD_P_RENORMALIZE) != 0;
+  c->scoring = get(EXPERTD_P_SCORING);
+  c->num_groups = get(EXPERTD_P_NUM_GROUPS);
+  c->topk_groups = get(EXPERTD_P_TOPK_GROUPS);
+  c->gemm = get(EXPERTD_P_GEMM);
+  c->have_logits = have_logits && !have_topk;
+  c->have_bias = c->have_logits && have_bias;
+  c->scaling = fp[EXPERTD_F_SCALING_FACTOR];
+  if (c->m < 1 || c->m > (1 << 24)) return fail(EXPERTD_ERR_INVALID, "M=%d out of range", c->m);
+  if (c->hidden_dtype != EXPERTD_DTYPE_FLOAT32 && c->hidden_dtype != EXPERTD_DTYPE_BFLOAT16 &&
+      c->hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN)
+    return fail(EXPERTD_ERR_UNSUPPORTED, "hidden dtype %d", c->hidden_dtype);
+  if (c->hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN) {
+    if (c->n_hidden_scale != 0 && c->n_hidden_scale != 1 && c->n_hidden_scale != c->m)
+      return fail(EXPERTD_ERR_UNSUPPORTED, "hidden_scale: %d values (per-tensor or per-token only)", c->n_hidden_scale);
+  } else {
+    c->n_hidden_scale = 0;
+  }
+  if (c->out_dtype != EXPERTD_DTYPE_FLOAT32 && c->out_dtype != EXPERTD_DTYPE_BFLOAT16)
+    return fail(EXPERTD_ERR_UNSUPPORTED, "out dtype %d", c->out_dtype);
+  if (c->top_k < 1 || c->top_k > s.E || c->top_k > EXPERTD_MAX_TOP_K)
+    return fail(EXPERTD_ERR_INVALID, "top_k=%d with %d experts (max %d)", c->top_k, s.E, EXPERTD_MAX_TOP_K);
+  if (c->gemm < EXPERTD_GEMM_AUTO || c->gemm > EXPERTD_GEMM_SM90) return fail(EXPERTD_ERR_INVALID, "gemm=%d", c->gemm);
+  if (c->gemm == EXPERTD_GEMM_SM90 && !sm90_ok(s))
+    return fail(EXPERTD_ERR_UNSUPPORTED, "sm90 GEMM unavailable for this card/shape (K=%d N=%d)", s.K, s.N);
+  if (!have_logits && !have_topk) return fail(EXPERTD_ERR_INVALID, "need logits or topk ids and weights");
+  if (c->have_logits) {
+    if (c->logits_dtype != EXPERTD_DTYPE_FLOAT32 && c->logits_dtype != EXPERTD_DTYPE_BFLOAT16)
+      return fail(EXPERTD_ERR_UNSUPPORTED, "logits dtype %d", c->logits_dtype);
+    if (c->scoring != EXPERTD_SCORING_SOFTMAX && c->scoring != EXPERTD_SCORING_SIGMOID)
+      return fail(EXPERTD_ERR_INVALID, "scoring %d", c->scoring);
+    if (c->num_groups > 1) {
+      if (s.E % c->num_groups != 0 || c->topk_groups < 1 || c->topk_groups > c->num_groups ||
+          c->top_k > c->topk_groups * (s.E / c->num_groups))
+        return fail(EXPERTD_ERR_INVALID, "groups: %d groups, top %d groups, top_k %d, %d experts", c->num_groups,
+                    c->topk_groups, c->top_k, s.E);
+    } else {
+      c->num_groups = 0;
+      c->topk_groups = 0;
+    }
+    if (!(c->scaling > 0)) c->scaling = 1.f;  // the wire's "0 means 1"
+  } else {
+    c->logits_dtype = 0;
+    c->scoring = 0;
+    c->renormalize = 0;
+    c->num_groups = 0;
+    c->topk_groups = 0;
+    c->scaling = 0;
+  }
+  return EXPERTD_OK;
+}
+
+}  // namespace
+}  // namespace expertd
+
+using namespace expertd;
+
+extern "C" {
+
+int expertd_abi_version(void) { return EXPERTD_ABI_VERSION; }
+
+const char* expertd_last_error(void) { return g_last_error.c_str(); }
+
+int expertd_init(int device) {
+  g_last_error.clear();
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  CK(cudaFree(nullptr));  // creates the primary context now, not in the first call
+  return EXPERTD_OK;
+}
+
+int expertd_device_info(int device, char* buf, int buflen) {
+  g_last_error.clear();
+  if (!buf || buflen <= 0) return fail(EXPERTD_ERR_INVALID, "device_info: no buffer");
+  if (int rc = check_device(device)) return rc;
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, device));
+  const bool hopper = prop.major == 9 && prop.minor == 0;
+#ifdef EXPERTD_HAVE_SM90
+  const char* gemm = hopper ? "sm90" : "portable-f16";
+#else
+  const char* gemm = hopper ? "portable-e4m3" : "portable-f16";
+#endif
+  snprintf(buf, size_t(buflen), "%s (sm_%d%d, %d SMs, %.0f GiB, gemm=%s)", prop.name, prop.major, prop.minor,
+           prop.multiProcessorCount, double(prop.totalGlobalMem) / double(1ull << 30), gemm);
+  return EXPERTD_OK;
+}
+
+int expertd_set_create(int device, int num_experts, int hidden, int inter, int activation, const uint8_t* w13,
+                       const uint8_t* w2, const float* w13_scale, int n_w13_scale, const float* w2_scale,
+                       int n_w2_scale, float a13_scale, float a2_scale, uint64_t* out_handle) {
+  g_last_error.clear();
+  if (!out_handle) return fail(EXPERTD_ERR_INVALID, "set_create: out_handle is NULL");
+  *out_handle = 0;
+  if (num_experts < 1 || num_experts > EXPERTD_MAX_EXPERTS)
+    return fail(EXPERTD_ERR_UNSUPPORTED, "num_experts=%d (1..%d)", num_experts, EXPERTD_MAX_EXPERTS);
+  if (hidden < 1 || inter < 1 || hidden > (1 << 20) || inter > (1 << 20))
+    return fail(EXPERTD_ERR_INVALID, "hidden=%d inter=%d", hidden, inter);
+  if (activation != EXPERTD_ACT_SILU_GATED && activation != EXPERTD_ACT_RELU2)
+    return fail(EXPERTD_ERR_UNSUPPORTED, "activation %d", activation);
+  if (!w13 || !w2 || !w13_scale || !w2_scale) return fail(EXPERTD_ERR_INVALID, "set_create: NULL weights or scales");
+  auto scale_ok = [&](int n) { return n == 1 || n == num_experts; };
+  if (!scale_ok(n_w13_scale) || !scale_ok(n_w2_scale))
+    return fail(EXPERTD_ERR_UNSUPPORTED, "weight scales: %d and %d values (per-tensor or per-expert only)", n_w13_scale,
+                n_w2_scale);
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+
+  auto s = std::make_shared<Set>();
+  s->device = device;
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, device));
+  s->cc_major = prop.major;
+  s->cc_minor = prop.minor;
+  if (prop.major < 8) return fail(EXPERTD_ERR_UNSUPPORTED, "%s is sm_%d%d; need sm_80 or newer", prop.name, prop.major, prop.minor);
+  s->E = num_experts;
+  s->K = hidden;
+  s->N = inter;
+  s->act = activation;
+  s->a13_scale = a13_scale;
+  s->a2_scale = a2_scale;
+  const size_t rows1 = activation == EXPERTD_ACT_SILU_GATED ? 2 * size_t(inter) : size_t(inter);
+  const size_t n13 = size_t(num_experts) * rows1 * hidden, n2 = size_t(num_experts) * hidden * inter;
+  CK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
+  CK(cudaEventCreate(&s->ev0));
+  CK(cudaEventCreate(&s->ev1));
+  CK(cudaMalloc(&s->w13, n13));
+  CK(cudaMalloc(&s->w2, n2));
+  CK(cudaMalloc(&s->w13_scale, num_experts * sizeof(float)));
+  CK(cudaMalloc(&s->w2_scale, num_experts * sizeof(float)));
+  CK(cudaMemcpy(s->w13, w13, n13, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(s->w2, w2, n2, cudaMemcpyHostToDevice));
+  std::vector<float> sc(num_experts);
+  for (int e = 0; e < num_experts; ++e) sc[e] = w13_scale[n_w13_scale == 1 ? 0 : e];
+  CK(cudaMemcpy(s->w13_scale, sc.data(), sc.size() * sizeof(float), cudaMemcpyHostToDevice));
+  for (int e = 0; e < num_experts; ++e) sc[e] = w2_scale[n_w2_scale == 1 ? 0 : e];
+  CK(cudaMemcpy(s->w2_scale, sc.data(), sc.size() * sizeof(float), cudaMemcpyHostToDevice));
+
+  std::lock_guard<std::mutex> lk(g_sets_mu);
+  const uint64_t h = g_next_handle++;
+  g_sets[h] = std::move(s);
+  *out_handle = h;
+  return EXPERTD_OK;
+}
+
+int expertd_set_free(uint64_t handle) {
+  g_last_error.clear();
+  std::shared_ptr<Set> s;
+  {
+    std::lock_guard<std::mutex> lk(g_sets_mu);
+    auto it = g_sets.find(handle);
+    if (it == g_sets.end()) return fail(EXPERTD_ERR_NOT_FOUND, "set_free: unknown handle %llu", (unsigned long long)handle);
+    s = std::move(it->second);
+    g_sets.erase(it);
+  }
+  std::lock_guard<std::mutex> lk(s->mu);  // a call in flight finishes first
+  return EXPERTD_OK;                      // ~Set frees when the last reference goes
+}
+
+int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const float* fparams, int n_fparams,
+                const void* hidden, const float* hidden_scale, const void* logits, const float* correction_bias,
+                const int32_t* topk_ids_in, const float* topk_w_in, void* out, int32_t* topk_ids_out,
+                float* topk_w_out, float* kernel_ms) {
+  g_last_error.clear();
+  auto sp = find_set(handle);
+  if (!sp) return fail(EXPERTD_ERR_NOT_FOUND, "moe: unknown handle %llu", (unsigned long long)handle);
+  Set& s = *sp;
+  std::lock_guard<std::mutex> lk(s.mu);
+  const bool have_topk = topk_ids_in && topk_w_in;
+  Call c;
+  if (int rc = parse_call(s, iparams, n_iparams, fparams, n_fparams, logits != nullptr, have_topk,
+                          correction_bias != nullptr, &c))
+    return rc;
+  if (!hidden || !out) return fail(EXPERTD_ERR_INVALID, "moe: NULL hidden or out");
+  if (c.n_hidden_scale > 0 && !hidden_scale) return fail(EXPERTD_ERR_INVALID, "moe: NULL hidden_scale");
+  CK(cudaSetDevice(s.device));
+
+  const bool sm90 = c.gemm == EXPERTD_GEMM_SM90 || (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s));
+  const Layout L = layout(s, c, block_rows_for(s, c, sm90));
+  if (int rc = ensure_workspace(s, L)) return rc;
+
+  const size_t hsz = c.hidden_dtype == EXPERTD_DTYPE_FLOAT32 ? 4 : c.hidden_dtype == EXPERTD_DTYPE_BFLOAT16 ? 2 : 1;
+  const size_t osz = c.out_dtype == EXPERTD_DTYPE_FLOAT32 ? 4 : 2;
+  const size_t m = c.m, K = s.K, P = L.p;
+  const size_t lsz = c.logits_dtype == EXPERTD_DTYPE_BFLOAT16 ? 2 : 4;
+  // Stage inputs in pinned memory laid out like the workspace's input
+  // region, so one copy moves them all.
+  if (int rc = ensure_pinned(&s.pin_in, &s.pin_in_bytes, L.in_end)) return rc;
+  if (int rc = ensure_pinned(&s.pin_out, &s.pin_out_bytes, align_up(m * K * 4) + 2 * align_up(P * 4))) return rc;
+  uint8_t* pin = s.pin_in;
+  size_t in_hi = L.hidden + m * K * hsz;
+  std::memcpy(pin + L.hidden, hidden, m * K * hsz);
+  if (c.n_hidden_scale > 0) {
+    std::memcpy(pin + L.hscale, hidden_scale, size_t(c.n_hidden_scale) * 4);
+    in_hi = L.hscale + size_t(c.n_hidden_scale) * 4;
+  }
+  if (c.have_logits) {
+    std::memcpy(pin + L.logits, logits, m * s.E * lsz);
+    in_hi = L.logits + m * s.E * lsz;
+    if (c.have_bias) {
+      std::memcpy(pin + L.bias, correction_bias, size_t(s.E) * 4);
+      in_hi = L.bias + size_t(s.E) * 4;
+    }
+  } else {
+    std::memcpy(pin + L.ids, topk_ids_in, P * 4);
+    std::memcpy(pin + L.w, topk_w_in, P * 4);
+    in_hi = L.w + P * 4;
+  }
+  cudaStream_t st = s.stream;
+  CK(cudaMemcpyAsync(s.ws + L.in_begin, pin + L.in_begin, in_hi - L.in_begin, cudaMemcpyHostToDevice, st));
+
+  Ptrs p;
+  p.hidden = s.ws + L.hidden;
+  p.hidden_scale = reinterpret_cast<const float*>(s.ws + L.hscale);
+  p.logits = s.ws + L.logits;
+  p.bias = c.have_bias ? reinterpret_cast<const float*>(s.ws + L.bias) : nullptr;
+  p.ids = reinterpret_cast<int32_t*>(s.ws + L.ids);
+  p.w = reinterpret_cast<float*>(s.ws + L.w);
+  p.out = s.ws + L.out;
+
+  const bool use_graph = iparams[EXPERTD_P_USE_GRAPH] != 0;
+  CK(cudaEventRecord(s.ev0, st));
+  Graph* g = nullptr;
+  if (use_graph) {
+    if (s.graphs.size() >= 64 && !s.graphs.count(c)) s.drop_graphs();
+    g = &s.graphs[c];
+    g->seen++;
+  }
+  if (g && g->exec) {
+    CK(cudaGraphLaunch(g->exec, st));
+  } else if (g && g->seen >= 2 && !g->failed) {
+    // Second call of this shape: capture it. The first ran uncaptured, so
+    // one-time setup (function attributes, driver entry points) is done.
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    const int rc = enqueue(s, c, L, p, st);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(st, &graph);
+    if (rc != EXPERTD_OK) {
+      if (graph) cudaGraphDestroy(graph);
+      return rc;
+    }
+    cudaError_t err = end;
+    if (err == cudaSuccess) err = cudaGraphInstantiate(&g->exec, graph, 0);
+    if (graph) cudaGraphDestroy(graph);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      g->failed = true;
+      g->exec = nullptr;
+      if (int rc2 = enqueue(s, c, L, p, st)) return rc2;
+    } else {
+      CK(cudaGraphLaunch(g->exec, st));
+    }
+  } else {
+    if (int rc = enqueue(s, c, L, p, st)) return rc;
+  }
+  CK(cudaEventRecord(s.ev1, st));
+
+  uint8_t* po = s.pin_out;
+  const size_t o_out = 0, o_ids = align_up(m * K * osz), o_w = o_ids + align_up(P * 4);
+  CK(cudaMemcpyAsync(po + o_out, p.out, m * K * osz, cudaMemcpyDeviceToHost, st));
+  if (topk_ids_out) CK(cudaMemcpyAsync(po + o_ids, p.ids, P * 4, cudaMemcpyDeviceToHost, st));
+  if (topk_w_out) CK(cudaMemcpyAsync(po + o_w, p.w, P * 4, cudaMemcpyDeviceToHost, st));
+  CK(cudaStreamSynchronize(st));
+  std::memcpy(out, po + o_out, m * K * osz);
+  if (topk_ids_out) std::memcpy(topk_ids_out, po + o_ids, P * 4);
+  if (topk_w_out) std::memcpy(topk_w_out, po + o_w, P * 4);
+  if (kernel_ms) {
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, s.ev0, s.ev1));
+    *kernel_ms = ms;
+  }
+  return EXPERTD_OK;
+}
+
+int expertd_moe_device(uint64_t handle, const int64_t* iparams, int n_iparams, const float* fparams,
+                       int n_fparams, const void* hidden, const float* hidden_scale, const void* logits,
+                       const float* correction_bias, const int32_t* topk_ids_in, const float* topk_w_in, void* out,
+                       int32_t* topk_ids_out, float* topk_w_out, uintptr_t stream) {
+  g_last_error.clear();
+  auto sp = find_set(handle);
+  if (!sp) return fail(EXPERTD_ERR_NOT_FOUND, "moe_device: unknown handle %llu", (unsigned long long)handle);
+  Set& s = *sp;
+  std::lock_guard<std::mutex> lk(s.mu);
+  const bool have_topk = topk_ids_in && topk_w_in;
+  Call c;
+  if (int rc = parse_call(s, iparams, n_iparams, fparams, n_fparams, logits != nullptr, have_topk,
+                          correction_bias != nullptr, &c))
+    return rc;
+  if (!hidden || !out) return fail(EXPERTD_ERR_INVALID, "moe_device: NULL hidden or out");
+  if (c.n_hidden_scale > 0 && !hidden_scale) return fail(EXPERTD_ERR_INVALID, "moe_device: NULL hidden_scale");
+  CK(cudaSetDevice(s.device));
+  const bool sm90 = c.gemm == EXPERTD_GEMM_SM90 || (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s));
+  const Layout L = layout(s, c, block_rows_for(s, c, sm90));
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  if (L.total > s.ws_bytes) {
+    // Growing synchronizes the set's stream; order it after the caller's.
+    CK(cudaStreamSynchronize(st));
+    if (int rc = ensure_workspace(s, L)) return rc;
+    CK(cudaStreamSynchronize(s.stream));
+  }
+  const size_t P = L.p;
+  Ptrs p;
+  p.hidden = hidden;
+  p.hidden_scale = hidden_scale;
+  p.logits = logits;
+  p.bias = c.have_bias ? correction_bias : nullptr;
+  if (have_topk) {
+    p.ids = const_cast<int32_t*>(topk_ids_in);
+    p.w = const_cast<float*>(topk_w_in);
+  } else {
+    p.ids = topk_ids_out ? topk_ids_out : reinterpret_cast<int32_t*>(s.ws + L.ids);
+    p.w = topk_w_out ? topk_w_out : reinterpret_cast<float*>(s.ws + L.w);
+  }
+  p.out = out;
+  if (int rc = enqueue(s, c, L, p, st)) return rc;
+  if (have_topk) {
+    if (topk_ids_out) CK(cudaMemcpyAsync(topk_ids_out, topk_ids_in, P * 4, cudaMemcpyDeviceToDevice, st));
+    if (topk_w_out) CK(cudaMemcpyAsync(topk_w_out, topk_w_in, P * 4, cudaMemcpyDeviceToDevice, st));
+  }
+  return EXPERTD_OK;
+}
+
+}  // extern "C"

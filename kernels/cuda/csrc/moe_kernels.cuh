@@ -1,0 +1,331 @@
+// Small kernels around the two grouped GEMMs: routing, token alignment,
+// quantize-and-gather of the GEMM1 input, dynamic requantization of the
+// intermediate, and the router-weighted combine. Semantics follow
+// kernels/cpu (routing.go, moe.go), which follows MOE_SPEC.md section 1.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace expertd {
+
+constexpr float kFP8Max = 448.0f;
+constexpr float kMinScale = 1e-10f;  // MOE_SPEC: near-zero scales give NaN on Hopper
+
+__device__ __forceinline__ float clamp_scale(float s) { return s > kMinScale ? s : kMinScale; }
+
+__device__ __forceinline__ uint8_t to_e4m3(float v) {
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ float e4m3_to_float(uint8_t b) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(b, __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// load_elem reads element i of a row of dtype dt (1 FP32, 2 BF16) as float.
+__device__ __forceinline__ float load_float(const void* p, size_t i, int dt) {
+  if (dt == 2) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
+// better says whether score a beats b: NaN loses to everything (also NaN).
+__device__ __forceinline__ bool better(float a, float b) {
+  if (isnan(a)) return false;
+  if (isnan(b)) return true;
+  return a > b;
+}
+
+// warp_argbest reduces (value, index) candidates over a warp: the better
+// value wins, ties (and NaN against NaN) go to the lower index, index -1 is
+// no candidate.
+__device__ __forceinline__ void warp_argbest(float& v, int& i) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float v2 = __shfl_xor_sync(0xffffffffu, v, off);
+    const int i2 = __shfl_xor_sync(0xffffffffu, i, off);
+    const bool take = i < 0 || (i2 >= 0 && (better(v2, v) || (!better(v, v2) && i2 < i)));
+    if (take) {
+      v = v2;
+      i = i2;
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+// RouteParams are one call's routing settings.
+struct RouteParams {
+  int m, e, top_k;
+  int renormalize;
+  int scoring;  // 1 softmax, 2 sigmoid
+  int num_groups, topk_groups;
+  float scaling;
+  int logits_dtype;
+};
+
+// route_kernel: one warp per token. Per-warp shared memory: score, sel and
+// group floats [E] each, then taken and keep bytes [E] each.
+__global__ void route_kernel(RouteParams p, const void* logits, const float* bias, int32_t* ids,
+                             float* weights) {
+  extern __shared__ __align__(16) uint8_t route_smem[];
+  const int warps = blockDim.x / 32;
+  const int wid = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tok = blockIdx.x * warps + wid;
+  if (tok >= p.m) return;
+  const int E = p.e;
+  uint8_t* base = route_smem + size_t(wid) * E * 14;
+  float* score = reinterpret_cast<float*>(base);
+  float* sel = score + E;
+  float* group = sel + E;
+  uint8_t* taken = reinterpret_cast<uint8_t*>(group + E);
+  uint8_t* keep = taken + E;
+
+  const size_t row = size_t(tok) * E;
+  if (p.scoring == 2) {
+    for (int i = lane; i < E; i += 32) {
+      const float x = load_float(logits, row + i, p.logits_dtype);
+      score[i] = 1.0f / (1.0f + expf(-x));
+    }
+  } else {
+    float mx = -INFINITY;
+    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, load_float(logits, row + i, p.logits_dtype));
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int i = lane; i < E; i += 32) {
+      const float v = expf(load_float(logits, row + i, p.logits_dtype) - mx);
+      score[i] = v;
+      sum += v;
+    }
+    sum = warp_sum(sum);
+    const float inv = 1.0f / sum;
+    for (int i = lane; i < E; i += 32) score[i] *= inv;
+  }
+  for (int i = lane; i < E; i += 32) {
+    sel[i] = score[i] + (bias ? bias[i] : 0.f);
+    taken[i] = 0;
+  }
+  __syncwarp();
+
+  if (p.num_groups > 1) {
+    const int G = p.num_groups, size = E / G;
+    for (int gi = lane; gi < G; gi += 32) {
+      float a = NAN, b = NAN;
+      for (int i = gi * size; i < (gi + 1) * size; ++i) {
+        const float x = sel[i];
+        if (better(x, a)) {
+          b = a;
+          a = x;
+        } else if (better(x, b)) {
+          b = x;
+        }
+      }
+      group[gi] = size == 1 ? a : a + b;
+      keep[gi] = 0;
+    }
+    __syncwarp();
+    for (int r = 0; r < p.topk_groups; ++r) {
+      float bv = NAN;
+      int bi = -1;
+      for (int gi = lane; gi < G; gi += 32) {
+        if (keep[gi]) continue;
+        if (bi < 0 || better(group[gi], bv)) {
+          bv = group[gi];
+          bi = gi;
+        }
+      }
+      warp_argbest(bv, bi);
+      if (lane == 0 && bi >= 0) keep[bi] = 1;
+      __syncwarp();
+    }
+    for (int i = lane; i < E; i += 32) {
+      if (!keep[i / size]) taken[i] = 1;
+    }
+    __syncwarp();
+  }
+
+  float sum = 0.f;
+  int my_id = -1;  // lane j keeps slot j's id
+  for (int j = 0; j < p.top_k; ++j) {
+    float bv = NAN;
+    int bi = -1;
+    for (int i = lane; i < E; i += 32) {
+      if (taken[i]) continue;
+      if (bi < 0 || better(sel[i], bv)) {
+        bv = sel[i];
+        bi = i;
+      }
+    }
+    warp_argbest(bv, bi);
+    if (bi < 0) bi = 0;  // unreachable: the Go side checks top_k against the kept experts
+    if (lane == 0) taken[bi] = 1;
+    __syncwarp();
+    sum += score[bi];
+    if (lane == j) my_id = bi;
+  }
+  if (lane < p.top_k) {
+    float w = score[my_id];
+    if (p.renormalize && sum > 0.f) w /= sum;
+    ids[size_t(tok) * p.top_k + lane] = my_id;
+    weights[size_t(tok) * p.top_k + lane] = w * p.scaling;
+  }
+}
+
+// align_kernel (one block) groups the n_pairs routed pairs by expert, each
+// expert's run padded to a multiple of block_rows: sorted_pairs[row] = pair
+// or -1, block_expert[block] = expert or -1, *num_blocks. Shared memory: two
+// int arrays [E]. Pairs whose id is out of range are dropped (combine skips
+// them).
+__global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_rows, int max_blocks,
+                             int32_t* sorted_pairs, int32_t* block_expert, int32_t* num_blocks) {
+  extern __shared__ int align_smem[];
+  int* count = align_smem;
+  int* cursor = align_smem + E;
+  __shared__ int total_blocks;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
+    const int e = ids[i];
+    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int blocks = 0;
+    for (int e = 0; e < E; ++e) {
+      const int nb = (count[e] + block_rows - 1) / block_rows;
+      cursor[e] = blocks * block_rows;
+      count[e] = blocks;  // first block of expert e
+      blocks += nb;
+    }
+    total_blocks = blocks;
+    *num_blocks = blocks;
+  }
+  __syncthreads();
+  const int nb = total_blocks;
+  // block_expert: expert e owns blocks [first[e], first[e+1]).
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int first = count[e];
+    const int last = e + 1 < E ? count[e + 1] : nb;
+    for (int b = first; b < last; ++b) block_expert[b] = e;
+  }
+  for (int b = nb + threadIdx.x; b < max_blocks; b += blockDim.x) block_expert[b] = -1;
+  for (int r = threadIdx.x; r < nb * block_rows; r += blockDim.x) sorted_pairs[r] = -1;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
+    const int e = ids[i];
+    if (e >= 0 && e < E) sorted_pairs[atomicAdd(&cursor[e], 1)] = i;
+  }
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+  v = warp_max(v);
+  const int wid = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) red[wid] = v;
+  __syncthreads();
+  float r = lane < int(blockDim.x / 32) ? red[lane] : 0.f;
+  return warp_max(r);
+}
+
+// GatherParams: how GEMM1's input rows are made.
+struct GatherParams {
+  int k, top_k;
+  int hidden_dtype;  // 1 FP32, 2 BF16, 4 FP8
+  int n_hidden_scale;  // FP8: 0 (use fallback_scale), 1 or M
+  float fallback_scale;  // FP8 with no scale: static a13 or 1
+  float static_scale;  // BF16/FP32: > 0 static a13, else dynamic per token
+};
+
+// gather_quant_kernel: one block per sorted row; writes a1q[row] (FP8) and,
+// unless the scale is static, a1s[row].
+__global__ void gather_quant_kernel(GatherParams p, const void* hidden, const float* hidden_scale,
+                                    const int32_t* sorted_pairs, const int32_t* num_blocks,
+                                    int block_rows, uint8_t* a1q, float* a1s) {
+  const int row = blockIdx.x;
+  if (row >= *num_blocks * block_rows) return;
+  const int pair = sorted_pairs[row];
+  if (pair < 0) return;
+  const int tok = pair / p.top_k;
+  const int K = p.k;
+  uint8_t* dst = a1q + size_t(row) * K;
+  const size_t src0 = size_t(tok) * K;
+  if (p.hidden_dtype == 4) {
+    const uint8_t* src = static_cast<const uint8_t*>(hidden) + src0;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = src[i];
+    if (threadIdx.x == 0) {
+      float s = p.fallback_scale;
+      if (p.n_hidden_scale == 1) s = hidden_scale[0];
+      if (p.n_hidden_scale > 1) s = hidden_scale[tok];
+      a1s[row] = clamp_scale(s);
+    }
+    return;
+  }
+  float s = p.static_scale;
+  if (s <= 0.f) {
+    __shared__ float red[32];
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) amax = fmaxf(amax, fabsf(load_float(hidden, src0 + i, p.hidden_dtype)));
+    amax = block_max(amax, red);
+    s = clamp_scale(amax / kFP8Max);
+    if (threadIdx.x == 0) a1s[row] = s;
+  }
+  const float inv = 1.0f / s;
+  for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = to_e4m3(load_float(hidden, src0 + i, p.hidden_dtype) * inv);
+}
+
+// requant_kernel: dynamic per-row FP8 quantization of GEMM1's BF16 output
+// (one block per sorted row).
+__global__ void requant_kernel(const __nv_bfloat16* act, int n, const int32_t* sorted_pairs,
+                               const int32_t* num_blocks, int block_rows, uint8_t* a2q, float* a2s) {
+  const int row = blockIdx.x;
+  if (row >= *num_blocks * block_rows) return;
+  if (sorted_pairs[row] < 0) return;
+  const __nv_bfloat16* src = act + size_t(row) * n;
+  __shared__ float red[32];
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(src[i])));
+  amax = block_max(amax, red);
+  const float s = clamp_scale(amax / kFP8Max);
+  if (threadIdx.x == 0) a2s[row] = s;
+  const float inv = 1.0f / s;
+  uint8_t* dst = a2q + size_t(row) * n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = to_e4m3(__bfloat162float(src[i]) * inv);
+}
+
+// combine_kernel: out[t] = sum over slots of y[t*top_k + j] (weights already
+// applied by GEMM2), in slot order; pairs with an out-of-range id add 0.
+__global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m, int top_k, int k, int E,
+                               int out_dtype, void* out) {
+  const int tok = blockIdx.x;
+  if (tok >= m) return;
+  __shared__ int valid[64];
+  if (threadIdx.x < top_k) {
+    const int e = ids[size_t(tok) * top_k + threadIdx.x];
+    valid[threadIdx.x] = e >= 0 && e < E;
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < k; c += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+      if (valid[j]) acc += __bfloat162float(y[(size_t(tok) * top_k + j) * k + c]);
+    }
+    if (out_dtype == 1) {
+      static_cast<float*>(out)[size_t(tok) * k + c] = acc;
+    } else {
+      static_cast<__nv_bfloat16*>(out)[size_t(tok) * k + c] = __float2bfloat16_rn(acc);
+    }
+  }
+}
+
+}  // namespace expertd

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# cuda-build.sh builds build/libexpertd_cuda.so from kernels/cuda/csrc.
+#
+# Targets: sm_90a machine code (Hopper wgmma/TMA kernels and the portable
+# ones), sm_80 machine code and compute_80 PTX (the portable kernels for
+# every other card from Ampere on). The CUDA runtime is linked statically,
+# and libstdc++/libgcc too, so the library needs only libc and the driver on
+# the device machine. The ptxas resource report goes to build/ptxas.txt.
+#
+# Needs no GPU. NVCC (default: .tools/cuda/bin/nvcc from cuda-install.sh,
+# then nvcc on PATH) and JOBS can be overridden.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+src="$root/kernels/cuda/csrc"
+out="$root/build"
+obj="$out/obj"
+mkdir -p "$obj"
+
+nvcc="${NVCC:-}"
+if [[ -z "$nvcc" ]]; then
+  if [[ -x "$root/.tools/cuda/bin/nvcc" ]]; then
+    nvcc="$root/.tools/cuda/bin/nvcc"
+  elif command -v nvcc >/dev/null; then
+    nvcc="$(command -v nvcc)"
+  else
+    "$root/scripts/cuda-install.sh"
+    nvcc="$root/.tools/cuda/bin/nvcc"
+  fi
+fi
+cuda_home="$(cd "$(dirname "$nvcc")/.." && pwd)"
+cudart="$cuda_home/lib64/libcudart_static.a"
+[[ -f "$cudart" ]] || cudart="$cuda_home/lib/libcudart_static.a"
+
+gencode=(-gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
+         -gencode arch=compute_80,code=compute_80)
+flags=(-O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -Xptxas -v
+       --expt-relaxed-constexpr -I"$src")
+
+srcs=(moe.cu gemm_portable.cu)
+if [[ -f "$src/gemm_sm90.cu" ]]; then
+  flags+=(-DEXPERTD_HAVE_SM90)
+  srcs+=(gemm_sm90.cu)
+  # Until gemm_sm90.cu implements moe_gemm.h itself, a bridge adapts it.
+  if ! grep -q 'launch_gemm1_sm90' "$src/gemm_sm90.cu"; then
+    srcs+=(gemm_sm90_bridge.cu)
+  fi
+fi
+
+: > "$out/ptxas.txt"
+pids=()
+for f in "${srcs[@]}"; do
+  (
+    "$nvcc" "${flags[@]}" "${gencode[@]}" -c "$src/$f" -o "$obj/${f%.cu}.o" 2> "$obj/${f%.cu}.log" \
+      || { cat "$obj/${f%.cu}.log" >&2; exit 1; }
+  ) &
+  pids+=($!)
+  if (( ${#pids[@]} >= ${JOBS:-2} )); then
+    wait "${pids[0]}"
+    pids=("${pids[@]:1}")
+  fi
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for f in "${srcs[@]}"; do
+  log="$obj/${f%.cu}.log"
+  grep -v '^ptxas info\|bytes stack frame\|^ptxas\s*$' "$log" | grep -i 'warning\|error' >&2 || true
+  { echo "== $f"; cat "$log"; } >> "$out/ptxas.txt"
+done
+
+objs=()
+for f in "${srcs[@]}"; do objs+=("$obj/${f%.cu}.o"); done
+g++ -shared -o "$out/libexpertd_cuda.so" "${objs[@]}" "$cudart" \
+  -static-libstdc++ -static-libgcc -Wl,--exclude-libs,ALL -Wl,-z,defs -lpthread -ldl -lrt
+echo "cuda-build: $out/libexpertd_cuda.so ($(du -h "$out/libexpertd_cuda.so" | cut -f1)), $(grep -c 'spill' "$out/ptxas.txt" || true) ptxas reports in build/ptxas.txt"
+if grep -E '[1-9][0-9]* bytes spill' "$out/ptxas.txt" >/dev/null; then
+  echo "cuda-build: warning: some kernels spill registers (see build/ptxas.txt)" >&2
+fi
