@@ -269,10 +269,9 @@ func (c *coverage) gaps(size int64) string {
 			parts = append(parts, fmt.Sprintf("[%d, %d)", at, s[0]))
 		}
 		at = s[1]
-		if len(parts) == 3 {
-			parts = append(parts, "...")
-			break
-		}
+	}
+	if len(parts) > 3 {
+		parts = append(parts[:3], "...")
 	}
 	return strings.Join(parts, " ")
 }

@@ -1,0 +1,176 @@
+package service_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/testing/protocmp"
+
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service"
+	"github.com/expertd/expertd/service/servicetest"
+)
+
+func TestGetServerInfo(t *testing.T) {
+	cfg := service.Config{Version: "v1.2.3", MaxTokens: 8192, MaxLoadedBytes: 1 << 30, MaxConcurrent: 3, MaxMessageBytes: 1 << 26}
+	c, _, _ := servicetest.StartServerConfig(t, cfg, &fakeBackend{})
+	got, err := c.GetServerInfo(testContext(t), &pb.GetServerInfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &pb.ServerInfo{
+		Version: "v1.2.3",
+		Backends: []*pb.ServerInfo_BackendInfo{{
+			Name:          "fake",
+			Activations:   []pb.Activation{pb.Activation_ACTIVATION_SILU_GATED, pb.Activation_ACTIVATION_RELU2},
+			Granularities: []string{"per-tensor", "per-expert"},
+			Devices:       []string{"fake device"},
+		}},
+		Devices: []string{"fake device"},
+		Limits:  &pb.ServerInfo_Limits{MaxMessageBytes: 1 << 26, MaxTokens: 8192, MaxLoadedBytes: 1 << 30, MaxConcurrent: 3},
+	}
+	if diff := cmp.Diff(want, got, protocmp.Transform()); diff != "" {
+		t.Errorf("GetServerInfo (-want +got):\n%s", diff)
+	}
+}
+
+// TestShutdownDrains checks that Shutdown waits for a running call, refuses
+// new ones with Unavailable, and frees the loaded sets.
+func TestShutdownDrains(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{release: make(chan struct{}), started: make(chan struct{}, 1)}
+	c, srv, _ := func() (pb.ExpertServiceClient, *service.Server, func()) {
+		c, srv, cleanup := servicetest.StartServerConfig(t, service.Config{}, b)
+		w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)
+		if _, err := servicetest.Upload(testContext(t), c, servicetest.Header("layer", w, false), servicetest.Chunks(w, 1000)); err != nil {
+			t.Fatal(err)
+		}
+		return c, srv, cleanup
+	}()
+	running := make(chan error, 1)
+	req := request(rng, 2)
+	go func() {
+		_, err := c.FusedMoE(testContext(t), req)
+		running <- err
+	}()
+	<-b.started
+
+	drained := make(chan error, 1)
+	go func() { drained <- srv.Shutdown(testContext(t)) }()
+	for !srv.Draining() {
+		time.Sleep(time.Millisecond)
+	}
+	if _, err := c.FusedMoE(testContext(t), request(rng, 1)); status.Code(err) != codes.Unavailable {
+		t.Errorf("FusedMoE while draining: got %v, want Unavailable", err)
+	}
+	if _, err := c.UnloadExperts(testContext(t), &pb.UnloadExpertsRequest{Name: "layer"}); status.Code(err) != codes.Unavailable {
+		t.Errorf("UnloadExperts while draining: got %v, want Unavailable", err)
+	}
+	select {
+	case err := <-drained:
+		t.Fatalf("Shutdown returned %v with a call in flight", err)
+	case <-time.After(20 * time.Millisecond):
+	}
+	close(b.release)
+	if err := <-running; err != nil {
+		t.Errorf("call in flight during Shutdown: %v, want success", err)
+	}
+	if err := <-drained; err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if loads, closes := b.counts(); closes != loads {
+		t.Errorf("after Shutdown %d of %d loaded sets are closed", closes, loads)
+	}
+}
+
+func TestShutdownTimeout(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{release: make(chan struct{}), started: make(chan struct{}, 1)}
+	defer close(b.release)
+	c, srv, _ := servicetest.StartServerConfig(t, service.Config{}, b)
+	w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)
+	if _, err := servicetest.Upload(testContext(t), c, servicetest.Header("layer", w, false), servicetest.Chunks(w, 1000)); err != nil {
+		t.Fatal(err)
+	}
+	req := request(rng, 2)
+	go c.FusedMoE(testContext(t), req) //nolint:errcheck // ends with the test
+	<-b.started
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != context.DeadlineExceeded {
+		t.Errorf("Shutdown with a stuck call: got %v, want DeadlineExceeded", err)
+	}
+}
+
+// TestUnloadWhileRunning checks a set unloaded mid-call is freed only when
+// the call ends, and that its name is gone at once.
+func TestUnloadWhileRunning(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{release: make(chan struct{}), started: make(chan struct{}, 1)}
+	c, _ := loadedServer(t, rng, service.Config{MaxLoadedBytes: 1 << 20}, b)
+	done := make(chan error, 1)
+	req := request(rng, 2)
+	go func() {
+		_, err := c.FusedMoE(testContext(t), req)
+		done <- err
+	}()
+	<-b.started
+	if _, err := c.UnloadExperts(testContext(t), &pb.UnloadExpertsRequest{Name: "layer"}); err != nil {
+		t.Fatalf("UnloadExperts: %v", err)
+	}
+	if _, closes := b.counts(); closes != 0 {
+		t.Errorf("set closed while a call was running on it")
+	}
+	if _, err := c.FusedMoE(testContext(t), request(rng, 1)); status.Code(err) != codes.NotFound {
+		t.Errorf("FusedMoE on the unloaded name: got %v, want NotFound", err)
+	}
+	close(b.release)
+	if err := <-done; err != nil {
+		t.Errorf("running call: %v", err)
+	}
+	if _, closes := b.counts(); closes != 1 {
+		t.Errorf("set closed %d times after its call ended, want 1", closes)
+	}
+}
+
+// TestConcurrencyLimit checks calls beyond MaxConcurrent wait for a slot
+// and report that wait as queue time.
+func TestConcurrencyLimit(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{release: make(chan struct{}), started: make(chan struct{}, 4)}
+	c, _ := loadedServer(t, rng, service.Config{MaxConcurrent: 1}, b)
+	type result struct {
+		resp *pb.FusedMoEResponse
+		err  error
+	}
+	results := make(chan result, 2)
+	for range 2 {
+		req := request(rng, 1)
+		go func() {
+			resp, err := c.FusedMoE(testContext(t), req)
+			results <- result{resp, err}
+		}()
+	}
+	<-b.started
+	select {
+	case <-b.started:
+		t.Fatal("a second call started with MaxConcurrent 1")
+	case <-time.After(20 * time.Millisecond):
+	}
+	close(b.release)
+	var maxQueue int64
+	for range 2 {
+		r := <-results
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		maxQueue = max(maxQueue, r.resp.GetTimings().GetQueueNanos())
+	}
+	if maxQueue < int64(10*time.Millisecond) {
+		t.Errorf("max queue time %v, want >= 10ms for the call that waited", time.Duration(maxQueue))
+	}
+}
