@@ -325,7 +325,11 @@ func TestLoadSafetensorsErrors(t *testing.T) {
 			s.Preset = pb.NamingPreset_NAMING_PRESET_QWEN3_MOE
 			return s
 		}(), codes.InvalidArgument, "no tensor named"},
-		{"too many experts", dir, func() *pb.LoadExpertsRequest_SafetensorsSource { s := nem("ok.safetensors"); s.NumExperts = 3; return s }(), codes.InvalidArgument, "experts.2.up_proj.weight"},
+		{"too many experts", dir, func() *pb.LoadExpertsRequest_SafetensorsSource {
+			s := nem("ok.safetensors")
+			s.NumExperts = 3
+			return s
+		}(), codes.InvalidArgument, "experts.2.up_proj.weight"},
 		{"bad name", dir, func() *pb.LoadExpertsRequest_SafetensorsSource { s := nem("ok.safetensors"); s.Name = ""; return s }(), codes.InvalidArgument, "safetensors.name"},
 	}
 	for _, tt := range tests {
