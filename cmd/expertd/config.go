@@ -1,0 +1,246 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Config is every knob of the daemon, parsed once at start. Each field is
+// set by a flag or, when the flag is absent, by its EXPERTD_* environment
+// variable, else by its default.
+type Config struct {
+	// Listen is the gRPC address (-listen, EXPERTD_LISTEN).
+	Listen string
+	// Backend is auto, cpu or cuda (-backend, EXPERTD_BACKEND). auto tries
+	// cuda and falls back to cpu with a warning.
+	Backend string
+	// LibraryPath locates the CUDA kernel library (-library-path,
+	// EXPERTD_LIBRARY_PATH); empty lets the backend search.
+	LibraryPath string
+	// Device is the GPU ordinal (-device, EXPERTD_DEVICE).
+	Device int
+	// Threads bounds CPU backend goroutines per call, 0 for GOMAXPROCS
+	// (-threads, EXPERTD_THREADS).
+	Threads int
+	// WeightsDir is the only directory safetensors loads read from; empty
+	// disables them (-weights-dir, EXPERTD_WEIGHTS_DIR).
+	WeightsDir string
+	// MaxTokens bounds M per FusedMoE call (-max-tokens, EXPERTD_MAX_TOKENS).
+	MaxTokens int
+	// MaxMessageBytes is the gRPC message limit both ways; 0 sizes it from
+	// the largest legal request at MaxTokens (-max-message-bytes,
+	// EXPERTD_MAX_MESSAGE_BYTES).
+	MaxMessageBytes int64
+	// MaxLoadedBytes bounds resident expert sets, 0 for unlimited
+	// (-max-loaded-bytes, EXPERTD_MAX_LOADED_BYTES).
+	MaxLoadedBytes int64
+	// MaxConcurrent bounds FusedMoE calls running at once
+	// (-max-concurrent, EXPERTD_MAX_CONCURRENT).
+	MaxConcurrent int
+	// AdminAddr serves /metrics (Prometheus) and /healthz; empty disables
+	// (-admin-addr, EXPERTD_ADMIN_ADDR).
+	AdminAddr string
+	// LogLevel is debug, info, warn or error (-log-level, EXPERTD_LOG_LEVEL).
+	LogLevel string
+	// LogFormat is text or json (-log-format, EXPERTD_LOG_FORMAT).
+	LogFormat string
+	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
+	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
+	ShutdownTimeout time.Duration
+}
+
+// Defaults. Both addresses are loopback: exposing the daemon is a choice.
+const (
+	defaultListen    = "127.0.0.1:50051"
+	defaultAdminAddr = "127.0.0.1:9090"
+	defaultMaxTokens = 8192
+	// 32 GiB holds a dozen full Nemotron layers (1.28 GB each) or every
+	// Qwen3-30B layer; beyond that a host should say what it can spare.
+	defaultMaxLoadedBytes = 32 << 30
+	defaultMaxConcurrent  = 4
+	defaultShutdown       = 30 * time.Second
+)
+
+// Largest layer dimensions the default message limit is sized for: every
+// reference model of MOE_SPEC.md fits (DeepSeek-V3 has K = 7168, E = 256).
+const (
+	sizingMaxK = 8192
+	sizingMaxE = 512
+	// sizingMaxTopK bounds precomputed routing and returned routing.
+	sizingMaxTopK = 16
+)
+
+// messageBytesFor is the largest legal FusedMoE request or response with a
+// named expert set at maxTokens: FP32 hidden states (or output), FP32
+// logits, and precomputed top-k ids and weights, plus 1 MiB for protobuf
+// framing, scales and routing fields. Larger inline weights must be
+// loaded with the chunked LoadExperts instead.
+func messageBytesFor(maxTokens int) int64 {
+	m := int64(maxTokens)
+	return m*(sizingMaxK*4+sizingMaxE*4+2*sizingMaxTopK*4) + 1<<20
+}
+
+// parseConfig reads args (without the program name) and the environment
+// through getenv. Flags win over the environment.
+func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Config, error) {
+	var c Config
+	fs := flag.NewFlagSet("expertd", flag.ContinueOnError)
+	fs.SetOutput(usage)
+	var envErrs []error
+	str := func(p *string, name, def, help string) {
+		env := envName(name)
+		if v := getenv(env); v != "" {
+			def = v
+		}
+		fs.StringVar(p, name, def, help+" ($"+env+")")
+	}
+	// Numbers parse with one function so flags and variables accept the
+	// same spellings (byte suffixes included).
+	num := func(name string, def int64, help string, set func(int64)) {
+		env := envName(name)
+		if v := getenv(env); v != "" {
+			n, err := parseBytes(v)
+			if err != nil {
+				envErrs = append(envErrs, fmt.Errorf("$%s: %w", env, err))
+			}
+			def = n
+		}
+		set(def)
+		fs.Func(name, fmt.Sprintf("%s ($%s) (default %d)", help, env, def), func(s string) error {
+			n, err := parseBytes(s)
+			set(n)
+			return err
+		})
+	}
+	i64 := func(p *int64, name string, def int64, help string) {
+		num(name, def, help, func(n int64) { *p = n })
+	}
+	integer := func(p *int, name string, def int, help string) {
+		num(name, int64(def), help, func(n int64) { *p = int(min(n, 1<<31-1)) })
+	}
+	str(&c.Listen, "listen", defaultListen, "gRPC listen address")
+	str(&c.Backend, "backend", "auto", "compute backend: auto (cuda if it loads, else cpu), cpu or cuda")
+	str(&c.LibraryPath, "library-path", "", "path of the CUDA kernel library (libexpertd_cuda.so); empty searches the default locations")
+	integer(&c.Device, "device", 0, "GPU ordinal for the cuda backend")
+	integer(&c.Threads, "threads", 0, "goroutines per call for the cpu backend; 0 means GOMAXPROCS")
+	str(&c.WeightsDir, "weights-dir", "", "directory safetensors loads may read from; empty disables safetensors loading")
+	integer(&c.MaxTokens, "max-tokens", defaultMaxTokens, "largest number of tokens M in one FusedMoE call")
+	i64(&c.MaxMessageBytes, "max-message-bytes", 0, "largest gRPC message in bytes (suffixes KiB, MiB, GiB); 0 sizes it for FP32 requests of max-tokens tokens with K <= 8192, E <= 512")
+	i64(&c.MaxLoadedBytes, "max-loaded-bytes", defaultMaxLoadedBytes, "bytes of expert weights that may be resident at once (suffixes KiB, MiB, GiB); 0 means unlimited")
+	integer(&c.MaxConcurrent, "max-concurrent", defaultMaxConcurrent, "FusedMoE calls that run at once; more wait in order")
+	str(&c.AdminAddr, "admin-addr", defaultAdminAddr, "address serving /metrics and /healthz; empty disables it")
+	str(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error")
+	str(&c.LogFormat, "log-format", "text", "log format: text or json")
+	shutdown := defaultShutdown
+	if v := getenv("EXPERTD_SHUTDOWN_TIMEOUT"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			envErrs = append(envErrs, fmt.Errorf("$EXPERTD_SHUTDOWN_TIMEOUT: %w", err))
+		}
+		shutdown = d
+	}
+	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", shutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM ($EXPERTD_SHUTDOWN_TIMEOUT)")
+
+	if err := errors.Join(envErrs...); err != nil {
+		return c, err
+	}
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = messageBytesFor(c.MaxTokens)
+	}
+	return c, c.validate()
+}
+
+// envName is the environment variable of a flag: -max-tokens is
+// EXPERTD_MAX_TOKENS.
+func envName(flagName string) string {
+	return "EXPERTD_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+// parseBytes reads an integer with an optional binary suffix (KiB, MiB,
+// GiB, TiB).
+func parseBytes(s string) (int64, error) {
+	mult := int64(1)
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}} {
+		if strings.HasSuffix(s, u.suffix) {
+			s, mult = strings.TrimSuffix(s, u.suffix), u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(s), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("%q is not a whole number (with optional KiB, MiB, GiB, TiB)", s)
+	}
+	if n < 0 || (mult > 1 && n > (1<<62)/mult) {
+		return 0, fmt.Errorf("%q is out of range", s)
+	}
+	return n * mult, nil
+}
+
+// validate checks ranges and enumerations.
+func (c Config) validate() error {
+	var errs []error
+	switch c.Backend {
+	case "auto", "cpu", "cuda":
+	default:
+		errs = append(errs, fmt.Errorf("-backend %q: want auto, cpu or cuda", c.Backend))
+	}
+	if c.Listen == "" {
+		errs = append(errs, errors.New("-listen: must not be empty"))
+	}
+	if c.MaxTokens < 1 {
+		errs = append(errs, fmt.Errorf("-max-tokens %d: want >= 1", c.MaxTokens))
+	}
+	if c.MaxConcurrent < 1 {
+		errs = append(errs, fmt.Errorf("-max-concurrent %d: want >= 1", c.MaxConcurrent))
+	}
+	// gRPC takes the limit as an int32-ranged int.
+	if c.MaxMessageBytes < 1<<20 || c.MaxMessageBytes > 1<<31-1 {
+		errs = append(errs, fmt.Errorf("-max-message-bytes %d: want between 1 MiB and 2 GiB - 1", c.MaxMessageBytes))
+	}
+	if c.Device < 0 || c.Threads < 0 {
+		errs = append(errs, fmt.Errorf("-device %d, -threads %d: want >= 0", c.Device, c.Threads))
+	}
+	if _, err := c.level(); err != nil {
+		errs = append(errs, err)
+	}
+	if c.LogFormat != "text" && c.LogFormat != "json" {
+		errs = append(errs, fmt.Errorf("-log-format %q: want text or json", c.LogFormat))
+	}
+	if c.ShutdownTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))
+	}
+	return errors.Join(errs...)
+}
+
+func (c Config) level() (slog.Level, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(c.LogLevel)); err != nil {
+		return l, fmt.Errorf("-log-level %q: want debug, info, warn or error", c.LogLevel)
+	}
+	return l, nil
+}
+
+// logger builds the daemon's slog logger.
+func (c Config) logger(w io.Writer) *slog.Logger {
+	l, _ := c.level()
+	opts := &slog.HandlerOptions{Level: l}
+	if c.LogFormat == "json" {
+		return slog.New(slog.NewJSONHandler(w, opts))
+	}
+	return slog.New(slog.NewTextHandler(w, opts))
+}

@@ -1,0 +1,102 @@
+package main
+
+import (
+	"io"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func defaults() Config {
+	return Config{
+		Listen: "127.0.0.1:50051", Backend: "auto", MaxTokens: 8192,
+		MaxMessageBytes: messageBytesFor(8192), MaxLoadedBytes: 32 << 30, MaxConcurrent: 4,
+		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
+	}
+}
+
+func TestParseConfig(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+		env  map[string]string
+		want func(c *Config)
+	}{
+		{"defaults", nil, nil, func(c *Config) {}},
+		{"flags", []string{"-listen", ":7000", "-backend", "cpu", "-max-tokens", "16", "-max-loaded-bytes", "2GiB",
+			"-weights-dir", "/w", "-threads", "3", "-admin-addr", "", "-log-format", "json", "-shutdown-timeout", "5s"}, nil,
+			func(c *Config) {
+				c.Listen, c.Backend, c.MaxTokens, c.MaxLoadedBytes = ":7000", "cpu", 16, 2<<30
+				c.MaxMessageBytes = messageBytesFor(16)
+				c.WeightsDir, c.Threads, c.AdminAddr, c.LogFormat, c.ShutdownTimeout = "/w", 3, "", "json", 5*time.Second
+			}},
+		{"env", nil, map[string]string{"EXPERTD_LISTEN": ":8000", "EXPERTD_MAX_CONCURRENT": "9", "EXPERTD_MAX_MESSAGE_BYTES": "64MiB",
+			"EXPERTD_LIBRARY_PATH": "/lib/x.so", "EXPERTD_DEVICE": "1", "EXPERTD_LOG_LEVEL": "debug", "EXPERTD_SHUTDOWN_TIMEOUT": "1m"},
+			func(c *Config) {
+				c.Listen, c.MaxConcurrent, c.MaxMessageBytes = ":8000", 9, 64<<20
+				c.LibraryPath, c.Device, c.LogLevel, c.ShutdownTimeout = "/lib/x.so", 1, "debug", time.Minute
+			}},
+		{"flag beats env", []string{"-max-tokens", "32"}, map[string]string{"EXPERTD_MAX_TOKENS": "64"},
+			func(c *Config) { c.MaxTokens, c.MaxMessageBytes = 32, messageBytesFor(32) }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := parseConfig(tt.args, func(k string) string { return tt.env[k] }, io.Discard)
+			if err != nil {
+				t.Fatalf("parseConfig: %v", err)
+			}
+			want := defaults()
+			tt.want(&want)
+			if diff := cmp.Diff(want, got); diff != "" {
+				t.Errorf("config (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestParseConfigErrors(t *testing.T) {
+	tests := []struct {
+		name    string
+		args    []string
+		env     map[string]string
+		wantErr string
+	}{
+		{"bad backend", []string{"-backend", "tpu"}, nil, `-backend "tpu": want auto, cpu or cuda`},
+		{"bad number", []string{"-max-tokens", "many"}, nil, `"many" is not a whole number`},
+		{"bad env number", nil, map[string]string{"EXPERTD_MAX_LOADED_BYTES": "1XB"}, "$EXPERTD_MAX_LOADED_BYTES"},
+		{"bad env duration", nil, map[string]string{"EXPERTD_SHUTDOWN_TIMEOUT": "soon"}, "$EXPERTD_SHUTDOWN_TIMEOUT"},
+		{"zero tokens", []string{"-max-tokens", "0"}, nil, "-max-tokens 0: want >= 1"},
+		{"negative", []string{"-max-concurrent", "-1"}, nil, "out of range"},
+		{"message too small", []string{"-max-message-bytes", "1KiB"}, nil, "-max-message-bytes 1024"},
+		{"message too large", []string{"-max-message-bytes", "4GiB"}, nil, "-max-message-bytes"},
+		{"bad level", []string{"-log-level", "loud"}, nil, `-log-level "loud"`},
+		{"bad format", []string{"-log-format", "xml"}, nil, `-log-format "xml"`},
+		{"stray argument", []string{"serve"}, nil, "unexpected arguments"},
+		{"unknown flag", []string{"-gpu"}, nil, "flag provided but not defined"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := parseConfig(tt.args, func(k string) string { return tt.env[k] }, io.Discard)
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("parseConfig error = %v, want one containing %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+// TestDefaultMessageLimit checks the default admits the largest legal
+// request for the biggest reference shape (DeepSeek-V3, FP32 hidden) and
+// stays under gRPC's 2 GiB ceiling.
+func TestDefaultMessageLimit(t *testing.T) {
+	c, err := parseConfig(nil, func(string) string { return "" }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const m, k, e, topk = 8192, 7168, 256, 8
+	need := int64(m*k*4 + m*e*4 + 2*m*topk*4)
+	if c.MaxMessageBytes < need || c.MaxMessageBytes >= 1<<31 {
+		t.Errorf("default max message bytes %d: want >= %d (DeepSeek-V3 at M=8192) and < 2 GiB", c.MaxMessageBytes, need)
+	}
+}

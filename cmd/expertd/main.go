@@ -1,0 +1,258 @@
+// Command expertd serves fused Mixture-of-Experts layers over gRPC
+// (expertd.v1.ExpertService), with health checking, server reflection and
+// Prometheus metrics.
+//
+// With no flags it listens on 127.0.0.1:50051 with the CPU backend (or the
+// CUDA one when its library loads) and serves /metrics on 127.0.0.1:9090.
+// Run `expertd -h` for every flag; each also reads an EXPERTD_* variable.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/selector"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+
+	"github.com/expertd/expertd/kernels"
+	_ "github.com/expertd/expertd/kernels/cpu" // registers "cpu"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Getenv, os.Stderr, nil); err != nil {
+		if errors.Is(err, errUsage) {
+			os.Exit(2)
+		}
+		fmt.Fprintln(os.Stderr, "expertd:", err)
+		os.Exit(1)
+	}
+}
+
+var errUsage = errors.New("usage")
+
+// listening reports the bound addresses once the daemon serves (tests use
+// it to find ports chosen with :0).
+type listening struct {
+	grpc, admin string
+}
+
+// run is the whole daemon: it returns when ctx is cancelled (after a drain)
+// or on a startup failure.
+func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer, ready chan<- listening) error {
+	cfg, err := parseConfig(args, getenv, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return nil
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, err)
+		return errUsage
+	}
+	log := cfg.logger(stderr)
+	slog.SetDefault(log)
+
+	backend, err := openBackend(cfg, log)
+	if err != nil {
+		return err
+	}
+	defer backend.Close()
+
+	// Metrics: OpenTelemetry instruments exported through a Prometheus
+	// registry, with the Go runtime and process collectors beside them.
+	promReg := prometheus.NewRegistry()
+	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	exporter, err := otelprom.New(otelprom.WithRegisterer(promReg))
+	if err != nil {
+		return fmt.Errorf("prometheus exporter: %w", err)
+	}
+	meters := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
+	defer meters.Shutdown(context.Background()) //nolint:errcheck // exit path
+
+	svc := service.New(service.Config{
+		Version:         version(),
+		WeightsDir:      cfg.WeightsDir,
+		MaxMessageBytes: cfg.MaxMessageBytes,
+		MaxTokens:       cfg.MaxTokens,
+		MaxLoadedBytes:  cfg.MaxLoadedBytes,
+		MaxConcurrent:   cfg.MaxConcurrent,
+		Meter:           meters.Meter("github.com/expertd/expertd/service"),
+	}, backend, log)
+
+	gs := newGRPCServer(cfg, log, meters)
+	svc.Register(gs)
+	hs := health.NewServer()
+	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+	healthpb.RegisterHealthServer(gs, hs)
+	reflection.Register(gs) // v1 and v1alpha
+
+	lis, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", cfg.Listen, err)
+	}
+	serveErr := make(chan error, 2)
+	go func() { serveErr <- gs.Serve(lis) }()
+
+	var admin *http.Server
+	addrs := listening{grpc: lis.Addr().String()}
+	if cfg.AdminAddr != "" {
+		alis, err := net.Listen("tcp", cfg.AdminAddr)
+		if err != nil {
+			gs.Stop()
+			return fmt.Errorf("listen %s (admin): %w", cfg.AdminAddr, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(promReg, promhttp.HandlerOpts{}))
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
+			if svc.Draining() {
+				http.Error(w, "draining", http.StatusServiceUnavailable)
+				return
+			}
+			io.WriteString(w, "ok\n")
+		})
+		admin = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		go func() {
+			if err := admin.Serve(alis); !errors.Is(err, http.ErrServerClosed) {
+				serveErr <- fmt.Errorf("admin server: %w", err)
+			}
+		}()
+		addrs.admin = alis.Addr().String()
+	}
+	log.Info("expertd serving", slog.String("grpc", addrs.grpc), slog.String("admin", addrs.admin),
+		slog.String("backend", backend.Name()), slog.String("version", version()),
+		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
+		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent),
+		slog.String("weights_dir", cfg.WeightsDir))
+	if ready != nil {
+		ready <- addrs
+	}
+
+	select {
+	case <-ctx.Done():
+	case err := <-serveErr:
+		hs.Shutdown()
+		gs.Stop()
+		return fmt.Errorf("serving: %w", err)
+	}
+
+	// Drain: tell load balancers first, then stop taking calls, let those in
+	// flight finish within the timeout, and only then cut what is left.
+	log.Info("draining", slog.Duration("timeout", cfg.ShutdownTimeout))
+	hs.Shutdown()
+	drainCtx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownTimeout)
+	defer cancel()
+	stopped := make(chan struct{})
+	go func() {
+		gs.GracefulStop()
+		close(stopped)
+	}()
+	if err := svc.Shutdown(drainCtx); err != nil {
+		log.Warn("calls still running at the drain deadline", slog.Any("err", err))
+	}
+	select {
+	case <-stopped:
+	case <-drainCtx.Done():
+		log.Warn("streams still open at the drain deadline; closing them")
+		gs.Stop()
+		<-stopped
+	}
+	if admin != nil {
+		shutCtx, c2 := context.WithTimeout(context.Background(), time.Second)
+		defer c2()
+		admin.Shutdown(shutCtx) //nolint:errcheck // exit path
+	}
+	log.Info("expertd stopped")
+	return nil
+}
+
+// newGRPCServer builds the server with message limits, panic recovery,
+// call logging (not for health checks and reflection, which would drown
+// the log) and OpenTelemetry RPC metrics.
+func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider) *grpc.Server {
+	rec := recovery.WithRecoveryHandlerContext(func(ctx context.Context, p any) error {
+		log.ErrorContext(ctx, "panic in handler", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+		return status.Error(codes.Internal, "internal error (logged on the server)")
+	})
+	logger := logging.LoggerFunc(func(ctx context.Context, lvl logging.Level, msg string, fields ...any) {
+		log.Log(ctx, slog.Level(lvl), msg, fields...)
+	})
+	logOpts := []logging.Option{logging.WithLogOnEvents(logging.StartCall, logging.FinishCall)}
+	logged := selector.MatchFunc(func(_ context.Context, c interceptors.CallMeta) bool {
+		return c.Service != healthpb.Health_ServiceDesc.ServiceName && !strings.HasPrefix(c.Service, "grpc.reflection.")
+	})
+	return grpc.NewServer(
+		grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)),
+		grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
+		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters))),
+		// Recovery runs innermost so a panic is logged as the Internal it
+		// becomes.
+		grpc.ChainUnaryInterceptor(
+			selector.UnaryServerInterceptor(logging.UnaryServerInterceptor(logger, logOpts...), logged),
+			recovery.UnaryServerInterceptor(rec),
+		),
+		grpc.ChainStreamInterceptor(
+			selector.StreamServerInterceptor(logging.StreamServerInterceptor(logger, logOpts...), logged),
+			recovery.StreamServerInterceptor(rec),
+		),
+	)
+}
+
+// openBackend opens the configured backend. auto prefers cuda and falls
+// back to cpu with a loud warning, so a GPU host with a broken driver still
+// serves (slowly) instead of crash-looping.
+func openBackend(cfg Config, log *slog.Logger) (kernels.Backend, error) {
+	kcfg := kernels.Config{LibraryPath: cfg.LibraryPath, Device: cfg.Device, Threads: cfg.Threads}
+	if cfg.Backend != "auto" {
+		b, err := kernels.Open(cfg.Backend, kcfg)
+		if err != nil {
+			return nil, fmt.Errorf("backend %s: %w", cfg.Backend, err)
+		}
+		return b, nil
+	}
+	b, err := kernels.Open("cuda", kcfg)
+	if err == nil {
+		return b, nil
+	}
+	log.Warn("CUDA backend unavailable; serving on the CPU backend, which is orders of magnitude slower",
+		slog.String("backend", "cpu"), slog.String("wanted", "cuda"),
+		slog.String("library_path", cfg.LibraryPath), slog.Any("err", err),
+		slog.Any("registered", kernels.Names()))
+	return kernels.Open("cpu", kcfg)
+}
+
+// version is the module version stamped by the go tool, or "dev".
+func version() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+		return bi.Main.Version
+	}
+	return "dev"
+}
