@@ -1,0 +1,343 @@
+// gemm_sm90_check: checks the Hopper grouped GEMMs against a naive GPU
+// reference on random data, then times them. A development tool for the
+// device machine: build with scripts/cuda-build.sh, run build/gemm_sm90_check.
+//
+//   gemm_sm90_check            correctness on several shapes, then timing
+//   gemm_sm90_check quick      correctness only
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <random>
+#include <vector>
+
+#include "../gemm_sm90.cuh"
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+using expertd_sm90::Epilogue;
+
+__device__ float fp8f(uint8_t b) {
+  __nv_fp8_e4m3 v;
+  v.__x = b;
+  return float(v);
+}
+
+// Naive reference: one thread per (sorted row, output channel).
+__global__ void ref_gemm(const uint8_t* w, int w_rows, int k, bool gated, int n_out, const uint8_t* a,
+                         int rows, int block_rows, const int32_t* block_expert,
+                         const int32_t* sorted_pairs, const float* a_scale_rows, float a_scale,
+                         const float* w_scale, int epi, float out_inv_scale, const float* pair_weight,
+                         float* out) {
+  int r = blockIdx.x;
+  int c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (r >= rows || c >= n_out) return;
+  int e = block_expert[r / block_rows];
+  int pair = sorted_pairs[r];
+  if (e < 0 || pair < 0) return;
+  const uint8_t* ar = a + size_t(r) * k;
+  float sc = (a_scale_rows ? a_scale_rows[r] : a_scale) * w_scale[e];
+  auto dot = [&](int row) {
+    const uint8_t* wr = w + (size_t(e) * w_rows + row) * k;
+    float s = 0;
+    for (int i = 0; i < k; ++i) s += fp8f(ar[i]) * fp8f(wr[i]);
+    return s * sc;
+  };
+  float v;
+  if (epi == 2) {
+    v = dot(c) * pair_weight[pair];
+    out[size_t(pair) * n_out + c] = v;
+    return;
+  }
+  if (gated) {
+    float g = dot(c), u = dot(c + w_rows / 2);
+    v = g / (1.f + expf(-g)) * u;
+  } else {
+    v = fmaxf(dot(c), 0.f);
+    v = v * v;
+  }
+  if (epi == 0) v = float(__nv_fp8_e4m3(v * out_inv_scale));
+  out[size_t(r) * n_out + c] = v;
+}
+
+__global__ void decode_out(const void* src, int epi, size_t n, float* dst) {
+  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  if (epi == 0) {
+    dst[i] = fp8f(static_cast<const uint8_t*>(src)[i]);
+  } else {
+    dst[i] = __bfloat162float(static_cast<const __nv_bfloat16*>(src)[i]);
+  }
+}
+
+struct Case {
+  const char* name;
+  int E, K, N, M, topk;
+  bool gated;
+  int skew;  // 0 uniform, 1 all pairs on expert 0, 2 random with empty experts
+};
+
+struct Layout {
+  int block_rows, max_blocks, rows, num_blocks, pairs;
+  std::vector<int32_t> block_expert, sorted_pairs;
+};
+
+Layout make_layout(const Case& c, std::mt19937& rng) {
+  Layout L;
+  L.pairs = c.M * c.topk;
+  std::vector<int> counts(c.E, 0);
+  std::uniform_int_distribution<int> pick(0, c.E - 1);
+  for (int i = 0; i < L.pairs; ++i) {
+    int e = pick(rng);
+    if (c.skew == 1) e = 0;
+    if (c.skew == 2) e = (e / 2) * 2;  // odd experts get nothing
+    counts[e]++;
+  }
+  L.block_rows = expertd_sm90::BlockRows(c.M, c.topk, c.E);
+  if (const char* bn = std::getenv("BN")) L.block_rows = std::max(L.block_rows, std::atoi(bn));
+  int bound = std::min(c.E, L.pairs) + L.pairs / L.block_rows;
+  L.max_blocks = bound;
+  L.rows = bound * L.block_rows;
+  L.block_expert.assign(bound, -1);
+  L.sorted_pairs.assign(L.rows, -1);
+  std::vector<int> perm(L.pairs);
+  for (int i = 0; i < L.pairs; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  int blk = 0, next = 0;
+  for (int e = 0; e < c.E; ++e) {
+    int left = counts[e];
+    while (left > 0) {
+      L.block_expert[blk] = e;
+      int take = std::min(left, L.block_rows);
+      for (int i = 0; i < take; ++i) L.sorted_pairs[blk * L.block_rows + i] = perm[next++];
+      left -= take;
+      blk++;
+    }
+  }
+  L.num_blocks = blk;
+  return L;
+}
+
+// fill_fp8 writes FP8 codes of N(0, sd) values from a counter-based hash, on
+// the GPU: generating a Nemotron layer's 1.3 G weights on the host takes
+// longer than the whole check.
+__global__ void fill_fp8(uint8_t* p, size_t n, uint32_t seed, float sd) {
+  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  auto mix = [](uint64_t x) {
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
+    return x;
+  };
+  uint64_t h = mix(i * 0x9E3779B97F4A7C15ull + seed);
+  float u1 = ((h & 0xFFFFFF) + 1) * (1.f / 16777217.f), u2 = ((h >> 24) & 0xFFFFFF) * (1.f / 16777216.f);
+  float z = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+  p[i] = __nv_fp8_e4m3(z * sd).__x;
+}
+
+uint8_t* rand_fp8_dev(size_t n, float sd, std::mt19937& rng) {
+  uint8_t* d;
+  CK(cudaMalloc(&d, n + 16));
+  fill_fp8<<<(n + 255) / 256, 256>>>(d, n, rng(), sd);
+  CK(cudaGetLastError());
+  return d;
+}
+
+template <class T>
+T* to_dev(const std::vector<T>& h) {
+  T* d;
+  CK(cudaMalloc(&d, h.size() * sizeof(T) + 16));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// run checks GEMM1 (both epilogues) and GEMM2 of case c; with time_it it
+// also times each and prints TFLOP/s and weight bandwidth.
+bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
+  Layout L = make_layout(c, rng);
+  const int w1_rows = c.gated ? 2 * c.N : c.N;
+  uint8_t* dw1 = rand_fp8_dev(size_t(c.E) * w1_rows * c.K, 1.f, rng);
+  uint8_t* dw2 = rand_fp8_dev(size_t(c.E) * c.K * c.N, 1.f, rng);
+  uint8_t* da = rand_fp8_dev(size_t(L.rows) * c.K, 4.f, rng);
+  uint8_t* di = rand_fp8_dev(size_t(L.rows) * c.N, 4.f, rng);
+  std::vector<float> ws1(c.E), ws2(c.E), asr(L.rows), pw(L.pairs);
+  std::uniform_real_distribution<float> u(0.5f, 1.5f);
+  for (auto& x : ws1) x = u(rng) / std::sqrt(float(c.K)) / 8;
+  for (auto& x : ws2) x = u(rng) / std::sqrt(float(c.N)) / 8;
+  for (auto& x : asr) x = u(rng) * 0.05f;
+  for (auto& x : pw) x = u(rng) / c.topk;
+
+  float *dws1 = to_dev(ws1), *dws2 = to_dev(ws2), *dasr = to_dev(asr), *dpw = to_dev(pw);
+  int32_t *dbe = to_dev(L.block_expert), *dsp = to_dev(L.sorted_pairs);
+  std::vector<int32_t> nb{L.num_blocks};
+  int32_t* dnb = to_dev(nb);
+  size_t out1 = size_t(L.rows) * c.N, out2 = size_t(L.pairs) * c.K;
+  void* dout;
+  CK(cudaMalloc(&dout, std::max(out1, out2) * 2));
+  float *dref, *dgot;
+  CK(cudaMalloc(&dref, std::max(out1, out2) * 4));
+  CK(cudaMalloc(&dgot, std::max(out1, out2) * 4));
+
+  bool ok = true;
+  for (int epi = 0; epi < 3; ++epi) {
+    expertd_sm90::GemmArgs g{};
+    const bool second = epi == 2;
+    g.w = second ? dw2 : dw1;
+    g.num_experts = c.E;
+    g.w_rows = second ? c.K : w1_rows;
+    g.k = second ? c.N : c.K;
+    g.gated = !second && c.gated;
+    g.n_out = second ? c.K : c.N;
+    g.a = second ? di : da;
+    g.a_rows = L.rows;
+    g.block_rows = L.block_rows;
+    g.block_expert = dbe;
+    g.num_blocks = dnb;
+    g.max_blocks = L.max_blocks;
+    g.sorted_pairs = dsp;
+    g.a_scale_rows = second ? nullptr : dasr;
+    g.a_scale = 0.02f;
+    g.w_scale = second ? dws2 : dws1;
+    g.epilogue = Epilogue(epi);
+    g.out = dout;
+    g.ld_out = g.n_out;
+    g.out_inv_scale = 1.f / 0.01f;
+    g.pair_weight = dpw;
+    size_t nout = second ? out2 : out1;
+    if (check) {
+    CK(cudaMemset(dout, 0xFF, nout * 2));  // poison: NaN in BF16 and FP8
+    CK(cudaMemset(dref, 0, nout * 4));
+    static int* dbg = nullptr;
+    if (!dbg) CK(cudaHostAlloc(&dbg, 64, cudaHostAllocMapped));
+    std::memset(dbg, 0, 64);
+    g.debug = dbg;
+    CK(expertd_sm90::Launch(g, 0));
+    CK(cudaGetLastError());
+    // Watchdog: a pipeline bug shows up as a hang; say where it stopped.
+    for (int spin = 0; cudaStreamQuery(0) == cudaErrorNotReady; ++spin) {
+      if (spin > 20000) {
+        std::printf("HANG %s epi=%d: producer issued %d, consumers waited %d/%d, epilogue %d (k iters %d)\n",
+                    c.name, epi, ((volatile int*)dbg)[0], ((volatile int*)dbg)[1], ((volatile int*)dbg)[2],
+                    ((volatile int*)dbg)[3], (g.k + 127) / 128);
+        std::_Exit(2);
+      }
+      struct timespec ts = {0, 500000};
+      nanosleep(&ts, nullptr);
+    }
+    CK(cudaGetLastError());
+    g.debug = nullptr;
+    dim3 rg(L.rows, (g.n_out + 127) / 128);
+    ref_gemm<<<rg, 128>>>(g.w, g.w_rows, g.k, g.gated, g.n_out, g.a, L.rows, L.block_rows, dbe, dsp,
+                          g.a_scale_rows, g.a_scale, g.w_scale, epi, g.out_inv_scale, dpw, dref);
+    CK(cudaGetLastError());
+    decode_out<<<(nout + 255) / 256, 256>>>(dout, epi, nout, dgot);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> got(nout), ref(nout);
+    CK(cudaMemcpy(got.data(), dgot, nout * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(ref.data(), dref, nout * 4, cudaMemcpyDeviceToHost));
+    // Rows that hold no pair were never written (and stay poisoned); all
+    // others must be finite and close.
+    double num = 0, den = 0;
+    long bad = 0, checked = 0;
+    for (int r = 0; r < (second ? L.pairs : L.rows); ++r) {
+      if (!second && L.sorted_pairs[r] < 0) continue;
+      for (int j = 0; j < g.n_out; ++j) {
+        size_t i = size_t(r) * g.n_out + j;
+        if (!std::isfinite(got[i])) {
+          bad++;
+          continue;
+        }
+        num += (got[i] - ref[i]) * double(got[i] - ref[i]);
+        den += double(ref[i]) * ref[i];
+        checked++;
+      }
+    }
+    double rel = std::sqrt(num / std::max(den, 1e-30));
+    // FP8 outputs may differ by one code where the FP32 sums differ in the
+    // last bits; BF16 outputs only by rounding.
+    double tol = epi == 0 ? 3e-2 : 1e-2;
+    bool pass = bad == 0 && rel <= tol && den > 0;
+    ok = ok && pass;
+    std::printf("%-28s epi=%d BN=%3d blocks=%4d rel_l2=%.3e nonfinite=%ld checked=%ld %s\n", c.name, epi,
+                L.block_rows, L.num_blocks, rel, bad, checked, pass ? "ok" : "FAIL");
+    }
+
+    if (time_it && epi != 1 && ok) {
+      cudaEvent_t t0, t1;
+      CK(cudaEventCreate(&t0));
+      CK(cudaEventCreate(&t1));
+      // Flush L2 (60 MB on an H200) before each timed launch so weights
+      // come from HBM, as they do when a layer runs once per step. The
+      // flush also keeps the stream busy while the host enqueues the GEMM.
+      static void* flush = nullptr;
+      const size_t flush_bytes = 256 << 20;
+      if (!flush) CK(cudaMalloc(&flush, flush_bytes));
+      for (int i = 0; i < 5; ++i) CK(expertd_sm90::Launch(g, 0));
+      std::vector<float> ms;
+      for (int i = 0; i < 30; ++i) {
+        CK(cudaMemsetAsync(flush, i, flush_bytes));
+        CK(cudaEventRecord(t0));
+        CK(expertd_sm90::Launch(g, 0));
+        CK(cudaEventRecord(t1));
+        CK(cudaEventSynchronize(t1));
+        float m;
+        CK(cudaEventElapsedTime(&m, t0, t1));
+        ms.push_back(m);
+      }
+      std::sort(ms.begin(), ms.end());
+      float med = ms[ms.size() / 2];
+      int hit = 0;
+      for (int b = 0; b < L.num_blocks; ++b)
+        if (b == 0 || L.block_expert[b] != L.block_expert[b - 1]) hit++;
+      double flops = 2.0 * L.pairs * g.k * (second ? c.K : w1_rows);
+      double wbytes = double(hit) * g.w_rows * g.k;
+      std::printf("  time %-22s epi=%d M=%5d  %.4f ms  %7.1f TFLOP/s (%.0f%% of 1471)  %7.0f GB/s weights (%.0f%% of 4280)\n",
+                  c.name, epi, c.M, med, flops / med / 1e9, flops / med / 1e9 / 14.71, wbytes / med / 1e6,
+                  wbytes / med / 1e6 / 42.8);
+    }
+  }
+  cudaFree(dw1); cudaFree(dw2); cudaFree(da); cudaFree(di); cudaFree(dws1); cudaFree(dws2);
+  cudaFree(dasr); cudaFree(dpw); cudaFree(dbe); cudaFree(dsp); cudaFree(dnb); cudaFree(dout);
+  cudaFree(dref); cudaFree(dgot);
+  return ok;
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IONBF, 0);
+  bool quick = argc > 1 && std::strcmp(argv[1], "quick") == 0;
+  std::random_device rd;
+  unsigned seed = rd();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  Case checks[] = {
+      {"relu2 small", 8, 256, 128, 5, 2, false, 0},
+      {"gated small", 8, 256, 128, 5, 2, true, 0},
+      {"relu2 tail K=272 N=144", 6, 272, 144, 40, 3, false, 2},
+      {"gated tail K=208 N=80", 6, 208, 80, 40, 3, true, 2},
+      {"relu2 one expert", 4, 512, 256, 300, 2, false, 1},
+      {"gated M=1", 16, 384, 192, 1, 4, true, 0},
+      {"nemotron M=64", 128, 2688, 1856, 64, 6, false, 0},
+      {"qwen3 M=256", 128, 2048, 768, 256, 8, true, 0},
+      {"nemotron M=2048", 128, 2688, 1856, 2048, 6, false, 0},
+  };
+  bool ok = true;
+  for (auto& c : checks) ok = run(c, true, false, rng) && ok;
+  std::printf(ok ? "CHECK PASSED\n" : "CHECK FAILED\n");
+  if (quick || !ok) return ok ? 0 : 1;
+  int ms[] = {1, 16, 64, 256, 1024, 4096, 8192};
+  for (int m : ms) run({"nemotron", 128, 2688, 1856, m, 6, false, 0}, false, true, rng);
+  for (int m : ms) run({"qwen3", 128, 2048, 768, m, 8, true, 0}, false, true, rng);
+  return 0;
+}
