@@ -176,6 +176,11 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 // commit loads set into the backend and publishes it. The registry entry
 // takes over the caller's reservation of n bytes on success.
 func (s *Server) commit(ctx context.Context, name string, set *kernels.ExpertSet, n int64, fp string, topKHint int, overwrite bool) (*pb.ExpertSetInfo, error) {
+	// A load that outlived Shutdown's deadline must not publish a set that
+	// nothing would free.
+	if s.Draining() {
+		return nil, errDraining
+	}
 	loaded, err := s.backend.Load(ctx, set)
 	if err != nil {
 		return nil, err

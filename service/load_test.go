@@ -270,3 +270,45 @@ func TestLoadOverwrite(t *testing.T) {
 		t.Errorf("backend loads/closes = %d/%d, want 2/1 (the replaced set is freed)", loads, closes)
 	}
 }
+
+// TestLoadedBytesAccounting checks the max-loaded-bytes budget is taken by
+// loads and given back by unloads, so a freed slot can be reused.
+func TestLoadedBytesAccounting(t *testing.T) {
+	ctx := testContext(t)
+	rng := newRand(t)
+	a := randomWeights(rng, pb.Activation_ACTIVATION_RELU2, 2, 16, 8)
+	b := randomWeights(rng, pb.Activation_ACTIVATION_RELU2, 2, 16, 8)
+	size := servicetest.Header("x", a, false).GetTotalBytes()
+	c, _, _ := servicetest.StartServerConfig(t, service.Config{MaxLoadedBytes: size}, &fakeBackend{})
+	steps := []struct {
+		name     string
+		do       func() error
+		wantCode codes.Code
+	}{
+		{"load a", func() error {
+			_, err := servicetest.Upload(ctx, c, servicetest.Header("a", a, false), servicetest.Chunks(a, 64))
+			return err
+		}, codes.OK},
+		{"load b over budget", func() error {
+			_, err := servicetest.Upload(ctx, c, servicetest.Header("b", b, false), servicetest.Chunks(b, 64))
+			return err
+		}, codes.ResourceExhausted},
+		{"overwrite a needs room for both", func() error {
+			_, err := servicetest.Upload(ctx, c, servicetest.Header("a", b, true), servicetest.Chunks(b, 64))
+			return err
+		}, codes.ResourceExhausted},
+		{"unload a", func() error {
+			_, err := c.UnloadExperts(ctx, &pb.UnloadExpertsRequest{Name: "a"})
+			return err
+		}, codes.OK},
+		{"load b in the freed room", func() error {
+			_, err := servicetest.Upload(ctx, c, servicetest.Header("b", b, false), servicetest.Chunks(b, 64))
+			return err
+		}, codes.OK},
+	}
+	for _, s := range steps {
+		if got := status.Code(s.do()); got != s.wantCode {
+			t.Errorf("%s: got %v, want %v", s.name, got, s.wantCode)
+		}
+	}
+}

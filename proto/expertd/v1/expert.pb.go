@@ -1608,7 +1608,8 @@ type LoadExpertsRequest_Header struct {
 	// tensors skipped). When set, a mismatch fails the load.
 	Sha256 string `protobuf:"bytes,4,opt,name=sha256,proto3" json:"sha256,omitempty"`
 	// Replace a set of the same name; otherwise a name in use is
-	// ALREADY_EXISTS.
+	// ALREADY_EXISTS. The old set serves until the new one is complete, so
+	// both must fit under max loaded bytes meanwhile.
 	Overwrite     bool `protobuf:"varint,5,opt,name=overwrite,proto3" json:"overwrite,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

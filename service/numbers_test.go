@@ -1,0 +1,156 @@
+package service_test
+
+import (
+	"encoding/binary"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/kernels/kerneltest"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
+	"github.com/expertd/expertd/service"
+	"github.com/expertd/expertd/service/servicetest"
+)
+
+// weightsProto is the wire form of a kernels expert set, as a client
+// would send it.
+func weightsProto(s *kernels.ExpertSet) *pb.ExpertWeights {
+	fp8 := pb.DataType_DATA_TYPE_FLOAT8_E4M3FN
+	scale := func(ws scaling.WeightScale, rows, cols int) *pb.Tensor {
+		var shape []int64
+		switch ws.Granularity {
+		case scaling.PerExpert:
+			shape = []int64{int64(s.E)}
+		case scaling.PerChannel:
+			shape = []int64{int64(s.E), int64(rows)}
+		case scaling.Block:
+			shape = []int64{int64(s.E), int64((rows + ws.Block[0] - 1) / ws.Block[0]), int64((cols + ws.Block[1] - 1) / ws.Block[1])}
+		}
+		return f32Tensor(ws.Values, shape...)
+	}
+	w := &pb.ExpertWeights{
+		Activation: pb.Activation(s.Activation),
+		W13:        &pb.Tensor{Dtype: fp8, Shape: []int64{int64(s.E), int64(s.Rows1()), int64(s.K)}, Source: &pb.Tensor_Data{Data: s.W13}},
+		W2:         &pb.Tensor{Dtype: fp8, Shape: []int64{int64(s.E), int64(s.K), int64(s.N)}, Source: &pb.Tensor_Data{Data: s.W2}},
+		W13Scale:   scale(s.W13Scale, s.Rows1(), s.K),
+		W2Scale:    scale(s.W2Scale, s.K, s.N),
+	}
+	if s.A13Scale != nil {
+		w.A13Scale = f32Tensor([]float32{*s.A13Scale})
+	}
+	if s.A2Scale != nil {
+		w.A2Scale = f32Tensor([]float32{*s.A2Scale})
+	}
+	if s.Block != [2]int{} {
+		w.WeightBlockShape = []int32{int32(s.Block[0]), int32(s.Block[1])}
+	}
+	return w
+}
+
+// requestProto is the wire form of a kernels request on the set "layer".
+func requestProto(r *kernels.Request, e int) *pb.FusedMoERequest {
+	m := int64(r.M())
+	p := &pb.FusedMoERequest{
+		Experts:       &pb.FusedMoERequest_ExpertSet{ExpertSet: "layer"},
+		HiddenStates:  &pb.Tensor{Dtype: pb.DataType(r.Hidden.DType), Shape: []int64{m, int64(r.Hidden.Shape[1])}, Source: &pb.Tensor_Data{Data: r.Hidden.Data}},
+		OutputDtype:   pb.DataType(r.OutDType),
+		ReturnRouting: true,
+	}
+	switch n := int64(len(r.HiddenScale)); {
+	case n == 0:
+	case n == 1:
+		p.HiddenStatesScale = f32Tensor(r.HiddenScale)
+	case n == m:
+		p.HiddenStatesScale = f32Tensor(r.HiddenScale, m)
+	default:
+		p.HiddenStatesScale = f32Tensor(r.HiddenScale, m, n/m)
+	}
+	if r.TopKIDs != nil {
+		k := int64(r.Routing.TopK)
+		p.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: i32Bytes(r.TopKIDs)}}
+		p.TopkWeights = f32Tensor(r.TopKWeights, m, k)
+		return p
+	}
+	p.RouterLogits = &pb.Tensor{Dtype: pb.DataType(r.Logits.DType), Shape: []int64{m, int64(e)}, Source: &pb.Tensor_Data{Data: r.Logits.Data}}
+	p.Routing = &pb.Routing{
+		TopK: int32(r.Routing.TopK), Renormalize: r.Routing.Renormalize, Scoring: pb.Scoring(r.Routing.Scoring),
+		NumExpertGroups: int32(r.Routing.NumGroups), TopkGroups: int32(r.Routing.TopKGroups),
+		RoutedScalingFactor: r.Routing.ScalingFactor,
+	}
+	if r.Routing.CorrectionBias != nil {
+		p.Routing.CorrectionBias = f32Tensor(r.Routing.CorrectionBias, int64(e))
+	}
+	return p
+}
+
+// TestFusedMoEMatchesReference is the real numbers check: random sets of
+// the kerneltest cases go through the chunked LoadExperts stream and
+// FusedMoE on the CPU backend, and must meet the spec's bar against the
+// float64 reference, return the reference's routing, and equal the
+// backend's own output bit for bit (the service must not change numerics).
+func TestFusedMoEMatchesReference(t *testing.T) {
+	want := []string{
+		"Nemotron/M=16", "Nemotron/M=8/static/fp8-in", "Qwen3/M=16/per-expert", "Qwen3/M=12/block/bf16-logits",
+		"Mixtral/M=9/precomputed/all-to-one", "DeepSeekV3/M=1/fp8-in-per-group", "top_k=E/sigmoid-groups",
+		"odd/block-16x24/fp8-per-group", "odd/per-channel/precomputed",
+	}
+	var cases []kerneltest.Case
+	for _, c := range kerneltest.Cases() {
+		if slices.Contains(want, c.Name) {
+			cases = append(cases, c)
+		}
+	}
+	if len(cases) != len(want) {
+		t.Fatalf("found %d of the %d kerneltest cases %v", len(cases), len(want), want)
+	}
+	backend := cpu.New(kernels.Config{Threads: 2})
+	rng := newRand(t)
+	for _, tc := range cases {
+		t.Run(strings.ReplaceAll(tc.Name, "/", "_"), func(t *testing.T) {
+			ctx := testContext(t)
+			set, req := kerneltest.NewCase(rand.New(rand.NewPCG(rng.Uint64(), rng.Uint64())), tc.Shape, tc.M, tc.Opts...)
+			c, _, _ := servicetest.StartServerConfig(t, service.Config{}, backend)
+			w := weightsProto(set)
+			h := servicetest.Header("layer", w, false)
+			h.Sha256 = fingerprintOf(w)
+			if _, err := servicetest.Upload(ctx, c, h, servicetest.Chunks(w, 256<<10)); err != nil {
+				t.Fatalf("LoadExperts: %v", err)
+			}
+			resp, err := c.FusedMoE(ctx, requestProto(req, set.E))
+			if err != nil {
+				t.Fatalf("FusedMoE: %v", err)
+			}
+
+			ref, refIDs, _ := kerneltest.Reference(set, req)
+			got := kerneltest.DecodeOutput(req.OutDType, resp.GetOutput().GetData())
+			tol := tc.Tol
+			if tol == 0 {
+				tol = kerneltest.FP8Tol
+			}
+			if e := kerneltest.RelL2(got, ref); !(e <= tol) {
+				t.Errorf("rel-L2 vs reference %.3g, want <= %.3g", e, tol)
+			} else {
+				t.Logf("rel-L2 vs reference %.3g", e)
+			}
+			gotIDs := make([]int32, len(refIDs))
+			for i := range gotIDs {
+				gotIDs[i] = int32(binary.LittleEndian.Uint32(resp.GetTopkIds().GetData()[4*i:]))
+			}
+			if !slices.Equal(gotIDs, refIDs) {
+				t.Errorf("returned topk ids %v, want the reference's %v", gotIDs, refIDs)
+			}
+
+			direct, err := kerneltest.RunCase(ctx, backend, set, req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(direct.Output, resp.GetOutput().GetData()) {
+				t.Errorf("service output differs from the backend called directly")
+			}
+		})
+	}
+}
