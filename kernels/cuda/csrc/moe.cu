@@ -20,6 +20,7 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -108,6 +109,7 @@ struct Set {
   size_t pin_out_bytes = 0;
   std::map<Call, Graph> graphs;
   std::mutex mu;
+  bool poison = false;  // EXPERTD_CUDA_POISON=1: NaN-fill outputs and intermediates before each run
 
   void drop_graphs() {
     for (auto& kv : graphs) {
@@ -193,10 +195,12 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
     return at;
   };
   L.in_begin = off;
+  // Inputs in the order the host path copies them: hidden states and their
+  // scales, then either bias and logits or precomputed ids and weights.
   L.hidden = take(m * K * 4);
   L.hscale = take(m * 4);
-  L.logits = take(m * s.E * 4);
   L.bias = take(size_t(s.E) * 4);
+  L.logits = take(m * s.E * 4);
   L.ids = take(P * 4);
   L.w = take(P * 4);
   L.in_end = off;
@@ -264,11 +268,23 @@ int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t 
   __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(ws + L.y);
   const int BM = L.block_rows;
 
+  if (s.poison) {
+    // 0xFF is NaN in FP32, BF16 and E4M3: anything a kernel forgets to write
+    // shows up in the output (padding rows stay NaN and must not leak).
+    const size_t m = c.m;
+    CK(cudaMemsetAsync(p.out, 0xFF, m * s.K * (c.out_dtype == EXPERTD_DTYPE_FLOAT32 ? 4 : 2), st));
+    CK(cudaMemsetAsync(ws + L.a1q, 0xFF, L.y + size_t(L.p) * s.K * 2 - L.a1q, st));
+    if (c.have_logits) {
+      CK(cudaMemsetAsync(p.ids, 0xFF, size_t(L.p) * 4, st));
+      CK(cudaMemsetAsync(p.w, 0xFF, size_t(L.p) * 4, st));
+    }
+  }
+
   if (c.have_logits) {
     RouteParams rp{c.m, s.E, c.top_k, c.renormalize, c.scoring, c.num_groups, c.topk_groups, c.scaling,
                    c.logits_dtype};
     const int warps = s.E <= 512 ? 4 : 2;
-    const size_t smem = size_t(warps) * s.E * 14;
+    const size_t smem = size_t(warps) * route_smem_per_warp(s.E);
     route_kernel<<<(c.m + warps - 1) / warps, warps * 32, smem, st>>>(rp, p.logits, p.bias, p.ids, p.w);
     CK(cudaGetLastError());
   }
@@ -488,6 +504,8 @@ int expertd_set_create(int device, int num_experts, int hidden, int inter, int a
   s->act = activation;
   s->a13_scale = a13_scale;
   s->a2_scale = a2_scale;
+  const char* poison = getenv("EXPERTD_CUDA_POISON");
+  s->poison = poison && poison[0] == '1';
   const size_t rows1 = activation == EXPERTD_ACT_SILU_GATED ? 2 * size_t(inter) : size_t(inter);
   const size_t n13 = size_t(num_experts) * rows1 * hidden, n2 = size_t(num_experts) * hidden * inter;
   CK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
@@ -557,26 +575,30 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   if (int rc = ensure_pinned(&s.pin_in, &s.pin_in_bytes, L.in_end)) return rc;
   if (int rc = ensure_pinned(&s.pin_out, &s.pin_out_bytes, align_up(m * K * 4) + 2 * align_up(P * 4))) return rc;
   uint8_t* pin = s.pin_in;
-  size_t in_hi = L.hidden + m * K * hsz;
+  size_t hi1 = L.hidden + m * K * hsz;  // [L.hidden, hi1): hidden (+ scales)
   std::memcpy(pin + L.hidden, hidden, m * K * hsz);
   if (c.n_hidden_scale > 0) {
     std::memcpy(pin + L.hscale, hidden_scale, size_t(c.n_hidden_scale) * 4);
-    in_hi = L.hscale + size_t(c.n_hidden_scale) * 4;
+    hi1 = L.hscale + size_t(c.n_hidden_scale) * 4;
   }
+  size_t lo2, hi2;  // routing inputs
   if (c.have_logits) {
     std::memcpy(pin + L.logits, logits, m * s.E * lsz);
-    in_hi = L.logits + m * s.E * lsz;
+    lo2 = L.logits;
+    hi2 = L.logits + m * s.E * lsz;
     if (c.have_bias) {
       std::memcpy(pin + L.bias, correction_bias, size_t(s.E) * 4);
-      in_hi = L.bias + size_t(s.E) * 4;
+      lo2 = L.bias;
     }
   } else {
     std::memcpy(pin + L.ids, topk_ids_in, P * 4);
     std::memcpy(pin + L.w, topk_w_in, P * 4);
-    in_hi = L.w + P * 4;
+    lo2 = L.ids;
+    hi2 = L.w + P * 4;
   }
   cudaStream_t st = s.stream;
-  CK(cudaMemcpyAsync(s.ws + L.in_begin, pin + L.in_begin, in_hi - L.in_begin, cudaMemcpyHostToDevice, st));
+  CK(cudaMemcpyAsync(s.ws + L.hidden, pin + L.hidden, hi1 - L.hidden, cudaMemcpyHostToDevice, st));
+  CK(cudaMemcpyAsync(s.ws + lo2, pin + lo2, hi2 - lo2, cudaMemcpyHostToDevice, st));
 
   Ptrs p;
   p.hidden = s.ws + L.hidden;

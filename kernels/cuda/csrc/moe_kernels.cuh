@@ -75,6 +75,10 @@ struct RouteParams {
   int logits_dtype;
 };
 
+// route_smem_per_warp is route_kernel's shared memory per warp, rounded so
+// every warp's float arrays stay aligned.
+__host__ __device__ inline size_t route_smem_per_warp(int e) { return (size_t(e) * 14 + 15) & ~size_t(15); }
+
 // route_kernel: one warp per token. Per-warp shared memory: score, sel and
 // group floats [E] each, then taken and keep bytes [E] each.
 __global__ void route_kernel(RouteParams p, const void* logits, const float* bias, int32_t* ids,
@@ -85,7 +89,7 @@ __global__ void route_kernel(RouteParams p, const void* logits, const float* bia
   const int tok = blockIdx.x * warps + wid;
   if (tok >= p.m) return;
   const int E = p.e;
-  uint8_t* base = route_smem + size_t(wid) * E * 14;
+  uint8_t* base = route_smem + size_t(wid) * route_smem_per_warp(E);
   float* score = reinterpret_cast<float*>(base);
   float* sel = score + E;
   float* group = sel + E;
