@@ -102,8 +102,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		return nil, ctx.Err()
 	}
 	queued := time.Now()
-	res, err := s.backend.FusedMoE(ctx, loaded, kreq)
-	<-s.slots
+	res, err := s.run(ctx, loaded, kreq)
 	if err != nil {
 		return nil, err
 	}
@@ -129,6 +128,14 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		TotalNanos:  time.Since(start).Nanoseconds(),
 	}
 	return resp, nil
+}
+
+// run calls the backend holding an execution slot. The slot is released by
+// a defer so a panicking backend (recovered by the daemon's middleware)
+// cannot leak it and wedge every later call.
+func (s *Server) run(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	defer func() { <-s.slots }()
+	return s.backend.FusedMoE(ctx, loaded, req)
 }
 
 func int32Bytes(v []int32) []byte {

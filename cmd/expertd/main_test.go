@@ -1,16 +1,12 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"encoding/binary"
 	"io"
-	"math"
 	"math/rand/v2"
 	"net/http"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -21,56 +17,7 @@ import (
 	reflectionv1alpha "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
-	"github.com/expertd/expertd/scaling"
 )
-
-const defaultTestTimeout = 20 * time.Second
-
-// syncBuffer collects the daemon's log lines across goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func tensor(dt pb.DataType, data []byte, shape ...int64) *pb.Tensor {
-	return &pb.Tensor{Dtype: dt, Shape: shape, Source: &pb.Tensor_Data{Data: data}}
-}
-
-func f32(v ...float32) []byte {
-	b := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
-	}
-	return b
-}
-
-func randF32(rng *rand.Rand, n int) []float32 {
-	v := make([]float32, n)
-	for i := range v {
-		v[i] = float32(rng.NormFloat64())
-	}
-	return v
-}
-
-func randFP8(rng *rand.Rand, n int) []byte {
-	b := make([]byte, n)
-	for i := range b {
-		b[i] = scaling.Float32ToE4M3(float32(rng.NormFloat64() * 100))
-	}
-	return b
-}
 
 // TestDaemon starts the real daemon on loopback ports and checks what an
 // operator relies on: health, reflection, a FusedMoE call, metrics, the
