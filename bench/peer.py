@@ -129,7 +129,9 @@ def make_weights(shape: MoEShape, device, gen: torch.Generator) -> MoEWeights:
         w2[e0:e1], s2[e0:e1] = quantize_per_expert(b)
     bias = None
     if shape.correction_bias:
-        bias = torch.randn(E, generator=gen, device=device) * 0.1
+        # Small: a trained model's bias balances the load, a random one of the
+        # scores' size (0.1) leaves ~13 of 128 experts unhit at M=8192.
+        bias = torch.randn(E, generator=gen, device=device) * 0.01
     # randn/10 hidden states: amax of a few thousand draws is about 0.45.
     a13 = torch.tensor(0.5 / FP8_MAX, dtype=torch.float32, device=device)
     a2 = torch.tensor(1.0, dtype=torch.float32, device=device)
@@ -194,6 +196,12 @@ class Permutation:
     src_token: torch.Tensor
     dest: torch.Tensor
     offs: torch.Tensor
+
+    def scatter_rows(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """A [cap] float32 vector with values [M, k] at their buffer rows, fill elsewhere."""
+        v = torch.full_like(self.src_token, fill, dtype=torch.float32)
+        v[self.dest] = values.reshape(-1).float()
+        return v
 
 
 def permute(ids: torch.Tensor, shape: MoEShape) -> Permutation:
@@ -283,20 +291,29 @@ class TorchPeer:
         self.sb2 = w.w2_scale[:, None].expand(s.E, s.K).contiguous()
         self.sa1 = w.a13_scale.expand(cap).contiguous()
         self.sa2 = w.a2_scale.expand(cap).contiguous()
+        self.inv_a2 = (1.0 / w.a2_scale).float()
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
-        """relu(h)^2, or silu(gate) * up; float32."""
-        h = h.float()
+        """relu(h)^2, or silu(gate) * up; float32 (in place where it can be)."""
         if self.shape.activation == "relu2":
-            return torch.relu(h).square()
+            return torch.relu(h).float().square_()
         N = self.shape.N
-        return torch.nn.functional.silu(h[:, :N]) * h[:, N:]
+        return torch.nn.functional.silu(h[:, :N].float()).mul_(h[:, N:])
 
-    def gemms(self, a1: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """GEMM1, activation, requant, GEMM2 on permuted rows: [cap, K] BF16."""
+    def requant(self, h: torch.Tensor) -> torch.Tensor:
+        """activation(h) to FP8 at the static a2_scale."""
+        a = self.activation(h).mul_(self.inv_a2).clamp_(-FP8_MAX, FP8_MAX)
+        return a.to(torch.float8_e4m3fn)
+
+    def gemms(self, a1: torch.Tensor, offs: torch.Tensor,
+              sa2: torch.Tensor | None = None) -> torch.Tensor:
+        """GEMM1, activation, requant, GEMM2 on permuted rows: [cap, K] BF16.
+
+        sa2 is GEMM2's per-row scale; forward passes a2_scale times each row's
+        router weight, so the combine is a plain sum.
+        """
         h = self.gmm(a1, self.b1, self.sa1, self.sb1, offs)
-        a2 = quantize_static(self.activation(h), self.w.a2_scale)
-        return self.gmm(a2, self.b2, self.sa2, self.sb2, offs)
+        return self.gmm(self.requant(h), self.b2, self.sa2 if sa2 is None else sa2, self.sb2, offs)
 
     def gemm_only(self, a1: torch.Tensor, a2: torch.Tensor, offs: torch.Tensor):
         """Just the two grouped GEMMs on pre-permuted, pre-quantized inputs."""
@@ -310,9 +327,10 @@ class TorchPeer:
         ids, weights = route(logits, s, self.w.correction_bias)
         p = permute(ids, s)
         a1 = gather_rows_fp8(x_fp8, p.src_token)
-        y = self.gemms(a1, p.offs)
-        pairs = y.index_select(0, p.dest).view(self.M, s.top_k, s.K).float()
-        return (pairs * weights[:, :, None]).sum(dim=1).to(torch.bfloat16)
+        # The router weight rides in GEMM2's row scale (padding rows get 0).
+        y = self.gemms(a1, p.offs, p.scatter_rows(weights).mul_(self.w.a2_scale))
+        pairs = y.index_select(0, p.dest).view(self.M, s.top_k, s.K)
+        return pairs.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
 
     __call__ = forward
 
@@ -403,7 +421,7 @@ def check_routing(shape: MoEShape, device, gen: torch.Generator) -> None:
 
 def small_shape(shape: MoEShape) -> MoEShape:
     """A cut-down layer with the same routing and activation, for CPU checks."""
-    return dataclasses.replace(shape, name=shape.name + "-small", E=16, K=256, N=128)
+    return dataclasses.replace(shape, name=shape.name + "-small", E=16, K=512, N=256)
 
 
 def self_check(device) -> int:
@@ -412,6 +430,14 @@ def self_check(device) -> int:
     gen.manual_seed(torch.seed() % (2**31))
     gmm = default_grouped_mm(device)
     full = gmm is grouped_mm_torch
+    bar = 2e-2
+    if not full:
+        # The emulation keeps GEMM outputs in float32: with no BF16 rounding
+        # before the FP8 requant (the real kernel's main error, ~1.4e-2), a
+        # plumbing mistake cannot hide under the spec's 2e-2 bar.
+        def gmm(a, b, sa, sb, offs):
+            return grouped_mm_emulated(a, b, sa, sb, offs, torch.float32)
+        bar = 5e-3
     failures = 0
     for shape in MODELS.values():
         check_routing(shape, device, gen)
@@ -423,10 +449,11 @@ def self_check(device) -> int:
             got = TorchPeer(w, M, gmm)(x, logits)
             want = reference_moe(w, x, logits)
             err = rel_l2(got, want)
-            ok = err <= 2e-2
+            ok = err <= bar
             failures += not ok
             print(f"peer check {s.name:24s} M={M:5d} rel-L2 {err:.2e} "
-                  f"({gmm.__name__}) {'ok' if ok else 'FAIL'}")
+                  f"({'torch._scaled_grouped_mm' if full else 'float32 emulation'}, bar {bar:g}) "
+                  f"{'ok' if ok else 'FAIL'}")
     return failures
 
 
