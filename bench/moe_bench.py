@@ -119,6 +119,9 @@ def check_outputs(w, xset, lib_set, peer_gmm) -> list[dict]:
         ref = peer.reference_moe(w, x, logits)
         got_peer = peer.TorchPeer(w, M, peer_gmm)(x, logits)
         row = {"M": M, "peer_vs_ref": peer.rel_l2(got_peer, ref)}
+        if peer_gmm is peer.grouped_mm_torch:
+            fast = peer.TorchPeer(w, M, peer.grouped_mm_torch_fast)(x, logits)
+            row["peer_fastacc_vs_ref"] = peer.rel_l2(fast, ref)
         if lib_set is not None:
             out = torch.full((M, w.shape.K), float("nan"), dtype=torch.bfloat16, device=x.device)
             lib_set.moe_device(x, logits, out)
@@ -194,6 +197,14 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
             pre.append((a1, p.requant(h), perm.offs))
         rec["peer_gemm_ms"], rec["peer_gemm_mode"], _ = time_replays(
             [lambda a=a: p.gemm_only(*a) for a in pre], args.iters, args.warmup)
+
+        if args.fast_accum and gmm is peer.grouped_mm_torch:
+            pf = peer.TorchPeer(w, M, peer.grouped_mm_torch_fast)
+            rec["peer_fast_ms"], rec["peer_fast_mode"], _ = time_replays(
+                [lambda i=i: pf(*sets[i]) for i in range(len(sets))], args.iters, args.warmup)
+            rec["peer_fast_gemm_ms"], rec["peer_fast_gemm_mode"], _ = time_replays(
+                [lambda a=a: pf.gemm_only(*a) for a in pre], args.iters, args.warmup)
+            del pf
         del pre
 
         if lib_set is not None:
@@ -212,6 +223,8 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
         results.append(rec)
         log(f"  M={M:5d} experts={hit:6.1f} peer {rec['peer_ms']:.4f} ms ({rec['peer_mode']}), "
             f"peer-gemm {rec['peer_gemm_ms']:.4f} ms"
+            + (f", fastacc {rec['peer_fast_ms']:.4f} / gemm {rec['peer_fast_gemm_ms']:.4f} ms"
+               if "peer_fast_ms" in rec else "")
             + (f", expertd {rec['expertd_ms']:.4f} ms ({rec['expertd_mode']})"
                if "expertd_ms" in rec else ""))
         del p, outs, sets
@@ -245,10 +258,11 @@ def fmt(v, spec=".3f", none="—") -> str:
 def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
     """Markdown tables: checks, every implementation's rates, then the summary."""
     lines = ["### Correctness (rel-L2 vs float64 reference; bar 2e-2)", "",
-             "| model | M | peer vs ref | expertd vs ref | expertd vs peer | unwritten | ok |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | M | peer vs ref | peer fastacc vs ref | expertd vs ref | expertd vs peer | unwritten | ok |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in checks:
         lines.append(f"| {c['model']} | {c['M']} | {fmt(c['peer_vs_ref'], '.2e')} | "
+                     f"{fmt(c.get('peer_fastacc_vs_ref'), '.2e')} | "
                      f"{fmt(c.get('expertd_vs_ref'), '.2e')} | {fmt(c.get('expertd_vs_peer'), '.2e')} | "
                      f"{fmt(c.get('expertd_unwritten'), 'd')} | {'yes' if c['ok'] else 'NO'} |")
     lines += ["", "### Per implementation", "",
@@ -256,6 +270,9 @@ def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         impls = [("peer", "peer_ms", "peer_mode"), ("peer-gemm", "peer_gemm_ms", "peer_gemm_mode")]
+        if "peer_fast_ms" in r:
+            impls += [("peer-fastacc", "peer_fast_ms", "peer_fast_mode"),
+                      ("peer-fastacc-gemm", "peer_fast_gemm_ms", "peer_fast_gemm_mode")]
         if have_lib:
             impls.insert(0, ("expertd", "expertd_ms", "expertd_mode"))
         for name, key, mode in impls:
@@ -266,15 +283,18 @@ def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
                          f"{fmt(q['pct_fp8'], '.1f')} |")
     who = "expertd" if have_lib else "peer"
     lines += ["", f"### Summary (rates are {who}'s full op; vLLM column quoted from the issue, not measured)",
-              "", "| model | M | experts hit | expertd ms | peer ms | peer GEMM ms | vLLM ms (quoted) | "
-              "speedup vs peer | TFLOP/s | weight GB/s | % 4.28 TB/s | % 1471 TFLOP/s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "", "| model | M | experts hit | expertd ms | peer ms | peer fastacc ms | peer GEMM ms | "
+              "vLLM ms (quoted) | speedup vs faster peer | TFLOP/s | weight GB/s | % 4.28 TB/s | "
+              "% 1471 TFLOP/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         e = r.get("expertd_ms")
         q = rates(r, e if have_lib else r["peer_ms"])
-        speed = r["peer_ms"] / e if e else None
+        best = min(v for v in (r["peer_ms"], r.get("peer_fast_ms")) if v is not None)
+        speed = best / e if e else None
         lines.append(f"| {r['model']} | {r['M']} | {r['distinct_experts']:.1f} | {fmt(e, '.4f')} | "
-                     f"{r['peer_ms']:.4f} | {r['peer_gemm_ms']:.4f} | {fmt(r['vllm_quoted_ms'], '.3f')} | "
+                     f"{r['peer_ms']:.4f} | {fmt(r.get('peer_fast_ms'), '.4f')} | {r['peer_gemm_ms']:.4f} | "
+                     f"{fmt(r['vllm_quoted_ms'], '.3f')} | "
                      f"{fmt(speed, '.2f')} | {fmt(q['tflops'], '.1f')} | {fmt(q['gbps'], '.0f')} | "
                      f"{fmt(q['pct_bw'], '.1f')} | {fmt(q['pct_fp8'], '.1f')} |")
     return "\n".join(lines)
@@ -291,6 +311,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lib", default=expertd_ctypes.DEFAULT_LIB, help="path to libexpertd_cuda.so")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
+    ap.add_argument("--fast-accum", action="store_true",
+                    help="also time the peer with use_fast_accum=True")
     args = ap.parse_args(argv)
     args.check_m = [int(m) for m in args.check_m.split(",") if m]
     if args.iters < 50 or args.sets < 4:

@@ -16,4 +16,4 @@ if [ -n "${OUT:-}" ]; then
 	exec > >(tee "$OUT/moe_bench.log") 2>&1
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv || true
-python3 bench/moe_bench.py --lib "$lib" "$@"
+python3 bench/moe_bench.py --lib "$lib" --fast-accum "$@"
