@@ -1,10 +1,26 @@
 // Package scaling holds the number formats and quantization-scale math of
-// expertd: FP8 (E4M3FN, E5M2), BF16 and FP16 codecs, the scale granularities
-// of MOE_SPEC.md, activation quantization, and the folding of scales into
-// the per-expert alphas that fused kernels consume.
+// expertd: the FP8 E4M3FN and E5M2, BF16 and FP16 codecs; the scale
+// granularities of MOE_SPEC.md (per-tensor, per-expert, per-channel or
+// per-token, and [Bn, Bk] block) with the validation of a scale's shape;
+// quantization and dequantization of activations and weights; and the
+// folding of per-tensor and per-expert scales into the alphas that fused
+// kernels consume.
 //
 // Every encoder rounds to nearest, ties to even, as the hardware converters
-// (cvt.rn.satfinite on Hopper) and torch do.
+// (cvt.rn on Hopper), torch and ml_dtypes do, and handles subnormals, -0
+// and NaN. Out of range, the formats differ on purpose:
+//   - E4M3FN has no infinity; Float32ToE4M3 saturates to ±448 (±Inf too), as
+//     cvt.rn.satfinite and torch's clamp-then-cast quantizers do. A plain
+//     ml_dtypes or torch cast gives NaN there instead, which in a quantizer
+//     would poison a whole GEMM row.
+//   - E5M2, BF16 and FP16 follow IEEE 754: overflow rounds to ±Inf.
+//
+// NaN encodes to a NaN of the same sign: 0x7F/0xFF in both FP8 formats, the
+// quiet NaN 0x7FC0/0x7E00 (sign kept) in BF16 and FP16.
+//
+// A scale s dequantizes a code q as decode(q)·s, so quantizing x stores
+// encode(x/s); scales are clamped to MinScale because near-zero scales turn
+// into NaN on the GPU.
 package scaling
 
 import "math"
@@ -32,11 +48,17 @@ var E5M2Table = func() (t [256]float32) {
 	return t
 }()
 
-// E4M3ToFloat32 decodes one FP8 E4M3FN code.
+// E4M3ToFloat32 decodes one FP8 E4M3FN code exactly.
 func E4M3ToFloat32(b uint8) float32 { return E4M3Table[b] }
 
-// E5M2ToFloat32 decodes one FP8 E5M2 code.
+// E5M2ToFloat32 decodes one FP8 E5M2 code exactly.
 func E5M2ToFloat32(b uint8) float32 { return E5M2Table[b] }
+
+// nanWithSign is a quiet float32 NaN whose sign bit is that of the code,
+// so that decode then encode gives a NaN code of the same sign back.
+func nanWithSign(b uint8) float32 {
+	return math.Float32frombits(uint32(b>>7)<<31 | 0x7FC00000)
+}
 
 func decodeE4M3(b uint8) float32 {
 	sign := float32(1)
@@ -47,9 +69,9 @@ func decodeE4M3(b uint8) float32 {
 	m := int(b & 0x7)
 	switch {
 	case e == 0xF && m == 0x7:
-		return float32(math.NaN())
+		return nanWithSign(b)
 	case e == 0:
-		return sign * float32(m) * (1.0 / 512) // subnormal: m * 2^-9
+		return sign * float32(m) * (1.0 / 512) // subnormal: m · 2^-9
 	default:
 		return sign * float32(math.Ldexp(1+float64(m)/8, e-7))
 	}
@@ -66,65 +88,56 @@ func decodeE5M2(b uint8) float32 {
 	case e == 0x1F && m == 0:
 		return sign * float32(math.Inf(1))
 	case e == 0x1F:
-		return float32(math.NaN())
+		return nanWithSign(b)
 	case e == 0:
-		return sign * float32(m) * float32(math.Ldexp(1, -16)) // m * 2^-16
+		return sign * float32(m) * (1.0 / 65536) // subnormal: m · 2^-16
 	default:
 		return sign * float32(math.Ldexp(1+float64(m)/4, e-15))
 	}
 }
 
 // Float32ToE4M3 encodes f as FP8 E4M3FN, rounding to nearest even and
-// saturating to ±448: E4M3FN has no infinity, and a quantizer that overflowed
-// to NaN would poison a whole GEMM row. NaN stays NaN (0x7F, sign kept).
+// saturating to ±448 (±Inf included): E4M3FN has no infinity, and a
+// quantizer that overflowed to NaN would poison a whole GEMM row. NaN
+// encodes to 0x7F or 0xFF, keeping its sign.
 func Float32ToE4M3(f float32) uint8 {
-	return encodeFP8(f, 3, 7, E4M3Max, true)
+	bits := math.Float32bits(f)
+	sign := uint8(bits>>31) << 7
+	abs := bits & 0x7FFFFFFF
+	switch {
+	case abs > 0x7F800000: // NaN
+		return sign | 0x7F
+	case abs >= 0x43E00000: // >= 448, Inf included
+		return sign | 0x7E
+	case abs >= 0x3C800000: // >= 2^-6, the smallest normal
+		return sign | uint8(roundShift(abs, 20)-(127-7)<<3)
+	default: // subnormal: multiples of 2^-9, up to 8·2^-9 = the smallest normal's code
+		return sign | uint8(math.RoundToEven(float64(math.Float32frombits(abs))*512))
+	}
 }
 
 // Float32ToE5M2 encodes f as FP8 E5M2 with IEEE semantics: round to nearest
-// even, overflow to ±Inf, NaN to a quiet NaN.
+// even, overflow to ±Inf (from 61440, the midpoint between 57344 and 2^16,
+// up), NaN to 0x7F or 0xFF, keeping its sign.
 func Float32ToE5M2(f float32) uint8 {
-	return encodeFP8(f, 2, 15, E5M2Max, false)
-}
-
-// encodeFP8 rounds f to a 1-sign, (7-manBits)-exponent, manBits-mantissa
-// code with the given bias. Exact: all work is on float64, where every FP8
-// value and every midpoint between two of them is representable.
-func encodeFP8(f float32, manBits, bias int, maxFinite float64, saturate bool) uint8 {
 	bits := math.Float32bits(f)
 	sign := uint8(bits>>31) << 7
-	x := math.Abs(float64(f))
-	expBits := 7 - manBits
-	if math.IsNaN(x) {
-		if saturate { // E4M3FN: the only NaN is S.1111.111
-			return sign | 0x7F
-		}
-		return sign | 0x7F // E5M2: exponent all ones, mantissa 11 (quiet)
+	abs := bits & 0x7FFFFFFF
+	switch {
+	case abs > 0x7F800000: // NaN
+		return sign | 0x7F
+	case abs >= 0x47700000: // >= 61440 rounds to Inf
+		return sign | 0x7C
+	case abs >= 0x38800000: // >= 2^-14, the smallest normal
+		return sign | uint8(roundShift(abs, 21)-(127-15)<<2)
+	default: // subnormal: multiples of 2^-16
+		return sign | uint8(math.RoundToEven(float64(math.Float32frombits(abs))*65536))
 	}
-	minNormalExp := 1 - bias
-	// Quantum (spacing) at x's binade, never below the subnormal spacing.
-	e := minNormalExp
-	if x >= math.Ldexp(1, minNormalExp) {
-		_, e2 := math.Frexp(x) // x = frac * 2^e2, frac in [0.5,1)
-		e = e2 - 1
-	}
-	q := math.Ldexp(1, e-manBits)
-	r := math.RoundToEven(x/q) * q
-	if r > maxFinite {
-		if saturate {
-			r = maxFinite
-		} else {
-			return sign | uint8(((1<<expBits)-1)<<manBits) // Inf
-		}
-	}
-	if r == 0 {
-		return sign
-	}
-	if r < math.Ldexp(1, minNormalExp) {
-		return sign | uint8(r/math.Ldexp(1, minNormalExp-manBits))
-	}
-	frac, e2 := math.Frexp(r)
-	exp := e2 - 1 + bias
-	man := int((frac*2-1)*float64(int(1)<<manBits) + 0.5)
-	return sign | uint8(exp<<manBits) | uint8(man)
+}
+
+// roundShift drops the low n bits of the magnitude bits abs, rounding to
+// nearest even. A mantissa that rounds up carries into the exponent field,
+// which is exactly the next binade, so normals need no special case.
+func roundShift(abs uint32, n uint) uint32 {
+	return (abs + (1<<(n-1) - 1) + (abs>>n)&1) >> n
 }
