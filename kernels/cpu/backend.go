@@ -1,0 +1,123 @@
+// Package cpu is expertd's pure-Go FusedMoE backend: the numerical oracle
+// for the GPU backends and the default when no GPU is present.
+//
+// It computes exactly the op of MOE_SPEC.md section 1. Weights stay FP8 in
+// memory and are decoded tile by tile through a 256-entry table into a
+// buffer sized for L2; every FP8×FP8 product is exact in float32 and
+// accumulation is float32, as on tensor cores. Work is spread over
+// goroutines by (expert, weight tile), so one token's handful of experts
+// still uses every core.
+package cpu
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/scaling"
+)
+
+func init() {
+	kernels.Register("cpu", func(cfg kernels.Config) (kernels.Backend, error) { return New(cfg), nil })
+}
+
+// Backend is the CPU backend. It is safe for concurrent use; each call
+// spreads over the configured number of goroutines.
+type Backend struct {
+	workers int
+}
+
+// New returns a CPU backend using cfg.Threads goroutines per call
+// (GOMAXPROCS when 0).
+func New(cfg kernels.Config) *Backend {
+	w := cfg.Threads
+	if w <= 0 {
+		w = runtime.GOMAXPROCS(0)
+	}
+	return &Backend{workers: w}
+}
+
+// Name implements kernels.Backend.
+func (b *Backend) Name() string { return "cpu" }
+
+// Capabilities implements kernels.Backend: both activations, every
+// granularity, no token limit.
+func (b *Backend) Capabilities() kernels.Capabilities {
+	return kernels.Capabilities{
+		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2},
+		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block},
+		Devices:       []string{fmt.Sprintf("%s (%d threads, pure Go)", cpuModel(), b.workers)},
+	}
+}
+
+// cpuModel is the first "model name" of /proc/cpuinfo, or GOARCH.
+func cpuModel() string {
+	data, err := os.ReadFile("/proc/cpuinfo")
+	if err == nil {
+		for _, line := range strings.Split(string(data), "\n") {
+			if name, ok := strings.CutPrefix(line, "model name"); ok {
+				return strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(name), ":"))
+			}
+		}
+	}
+	return runtime.GOARCH
+}
+
+// errClosed is returned for calls on a closed set.
+var errClosed = errors.New("cpu: expert set is closed")
+
+// loaded is an expert set held in host memory. The RWMutex lets Close wait
+// for calls in flight.
+type loaded struct {
+	mu     sync.RWMutex
+	set    *kernels.ExpertSet
+	closed bool
+}
+
+func (l *loaded) Set() *kernels.ExpertSet { return l.set }
+
+func (l *loaded) Close() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.closed = true
+	l.set = &kernels.ExpertSet{Activation: l.set.Activation, E: l.set.E, K: l.set.K, N: l.set.N}
+	return nil
+}
+
+// Load implements kernels.Backend. The CPU backend computes straight from
+// the set's FP8 slices, so loading copies nothing.
+func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	return &loaded{set: set}, nil
+}
+
+// FusedMoE implements kernels.Backend.
+func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	l, ok := set.(*loaded)
+	if !ok {
+		return nil, fmt.Errorf("cpu: expert set %T was not loaded by this backend", set)
+	}
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	if l.closed {
+		return nil, errClosed
+	}
+	start := time.Now()
+	res, err := b.run(ctx, l.set, req)
+	if err != nil {
+		return nil, fmt.Errorf("cpu: fused moe: %w", err)
+	}
+	res.KernelNanos = time.Since(start).Nanoseconds()
+	return res, nil
+}
+
+// Close implements kernels.Backend; the CPU backend holds no resources.
+func (b *Backend) Close() error { return nil }

@@ -1,0 +1,71 @@
+package cpu
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"testing"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/scaling"
+)
+
+// nemotronSet is the full-size Nemotron layer (E=128, K=2688, N=1856,
+// 1.28 GB of FP8), built once per process and only by benchmarks.
+var nemotronSet = sync.OnceValue(func() *kernels.ExpertSet {
+	s := kerneltest.Nemotron
+	rng := rand.New(rand.NewPCG(11, 12))
+	// Quantizing 1.28 G float32 weights would need 5 GB and minutes; the
+	// kernels' speed does not depend on the values, so fill the weights
+	// with a long random sequence of FP8 codes of randn values instead.
+	pattern := make([]uint8, 1<<16+1)
+	for i := range pattern {
+		pattern[i] = scaling.Float32ToE4M3(float32(rng.NormFloat64() * 100))
+	}
+	fill := func(n int) []uint8 {
+		w := make([]uint8, n)
+		for i := 0; i < n; i += copy(w[i:], pattern) {
+		}
+		return w
+	}
+	set := &kernels.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N,
+		W13: fill(s.E * s.Rows1() * s.K), W2: fill(s.E * s.K * s.N)}
+	var err error
+	if set.W13Scale, err = scaling.NewWeightScale(nil, []float32{1.0 / 100}, s.E, s.Rows1(), s.K, [2]int{}); err != nil {
+		panic(err)
+	}
+	if set.W2Scale, err = scaling.NewWeightScale(nil, []float32{1.0 / 100}, s.E, s.K, s.N, [2]int{}); err != nil {
+		panic(err)
+	}
+	return set
+})
+
+// BenchmarkNemotron times one full-size Nemotron layer (BF16 hidden states,
+// sigmoid+bias routing, dynamic per-token activation scales) at M tokens.
+// Run with: go test -run '^$' -bench Nemotron -benchtime 3x ./kernels/cpu/
+func BenchmarkNemotron(b *testing.B) {
+	s := kerneltest.Nemotron
+	set := nemotronSet()
+	be := New(kernels.Config{})
+	l, err := be.Load(context.Background(), set)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, m := range []int{1, 16, 256} {
+		b.Run(fmt.Sprintf("M=%d", m), func(b *testing.B) {
+			// Routing and hidden states from a small case of the same shape.
+			_, req := kerneltest.NewCase(rand.New(rand.NewPCG(uint64(m), 1)), s.Scaled(s.K, 8), m)
+			b.ResetTimer()
+			for b.Loop() {
+				if _, err := be.FusedMoE(context.Background(), l, req); err != nil {
+					b.Fatal(err)
+				}
+			}
+			sec := b.Elapsed().Seconds()
+			b.ReportMetric(float64(m*b.N)/sec, "tokens/s")
+			b.ReportMetric(s.FLOPs(m)*float64(b.N)/sec/1e9, "GFLOP/s")
+		})
+	}
+}

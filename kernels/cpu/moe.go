@@ -1,0 +1,302 @@
+package cpu
+
+import (
+	"context"
+	"encoding/binary"
+	"math"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/scaling"
+)
+
+// plan is one FusedMoE call's routing and token permutation.
+//
+// The M·TopK (token, slot) pairs are laid out grouped by expert: pair
+// (t, j) routed to expert e sits at position pos[t*TopK+j], inside
+// [off[e], off[e+1]). Each expert's GEMMs then run over contiguous rows.
+type plan struct {
+	m, topK int
+	ids     []int32
+	weights []float32
+	off     []int   // [E+1]
+	pos     []int32 // [M*TopK] pair -> position
+	tok     []int32 // [M*TopK] position -> token
+	iota    []int32 // [M*TopK] position -> position
+}
+
+func newPlan(set *kernels.ExpertSet, m, topK int, ids []int32, weights []float32) *plan {
+	p := &plan{m: m, topK: topK, ids: ids, weights: weights}
+	n := m * topK
+	p.off = make([]int, set.E+1)
+	for _, e := range ids {
+		p.off[e+1]++
+	}
+	for e := range set.E {
+		p.off[e+1] += p.off[e]
+	}
+	next := append([]int(nil), p.off[:set.E]...)
+	p.pos = make([]int32, n)
+	p.tok = make([]int32, n)
+	p.iota = make([]int32, n)
+	for i, e := range ids {
+		at := next[e]
+		next[e]++
+		p.pos[i] = int32(at)
+		p.tok[at] = int32(i / topK)
+	}
+	for i := range p.iota {
+		p.iota[i] = int32(i)
+	}
+	return p
+}
+
+// segments is how a reduction of length k splits into scale segments: Bk
+// in block mode, one segment of k otherwise.
+func segments(set *kernels.ExpertSet, k int) (seg, nseg int) {
+	if bk := set.Block[1]; bk > 0 {
+		return bk, (k + bk - 1) / bk
+	}
+	return k, 1
+}
+
+// run is the whole op on a validated request.
+func (b *Backend) run(ctx context.Context, set *kernels.ExpertSet, req *kernels.Request) (*kernels.Result, error) {
+	m, topK := req.M(), req.Routing.TopK
+	ids, weights := req.TopKIDs, req.TopKWeights
+	if ids == nil {
+		ids = make([]int32, m*topK)
+		weights = make([]float32, m*topK)
+		logits := decodeFloats(req.Logits)
+		e := set.E
+		chunk := max(1, 4096/e) // tokens per work item: keep items ~µs-sized
+		parallelFor(b.workers, (m+chunk-1)/chunk, func(_, c int) {
+			t0, t1 := c*chunk, min((c+1)*chunk, m)
+			Route(ids[t0*topK:t1*topK], weights[t0*topK:t1*topK], logits[t0*e:t1*e], t1-t0, e, req.Routing)
+		})
+	}
+	p := newPlan(set, m, topK, ids, weights)
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+
+	// GEMM1 over the quantized hidden states.
+	K, N, R1 := set.K, set.N, set.Rows1()
+	seg1, nseg1 := segments(set, K)
+	a, aS := b.quantizeHidden(set, req, seg1, nseg1)
+	h := make([]float32, m*topK*R1)
+	b.grouped(set, set.W13, set.W13Scale, R1, K, seg1, nseg1, a, aS, p, p.tok, h)
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+
+	// Activation and requantization to FP8, per pair.
+	seg2, nseg2 := segments(set, N)
+	x := make([]float32, m*topK*N)
+	xS := make([]float32, m*topK*nseg2)
+	b.activate(set, h, x, xS, m*topK, seg2, nseg2)
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+
+	// GEMM2, reusing h as its output when it is large enough.
+	var y []float32
+	if R1 >= K {
+		y = h[:m*topK*K]
+	} else {
+		y = make([]float32, m*topK*K)
+	}
+	b.grouped(set, set.W2, set.W2Scale, K, N, seg2, nseg2, x, xS, p, p.iota, y)
+
+	out := b.combine(p, y, K, req.OutDType)
+	return &kernels.Result{Output: out, TopKIDs: ids, TopKWeights: weights}, nil
+}
+
+// decodeFloats widens FP32 or BF16 tensor bytes to float32.
+func decodeFloats(t kernels.Tensor) []float32 {
+	n := t.Numel()
+	out := make([]float32, n)
+	switch t.DType {
+	case kernels.BFloat16:
+		for i := range out {
+			out[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(t.Data[2*i:]))
+		}
+	default: // kernels.Float32
+		for i := range out {
+			out[i] = math.Float32frombits(binary.LittleEndian.Uint32(t.Data[4*i:]))
+		}
+	}
+	return out
+}
+
+// quantizeHidden returns the GEMM1 input as decoded FP8 values [M, K] and
+// their scales [M, nseg]. FP8 input comes with its own scale (1, M or
+// M·nseg values); BF16/FP32 input is quantized here: with the static
+// A13Scale when the set has one, else dynamically per token (per group of
+// Bk in block mode).
+func (b *Backend) quantizeHidden(set *kernels.ExpertSet, req *kernels.Request, seg, nseg int) ([]float32, []float32) {
+	m, k := req.M(), set.K
+	a := make([]float32, m*k)
+	aS := make([]float32, m*nseg)
+	if req.Hidden.DType == kernels.Float8E4M3FN {
+		decodeFP8(a, req.Hidden.Data)
+		hs := req.HiddenScale
+		switch {
+		case len(hs) == 0 && set.A13Scale != nil:
+			hs = []float32{*set.A13Scale}
+		case len(hs) == 0:
+			hs = []float32{1}
+		}
+		for t := range m {
+			for s := range nseg {
+				var v float32
+				switch len(hs) {
+				case 1:
+					v = hs[0]
+				case m:
+					v = hs[t]
+				default: // m*nseg, block mode
+					v = hs[t*nseg+s]
+				}
+				aS[t*nseg+s] = scaling.ClampScale(v)
+			}
+		}
+		return a, aS
+	}
+	src := decodeFloats(req.Hidden)
+	q := make([]uint8, m*k)
+	if set.A13Scale != nil {
+		sc := scaling.ClampScale(*set.A13Scale)
+		scaling.QuantizeStatic(q, src, sc)
+		for i := range aS {
+			aS[i] = sc
+		}
+	} else {
+		scaling.QuantizeDynamic(q, aS, src, m, k, seg)
+	}
+	decodeFP8(a, q)
+	return a, aS
+}
+
+// grouped runs one grouped GEMM: for every expert with tokens, its rows of
+// a (selected by rows[off[e]:off[e+1]]) against all R rows of its weights
+// w [E, R, k], into c[position, R]. Work items are (expert, weight tile)
+// pairs so that even one token's six experts spread over every core.
+func (b *Backend) grouped(set *kernels.ExpertSet, w []byte, ws scaling.WeightScale, R, k, seg, nseg int,
+	a, aS []float32, p *plan, rows []int32, c []float32) {
+	tr := tileRows(k)
+	type item struct{ e, r0 int }
+	var items []item
+	for e := range set.E {
+		if p.off[e] == p.off[e+1] {
+			continue
+		}
+		for r0 := 0; r0 < R; r0 += tr {
+			items = append(items, item{e, r0})
+		}
+	}
+	scratch := make([][]float32, b.workers)
+	scales := make([][]float32, b.workers)
+	bk := set.Block[1]
+	parallelFor(b.workers, len(items), func(wk, i int) {
+		it := items[i]
+		rt := min(tr, R-it.r0)
+		if scratch[wk] == nil {
+			scratch[wk] = make([]float32, tr*k)
+			scales[wk] = make([]float32, tr*nseg)
+		}
+		base := (it.e*R + it.r0) * k
+		lo, hi := p.off[it.e], p.off[it.e+1]
+		g := gemmArgs{
+			a: a, rows: rows[lo:hi], aS: aS,
+			wq: w[base : base+rt*k], rt: rt,
+			k: k, seg: seg, nseg: nseg,
+			c: c, out: p.iota[lo:hi], ldc: R, col0: it.r0,
+		}
+		if hi-lo >= decodeMinRows {
+			g.w = scratch[wk][:rt*k]
+			decodeFP8(g.w, g.wq)
+		}
+		g.wS = scales[wk][:rt*nseg]
+		for r := range rt {
+			for s := range nseg {
+				g.wS[r*nseg+s] = ws.At(it.e, it.r0+r, s*bk)
+			}
+		}
+		gemmTile(&g)
+	})
+}
+
+// activate applies the activation to each of the n GEMM1 output rows of h
+// and requantizes it to FP8: static A2Scale when set, else dynamic per row
+// (per group of Bk in block mode). x receives the decoded FP8 values [n, N],
+// xS the scales [n, nseg].
+func (b *Backend) activate(set *kernels.ExpertSet, h, x, xS []float32, n, seg, nseg int) {
+	N, R1 := set.N, set.Rows1()
+	const chunk = 16
+	qs := make([][]uint8, b.workers)
+	parallelFor(b.workers, (n+chunk-1)/chunk, func(wk, c int) {
+		p0, p1 := c*chunk, min((c+1)*chunk, n)
+		if qs[wk] == nil {
+			qs[wk] = make([]uint8, chunk*N)
+		}
+		q := qs[wk][:(p1-p0)*N]
+		act := x[p0*N : p1*N]
+		for p := p0; p < p1; p++ {
+			hr := h[p*R1 : (p+1)*R1]
+			xr := act[(p-p0)*N : (p-p0+1)*N]
+			if set.Activation == kernels.SiluGated {
+				for j := range xr {
+					g := hr[j]
+					xr[j] = g / (1 + float32(math.Exp(float64(-g)))) * hr[N+j]
+				}
+			} else {
+				for j := range xr {
+					v := max(hr[j], 0)
+					xr[j] = v * v
+				}
+			}
+		}
+		if set.A2Scale != nil {
+			sc := scaling.ClampScale(*set.A2Scale)
+			scaling.QuantizeStatic(q, act, sc)
+			for i := p0 * nseg; i < p1*nseg; i++ {
+				xS[i] = sc
+			}
+		} else {
+			scaling.QuantizeDynamic(q, xS[p0*nseg:p1*nseg], act, p1-p0, N, seg)
+		}
+		decodeFP8(act, q)
+	})
+}
+
+// combine sums each token's expert outputs weighted by its routing weights,
+// in slot order, and encodes the [M, K] result.
+func (b *Backend) combine(p *plan, y []float32, k int, dt kernels.DType) []byte {
+	out := make([]byte, p.m*k*dt.Size())
+	const chunk = 8
+	parallelFor(b.workers, (p.m+chunk-1)/chunk, func(_, c int) {
+		acc := make([]float32, k)
+		for t := c * chunk; t < min((c+1)*chunk, p.m); t++ {
+			clear(acc)
+			for j := range p.topK {
+				w := p.weights[t*p.topK+j]
+				yr := y[int(p.pos[t*p.topK+j])*k:][:k]
+				for i, v := range yr {
+					acc[i] += w * v
+				}
+			}
+			if dt == kernels.Float32 {
+				o := out[t*k*4 : (t+1)*k*4]
+				for i, v := range acc {
+					binary.LittleEndian.PutUint32(o[4*i:], math.Float32bits(v))
+				}
+			} else {
+				o := out[t*k*2 : (t+1)*k*2]
+				for i, v := range acc {
+					binary.LittleEndian.PutUint16(o[2*i:], scaling.Float32ToBF16(v))
+				}
+			}
+		}
+	})
+	return out
+}

@@ -1,0 +1,160 @@
+package kerneltest
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/scaling"
+)
+
+// FP8Tol is MOE_SPEC.md's correctness bar: relative L2 error against
+// Reference with FP8 activations and weights.
+const FP8Tol = 2e-2
+
+// Case is one entry of CheckBackend's table.
+type Case struct {
+	Name  string
+	Shape Shape
+	M     int
+	Opts  []Option
+	// Tol is the relative-L2 bound; 0 means FP8Tol.
+	Tol float64
+	// EmptyExperts requires that some expert receives no token, so the case
+	// really exercises that edge.
+	EmptyExperts bool
+}
+
+// Cases is the default table: each reference shape scaled down so the whole
+// table runs in seconds under -race (E, top-k, routing and block shape
+// kept; K and N often not multiples of 16 or 128), and the edge cases of
+// MOE_SPEC.md: M=1, experts with no tokens, all tokens to one expert,
+// top_k = E, odd K and N, K smaller than one block, plus every option:
+// granularities, static scales, FP8/BF16/FP32 hidden input, BF16 logits,
+// precomputed routing, FP32 output.
+func Cases() []Case {
+	// Sizes are set by the weight generation (E·(Rows1+N)·K FP8 encodes per
+	// case), which dominates the table's time under -race.
+	nemo := Nemotron.Scaled(136, 72)
+	qwen := Qwen3.Scaled(128, 48)
+	mix := Mixtral.Scaled(200, 344)
+	dsv3 := DeepSeekV3.Scaled(136, 40) // two K blocks (128+8)
+	topKE := Mixtral.Scaled(80, 40)
+	topKE.Name, topKE.TopK = "Mixtral/top_k=E", 8
+	sigE := Shape{Name: "sigmoid/top_k=E", Activation: kernels.Relu2, E: 8, TopK: 8, K: 48, N: 40,
+		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 2, TopKGroups: 2, ScalingFactor: 2.5}
+	odd := Shape{Name: "odd/K=77,N=45", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
+		Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
+	return []Case{
+		{Name: "Nemotron/M=16", Shape: nemo, M: 16, EmptyExperts: true},
+		{Name: "Nemotron/M=1", Shape: nemo, M: 1, EmptyExperts: true},
+		{Name: "Nemotron/M=40/per-channel/fp32-out", Shape: nemo, M: 40,
+			Opts: []Option{WithGranularity(scaling.PerChannel), WithOutput(kernels.Float32)}},
+		{Name: "Nemotron/M=8/static/fp8-in", Shape: nemo, M: 8,
+			Opts: []Option{WithStaticScales(), WithHidden(kernels.Float8E4M3FN)}},
+		{Name: "Qwen3/M=16/per-expert", Shape: qwen, M: 16, Opts: []Option{WithGranularity(scaling.PerExpert)}},
+		{Name: "Qwen3/M=12/block/bf16-logits", Shape: qwen, M: 12,
+			Opts: []Option{WithBlock(128, 128), WithLogits(kernels.BFloat16)}},
+		{Name: "Qwen3/M=32/all-to-one", Shape: qwen, M: 32, Opts: []Option{WithAllTokensTo(5)}, EmptyExperts: true},
+		{Name: "Mixtral/M=48/fp8-in", Shape: mix, M: 48, Opts: []Option{WithHidden(kernels.Float8E4M3FN)}},
+		{Name: "Mixtral/M=1", Shape: mix, M: 1, EmptyExperts: true},
+		{Name: "Mixtral/M=20/static/fp32-in", Shape: mix, M: 20,
+			Opts: []Option{WithStaticScales(), WithHidden(kernels.Float32), WithGranularity(scaling.PerChannel)}},
+		{Name: "Mixtral/M=9/precomputed/all-to-one", Shape: mix, M: 9,
+			Opts: []Option{WithPrecomputedRouting(), WithAllTokensTo(7), WithOutput(kernels.Float32)}},
+		{Name: "DeepSeekV3/M=16", Shape: dsv3, M: 16, EmptyExperts: true},
+		{Name: "DeepSeekV3/M=1/fp8-in-per-group", Shape: dsv3, M: 1,
+			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.Block)}, EmptyExperts: true},
+		{Name: "DeepSeekV3/M=6/fp8-in-per-tensor/static", Shape: dsv3, M: 6,
+			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithStaticScales()}},
+		{Name: "top_k=E/softmax", Shape: topKE, M: 5},
+		{Name: "top_k=E/sigmoid-groups", Shape: sigE, M: 7, Opts: []Option{WithOutput(kernels.Float32)}},
+		{Name: "odd/block-wider-than-K", Shape: odd, M: 11, Opts: []Option{WithBlock(32, 128)}},
+		{Name: "odd/block-16x24/fp8-per-group", Shape: odd, M: 13,
+			Opts: []Option{WithBlock(16, 24), WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.Block)}},
+		{Name: "odd/per-channel/precomputed", Shape: odd, M: 3,
+			Opts: []Option{WithGranularity(scaling.PerChannel), WithPrecomputedRouting()}},
+	}
+}
+
+// CheckBackend runs b through cases (Cases() when none are given), each on
+// fresh random hidden states, logits and biases from a seeded generator
+// (expert weights are generated once per process for each shape and
+// granularity and shared between cases: they must not be modified), and fails t with the relative
+// L2 error against Reference for each case over its tolerance. It also
+// requires the routing the backend reports to match the reference's ids
+// exactly and its weights to 1e-5, and every output element to be finite.
+func CheckBackend(t testing.TB, b kernels.Backend, cases ...Case) {
+	t.Helper()
+	if len(cases) == 0 {
+		cases = Cases()
+	}
+	ctx := context.Background()
+	for i, c := range cases {
+		rng := rand.New(rand.NewPCG(uint64(i)+1, 0x5eed))
+		set, req := newCase(rng, c.Shape, c.M, sharedWeights, c.Opts...)
+		got, err := RunCase(ctx, b, set, req)
+		if err != nil {
+			t.Errorf("%s: %v", c.Name, err)
+			continue
+		}
+		want, wantIDs, wantW := Reference(set, req)
+		tol := c.Tol
+		if tol == 0 {
+			tol = FP8Tol
+		}
+		out := DecodeOutput(req.OutDType, got.Output)
+		if e := RelL2(out, want); !(e <= tol) {
+			t.Errorf("%s: rel-L2 %.3g, want <= %.3g", c.Name, e, tol)
+		} else {
+			t.Logf("%s: rel-L2 %.3g", c.Name, e)
+		}
+		if !slices.Equal(got.TopKIDs, wantIDs) {
+			t.Errorf("%s: topk ids differ from the reference's", c.Name)
+		}
+		if e := relL2f(got.TopKWeights, wantW); !(e <= 1e-5) {
+			t.Errorf("%s: topk weights rel-L2 %.3g, want <= 1e-5", c.Name, e)
+		}
+		if c.EmptyExperts {
+			hit := make([]bool, set.E)
+			for _, e := range wantIDs {
+				hit[e] = true
+			}
+			if !slices.Contains(hit, false) {
+				t.Errorf("%s: every expert got a token; the case does not test empty experts", c.Name)
+			}
+		}
+	}
+}
+
+// RunCase loads set into b, runs req, checks the result's sizes, and
+// closes the set.
+func RunCase(ctx context.Context, b kernels.Backend, set *kernels.ExpertSet, req *kernels.Request) (*kernels.Result, error) {
+	l, err := b.Load(ctx, set)
+	if err != nil {
+		return nil, err
+	}
+	defer l.Close()
+	res, err := b.FusedMoE(ctx, l, req)
+	if err != nil {
+		return nil, err
+	}
+	if n := req.M() * set.K * req.OutDType.Size(); len(res.Output) != n {
+		return nil, fmt.Errorf("kerneltest: output has %d bytes, want %d", len(res.Output), n)
+	}
+	if n := req.M() * req.Routing.TopK; len(res.TopKIDs) != n || len(res.TopKWeights) != n {
+		return nil, fmt.Errorf("kerneltest: topk ids/weights have %d/%d values, want %d", len(res.TopKIDs), len(res.TopKWeights), n)
+	}
+	return res, nil
+}
+
+func relL2f(got, want []float32) float64 {
+	w := make([]float64, len(want))
+	for i, x := range want {
+		w[i] = float64(x)
+	}
+	return RelL2(got, w)
+}

@@ -1,0 +1,317 @@
+package kerneltest
+
+import (
+	"encoding/binary"
+	"math"
+	"sort"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/scaling"
+)
+
+// Reference computes the FusedMoE op of MOE_SPEC.md section 1 in float64,
+// with deliberately plain code (sorts, triple loops, per-element scales, no
+// blocking, no goroutines) so that it shares no structure with a fast
+// backend. It quantizes activations to FP8 exactly as the spec says (the
+// same scaling package codecs and quantizers a backend uses; those are
+// tested against ml_dtypes on their own): BF16/FP32 hidden states with the
+// static A13Scale or dynamically per token (per group of Bk in block mode),
+// the intermediate with the static A2Scale or dynamically likewise.
+//
+// It returns the output [M, K] before output rounding, and the routing used.
+func Reference(set *kernels.ExpertSet, req *kernels.Request) (out []float64, ids []int32, w []float32) {
+	m, k := req.M(), req.Routing.TopK
+	ids, w64 := referenceRouting(set, req)
+	w = make([]float32, len(w64))
+	for i, x := range w64 {
+		w[i] = float32(x)
+	}
+	if req.TopKWeights != nil {
+		for i, x := range req.TopKWeights {
+			w64[i] = float64(x)
+		}
+	}
+
+	a := referenceHidden(set, req)
+	out = make([]float64, m*set.K)
+	w13 := map[int32][]float64{}
+	w2 := map[int32][]float64{}
+	for t := range m {
+		for j := range k {
+			e := ids[t*k+j]
+			if w13[e] == nil {
+				w13[e] = dequantExpert(set.W13, set.W13Scale, int(e), set.Rows1(), set.K)
+				w2[e] = dequantExpert(set.W2, set.W2Scale, int(e), set.K, set.N)
+			}
+			x := referenceIntermediate(set, a[t*set.K:(t+1)*set.K], w13[e])
+			xq := requantize(set, x)
+			for r := range set.K {
+				var y float64
+				for n := range set.N {
+					y += xq[n] * w2[e][r*set.N+n]
+				}
+				out[t*set.K+r] += w64[t*k+j] * y
+			}
+		}
+	}
+	return out, ids, w
+}
+
+// referenceHidden is the GEMM1 input dequantized: the FP8 value times its scale.
+func referenceHidden(set *kernels.ExpertSet, req *kernels.Request) []float64 {
+	m, kk := req.M(), set.K
+	bk := set.Block[1]
+	out := make([]float64, m*kk)
+	if req.Hidden.DType == kernels.Float8E4M3FN {
+		hs := req.HiddenScale
+		if len(hs) == 0 {
+			hs = []float32{1}
+			if set.A13Scale != nil {
+				hs = []float32{*set.A13Scale}
+			}
+		}
+		for t := range m {
+			for c := range kk {
+				var s float32
+				switch len(hs) {
+				case 1:
+					s = hs[0]
+				case m:
+					s = hs[t]
+				default:
+					s = hs[t*ceilDiv(kk, bk)+c/bk]
+				}
+				out[t*kk+c] = float64(scaling.E4M3Table[req.Hidden.Data[t*kk+c]]) * float64(scaling.ClampScale(s))
+			}
+		}
+		return out
+	}
+	src := make([]float32, m*kk)
+	for i := range src {
+		if req.Hidden.DType == kernels.BFloat16 {
+			src[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(req.Hidden.Data[2*i:]))
+		} else {
+			src[i] = math.Float32frombits(binary.LittleEndian.Uint32(req.Hidden.Data[4*i:]))
+		}
+	}
+	for t := range m {
+		row := quantizeRow(set.A13Scale, src[t*kk:(t+1)*kk], bk)
+		copy(out[t*kk:], row)
+	}
+	return out
+}
+
+// quantizeRow quantizes one row to FP8 (static scale, else dynamic per row
+// or per group of bk) and returns the dequantized values.
+func quantizeRow(static *float32, row []float32, bk int) []float64 {
+	n := len(row)
+	q := make([]uint8, n)
+	var scales []float32
+	var group int
+	if static != nil {
+		sc := scaling.ClampScale(*static)
+		scaling.QuantizeStatic(q, row, sc)
+		scales, group = []float32{sc}, n
+	} else {
+		group = n
+		if bk > 0 {
+			group = bk
+		}
+		scales = make([]float32, ceilDiv(n, group))
+		scaling.QuantizeDynamic(q, scales, row, 1, n, group)
+	}
+	out := make([]float64, n)
+	for i := range out {
+		out[i] = float64(scaling.E4M3Table[q[i]]) * float64(scales[i/group])
+	}
+	return out
+}
+
+// dequantExpert is one expert's [rows, cols] weights as float64.
+func dequantExpert(w []byte, ws scaling.WeightScale, e, rows, cols int) []float64 {
+	out := make([]float64, rows*cols)
+	for r := range rows {
+		for c := range cols {
+			out[r*cols+c] = float64(scaling.E4M3Table[w[(e*rows+r)*cols+c]]) * float64(ws.At(e, r, c))
+		}
+	}
+	return out
+}
+
+// referenceIntermediate is GEMM1 and the activation for one token row.
+func referenceIntermediate(set *kernels.ExpertSet, a []float64, w13 []float64) []float64 {
+	kk, n := set.K, set.N
+	h := make([]float64, set.Rows1())
+	for r := range h {
+		for c := range kk {
+			h[r] += a[c] * w13[r*kk+c]
+		}
+	}
+	x := make([]float64, n)
+	for i := range x {
+		if set.Activation == kernels.SiluGated {
+			g := h[i]
+			x[i] = g / (1 + math.Exp(-g)) * h[n+i]
+		} else {
+			x[i] = math.Pow(math.Max(h[i], 0), 2)
+		}
+	}
+	return x
+}
+
+// requantize is the intermediate's FP8 quantization, dequantized.
+func requantize(set *kernels.ExpertSet, x []float64) []float64 {
+	row := make([]float32, len(x))
+	for i, v := range x {
+		row[i] = float32(v)
+	}
+	return quantizeRow(set.A2Scale, row, set.Block[1])
+}
+
+// intermediateAmax is the largest |intermediate| over every routed pair
+// under dynamic quantization, for calibrating a static A2Scale.
+func intermediateAmax(set *kernels.ExpertSet, req *kernels.Request) float64 {
+	ids, _ := referenceRouting(set, req)
+	a := referenceHidden(set, req)
+	k := req.Routing.TopK
+	var mx float64
+	for i, e := range ids {
+		t := i / k
+		w13 := dequantExpert(set.W13, set.W13Scale, int(e), set.Rows1(), set.K)
+		for _, v := range referenceIntermediate(set, a[t*set.K:(t+1)*set.K], w13) {
+			mx = math.Max(mx, math.Abs(v))
+		}
+	}
+	return mx
+}
+
+// referenceRouting is MOE_SPEC.md's routing by sorting: scores in float64,
+// selection on score+bias, groups by the sum of their top-2 selection
+// scores, ties to the lower id (stable sorts over ascending ids), weights
+// the unbiased scores, renormalized, times the scaling factor.
+func referenceRouting(set *kernels.ExpertSet, req *kernels.Request) ([]int32, []float64) {
+	m, k, e := req.M(), req.Routing.TopK, set.E
+	r := req.Routing
+	if req.TopKIDs != nil {
+		w := make([]float64, len(req.TopKWeights))
+		for i, x := range req.TopKWeights {
+			w[i] = float64(x)
+		}
+		return append([]int32(nil), req.TopKIDs...), w
+	}
+	ids := make([]int32, m*k)
+	weights := make([]float64, m*k)
+	for t := range m {
+		score := make([]float64, e)
+		for i := range e {
+			var x float64
+			if req.Logits.DType == kernels.BFloat16 {
+				x = float64(scaling.BF16ToFloat32(binary.LittleEndian.Uint16(req.Logits.Data[2*(t*e+i):])))
+			} else {
+				x = float64(math.Float32frombits(binary.LittleEndian.Uint32(req.Logits.Data[4*(t*e+i):])))
+			}
+			score[i] = x
+		}
+		if r.Scoring == kernels.Sigmoid {
+			for i := range score {
+				score[i] = 1 / (1 + math.Exp(-score[i]))
+			}
+		} else {
+			mx := math.Inf(-1)
+			for _, x := range score {
+				mx = math.Max(mx, x)
+			}
+			var sum float64
+			for i := range score {
+				score[i] = math.Exp(score[i] - mx)
+				sum += score[i]
+			}
+			for i := range score {
+				score[i] /= sum
+			}
+		}
+		sel := make([]float64, e)
+		for i := range sel {
+			sel[i] = score[i]
+			if r.CorrectionBias != nil {
+				sel[i] += float64(r.CorrectionBias[i])
+			}
+		}
+		// NaN sorts last.
+		key := func(x float64) float64 {
+			if math.IsNaN(x) {
+				return math.Inf(-1)
+			}
+			return x
+		}
+		candidates := make([]int, 0, e)
+		if r.NumGroups > 1 {
+			size := e / r.NumGroups
+			groups := make([]int, r.NumGroups)
+			gscore := make([]float64, r.NumGroups)
+			for g := range groups {
+				groups[g] = g
+				members := append([]float64(nil), sel[g*size:(g+1)*size]...)
+				sort.Slice(members, func(i, j int) bool { return key(members[i]) > key(members[j]) })
+				gscore[g] = members[0]
+				if size > 1 {
+					gscore[g] += members[1]
+				}
+			}
+			sort.SliceStable(groups, func(i, j int) bool { return key(gscore[groups[i]]) > key(gscore[groups[j]]) })
+			kept := groups[:r.TopKGroups]
+			sort.Ints(kept)
+			for _, g := range kept {
+				for i := g * size; i < (g+1)*size; i++ {
+					candidates = append(candidates, i)
+				}
+			}
+		} else {
+			for i := range e {
+				candidates = append(candidates, i)
+			}
+		}
+		sort.SliceStable(candidates, func(i, j int) bool { return key(sel[candidates[i]]) > key(sel[candidates[j]]) })
+		var sum float64
+		for j := range k {
+			ids[t*k+j] = int32(candidates[j])
+			sum += score[candidates[j]]
+		}
+		f := float64(r.ScalingFactor)
+		if f == 0 {
+			f = 1
+		}
+		for j := range k {
+			w := score[candidates[j]]
+			if r.Renormalize && sum > 0 {
+				w /= sum
+			}
+			weights[t*k+j] = w * f
+		}
+	}
+	return ids, weights
+}
+
+// RelL2 is ‖got−want‖₂/‖want‖₂; +Inf when any element of got is NaN or
+// infinite or the lengths differ, so broken output never passes.
+func RelL2(got []float32, want []float64) float64 {
+	if len(got) != len(want) {
+		return math.Inf(1)
+	}
+	var num, den float64
+	for i, g := range got {
+		x := float64(g)
+		if math.IsNaN(x) || math.IsInf(x, 0) {
+			return math.Inf(1)
+		}
+		num += (x - want[i]) * (x - want[i])
+		den += want[i] * want[i]
+	}
+	if den == 0 {
+		if num == 0 {
+			return 0
+		}
+		return math.Inf(1)
+	}
+	return math.Sqrt(num / den)
+}
