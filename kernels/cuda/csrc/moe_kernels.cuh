@@ -284,8 +284,9 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
     s = clamp_scale(amax / kFP8Max);
     if (threadIdx.x == 0) a1s[row] = s;
   }
-  const float inv = 1.0f / s;
-  for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = to_e4m3(load_float(hidden, src0 + i, p.hidden_dtype) * inv);
+  // Divide, not multiply by 1/s: the CPU backend and the reference do x / s,
+  // and the two differ at FP8 rounding boundaries.
+  for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = to_e4m3(load_float(hidden, src0 + i, p.hidden_dtype) / s);
 }
 
 // requant_kernel: dynamic per-row FP8 quantization of GEMM1's BF16 output
@@ -302,9 +303,8 @@ __global__ void requant_kernel(const __nv_bfloat16* act, int n, const int32_t* s
   amax = block_max(amax, red);
   const float s = clamp_scale(amax / kFP8Max);
   if (threadIdx.x == 0) a2s[row] = s;
-  const float inv = 1.0f / s;
   uint8_t* dst = a2q + size_t(row) * n;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = to_e4m3(__bfloat162float(src[i]) * inv);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = to_e4m3(__bfloat162float(src[i]) / s);
 }
 
 // combine_kernel: out[t] = sum over slots of y[t*top_k + j] (weights already

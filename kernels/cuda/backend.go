@@ -1,0 +1,381 @@
+// Package cuda is expertd's GPU backend: native CUDA kernels in
+// csrc/ (built into libexpertd_cuda.so by scripts/cuda-build.sh) behind a
+// flat C ABI (csrc/expertd_cuda.h), loaded at run time with purego, so this
+// package builds with CGO_ENABLED=0 and on machines with no GPU.
+//
+// Opening the backend loads the library, checks its ABI version, claims the
+// configured GPU and runs a small self-test against the CPU backend; any
+// failure is an error (never a panic), so backend=auto can fall back.
+package cuda
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/scaling"
+)
+
+func init() {
+	kernels.Register("cuda", func(cfg kernels.Config) (kernels.Backend, error) {
+		b, err := New(cfg)
+		if err != nil {
+			return nil, err
+		}
+		return b, nil
+	})
+}
+
+// Backend runs fused MoE on one GPU through libexpertd_cuda.so.
+type Backend struct {
+	lib    *library
+	device int
+	info   string
+	exec   *executor
+	// gemm is the EXPERTD_GEMM_* path every call asks for ($EXPERTD_CUDA_GEMM).
+	gemm int64
+
+	mu     sync.Mutex
+	closed bool
+}
+
+// gemmPaths maps $EXPERTD_CUDA_GEMM values to the ABI's path choice.
+var gemmPaths = map[string]int64{
+	"": gemmAuto, "auto": gemmAuto, "portable": gemmPortable, "portable-f16": gemmPortableF16, "sm90": gemmSM90,
+}
+
+// New opens the library named by cfg.LibraryPath (or found by the default
+// search, see findLibrary) on GPU cfg.Device and self-tests it.
+func New(cfg kernels.Config) (*Backend, error) {
+	gemm, ok := gemmPaths[os.Getenv("EXPERTD_CUDA_GEMM")]
+	if !ok {
+		return nil, fmt.Errorf("cuda: EXPERTD_CUDA_GEMM=%q: want auto, portable, portable-f16 or sm90", os.Getenv("EXPERTD_CUDA_GEMM"))
+	}
+	lib, err := openLibrary(cfg.LibraryPath)
+	if err != nil {
+		return nil, err
+	}
+	b := &Backend{lib: lib, device: cfg.Device, exec: newExecutor(), gemm: gemm}
+	var rc int32
+	buf := make([]byte, 256)
+	b.exec.do(func() {
+		if rc = lib.init(int32(cfg.Device)); rc != codeOK {
+			return
+		}
+		rc = lib.deviceInfo(int32(cfg.Device), &buf[0], int32(len(buf)))
+	})
+	if rc != codeOK {
+		err := b.callError("init", rc)
+		b.exec.stop()
+		return nil, err
+	}
+	b.info = strings.TrimRight(string(buf[:clen(buf)]), "\x00")
+	if err := b.selfTest(); err != nil {
+		b.exec.stop()
+		return nil, fmt.Errorf("cuda: self-test on %s failed: %w", b.info, err)
+	}
+	return b, nil
+}
+
+func clen(b []byte) int {
+	for i, c := range b {
+		if c == 0 {
+			return i
+		}
+	}
+	return len(b)
+}
+
+// callError turns a library return code into a Go error carrying the
+// thread's last error string. Call it on the executor's thread, or right
+// after a do() whose call failed (the string is read inside do below).
+func (b *Backend) callError(op string, rc int32) error {
+	var msg string
+	b.exec.do(func() { msg = b.lib.lastError() })
+	return codeError(op, rc, msg)
+}
+
+func codeError(op string, rc int32, msg string) error {
+	err := fmt.Errorf("cuda: %s: %s: %s", op, codeName(rc), msg)
+	switch rc {
+	case codeUnsupported:
+		return fmt.Errorf("%w: %w", err, kernels.ErrUnsupported)
+	case codeOOM:
+		return fmt.Errorf("%w: %w", err, kernels.ErrOutOfMemory)
+	}
+	return err
+}
+
+// selfTest runs one small random case and compares it with the CPU
+// backend: a library that loads but computes garbage must not serve.
+func (b *Backend) selfTest() error {
+	shape := kerneltest.Shape{Name: "selftest", Activation: kernels.SiluGated, E: 8, TopK: 2, K: 96, N: 64,
+		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	rng := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
+	set, req := kerneltest.NewCase(rng, shape, 5, kerneltest.WithGranularity(scaling.PerExpert))
+	ctx := context.Background()
+	got, err := kerneltest.RunCase(ctx, b, set, req)
+	if err != nil {
+		return err
+	}
+	want, err := kerneltest.RunCase(ctx, cpu.New(kernels.Config{Threads: 1}), set, req)
+	if err != nil {
+		return fmt.Errorf("cpu reference: %w", err)
+	}
+	w := kerneltest.DecodeOutput(req.OutDType, want.Output)
+	w64 := make([]float64, len(w))
+	for i, x := range w {
+		w64[i] = float64(x)
+	}
+	if e := kerneltest.RelL2(kerneltest.DecodeOutput(req.OutDType, got.Output), w64); !(e <= kerneltest.FP8Tol) {
+		return fmt.Errorf("rel-L2 %.3g against the CPU backend, want <= %g", e, kerneltest.FP8Tol)
+	}
+	return nil
+}
+
+// Name implements kernels.Backend.
+func (b *Backend) Name() string { return "cuda" }
+
+// Capabilities implements kernels.Backend.
+func (b *Backend) Capabilities() kernels.Capabilities {
+	return kernels.Capabilities{
+		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2},
+		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert},
+		Devices:       []string{b.info},
+	}
+}
+
+// Close implements kernels.Backend. Sets still loaded are freed with the
+// process; Close only stops the executor.
+func (b *Backend) Close() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.closed {
+		b.closed = true
+		b.exec.stop()
+	}
+	return nil
+}
+
+var errClosed = errors.New("cuda: backend is closed")
+
+// loaded is an expert set resident in GPU memory.
+type loaded struct {
+	b      *Backend
+	meta   *kernels.ExpertSet // weights dropped: they live on the GPU
+	mu     sync.RWMutex
+	handle uint64
+}
+
+func (l *loaded) Set() *kernels.ExpertSet { return l.meta }
+
+// Close implements kernels.Loaded; calls in flight finish first.
+func (l *loaded) Close() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.handle == 0 {
+		return nil
+	}
+	h := l.handle
+	l.handle = 0
+	return l.b.call("set_free", func() int32 { return l.b.lib.setFree(h) })
+}
+
+// call runs f on the executor and converts a failure, reading the error
+// string on the same thread before anything else can overwrite it.
+func (b *Backend) call(op string, f func() int32) error {
+	b.mu.Lock()
+	closed := b.closed
+	b.mu.Unlock()
+	if closed {
+		return errClosed
+	}
+	var rc int32
+	var msg string
+	b.exec.do(func() {
+		rc = f()
+		if rc != codeOK {
+			msg = b.lib.lastError()
+		}
+	})
+	if rc != codeOK {
+		return codeError(op, rc, msg)
+	}
+	return nil
+}
+
+// Load implements kernels.Backend: it uploads the weights and keeps only
+// the set's metadata on the host.
+func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	var act int32
+	switch set.Activation {
+	case kernels.SiluGated:
+		act = actSiluGated
+	case kernels.Relu2:
+		act = actRelu2
+	default:
+		return nil, fmt.Errorf("cuda: activation %v: %w", set.Activation, kernels.ErrUnsupported)
+	}
+	for _, ws := range []scaling.WeightScale{set.W13Scale, set.W2Scale} {
+		if g := ws.Granularity; g != scaling.PerTensor && g != scaling.PerExpert {
+			return nil, fmt.Errorf("cuda: %v weight scales: %w", g, kernels.ErrUnsupported)
+		}
+		if len(ws.Values) == 0 {
+			return nil, fmt.Errorf("cuda: empty weight scale")
+		}
+	}
+	if set.Block != [2]int{} {
+		return nil, fmt.Errorf("cuda: block quantization %v: %w", set.Block, kernels.ErrUnsupported)
+	}
+	if set.E > maxExperts {
+		return nil, fmt.Errorf("cuda: %d experts (max %d): %w", set.E, maxExperts, kernels.ErrUnsupported)
+	}
+	if len(set.W13) != set.E*set.Rows1()*set.K || len(set.W2) != set.E*set.K*set.N {
+		return nil, fmt.Errorf("cuda: weight sizes %d/%d do not match E=%d K=%d N=%d", len(set.W13), len(set.W2), set.E, set.K, set.N)
+	}
+	a13, a2 := float32(-1), float32(-1)
+	if set.A13Scale != nil {
+		a13 = max(*set.A13Scale, 1e-10)
+	}
+	if set.A2Scale != nil {
+		a2 = max(*set.A2Scale, 1e-10)
+	}
+	var h uint64
+	err := b.call("set_create", func() int32 {
+		return b.lib.setCreate(int32(b.device), int32(set.E), int32(set.K), int32(set.N), act,
+			&set.W13[0], &set.W2[0], &set.W13Scale.Values[0], int32(len(set.W13Scale.Values)),
+			&set.W2Scale.Values[0], int32(len(set.W2Scale.Values)), a13, a2, &h)
+	})
+	runtime.KeepAlive(set)
+	if err != nil {
+		return nil, err
+	}
+	meta := *set
+	meta.W13, meta.W2 = nil, nil
+	return &loaded{b: b, meta: &meta, handle: h}, nil
+}
+
+// FusedMoE implements kernels.Backend.
+func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	out := make([]byte, req.M()*setOf(set).K*req.OutDType.Size())
+	return b.run(ctx, set, req, out, b.gemm, true)
+}
+
+func setOf(l kernels.Loaded) *kernels.ExpertSet { return l.Set() }
+
+// run is FusedMoE with the output buffer, GEMM path and graph use chosen by
+// the caller (tests poison out and compare paths).
+func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Request, out []byte, gemm int64, graph bool) (*kernels.Result, error) {
+	l, ok := set.(*loaded)
+	if !ok || l.b != b {
+		return nil, fmt.Errorf("cuda: expert set %T was not loaded by this backend", set)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	meta := l.meta
+	m, topK := req.M(), req.Routing.TopK
+	if topK < 1 || topK > maxTopK || topK > meta.E {
+		return nil, fmt.Errorf("cuda: top_k %d with %d experts (max %d): %w", topK, meta.E, maxTopK, kernels.ErrUnsupported)
+	}
+	ip := make([]int64, numIParams)
+	ip[pM] = int64(m)
+	switch req.Hidden.DType {
+	case kernels.Float32:
+		ip[pHiddenDType] = dtypeFloat32
+	case kernels.BFloat16:
+		ip[pHiddenDType] = dtypeBFloat16
+	case kernels.Float8E4M3FN:
+		ip[pHiddenDType] = dtypeFloat8
+		if n := len(req.HiddenScale); n != 0 && n != 1 && n != m {
+			return nil, fmt.Errorf("cuda: per-group hidden scales (%d values): %w", n, kernels.ErrUnsupported)
+		}
+		ip[pNHiddenScale] = int64(len(req.HiddenScale))
+	default:
+		return nil, fmt.Errorf("cuda: hidden dtype %v: %w", req.Hidden.DType, kernels.ErrUnsupported)
+	}
+	switch req.OutDType {
+	case kernels.Float32:
+		ip[pOutDType] = dtypeFloat32
+	case kernels.BFloat16:
+		ip[pOutDType] = dtypeBFloat16
+	default:
+		return nil, fmt.Errorf("cuda: output dtype %v: %w", req.OutDType, kernels.ErrUnsupported)
+	}
+	r := req.Routing
+	ip[pTopK] = int64(topK)
+	if r.Renormalize {
+		ip[pRenormalize] = 1
+	}
+	ip[pScoring] = scoringSoftmax
+	if r.Scoring == kernels.Sigmoid {
+		ip[pScoring] = scoringSigmoid
+	}
+	ip[pNumGroups] = int64(r.NumGroups)
+	ip[pTopKGroups] = int64(r.TopKGroups)
+	ip[pGEMM] = gemm
+	if graph {
+		ip[pUseGraph] = 1
+	}
+	fp := []float32{r.ScalingFactor}
+
+	var logits unsafe.Pointer
+	var bias *float32
+	var idsIn *int32
+	var wIn *float32
+	if req.TopKIDs != nil {
+		if len(req.TopKIDs) != m*topK || len(req.TopKWeights) != m*topK {
+			return nil, fmt.Errorf("cuda: topk ids/weights have %d/%d values, want %d", len(req.TopKIDs), len(req.TopKWeights), m*topK)
+		}
+		idsIn, wIn = &req.TopKIDs[0], &req.TopKWeights[0]
+	} else {
+		switch req.Logits.DType {
+		case kernels.Float32:
+			ip[pLogitsDType] = dtypeFloat32
+		case kernels.BFloat16:
+			ip[pLogitsDType] = dtypeBFloat16
+		default:
+			return nil, fmt.Errorf("cuda: logits dtype %v: %w", req.Logits.DType, kernels.ErrUnsupported)
+		}
+		logits = unsafe.Pointer(&req.Logits.Data[0])
+		if r.CorrectionBias != nil {
+			bias = &r.CorrectionBias[0]
+		}
+	}
+	var hs *float32
+	if len(req.HiddenScale) > 0 && req.Hidden.DType == kernels.Float8E4M3FN {
+		hs = &req.HiddenScale[0]
+	}
+	ids := make([]int32, m*topK)
+	w := make([]float32, m*topK)
+	var ms float32
+
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	if l.handle == 0 {
+		return nil, errors.New("cuda: expert set is closed")
+	}
+	h := l.handle
+	err := b.call("moe", func() int32 {
+		return b.lib.moe(h, &ip[0], int32(len(ip)), &fp[0], int32(len(fp)), unsafe.Pointer(&req.Hidden.Data[0]), hs,
+			logits, bias, idsIn, wIn, unsafe.Pointer(&out[0]), &ids[0], &w[0], &ms)
+	})
+	runtime.KeepAlive(req)
+	runtime.KeepAlive(out)
+	if err != nil {
+		return nil, err
+	}
+	return &kernels.Result{Output: out, TopKIDs: ids, TopKWeights: w, KernelNanos: int64(float64(ms) * 1e6)}, nil
+}

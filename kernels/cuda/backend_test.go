@@ -1,0 +1,349 @@
+package cuda
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/scaling"
+)
+
+// The GPU tests skip when no library or GPU is present (CI), unless
+// EXPERTD_CUDA_REQUIRE=1 (scripts/device-check.sh sets it) makes that a
+// failure.
+
+var (
+	testOnce    sync.Once
+	testBackend *Backend
+	testErr     error
+)
+
+func gpuBackend(t *testing.T) *Backend {
+	t.Helper()
+	testOnce.Do(func() { testBackend, testErr = New(kernels.Config{}) })
+	if testErr != nil {
+		if os.Getenv("EXPERTD_CUDA_REQUIRE") == "1" {
+			t.Fatalf("cuda backend: %v", testErr)
+		}
+		t.Skipf("no cuda backend here: %v", testErr)
+	}
+	return testBackend
+}
+
+func TestOpenWithoutLibraryIsAnError(t *testing.T) {
+	_, err := kernels.Open("cuda", kernels.Config{LibraryPath: t.TempDir() + "/missing/libexpertd_cuda.so"})
+	if err == nil {
+		t.Fatal("Open with a missing library succeeded")
+	}
+	if !errors.Is(err, errNoLibrary) {
+		t.Errorf("Open: %v, want an error wrapping errNoLibrary", err)
+	}
+}
+
+func TestOpenRejectsBadGEMMEnv(t *testing.T) {
+	t.Setenv("EXPERTD_CUDA_GEMM", "fastest")
+	if _, err := New(kernels.Config{}); err == nil || !strings.Contains(err.Error(), "EXPERTD_CUDA_GEMM") {
+		t.Errorf("New with EXPERTD_CUDA_GEMM=fastest: %v, want an error naming the variable", err)
+	}
+}
+
+func TestCodeErrorWrapsSentinels(t *testing.T) {
+	for _, tc := range []struct {
+		rc   int32
+		want error
+	}{{codeUnsupported, kernels.ErrUnsupported}, {codeOOM, kernels.ErrOutOfMemory}} {
+		if err := codeError("moe", tc.rc, "x"); !errors.Is(err, tc.want) {
+			t.Errorf("codeError(%s) = %v, want it to wrap %v", codeName(tc.rc), err, tc.want)
+		}
+	}
+	if err := codeError("moe", codeCUDA, "boom"); errors.Is(err, kernels.ErrUnsupported) || !strings.Contains(err.Error(), "boom") {
+		t.Errorf("codeError(ERR_CUDA) = %v", err)
+	}
+}
+
+// supported says whether this backend should accept the case, mirroring
+// the library's limits.
+func supported(set *kernels.ExpertSet, req *kernels.Request) bool {
+	for _, ws := range []scaling.WeightScale{set.W13Scale, set.W2Scale} {
+		if ws.Granularity != scaling.PerTensor && ws.Granularity != scaling.PerExpert {
+			return false
+		}
+	}
+	if set.Block != [2]int{} {
+		return false
+	}
+	if req.Hidden.DType == kernels.Float8E4M3FN {
+		if n := len(req.HiddenScale); n > 1 && n != req.M() {
+			return false
+		}
+	}
+	return true
+}
+
+// paths are the GEMM implementations to compare on this card.
+type gemmPath struct {
+	name string
+	gemm int64
+}
+
+func paths(b *Backend) []gemmPath {
+	ps := []gemmPath{{"portable", gemmPortable}, {"portable-f16", gemmPortableF16}}
+	if strings.Contains(b.info, "gemm=sm90") {
+		ps = append(ps, gemmPath{"sm90", gemmSM90})
+	}
+	return ps
+}
+
+// extraCases add shapes whose K and N are multiples of 16 (the sm90
+// kernels' domain, at scaled-down sizes) and larger M, so every GEMM path
+// and every token-tile size runs.
+func extraCases() []kerneltest.Case {
+	nemo := kerneltest.Nemotron.Scaled(512, 384)
+	qwen := kerneltest.Qwen3.Scaled(512, 256)
+	mix := kerneltest.Mixtral.Scaled(256, 512)
+	return []kerneltest.Case{
+		{Name: "x16/Nemotron/M=1", Shape: nemo, M: 1},
+		{Name: "x16/Nemotron/M=64", Shape: nemo, M: 64},
+		{Name: "x16/Nemotron/M=300/static", Shape: nemo, M: 300, Opts: []kerneltest.Option{kerneltest.WithStaticScales()}},
+		{Name: "x16/Qwen3/M=200/per-expert", Shape: qwen, M: 200, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerExpert)}},
+		{Name: "x16/Qwen3/M=3/static/fp8-in", Shape: qwen, M: 3, Opts: []kerneltest.Option{kerneltest.WithStaticScales(), kerneltest.WithHidden(kernels.Float8E4M3FN)}},
+		{Name: "x16/Mixtral/M=160", Shape: mix, M: 160},
+		{Name: "x16/Mixtral/M=700/all-to-one", Shape: mix, M: 700, Opts: []kerneltest.Option{kerneltest.WithAllTokensTo(3)}},
+	}
+}
+
+func decode64(dt kernels.DType, b []byte) []float64 {
+	f := kerneltest.DecodeOutput(dt, b)
+	out := make([]float64, len(f))
+	for i, x := range f {
+		out[i] = float64(x)
+	}
+	return out
+}
+
+// TestCases runs the shared table plus extraCases on every GEMM path,
+// three calls each (direct, graph capture, graph replay), with fresh
+// random data: rel-L2 against the float64 reference and the CPU backend,
+// exact routing ids, every output element written (poisoned first), no
+// NaN; unsupported cases must report kernels.ErrUnsupported.
+func TestCases(t *testing.T) {
+	b := gpuBackend(t)
+	t.Logf("device: %s", b.info)
+	ctx := context.Background()
+	cases := append(kerneltest.Cases(), extraCases()...)
+	ref := cpu.New(kernels.Config{})
+	for _, c := range cases {
+		seed := rand.Uint64()
+		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 0xc0da)), c.Shape, c.M, c.Opts...)
+		l, err := b.Load(ctx, set)
+		if !supported(set, req) {
+			if err == nil {
+				_, err = b.FusedMoE(ctx, l, req)
+				l.Close()
+			}
+			if !errors.Is(err, kernels.ErrUnsupported) {
+				t.Errorf("%s: got %v, want kernels.ErrUnsupported", c.Name, err)
+			} else {
+				t.Logf("%s: unsupported, as expected (%v)", c.Name, err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("%s (seed %d): Load: %v", c.Name, seed, err)
+			continue
+		}
+		want, wantIDs, wantW := kerneltest.Reference(set, req)
+		cres, err := ref.FusedMoE(ctx, mustLoad(t, ref, set), req)
+		if err != nil {
+			t.Fatalf("%s: cpu backend: %v", c.Name, err)
+		}
+		cpuOut := decode64(req.OutDType, cres.Output)
+		for _, p := range paths(b) {
+			for call := range 3 {
+				out := make([]byte, req.M()*set.K*req.OutDType.Size())
+				kerneltest.Poison(out)
+				res, err := b.run(ctx, l, req, out, p.gemm, true)
+				name := fmt.Sprintf("%s/%s/call%d (seed %d)", c.Name, p.name, call, seed)
+				if err != nil {
+					t.Errorf("%s: %v", name, err)
+					break
+				}
+				if n := kerneltest.Unwritten(out, req.OutDType.Size()); n > 0 {
+					t.Errorf("%s: %d output elements left unwritten", name, n)
+				}
+				got := kerneltest.DecodeOutput(req.OutDType, res.Output)
+				if i := slices.IndexFunc(got, func(v float32) bool { return math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) }); i >= 0 {
+					t.Errorf("%s: output[%d] = %v", name, i, got[i])
+				}
+				eRef := kerneltest.RelL2(got, want)
+				eCPU := kerneltest.RelL2(got, cpuOut)
+				if !(eRef <= kerneltest.FP8Tol) || !(eCPU <= kerneltest.FP8Tol) {
+					t.Errorf("%s: rel-L2 %.3g vs reference, %.3g vs cpu; want <= %g", name, eRef, eCPU, kerneltest.FP8Tol)
+				} else if call == 0 {
+					t.Logf("%s: rel-L2 %.3g vs reference, %.3g vs cpu, %.3f ms", name, eRef, eCPU, float64(res.KernelNanos)/1e6)
+				}
+				if !slices.Equal(res.TopKIDs, wantIDs) {
+					t.Errorf("%s: topk ids differ from the reference's", name)
+				}
+				w64 := make([]float64, len(wantW))
+				for i, x := range wantW {
+					w64[i] = float64(x)
+				}
+				if e := kerneltest.RelL2(res.TopKWeights, w64); !(e <= 1e-5) {
+					t.Errorf("%s: topk weights rel-L2 %.3g", name, e)
+				}
+			}
+		}
+		l.Close()
+	}
+}
+
+func mustLoad(t *testing.T, b kernels.Backend, set *kernels.ExpertSet) kernels.Loaded {
+	t.Helper()
+	l, err := b.Load(context.Background(), set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+// TestSmall is the short case compute-sanitizer runs.
+func TestSmall(t *testing.T) {
+	b := gpuBackend(t)
+	ctx := context.Background()
+	for _, c := range []kerneltest.Case{
+		{Name: "odd", Shape: kerneltest.Shape{Name: "odd", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
+			Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}, M: 11},
+		{Name: "x16", Shape: kerneltest.Nemotron.Scaled(256, 128), M: 33},
+	} {
+		seed := rand.Uint64()
+		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 1)), c.Shape, c.M)
+		l := mustLoad(t, b, set)
+		want, _, _ := kerneltest.Reference(set, req)
+		for _, p := range paths(b) {
+			out := make([]byte, req.M()*set.K*req.OutDType.Size())
+			res, err := b.run(ctx, l, req, out, p.gemm, false)
+			if err != nil {
+				t.Errorf("%s/%s: %v", c.Name, p.name, err)
+				continue
+			}
+			if e := kerneltest.RelL2(kerneltest.DecodeOutput(req.OutDType, res.Output), want); !(e <= kerneltest.FP8Tol) {
+				t.Errorf("%s/%s (seed %d): rel-L2 %.3g", c.Name, p.name, seed, e)
+			}
+		}
+	}
+}
+
+// TestErrorsAreErrors checks that bad calls come back as Go errors.
+func TestErrorsAreErrors(t *testing.T) {
+	b := gpuBackend(t)
+	ctx := context.Background()
+	set, req := kerneltest.NewCase(rand.New(rand.NewPCG(rand.Uint64(), 2)), kerneltest.Qwen3.Scaled(64, 32), 4)
+	l := mustLoad(t, b, set)
+	bad := *req
+	bad.Routing.TopK = 200
+	if _, err := b.FusedMoE(ctx, l, &bad); err == nil {
+		t.Error("top_k=200 with 128 experts succeeded")
+	}
+	if err := b.call("set_free", func() int32 { return b.lib.setFree(1 << 60) }); err == nil || !strings.Contains(err.Error(), "ERR_NOT_FOUND") {
+		t.Errorf("set_free(unknown) = %v, want ERR_NOT_FOUND", err)
+	}
+	l.Close()
+	if _, err := b.FusedMoE(ctx, l, req); err == nil {
+		t.Error("call on a closed set succeeded")
+	}
+}
+
+// TestTiming measures the full Nemotron layer at the spec's token counts
+// (EXPERTD_CUDA_TIMING=1 only: it uploads 1.28 GB of weights). Weights are
+// random finite FP8 bytes; numbers, not correctness, are the point here.
+func TestTiming(t *testing.T) {
+	if os.Getenv("EXPERTD_CUDA_TIMING") != "1" {
+		t.Skip("set EXPERTD_CUDA_TIMING=1")
+	}
+	b := gpuBackend(t)
+	s := kerneltest.Nemotron
+	rng := rand.New(rand.NewPCG(rand.Uint64(), 3))
+	randFP8 := func(n int) []byte {
+		buf := make([]byte, n)
+		for i := 0; i+8 <= n; i += 8 {
+			binary.LittleEndian.PutUint64(buf[i:], rng.Uint64()&0xBFBFBFBFBFBFBFBF) // exponent top bit clear: |v| < 2, never NaN
+		}
+		return buf
+	}
+	set := &kernels.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N,
+		W13: randFP8(s.E * s.N * s.K), W2: randFP8(s.E * s.K * s.N),
+		W13Scale: scaling.WeightScale{Granularity: scaling.PerTensor, Values: []float32{0.05}},
+		W2Scale:  scaling.WeightScale{Granularity: scaling.PerTensor, Values: []float32{0.05}}}
+	ctx := context.Background()
+	l, err := b.Load(ctx, set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	perExpert := float64(2 * s.N * s.K)
+	for _, m := range []int{1, 16, 256, 1024, 8192} {
+		_, req := kerneltest.NewCase(rng, kerneltest.Shape{Name: "t", Activation: s.Activation, E: s.E, TopK: s.TopK, K: 8, N: 8,
+			Scoring: s.Scoring, Renormalize: true, Bias: true, ScalingFactor: 2.5}, m)
+		hidden := make([]byte, m*s.K*2)
+		for i := 0; i < m*s.K; i++ {
+			binary.LittleEndian.PutUint16(hidden[2*i:], scaling.Float32ToBF16(float32(rng.NormFloat64()*0.1)))
+		}
+		req.Hidden = kernels.Tensor{DType: kernels.BFloat16, Shape: []int{m, s.K}, Data: hidden}
+		for _, p := range append([]gemmPath{{"auto", gemmAuto}}, paths(b)...) {
+			if p.name == "portable-f16" || p.name == "sm90" {
+				continue // auto is sm90 where it exists; f16 is the Ampere path
+			}
+			for _, graph := range []bool{true, false} {
+				if !graph && m > 16 {
+					continue
+				}
+				var ms []float64
+				var wall []time.Duration
+				var res *kernels.Result
+				for i := range 13 {
+					out := make([]byte, m*s.K*2)
+					t0 := time.Now()
+					res, err = b.run(ctx, l, req, out, p.gemm, graph)
+					if err != nil {
+						break
+					}
+					if i >= 3 {
+						ms = append(ms, float64(res.KernelNanos)/1e6)
+						wall = append(wall, time.Since(t0))
+					}
+				}
+				if err != nil {
+					t.Errorf("M=%d gemm=%s graph=%v: %v", m, p.name, graph, err)
+					continue
+				}
+				sort.Float64s(ms)
+				slices.Sort(wall)
+				hit := map[int32]bool{}
+				for _, e := range res.TopKIDs {
+					hit[e] = true
+				}
+				bytes := float64(len(hit))*perExpert + float64(m*s.K*4)
+				flops := s.FLOPs(m)
+				floor := math.Max(bytes/4.28e12, flops/1471e12) * 1e3
+				t.Logf("timing Nemotron M=%d gemm=%s graph=%v: kernel %.3f ms (median of 10), wall %.3f ms, experts hit %d, floor %.3f ms, ratio %.1fx, %.0f TFLOP/s, %.2f TB/s",
+					m, p.name, graph, ms[len(ms)/2], float64(wall[len(wall)/2].Microseconds())/1e3, len(hit), floor, ms[len(ms)/2]/floor,
+					flops/ms[len(ms)/2]/1e9, bytes/ms[len(ms)/2]/1e9)
+			}
+		}
+	}
+}
