@@ -273,6 +273,11 @@ func (b *Backend) activate(set *kernels.ExpertSet, h, x, xS []float32, n, seg, n
 // in slot order, and encodes the [M, K] result.
 func (b *Backend) combine(p *plan, y []float32, k int, dt kernels.DType) []byte {
 	out := make([]byte, p.m*k*dt.Size())
+	// Poison first (0xFF is NaN in FP32 and BF16): an element the loop
+	// below missed reads NaN, which fails every check, not a plausible zero.
+	for i := range out {
+		out[i] = 0xFF
+	}
 	const chunk = 8
 	parallelFor(b.workers, (p.m+chunk-1)/chunk, func(_, c int) {
 		acc := make([]float32, k)

@@ -1,0 +1,228 @@
+package kerneltest
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/scaling"
+)
+
+func TestRelL2(t *testing.T) {
+	inf := math.Inf(1)
+	tests := []struct {
+		name string
+		got  []float32
+		want []float64
+		rel  float64
+	}{
+		{"equal", []float32{1, -2, 3}, []float64{1, -2, 3}, 0},
+		{"known", []float32{1, 2}, []float64{1, 1}, math.Sqrt(0.5)},
+		{"NaN", []float32{1, float32(math.NaN())}, []float64{1, 1}, inf},
+		{"Inf", []float32{float32(inf), 1}, []float64{1, 1}, inf},
+		{"length", []float32{1}, []float64{1, 1}, inf},
+		{"zero want, zero got", []float32{0, 0}, []float64{0, 0}, 0},
+		{"zero want, nonzero got", []float32{0, 1}, []float64{0, 0}, inf},
+	}
+	for _, tt := range tests {
+		if got := RelL2(tt.got, tt.want); math.Abs(got-tt.rel) > 1e-12 && got != tt.rel {
+			t.Errorf("%s: RelL2 = %v, want %v", tt.name, got, tt.rel)
+		}
+	}
+}
+
+func TestPoison(t *testing.T) {
+	for _, size := range []int{1, 2, 4} {
+		b := make([]byte, 5*size)
+		Poison(b)
+		if got := Unwritten(b, size); got != 5 {
+			t.Errorf("size %d: Unwritten after Poison = %d, want 5", size, got)
+		}
+		b[2*size] = 0 // one byte of element 2 written
+		if got := Unwritten(b, size); got != 4 {
+			t.Errorf("size %d: Unwritten after one write = %d, want 4", size, got)
+		}
+	}
+	for _, dt := range []kernels.DType{kernels.Float32, kernels.BFloat16} {
+		b := make([]byte, 2*dt.Size())
+		Poison(b)
+		for i, v := range DecodeOutput(dt, b) {
+			if !math.IsNaN(float64(v)) {
+				t.Errorf("%v element %d of poison decodes to %v, want NaN", dt, i, v)
+			}
+		}
+	}
+}
+
+func TestDecodeOutput(t *testing.T) {
+	v := []float32{1.5, -2.25, 0, 3e-3, 1e30}
+	for _, dt := range []kernels.DType{kernels.Float32, kernels.BFloat16} {
+		got := DecodeOutput(dt, floatTensor(dt, v, 1, len(v)).Data)
+		for i := range v {
+			want := v[i]
+			if dt == kernels.BFloat16 {
+				want = scaling.BF16ToFloat32(scaling.Float32ToBF16(v[i]))
+			}
+			if got[i] != want {
+				t.Errorf("%v: element %d = %v, want %v", dt, i, got[i], want)
+			}
+		}
+	}
+}
+
+// TestNewCaseOptions checks that each option produces the case it names.
+func TestNewCaseOptions(t *testing.T) {
+	s := DeepSeekV3.Scaled(136, 24)
+	rng := rand.New(rand.NewPCG(1, 1))
+	const m = 6
+	tests := []struct {
+		name  string
+		opts  []Option
+		check func(*kernels.ExpertSet, *kernels.Request) error
+	}{
+		{"default block", nil, func(set *kernels.ExpertSet, req *kernels.Request) error {
+			if set.W13Scale.Granularity != scaling.Block || set.Block != [2]int{128, 128} {
+				return fmt.Errorf("granularity %v block %v, want block [128 128]", set.W13Scale.Granularity, set.Block)
+			}
+			if req.Hidden.DType != kernels.BFloat16 || req.OutDType != kernels.BFloat16 || set.A13Scale != nil {
+				return fmt.Errorf("hidden %v out %v static %v, want bf16, bf16, dynamic", req.Hidden.DType, req.OutDType, set.A13Scale)
+			}
+			return nil
+		}},
+		{"per-channel", []Option{WithGranularity(scaling.PerChannel)}, func(set *kernels.ExpertSet, _ *kernels.Request) error {
+			if set.W2Scale.Granularity != scaling.PerChannel || set.Block != [2]int{} {
+				return fmt.Errorf("granularity %v block %v, want per-channel, no block", set.W2Scale.Granularity, set.Block)
+			}
+			return nil
+		}},
+		{"static", []Option{WithStaticScales()}, func(set *kernels.ExpertSet, _ *kernels.Request) error {
+			if set.A13Scale == nil || set.A2Scale == nil || !(*set.A13Scale > 0 && *set.A2Scale > 0) {
+				return fmt.Errorf("static scales %v, %v, want both > 0", set.A13Scale, set.A2Scale)
+			}
+			return nil
+		}},
+		{"fp8 per group", []Option{WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.Block)}, func(_ *kernels.ExpertSet, req *kernels.Request) error {
+			if req.Hidden.DType != kernels.Float8E4M3FN || len(req.HiddenScale) != m*2 {
+				return fmt.Errorf("hidden %v with %d scales, want fp8 with %d", req.Hidden.DType, len(req.HiddenScale), m*2)
+			}
+			return nil
+		}},
+		{"fp8 per token", []Option{WithHidden(kernels.Float8E4M3FN)}, func(_ *kernels.ExpertSet, req *kernels.Request) error {
+			if len(req.HiddenScale) != m {
+				return fmt.Errorf("%d scales, want %d", len(req.HiddenScale), m)
+			}
+			return nil
+		}},
+		{"precomputed all-to-one", []Option{WithPrecomputedRouting(), WithAllTokensTo(9)}, func(_ *kernels.ExpertSet, req *kernels.Request) error {
+			for tk := range m {
+				ids := slices.Clone(req.TopKIDs[tk*s.TopK : (tk+1)*s.TopK])
+				if ids[0] != 9 {
+					return fmt.Errorf("token %d ids %v, want 9 first", tk, ids)
+				}
+				slices.Sort(ids)
+				if len(slices.Compact(ids)) != s.TopK {
+					return fmt.Errorf("token %d ids %v not distinct", tk, ids)
+				}
+			}
+			return nil
+		}},
+		{"routed all-to-one", []Option{WithAllTokensTo(200), WithLogits(kernels.BFloat16)}, func(set *kernels.ExpertSet, req *kernels.Request) error {
+			ids, _ := referenceRouting(set, req)
+			for tk := range m {
+				if ids[tk*s.TopK] != 200 {
+					return fmt.Errorf("token %d routed to %v, want 200 first", tk, ids[tk*s.TopK:(tk+1)*s.TopK])
+				}
+			}
+			if req.Logits.DType != kernels.BFloat16 {
+				return fmt.Errorf("logits %v, want bf16", req.Logits.DType)
+			}
+			return nil
+		}},
+	}
+	for _, tt := range tests {
+		set, req := NewCase(rng, s, m, tt.opts...)
+		if err := tt.check(set, req); err != nil {
+			t.Errorf("%s: %v", tt.name, err)
+		}
+	}
+}
+
+// refBackend is a backend made of Reference, with an optional defect
+// applied to its output, to show CheckBackend passes the right answer and
+// catches wrong ones.
+type refBackend struct {
+	defect func(out []float64, ids []int32)
+}
+
+type refLoaded struct{ set *kernels.ExpertSet }
+
+func (l refLoaded) Set() *kernels.ExpertSet { return l.set }
+func (l refLoaded) Close() error            { return nil }
+
+func (b refBackend) Name() string                       { return "ref" }
+func (b refBackend) Capabilities() kernels.Capabilities { return kernels.Capabilities{} }
+func (b refBackend) Close() error                       { return nil }
+func (b refBackend) Load(_ context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+	return refLoaded{set}, nil
+}
+
+func (b refBackend) FusedMoE(_ context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	out, ids, w := Reference(l.Set(), req)
+	if b.defect != nil {
+		b.defect(out, ids)
+	}
+	res := &kernels.Result{TopKIDs: ids, TopKWeights: w, Output: make([]byte, len(out)*req.OutDType.Size())}
+	for i, v := range out {
+		if req.OutDType == kernels.Float32 {
+			binary.LittleEndian.PutUint32(res.Output[4*i:], math.Float32bits(float32(v)))
+		} else {
+			binary.LittleEndian.PutUint16(res.Output[2*i:], scaling.Float32ToBF16(float32(v)))
+		}
+	}
+	return res, nil
+}
+
+// recorder is a testing.TB that records failures instead of failing.
+type recorder struct {
+	testing.TB
+	failed []string
+}
+
+func (r *recorder) Helper()                   {}
+func (r *recorder) Logf(string, ...any)       {}
+func (r *recorder) Errorf(f string, a ...any) { r.failed = append(r.failed, fmt.Sprintf(f, a...)) }
+
+func TestCheckBackendCatches(t *testing.T) {
+	cases := []Case{Cases()[1], Cases()[14]} // Nemotron/M=1, top_k=E/softmax
+	tests := []struct {
+		name   string
+		defect func(out []float64, ids []int32)
+		fail   bool
+	}{
+		{"correct", nil, false},
+		{"one NaN", func(out []float64, _ []int32) { out[len(out)/2] = math.NaN() }, true},
+		{"sign flip of one row", func(out []float64, _ []int32) {
+			for i := range out[:len(out)/5] {
+				out[i] = -out[i]
+			}
+		}, true},
+		{"5% too large", func(out []float64, _ []int32) {
+			for i := range out {
+				out[i] *= 1.05
+			}
+		}, true},
+		{"ids swapped", func(_ []float64, ids []int32) { ids[0], ids[1] = ids[1], ids[0] }, true},
+	}
+	for _, tt := range tests {
+		r := &recorder{}
+		CheckBackend(r, refBackend{tt.defect}, cases...)
+		if got := len(r.failed) > 0; got != tt.fail {
+			t.Errorf("%s: CheckBackend failed = %v (%q), want %v", tt.name, got, r.failed, tt.fail)
+		}
+	}
+}
