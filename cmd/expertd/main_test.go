@@ -135,6 +135,9 @@ func get(t *testing.T, url string) string {
 }
 
 func listServicesV1(t *testing.T, ctx context.Context, conn *grpc.ClientConn) []string {
+	// An open stream would hold up the daemon's graceful stop.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	stream, err := reflectionpb.NewServerReflectionClient(conn).ServerReflectionInfo(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -154,6 +157,8 @@ func listServicesV1(t *testing.T, ctx context.Context, conn *grpc.ClientConn) []
 }
 
 func listServicesV1alpha(t *testing.T, ctx context.Context, conn *grpc.ClientConn) []string {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	stream, err := reflectionv1alpha.NewServerReflectionClient(conn).ServerReflectionInfo(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -170,4 +175,56 @@ func listServicesV1alpha(t *testing.T, ctx context.Context, conn *grpc.ClientCon
 		names = append(names, s.GetName())
 	}
 	return names
+}
+
+// TestDrainDeadline checks an idle open stream cannot hold the daemon past
+// -shutdown-timeout: the drain cuts it and run returns.
+func TestDrainDeadline(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var logs syncBuffer
+	ready := make(chan listening, 1)
+	done := make(chan error, 1)
+	args := []string{"-listen", "127.0.0.1:0", "-admin-addr", "", "-shutdown-timeout", "200ms", "-backend", "cpu"}
+	go func() { done <- run(ctx, args, func(string) string { return "" }, &logs, ready) }()
+	addrs := <-ready
+	conn, err := grpc.NewClient(addrs.grpc, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	streamCtx, streamCancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer streamCancel()
+	stream, err := pb.NewExpertServiceClient(conn).FusedMoEStream(streamCtx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A request that fails proves the stream is established server-side.
+	stream.Send(&pb.FusedMoERequest{}) //nolint:errcheck // the Recv below reports
+	if _, err := stream.Recv(); err == nil {
+		t.Fatal("empty request succeeded")
+	}
+	// A second stream that sends nothing stays open on the server.
+	if _, err := pb.NewExpertServiceClient(conn).FusedMoEStream(streamCtx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond)
+
+	start := time.Now()
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("run: %v", err)
+		}
+		t.Logf("drained in %v", time.Since(start))
+	case <-time.After(defaultTestTimeout):
+		t.Fatal("an open stream held the daemon past the drain deadline")
+	}
+	if d := time.Since(start); d < 150*time.Millisecond || d > 5*time.Second {
+		t.Errorf("drain took %v, want about the 200ms deadline", d)
+	}
+	if out := logs.String(); !strings.Contains(out, "streams still open at the drain deadline") || !strings.Contains(out, "expertd stopped") {
+		t.Errorf("logs lack the forced-stop warning:\n%s", logs.String())
+	}
 }
