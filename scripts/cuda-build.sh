@@ -14,7 +14,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 src="$root/kernels/cuda/csrc"
 out="$root/build"
-obj="$out/obj"
+obj="$root/.tools/obj"  # objects stay out of build/, which travels to the device
 mkdir -p "$obj"
 
 nvcc="${NVCC:-}"
