@@ -54,7 +54,7 @@ else
   say "cuobjdump not found"
 fi
 
-if [[ -x bench/run.sh ]]; then
+if [[ -x bench/run.sh && "${DEVICE_CHECK_BENCH:-1}" != 0 ]]; then
   say "== bench/run.sh"
   timeout 240 bench/run.sh > "$out/bench.txt" 2>&1
   say "bench rc=$?"
