@@ -41,7 +41,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/kernels"
-	_ "github.com/expertd/expertd/kernels/cpu" // registers "cpu"
+	_ "github.com/expertd/expertd/kernels/cpu"  // registers "cpu"
+	_ "github.com/expertd/expertd/kernels/cuda" // registers "cuda" (purego: no cgo; fails to open without the library)
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 )
