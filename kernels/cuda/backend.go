@@ -349,6 +349,9 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 		default:
 			return nil, fmt.Errorf("cuda: logits dtype %v: %w", req.Logits.DType, kernels.ErrUnsupported)
 		}
+		if len(req.Logits.Data) != m*meta.E*req.Logits.DType.Size() {
+			return nil, fmt.Errorf("cuda: logits have %d bytes, want %d", len(req.Logits.Data), m*meta.E*req.Logits.DType.Size())
+		}
 		logits = unsafe.Pointer(&req.Logits.Data[0])
 		if r.CorrectionBias != nil {
 			bias = &r.CorrectionBias[0]
@@ -357,6 +360,9 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 	var hs *float32
 	if len(req.HiddenScale) > 0 && req.Hidden.DType == kernels.Float8E4M3FN {
 		hs = &req.HiddenScale[0]
+	}
+	if len(req.Hidden.Data) != m*meta.K*req.Hidden.DType.Size() || len(out) != m*meta.K*req.OutDType.Size() {
+		return nil, fmt.Errorf("cuda: hidden/output sizes %d/%d do not match M=%d K=%d", len(req.Hidden.Data), len(out), m, meta.K)
 	}
 	ids := make([]int32, m*topK)
 	w := make([]float32, m*topK)
