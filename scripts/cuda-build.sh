@@ -41,10 +41,6 @@ srcs=(moe.cu gemm_portable.cu)
 if [[ -f "$src/gemm_sm90.cu" ]]; then
   flags+=(-DEXPERTD_HAVE_SM90)
   srcs+=(gemm_sm90.cu)
-  # Until gemm_sm90.cu implements moe_gemm.h itself, a bridge adapts it.
-  if ! grep -q 'launch_gemm1_sm90' "$src/gemm_sm90.cu"; then
-    srcs+=(gemm_sm90_bridge.cu)
-  fi
 fi
 
 : > "$out/ptxas.txt"
