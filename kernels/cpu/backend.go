@@ -31,6 +31,8 @@ func init() {
 // spreads over the configured number of goroutines.
 type Backend struct {
 	workers int
+	// chunk is the most tokens per pipeline pass (maxChunk; tests lower it).
+	chunk int
 }
 
 // New returns a CPU backend using cfg.Threads goroutines per call
@@ -40,7 +42,7 @@ func New(cfg kernels.Config) *Backend {
 	if w <= 0 {
 		w = runtime.GOMAXPROCS(0)
 	}
-	return &Backend{workers: w}
+	return &Backend{workers: w, chunk: maxChunk}
 }
 
 // Name implements kernels.Backend.

@@ -5,10 +5,12 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/scaling"
 )
 
 // TestBackend runs the shared table: the four reference shapes scaled down
@@ -99,5 +101,40 @@ func TestCanceled(t *testing.T) {
 	}
 	if _, err := b.FusedMoE(ctx, l, req); !errors.Is(err, context.Canceled) {
 		t.Errorf("FusedMoE with a canceled context: err = %v, want %v", err, context.Canceled)
+	}
+}
+
+// TestChunks checks that splitting M into passes changes nothing, bit for
+// bit, for every way hidden states can be scaled: each token's numerics are
+// independent of the others' (per-token and per-group scales are per row;
+// the FP8 products are exact whether weights are decoded first or not).
+func TestChunks(t *testing.T) {
+	s := kerneltest.DeepSeekV3.Scaled(136, 24)
+	tests := []struct {
+		name string
+		opts []kerneltest.Option
+	}{
+		{"bf16 dynamic per group", nil},
+		{"fp8 per token", []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithGranularity(scaling.PerChannel)}},
+		{"fp8 per group", []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.Block)}},
+		{"fp8 per tensor", []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}},
+		{"fp32 static, precomputed", []kerneltest.Option{kerneltest.WithHidden(kernels.Float32), kerneltest.WithStaticScales(), kerneltest.WithPrecomputedRouting()}},
+	}
+	rng := rand.New(rand.NewPCG(5, 6))
+	for _, tt := range tests {
+		set, req := kerneltest.NewCase(rng, s, 23, tt.opts...)
+		whole, err := kerneltest.RunCase(context.Background(), New(kernels.Config{}), set, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		chunked := New(kernels.Config{})
+		chunked.chunk = 5
+		parts, err := kerneltest.RunCase(context.Background(), chunked, set, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(whole.Output, parts.Output) || !slices.Equal(whole.TopKIDs, parts.TopKIDs) {
+			t.Errorf("%s: output in passes of 5 tokens differs from one pass", tt.name)
+		}
 	}
 }

@@ -59,11 +59,23 @@ func segments(set *kernels.ExpertSet, k int) (seg, nseg int) {
 	return k, 1
 }
 
-// run is the whole op on a validated request.
+// maxChunk bounds the tokens of one pass through the pipeline, and so its
+// scratch (M·TopK·max(Rows1, K) float32: 134 MB for DeepSeek-V3 at 1024
+// tokens). Each pass decodes the weights of its experts again, which at
+// 1024 tokens per pass is a few percent of the GEMM work.
+const maxChunk = 1024
+
+// run is the whole op on a validated request: routing for every token,
+// then the expert pipeline over chunks of at most maxChunk tokens.
 func (b *Backend) run(ctx context.Context, set *kernels.ExpertSet, req *kernels.Request) (*kernels.Result, error) {
 	m, topK := req.M(), req.Routing.TopK
-	ids, weights := req.TopKIDs, req.TopKWeights
-	if ids == nil {
+	var ids []int32
+	var weights []float32
+	if req.TopKIDs != nil {
+		// Copied: the result must not alias the request's buffers.
+		ids = append([]int32(nil), req.TopKIDs...)
+		weights = append([]float32(nil), req.TopKWeights...)
+	} else {
 		ids = make([]int32, m*topK)
 		weights = make([]float32, m*topK)
 		logits := decodeFloats(req.Logits)
@@ -74,19 +86,34 @@ func (b *Backend) run(ctx context.Context, set *kernels.ExpertSet, req *kernels.
 			Route(ids[t0*topK:t1*topK], weights[t0*topK:t1*topK], logits[t0*e:t1*e], t1-t0, e, req.Routing)
 		})
 	}
+	out := make([]byte, m*set.K*req.OutDType.Size())
+	for t0 := 0; t0 < m; t0 += b.chunk {
+		t1 := min(t0+b.chunk, m)
+		if err := b.pass(ctx, set, req, t0, t1, ids[t0*topK:t1*topK], weights[t0*topK:t1*topK],
+			out[t0*set.K*req.OutDType.Size():t1*set.K*req.OutDType.Size()]); err != nil {
+			return nil, err
+		}
+	}
+	return &kernels.Result{Output: out, TopKIDs: ids, TopKWeights: weights}, nil
+}
+
+// pass runs tokens [t0, t1) of req through the experts into out.
+func (b *Backend) pass(ctx context.Context, set *kernels.ExpertSet, req *kernels.Request, t0, t1 int,
+	ids []int32, weights []float32, out []byte) error {
+	m, topK := t1-t0, req.Routing.TopK
 	p := newPlan(set, m, topK, ids, weights)
 	if err := ctx.Err(); err != nil {
-		return nil, err
+		return err
 	}
 
 	// GEMM1 over the quantized hidden states.
 	K, N, R1 := set.K, set.N, set.Rows1()
 	seg1, nseg1 := segments(set, K)
-	a, aS := b.quantizeHidden(set, req, seg1, nseg1)
+	a, aS := b.quantizeHidden(set, req, t0, t1, seg1, nseg1)
 	h := make([]float32, m*topK*R1)
 	b.grouped(set, set.W13, set.W13Scale, R1, K, seg1, nseg1, a, aS, p, p.tok, h)
 	if err := ctx.Err(); err != nil {
-		return nil, err
+		return err
 	}
 
 	// Activation and requantization to FP8, per pair.
@@ -95,7 +122,7 @@ func (b *Backend) run(ctx context.Context, set *kernels.ExpertSet, req *kernels.
 	xS := make([]float32, m*topK*nseg2)
 	b.activate(set, h, x, xS, m*topK, seg2, nseg2)
 	if err := ctx.Err(); err != nil {
-		return nil, err
+		return err
 	}
 
 	// GEMM2, reusing h as its output when it is large enough.
@@ -106,9 +133,8 @@ func (b *Backend) run(ctx context.Context, set *kernels.ExpertSet, req *kernels.
 		y = make([]float32, m*topK*K)
 	}
 	b.grouped(set, set.W2, set.W2Scale, K, N, seg2, nseg2, x, xS, p, p.iota, y)
-
-	out := b.combine(p, y, K, req.OutDType)
-	return &kernels.Result{Output: out, TopKIDs: ids, TopKWeights: weights}, nil
+	b.combine(p, y, K, req.OutDType, out)
+	return nil
 }
 
 // decodeFloats widens FP32 or BF16 tensor bytes to float32.
@@ -133,13 +159,20 @@ func decodeFloats(t kernels.Tensor) []float32 {
 // M·nseg values); BF16/FP32 input is quantized here: with the static
 // A13Scale when the set has one, else dynamically per token (per group of
 // Bk in block mode).
-func (b *Backend) quantizeHidden(set *kernels.ExpertSet, req *kernels.Request, seg, nseg int) ([]float32, []float32) {
-	m, k := req.M(), set.K
+func (b *Backend) quantizeHidden(set *kernels.ExpertSet, req *kernels.Request, t0, t1, seg, nseg int) ([]float32, []float32) {
+	m, k := t1-t0, set.K
 	a := make([]float32, m*k)
 	aS := make([]float32, m*nseg)
 	if req.Hidden.DType == kernels.Float8E4M3FN {
-		decodeFP8(a, req.Hidden.Data)
+		decodeFP8(a, req.Hidden.Data[t0*k:t1*k])
 		hs := req.HiddenScale
+		switch len(hs) {
+		case 0, 1:
+		case req.M():
+			hs = hs[t0:t1]
+		default:
+			hs = hs[t0*nseg : t1*nseg]
+		}
 		switch {
 		case len(hs) == 0 && set.A13Scale != nil:
 			hs = []float32{*set.A13Scale}
@@ -162,7 +195,8 @@ func (b *Backend) quantizeHidden(set *kernels.ExpertSet, req *kernels.Request, s
 		}
 		return a, aS
 	}
-	src := decodeFloats(req.Hidden)
+	sz := req.Hidden.DType.Size()
+	src := decodeFloats(kernels.Tensor{DType: req.Hidden.DType, Shape: []int{m, k}, Data: req.Hidden.Data[t0*k*sz : t1*k*sz]})
 	q := make([]uint8, m*k)
 	if set.A13Scale != nil {
 		sc := scaling.ClampScale(*set.A13Scale)
@@ -270,9 +304,8 @@ func (b *Backend) activate(set *kernels.ExpertSet, h, x, xS []float32, n, seg, n
 }
 
 // combine sums each token's expert outputs weighted by its routing weights,
-// in slot order, and encodes the [M, K] result.
-func (b *Backend) combine(p *plan, y []float32, k int, dt kernels.DType) []byte {
-	out := make([]byte, p.m*k*dt.Size())
+// in slot order, and encodes the [M, K] result into out.
+func (b *Backend) combine(p *plan, y []float32, k int, dt kernels.DType, out []byte) {
 	// Poison first (0xFF is NaN in FP32 and BF16): an element the loop
 	// below missed reads NaN, which fails every check, not a plausible zero.
 	for i := range out {
@@ -303,5 +336,4 @@ func (b *Backend) combine(p *plan, y []float32, k int, dt kernels.DType) []byte 
 			}
 		}
 	})
-	return out
 }
