@@ -9,6 +9,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
+	_ "github.com/expertd/expertd/kernels/cuda" // registers "cuda" for the GPU variant
 	"github.com/expertd/expertd/kernels/kerneltest"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
@@ -87,12 +88,10 @@ func requestProto(r *kernels.Request, e int) *pb.FusedMoERequest {
 	return p
 }
 
-// TestFusedMoEMatchesReference is the real numbers check: random sets of
-// the kerneltest cases go through the chunked LoadExperts stream and
-// FusedMoE on the CPU backend, and must meet the spec's bar against the
-// float64 reference, return the reference's routing, and equal the
-// backend's own output bit for bit (the service must not change numerics).
-func TestFusedMoEMatchesReference(t *testing.T) {
+// referenceCases are the kerneltest cases the service runs end to end: every
+// granularity, static scales, FP8 input with each scale layout, BF16 logits,
+// precomputed routing, grouped sigmoid routing and odd sizes.
+func referenceCases(t *testing.T) []kerneltest.Case {
 	want := []string{
 		"Nemotron/M=16", "Nemotron/M=8/static/fp8-in", "Qwen3/M=16/per-expert", "Qwen3/M=12/block/bf16-logits",
 		"Mixtral/M=9/precomputed/all-to-one", "DeepSeekV3/M=1/fp8-in-per-group", "top_k=E/sigmoid-groups",
@@ -107,9 +106,32 @@ func TestFusedMoEMatchesReference(t *testing.T) {
 	if len(cases) != len(want) {
 		t.Fatalf("found %d of the %d kerneltest cases %v", len(cases), len(want), want)
 	}
-	backend := cpu.New(kernels.Config{Threads: 2})
+	return cases
+}
+
+// TestFusedMoEMatchesReference is the real numbers check: random sets of
+// the kerneltest cases go through the chunked LoadExperts stream and
+// FusedMoE on the CPU backend, and must meet the spec's bar against the
+// float64 reference, return the reference's routing, and equal the
+// backend's own output bit for bit (the service must not change numerics).
+func TestFusedMoEMatchesReference(t *testing.T) {
+	checkAgainstReference(t, cpu.New(kernels.Config{Threads: 2}), true)
+}
+
+// TestFusedMoEMatchesReferenceCUDA is the same check on the CUDA backend;
+// it skips where the library or a GPU is missing (CI, this laptop).
+func TestFusedMoEMatchesReferenceCUDA(t *testing.T) {
+	b, err := kernels.Open("cuda", kernels.Config{})
+	if err != nil {
+		t.Skipf("no CUDA backend: %v", err)
+	}
+	defer b.Close()
+	checkAgainstReference(t, b, false)
+}
+
+func checkAgainstReference(t *testing.T, backend kernels.Backend, exact bool) {
 	rng := newRand(t)
-	for _, tc := range cases {
+	for _, tc := range referenceCases(t) {
 		t.Run(strings.ReplaceAll(tc.Name, "/", "_"), func(t *testing.T) {
 			ctx := testContext(t)
 			set, req := kerneltest.NewCase(rand.New(rand.NewPCG(rng.Uint64(), rng.Uint64())), tc.Shape, tc.M, tc.Opts...)
@@ -123,6 +145,9 @@ func TestFusedMoEMatchesReference(t *testing.T) {
 			resp, err := c.FusedMoE(ctx, requestProto(req, set.E))
 			if err != nil {
 				t.Fatalf("FusedMoE: %v", err)
+			}
+			if resp.GetBackend() != backend.Name() {
+				t.Errorf("ran on %q, want %q", resp.GetBackend(), backend.Name())
 			}
 
 			ref, refIDs, _ := kerneltest.Reference(set, req)
@@ -143,7 +168,9 @@ func TestFusedMoEMatchesReference(t *testing.T) {
 			if !slices.Equal(gotIDs, refIDs) {
 				t.Errorf("returned topk ids %v, want the reference's %v", gotIDs, refIDs)
 			}
-
+			if !exact {
+				return
+			}
 			direct, err := kerneltest.RunCase(ctx, backend, set, req)
 			if err != nil {
 				t.Fatal(err)
