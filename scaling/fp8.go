@@ -15,8 +15,9 @@
 //     would poison a whole GEMM row.
 //   - E5M2, BF16 and FP16 follow IEEE 754: overflow rounds to ±Inf.
 //
-// NaN encodes to a NaN of the same sign: 0x7F/0xFF in both FP8 formats, the
-// quiet NaN 0x7FC0/0x7E00 (sign kept) in BF16 and FP16.
+// NaN encodes to a NaN of the same sign: 0x7F/0xFF in both FP8 formats,
+// 0x7E00/0xFE00 in FP16, and in BF16 the input's top payload bits with the
+// quiet bit set (0x7FC0 for the usual quiet NaN).
 //
 // A scale s dequantizes a code q as decode(q)·s, so quantizing x stores
 // encode(x/s); scales are clamped to MinScale because near-zero scales turn
