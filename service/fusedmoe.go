@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"math"
 	"time"
@@ -57,6 +58,10 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		loaded kernels.Loaded
 		set    *kernels.ExpertSet
 		kreq   *kernels.Request
+		// decoded is when validation ended; loadNanos is an inline set's
+		// Load, reported as host-to-device time.
+		decoded   time.Time
+		loadNanos int64
 	)
 	switch ex := req.GetExperts().(type) {
 	case *pb.FusedMoERequest_ExpertSet:
@@ -69,6 +74,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}); err != nil {
 			return nil, err
 		}
+		decoded = time.Now()
 	case *pb.FusedMoERequest_Weights:
 		// Validate the whole call before Load: a device backend copies the
 		// weights to the GPU, which a bad request should never cost.
@@ -83,9 +89,11 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 			return nil, err
 		}
 		defer s.reg.release(n)
+		decoded = time.Now()
 		if loaded, err = s.backend.Load(ctx, set); err != nil {
 			return nil, err
 		}
+		loadNanos = time.Since(decoded).Nanoseconds()
 		defer func() {
 			if err := loaded.Close(); err != nil {
 				s.log.ErrorContext(ctx, "closing inline expert set", "err", err)
@@ -94,8 +102,6 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	default:
 		return nil, invalidf("experts", "set expert_set (a loaded set's name) or weights (inline)")
 	}
-	decoded := time.Now()
-
 	select {
 	case s.slots <- struct{}{}:
 	case <-ctx.Done():
@@ -106,24 +112,29 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	if err != nil {
 		return nil, err
 	}
+	m, k := int64(kreq.M()), int64(set.K)
+	topk := int64(kreq.Routing.TopK)
+	if int64(len(res.Output)) != m*k*int64(kreq.OutDType.Size()) || int64(len(res.TopKIDs)) != m*topk || int64(len(res.TopKWeights)) != m*topk {
+		return nil, fmt.Errorf("backend %s returned %d output bytes and %d/%d routing values for [%d %d] %v, top-k %d",
+			s.backend.Name(), len(res.Output), len(res.TopKIDs), len(res.TopKWeights), m, k, kreq.OutDType, topk)
+	}
 
 	attrs := metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String()))
 	s.tokens.Add(ctx, int64(kreq.M()), attrs)
 	s.kernelTime.Record(ctx, float64(res.KernelNanos)/1e9, attrs)
 
-	m, k := int64(kreq.M()), int64(set.K)
 	resp := &pb.FusedMoEResponse{
 		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
 		Backend: s.backend.Name(),
 	}
 	if req.GetReturnRouting() {
-		topk := int64(kreq.Routing.TopK)
 		resp.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: int32Bytes(res.TopKIDs)}}
 		resp.TopkWeights = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: float32Bytes(res.TopKWeights)}}
 	}
 	resp.Timings = &pb.Timings{
 		DecodeNanos: decoded.Sub(start).Nanoseconds(),
-		QueueNanos:  queued.Sub(decoded).Nanoseconds(),
+		QueueNanos:  queued.Sub(decoded).Nanoseconds() - loadNanos,
+		H2DNanos:    loadNanos,
 		KernelNanos: res.KernelNanos,
 		TotalNanos:  time.Since(start).Nanoseconds(),
 	}

@@ -112,6 +112,11 @@ func TestLoadErrors(t *testing.T) {
 			h.Weights.W13.Shape = []int64{1 << 30, 1 << 30, 1 << 30}
 			return ch
 		}, service.Config{}, codes.InvalidArgument, "more than 2^40 elements"},
+		{"too many experts", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W13.Shape = []int64{1 << 17, 16, 2}
+			h.Weights.W2.Shape = []int64{1 << 17, 2, 16}
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "want E <= 65536"},
 		{"negative dim", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
 			h.Weights.W13.Shape = []int64{3, -16, 32}
 			return ch

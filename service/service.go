@@ -33,7 +33,9 @@ type Config struct {
 	// none.
 	MaxTokens int
 	// MaxLoadedBytes bounds the memory of resident expert sets plus loads
-	// and inline sets in flight; 0 means unlimited.
+	// and inline sets in flight; 0 means unlimited, and then an upload's
+	// header alone can make the server allocate what it declares, so set
+	// a limit on any server others can reach.
 	MaxLoadedBytes int64
 	// MaxConcurrent bounds FusedMoE calls running at once; more wait in
 	// order of arrival. 0 means 1.

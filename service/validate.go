@@ -18,6 +18,9 @@ import (
 // several tensors well inside int64, so a hostile shape cannot overflow.
 const maxElements = int64(1) << 40
 
+// maxDim bounds K and N of an expert set.
+const maxDim = 1 << 20
+
 // dtypeOf maps the wire enum to the kernels type; the values mirror.
 func dtypeOf(d pb.DataType) (kernels.DType, bool) {
 	if d < pb.DataType_DATA_TYPE_FLOAT32 || d > pb.DataType_DATA_TYPE_INT32 {
@@ -223,6 +226,11 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*layout, error) {
 	}
 	if err := wantShape(f(tW2), l.metas[tW2].shape, l.e, l.k, l.n); err != nil {
 		return nil, err
+	}
+	// Far beyond any model (DeepSeek-V3 has E = 256, K = 7168), and keeps
+	// the sizes in ExpertSetInfo's int32 fields.
+	if l.e > maxExperts || l.k > maxDim || l.n > maxDim {
+		return nil, invalidf(f(tW13), "shape %v: want E <= %d and K, N <= %d", w13, maxExperts, maxDim)
 	}
 	switch bs := w.GetWeightBlockShape(); len(bs) {
 	case 0:

@@ -942,7 +942,8 @@ type Timings struct {
 	DecodeNanos int64 `protobuf:"varint,1,opt,name=decode_nanos,json=decodeNanos,proto3" json:"decode_nanos,omitempty"`
 	// Waiting for a free execution slot (max concurrent calls).
 	QueueNanos int64 `protobuf:"varint,2,opt,name=queue_nanos,json=queueNanos,proto3" json:"queue_nanos,omitempty"`
-	// Host-to-device copies.
+	// Host-to-device copies; with inline weights, their load into the
+	// backend.
 	H2DNanos int64 `protobuf:"varint,3,opt,name=h2d_nanos,json=h2dNanos,proto3" json:"h2d_nanos,omitempty"`
 	// Compute in the backend.
 	KernelNanos int64 `protobuf:"varint,4,opt,name=kernel_nanos,json=kernelNanos,proto3" json:"kernel_nanos,omitempty"`
