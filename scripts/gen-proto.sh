@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates the Go code for proto/ and lints the contract, with the buf
+# Regenerates the Go code (and the documented descriptor set) for proto/
+# and lints the contract, with the buf
 # and protoc plugins pinned in tools/go.mod. Usage: scripts/gen-proto.sh
 set -euo pipefail
 cd "$(dirname "$0")/../proto"
@@ -7,3 +8,6 @@ buf=(go tool -modfile=../tools/go.mod buf)
 "${buf[@]}" lint
 "${buf[@]}" format --diff --exit-code
 "${buf[@]}" generate
+# The generated Go descriptors carry no comments; this descriptor set does,
+# so server reflection (grpcurl describe) can show the documentation.
+"${buf[@]}" build --exclude-imports --as-file-descriptor-set -o expertd/v1/expert.binpb

@@ -38,6 +38,8 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
+	v1reflectiongrpc "google.golang.org/grpc/reflection/grpc_reflection_v1"
+	v1alphareflectiongrpc "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/kernels"
@@ -114,7 +116,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(gs, hs)
-	reflection.Register(gs) // v1 and v1alpha
+	registerReflection(gs, log)
 
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
@@ -225,6 +227,20 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 			recovery.StreamServerInterceptor(rec),
 		),
 	)
+}
+
+// registerReflection serves reflection v1 and v1alpha with expert.proto's
+// comments, so `grpcurl describe` doubles as the API manual; without them
+// (a broken embedded descriptor) it still serves, undocumented.
+func registerReflection(gs *grpc.Server, log *slog.Logger) {
+	opts := reflection.ServerOptions{Services: gs}
+	if res, err := pb.DocumentedFiles(); err != nil {
+		log.Warn("reflection serves expert.proto without comments", slog.Any("err", err))
+	} else {
+		opts.DescriptorResolver = res
+	}
+	v1reflectiongrpc.RegisterServerReflectionServer(gs, reflection.NewServerV1(opts))
+	v1alphareflectiongrpc.RegisterServerReflectionServer(gs, reflection.NewServer(opts))
 }
 
 // openBackend opens the configured backend. auto prefers cuda and falls

@@ -15,6 +15,8 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	reflectionv1alpha "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/descriptorpb"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
@@ -56,6 +58,9 @@ func TestDaemon(t *testing.T) {
 
 	if got := listServicesV1(t, callCtx, conn); !slices.Contains(got, "expertd.v1.ExpertService") || !slices.Contains(got, "grpc.health.v1.Health") {
 		t.Errorf("reflection v1 lists %v, want expertd.v1.ExpertService and grpc.health.v1.Health", got)
+	}
+	if doc := describeV1(t, callCtx, conn, "expertd.v1.ExpertService"); !strings.Contains(doc, "LoadExperts uploads one MoE layer") {
+		t.Errorf("reflection serves expert.proto without its comments")
 	}
 	if got := listServicesV1alpha(t, callCtx, conn); !slices.Contains(got, "expertd.v1.ExpertService") {
 		t.Errorf("reflection v1alpha lists %v, want expertd.v1.ExpertService", got)
@@ -227,4 +232,33 @@ func TestDrainDeadline(t *testing.T) {
 	if out := logs.String(); !strings.Contains(out, "streams still open at the drain deadline") || !strings.Contains(out, "expertd stopped") {
 		t.Errorf("logs lack the forced-stop warning:\n%s", logs.String())
 	}
+}
+
+// describeV1 fetches the file defining symbol by reflection v1, as grpcurl
+// describe does, and returns its comments.
+func describeV1(t *testing.T, ctx context.Context, conn *grpc.ClientConn, symbol string) string {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := reflectionpb.NewServerReflectionClient(conn).ServerReflectionInfo(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&reflectionpb.ServerReflectionRequest{MessageRequest: &reflectionpb.ServerReflectionRequest_FileContainingSymbol{FileContainingSymbol: symbol}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	for _, raw := range resp.GetFileDescriptorResponse().GetFileDescriptorProto() {
+		var fd descriptorpb.FileDescriptorProto
+		if err := proto.Unmarshal(raw, &fd); err != nil {
+			t.Fatal(err)
+		}
+		for _, loc := range fd.GetSourceCodeInfo().GetLocation() {
+			b.WriteString(loc.GetLeadingComments())
+		}
+	}
+	return b.String()
 }
