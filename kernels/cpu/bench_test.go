@@ -83,3 +83,43 @@ func BenchmarkNemotron(b *testing.B) {
 		})
 	}
 }
+
+//go:noinline
+func imulChain(n int, k uint64) uint64 {
+	a := uint64(1)
+	for range n {
+		a *= k // a dependent 64-bit IMUL: 3 cycles of latency on Zen 4/5
+	}
+	return a
+}
+
+var sinkU uint64
+
+// BenchmarkClock estimates the core clock from a chain of dependent IMULs
+// (3-cycle latency), for the peak-FLOP arithmetic in docs/perf-notes.md.
+// Run with: go test -run '^$' -bench Clock -cpu 1 ./kernels/cpu/
+func BenchmarkClock(b *testing.B) {
+	const n = 1 << 20
+	for b.Loop() {
+		sinkU += imulChain(n, 3)
+	}
+	b.ReportMetric(3*float64(n)*float64(b.N)/b.Elapsed().Seconds()/1e9, "GHz")
+}
+
+var sinkF float32
+
+// BenchmarkDot4 is the inner kernel alone on one core, data in L1/L2: the
+// scalar ceiling the backend's GEMMs can approach.
+func BenchmarkDot4(b *testing.B) {
+	const k = 2688
+	rng := rand.New(rand.NewPCG(1, 1))
+	v := make([]float32, 5*k)
+	for i := range v {
+		v[i] = float32(rng.NormFloat64())
+	}
+	for b.Loop() {
+		s0, s1, s2, s3 := dot4(v[:k], v[k:2*k], v[2*k:3*k], v[3*k:4*k], v[4*k:])
+		sinkF += s0 + s1 + s2 + s3
+	}
+	b.ReportMetric(8*k*float64(b.N)/b.Elapsed().Seconds()/1e9, "GFLOP/s")
+}
