@@ -59,6 +59,8 @@ func Cases() []Case {
 		{Name: "Qwen3/M=12/block/bf16-logits", Shape: qwen, M: 12,
 			Opts: []Option{WithBlock(128, 128), WithLogits(kernels.BFloat16)}},
 		{Name: "Qwen3/M=32/all-to-one", Shape: qwen, M: 32, Opts: []Option{WithAllTokensTo(5)}, EmptyExperts: true},
+		{Name: "Qwen3/M=7/fp8-in-per-tensor", Shape: qwen, M: 7,
+			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.PerTensor)}},
 		{Name: "Mixtral/M=48/fp8-in", Shape: mix, M: 48, Opts: []Option{WithHidden(kernels.Float8E4M3FN)}},
 		{Name: "Mixtral/M=1", Shape: mix, M: 1, EmptyExperts: true},
 		{Name: "Mixtral/M=20/static/fp32-in", Shape: mix, M: 20,
