@@ -1,0 +1,41 @@
+// Package client is the Go SDK of expertd: it dials a server, uploads
+// expert sets in chunks, and runs fused MoE layers with typed tensors.
+//
+//	c, err := client.Dial(ctx, "localhost:50051")
+//	if err != nil { ... }
+//	defer c.Close()
+//
+//	// One layer: E experts, hidden size K, intermediate size N, FP8 codes
+//	// with one FP32 scale per expert.
+//	_, err = c.LoadExperts(ctx, "layer0", &client.ExpertWeights{
+//		Activation: client.SiluGated,
+//		W13:        client.FromFP8(w13, E, 2*N, K),
+//		W2:         client.FromFP8(w2, E, K, N),
+//		W13Scale:   client.FromFloat32(w13Scale, E),
+//		W2Scale:    client.FromFloat32(w2Scale, E),
+//	}, client.OnProgress(func(p client.Progress) { log.Printf("%d/%d bytes", p.SentBytes, p.TotalBytes) }))
+//
+//	res, err := c.FusedMoE(ctx, &client.FusedMoERequest{
+//		ExpertSet:    "layer0",
+//		Hidden:       client.BFloat16FromFloat32(hidden, M, K),
+//		RouterLogits: client.FromFloat32(logits, M, E),
+//		Routing:      client.Routing{TopK: 2, Renormalize: true},
+//		OutputDType:  client.Float32,
+//	})
+//	out, err := res.Output.Float32s() // [M, K]
+//
+// Errors carry the server's gRPC status (status.Code(err) is
+// InvalidArgument, NotFound, ResourceExhausted, Unavailable, ...); the
+// client refuses a malformed tensor itself with InvalidArgument before
+// sending it.
+//
+// Defaults: plaintext (the daemon listens on loopback), 1 GiB messages,
+// 2 MiB upload chunks, no call timeout beyond the context's
+// (WithCallTimeout adds one). ListExperts, ServerInfo, Health and FusedMoE
+// are retried on Unavailable through gRPC's retry policy, up to 4
+// attempts with backoff from 50 ms, all within the context's deadline;
+// LoadExperts and UnloadExperts never are, since repeating them is not
+// the same as doing them once.
+//
+// Package clienttest starts an in-process server for tests and examples.
+package client

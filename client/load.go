@@ -1,0 +1,212 @@
+package client
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+)
+
+// Progress is how far a LoadExperts upload got.
+type Progress struct {
+	// SentBytes of TotalBytes tensor bytes have been handed to the stream.
+	SentBytes, TotalBytes int64
+}
+
+// LoadOption configures one LoadExperts call.
+type LoadOption func(*loadOptions)
+
+type loadOptions struct {
+	overwrite  bool
+	progress   func(Progress)
+	chunkBytes int
+	noChecksum bool
+}
+
+// Overwrite replaces a set of the same name; without it, a name in use
+// fails with AlreadyExists. The old set serves until the new one is
+// complete.
+func Overwrite() LoadOption { return func(o *loadOptions) { o.overwrite = true } }
+
+// OnProgress calls fn after each chunk is sent, from the calling
+// goroutine, and once at the start with SentBytes 0.
+func OnProgress(fn func(Progress)) LoadOption { return func(o *loadOptions) { o.progress = fn } }
+
+// ChunkBytes sets this load's chunk size, as given. Without it the
+// client's chunk size is used, lowered if needed to fit the server's
+// message limit.
+func ChunkBytes(n int) LoadOption { return func(o *loadOptions) { o.chunkBytes = n } }
+
+// WithoutChecksum skips the SHA-256 that the server otherwise verifies
+// the upload against (hashing costs about 1 ms per MB on the client).
+func WithoutChecksum() LoadOption { return func(o *loadOptions) { o.noChecksum = true } }
+
+// LoadExperts uploads w and makes it resident on the server under name.
+// It sends a header declaring the tensors, then their bytes in chunks of
+// at most the chunk size (so a layer of any size fits under the message
+// limit), with a SHA-256 of the bytes that the server checks. The set
+// becomes visible only once complete; a failed load changes nothing. It is
+// never retried: retry a failed load yourself, with Overwrite if needed.
+func (c *Client) LoadExperts(ctx context.Context, name string, w *ExpertWeights, opts ...LoadOption) (*ExpertSetInfo, error) {
+	o := loadOptions{}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.chunkBytes == 0 {
+		o.chunkBytes = c.defaultChunkBytes(ctx)
+	}
+	if w == nil {
+		return nil, invalid("LoadExperts", errors.New("weights: required"))
+	}
+	if err := w.validate("weights"); err != nil {
+		return nil, invalid("LoadExperts", err)
+	}
+	if o.chunkBytes < 1 {
+		return nil, invalid("LoadExperts", fmt.Errorf("chunk size %d: want >= 1", o.chunkBytes))
+	}
+	hdr := &pb.LoadExpertsRequest_Header{Name: name, Weights: w.proto(true), Overwrite: o.overwrite}
+	h := sha256.New()
+	for _, nt := range w.tensors() {
+		hdr.TotalBytes += int64(len(nt.t.Data))
+		if !o.noChecksum {
+			h.Write(nt.t.Data)
+		}
+	}
+	if !o.noChecksum {
+		hdr.Sha256 = hex.EncodeToString(h.Sum(nil))
+	}
+
+	ctx, cancel := c.callContext(ctx)
+	defer cancel()
+	stream, err := c.rpc.LoadExperts(ctx)
+	if err != nil {
+		return nil, wrap("LoadExperts", err)
+	}
+	// finish ends the stream and returns the server's verdict: when Send
+	// fails the server has already answered, and CloseAndRecv says why.
+	finish := func() (*ExpertSetInfo, error) {
+		info, err := stream.CloseAndRecv()
+		if err != nil {
+			return nil, wrap("LoadExperts", err)
+		}
+		si := setInfoFromProto(info)
+		return &si, nil
+	}
+	if err := stream.Send(&pb.LoadExpertsRequest{Payload: &pb.LoadExpertsRequest_Header_{Header: hdr}}); err != nil {
+		return finish()
+	}
+	p := Progress{TotalBytes: hdr.TotalBytes}
+	if o.progress != nil {
+		o.progress(p)
+	}
+	for _, nt := range w.tensors() {
+		data := nt.t.Data
+		for off := 0; off < len(data); off += o.chunkBytes {
+			chunk := data[off:min(off+o.chunkBytes, len(data))]
+			err := stream.Send(&pb.LoadExpertsRequest{Payload: &pb.LoadExpertsRequest_Chunk_{Chunk: &pb.LoadExpertsRequest_Chunk{
+				Tensor: nt.name, Offset: int64(off), Data: chunk,
+			}}})
+			if errors.Is(err, io.EOF) {
+				return finish()
+			}
+			if err != nil {
+				return nil, wrap("LoadExperts", err)
+			}
+			p.SentBytes += int64(len(chunk))
+			if o.progress != nil {
+				o.progress(p)
+			}
+		}
+	}
+	return finish()
+}
+
+// chunkHeadroom is what a chunk message needs beyond its data: the tensor
+// name, offset and protobuf framing, with a wide margin.
+const chunkHeadroom = 4 << 10
+
+// defaultChunkBytes is the client's chunk size, lowered to fit the
+// server's message limit, which it asks for once. If asking fails the
+// configured size stands; the load then reports its own error.
+func (c *Client) defaultChunkBytes(ctx context.Context) int {
+	c.limitMu.Lock()
+	defer c.limitMu.Unlock()
+	if c.serverMaxMsg == 0 {
+		if info, err := c.ServerInfo(ctx); err == nil && info.Limits.MaxMessageBytes > 0 {
+			c.serverMaxMsg = info.Limits.MaxMessageBytes
+		}
+	}
+	n := c.opts.chunkBytes
+	if c.serverMaxMsg > 2*chunkHeadroom {
+		n = int(min(int64(n), c.serverMaxMsg-chunkHeadroom))
+	}
+	return n
+}
+
+// NamingPreset maps a checkpoint's safetensors names to expert weights.
+type NamingPreset int
+
+const (
+	// NemotronH names backbone.layers.{L}.mixer.experts.{e}.up_proj/down_proj (Relu2).
+	NemotronH NamingPreset = iota + 1
+	// Qwen3MoE names model.layers.{L}.mlp.experts.{e}.gate_proj/up_proj/down_proj (SiluGated).
+	Qwen3MoE
+	// CustomNames uses SafetensorsSource's templates.
+	CustomNames
+)
+
+// SafetensorsSource is a layer in a .safetensors file in the server's
+// weights directory (the daemon's -weights-dir).
+type SafetensorsSource struct {
+	// Path is relative to the server's weights directory.
+	Path string
+	// Layer is substituted for {L} in tensor names.
+	Layer  int
+	Preset NamingPreset
+	// NumExperts is 0 to count them from the file.
+	NumExperts int
+	// Templates with {L} and {e} placeholders and the activation, for
+	// CustomNames only.
+	W13Template, W2Template, W13ScaleTemplate, W2ScaleTemplate string
+	Activation                                                 Activation
+	// BlockShape is [Bn, Bk] for block-scaled checkpoints; zero means
+	// [128, 128] when the scales are tile grids.
+	BlockShape [2]int
+}
+
+// LoadSafetensors makes the server read a layer from a safetensors file
+// it can see, instead of uploading the bytes. Only Overwrite applies of
+// the load options. It is not retried.
+func (c *Client) LoadSafetensors(ctx context.Context, name string, src SafetensorsSource, opts ...LoadOption) (*ExpertSetInfo, error) {
+	var o loadOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	msg := &pb.LoadExpertsRequest_SafetensorsSource{
+		Name: name, Path: src.Path, Layer: int32(src.Layer), Preset: pb.NamingPreset(src.Preset),
+		W13Template: src.W13Template, W2Template: src.W2Template,
+		W13ScaleTemplate: src.W13ScaleTemplate, W2ScaleTemplate: src.W2ScaleTemplate,
+		Activation: pb.Activation(src.Activation), NumExperts: int32(src.NumExperts), Overwrite: o.overwrite,
+	}
+	if src.BlockShape != [2]int{} {
+		msg.WeightBlockShape = []int32{int32(src.BlockShape[0]), int32(src.BlockShape[1])}
+	}
+	ctx, cancel := c.callContext(ctx)
+	defer cancel()
+	stream, err := c.rpc.LoadExperts(ctx)
+	if err != nil {
+		return nil, wrap("LoadExperts", err)
+	}
+	// A Send error means the server answered already; CloseAndRecv has it.
+	_ = stream.Send(&pb.LoadExpertsRequest{Payload: &pb.LoadExpertsRequest_Safetensors{Safetensors: msg}})
+	info, err := stream.CloseAndRecv()
+	if err != nil {
+		return nil, wrap("LoadExperts", err)
+	}
+	si := setInfoFromProto(info)
+	return &si, nil
+}

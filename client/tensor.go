@@ -1,0 +1,235 @@
+package client
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
+)
+
+// DType is the element type of a tensor's bytes.
+type DType int
+
+// The element types of the wire contract; the values mirror
+// expertd.v1.DataType, so a DType converts to it directly.
+const (
+	Float32 DType = iota + 1
+	BFloat16
+	Float16
+	Float8E4M3FN
+	Float8E5M2
+	Int32
+)
+
+// Size is the bytes per element, 0 for an unknown type.
+func (d DType) Size() int {
+	switch d {
+	case Float32, Int32:
+		return 4
+	case BFloat16, Float16:
+		return 2
+	case Float8E4M3FN, Float8E5M2:
+		return 1
+	}
+	return 0
+}
+
+func (d DType) String() string {
+	switch d {
+	case Float32:
+		return "float32"
+	case BFloat16:
+		return "bfloat16"
+	case Float16:
+		return "float16"
+	case Float8E4M3FN:
+		return "float8_e4m3fn"
+	case Float8E5M2:
+		return "float8_e5m2"
+	case Int32:
+		return "int32"
+	}
+	return fmt.Sprintf("DType(%d)", int(d))
+}
+
+// Tensor is a dense, row-major, little-endian array: the SDK's form of
+// expertd.v1.Tensor. Build one with FromFloat32, FromBFloat16, FromFP8 or
+// FromInt32; the zero Tensor means "not set" wherever a tensor is
+// optional. Data is sent as is, without a copy, so it must not change
+// while a call that uses it runs.
+type Tensor struct {
+	DType DType
+	// Shape is outermost first; empty means a scalar.
+	Shape []int
+	// Data holds Numel()*DType.Size() bytes.
+	Data []byte
+}
+
+// FromFloat32 is an FP32 tensor of the given shape holding v.
+func FromFloat32(v []float32, shape ...int) Tensor {
+	b := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
+	}
+	return Tensor{DType: Float32, Shape: shape, Data: b}
+}
+
+// FromBFloat16 is a BF16 tensor of the given shape holding the raw bf16
+// bit patterns v (the top 16 bits of a float32).
+func FromBFloat16(v []uint16, shape ...int) Tensor {
+	b := make([]byte, 2*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint16(b[2*i:], x)
+	}
+	return Tensor{DType: BFloat16, Shape: shape, Data: b}
+}
+
+// BFloat16FromFloat32 rounds v to bfloat16 (to nearest even) and returns
+// it as a BF16 tensor: half the bytes of FromFloat32 on the wire.
+func BFloat16FromFloat32(v []float32, shape ...int) Tensor {
+	h := make([]uint16, len(v))
+	for i, x := range v {
+		h[i] = scaling.Float32ToBF16(x)
+	}
+	return FromBFloat16(h, shape...)
+}
+
+// FromFP8 is an FP8 E4M3FN tensor of the given shape over codes, which
+// it uses without copying. Quantize with a scale first: the server
+// dequantizes with the tensor's companion scale (w13_scale, ...).
+func FromFP8(codes []byte, shape ...int) Tensor {
+	return Tensor{DType: Float8E4M3FN, Shape: shape, Data: codes}
+}
+
+// FromInt32 is an INT32 tensor of the given shape holding v (topk_ids).
+func FromInt32(v []int32, shape ...int) Tensor {
+	b := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
+	}
+	return Tensor{DType: Int32, Shape: shape, Data: b}
+}
+
+// IsZero reports whether t is the zero Tensor, which means "not set".
+func (t Tensor) IsZero() bool { return t.DType == 0 && t.Shape == nil && t.Data == nil }
+
+// Numel is the number of elements the shape holds.
+func (t Tensor) Numel() int {
+	n := 1
+	for _, d := range t.Shape {
+		n *= d
+	}
+	return n
+}
+
+// Validate checks that the dtype is known, no dimension is negative and
+// the bytes match the shape, so that a malformed tensor fails before it is
+// sent.
+func (t Tensor) Validate() error {
+	if t.DType.Size() == 0 {
+		return fmt.Errorf("unknown dtype %v", t.DType)
+	}
+	for _, d := range t.Shape {
+		if d < 0 {
+			return fmt.Errorf("shape %v has a negative dimension", t.Shape)
+		}
+	}
+	if want := t.Numel() * t.DType.Size(); len(t.Data) != want {
+		return fmt.Errorf("%v shape %v needs %d bytes, got %d", t.DType, t.Shape, want, len(t.Data))
+	}
+	return nil
+}
+
+// Float32s decodes the elements of an FP32, BF16, FP16 or FP8 tensor to
+// float32. FP8 values are the raw codes' values, without any scale.
+func (t Tensor) Float32s() ([]float32, error) {
+	if err := t.Validate(); err != nil {
+		return nil, err
+	}
+	out := make([]float32, t.Numel())
+	b := t.Data
+	switch t.DType {
+	case Float32:
+		for i := range out {
+			out[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
+		}
+	case BFloat16:
+		for i := range out {
+			out[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
+		}
+	case Float16:
+		for i := range out {
+			out[i] = scaling.FP16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
+		}
+	case Float8E4M3FN:
+		for i := range out {
+			out[i] = scaling.E4M3ToFloat32(b[i])
+		}
+	case Float8E5M2:
+		for i := range out {
+			out[i] = scaling.E5M2ToFloat32(b[i])
+		}
+	default:
+		return nil, fmt.Errorf("cannot decode %v as float32", t.DType)
+	}
+	return out, nil
+}
+
+// Int32s decodes the elements of an INT32 tensor.
+func (t Tensor) Int32s() ([]int32, error) {
+	if err := t.Validate(); err != nil {
+		return nil, err
+	}
+	if t.DType != Int32 {
+		return nil, fmt.Errorf("cannot decode %v as int32", t.DType)
+	}
+	out := make([]int32, t.Numel())
+	for i := range out {
+		out[i] = int32(binary.LittleEndian.Uint32(t.Data[4*i:]))
+	}
+	return out, nil
+}
+
+// Proto is t's wire form; nil for the zero Tensor.
+func (t Tensor) Proto() *pb.Tensor {
+	if t.IsZero() {
+		return nil
+	}
+	shape := make([]int64, len(t.Shape))
+	for i, d := range t.Shape {
+		shape[i] = int64(d)
+	}
+	return &pb.Tensor{Dtype: pb.DataType(t.DType), Shape: shape, Source: &pb.Tensor_Data{Data: t.Data}}
+}
+
+// TensorFromProto converts a wire tensor with inline data; nil gives the
+// zero Tensor. The bytes are shared, not copied.
+func TensorFromProto(p *pb.Tensor) (Tensor, error) {
+	if p == nil {
+		return Tensor{}, nil
+	}
+	if p.GetShm() != nil {
+		return Tensor{}, fmt.Errorf("tensor in shared memory region %q: not supported by this client", p.GetShm().GetRegionName())
+	}
+	shape := make([]int, len(p.GetShape()))
+	for i, d := range p.GetShape() {
+		shape[i] = int(d)
+	}
+	t := Tensor{DType: DType(p.GetDtype()), Shape: shape, Data: p.GetData()}
+	if t.Data == nil {
+		t.Data = []byte{}
+	}
+	return t, t.Validate()
+}
+
+// meta is t's declaration in a LoadExperts header: dtype and shape, no
+// bytes.
+func (t Tensor) meta() *pb.Tensor {
+	p := t.Proto()
+	if p != nil {
+		p.Source = nil
+	}
+	return p
+}

@@ -1,0 +1,134 @@
+package client_test
+
+import (
+	"math"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/scaling"
+)
+
+// newRand is a fresh random source per test, its seed logged for replay.
+func newRand(t *testing.T) *rand.Rand {
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("random seed %d", seed)
+	return rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+}
+
+func randn(rng *rand.Rand, n int, scale float64) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = float32(rng.NormFloat64() * scale)
+	}
+	return v
+}
+
+func TestTensorRoundTrip(t *testing.T) {
+	rng := newRand(t)
+	v := randn(rng, 6*5, 1)
+	bf := make([]uint16, len(v))
+	codes := make([]byte, len(v))
+	want8 := make([]float32, len(v))
+	wantBF := make([]float32, len(v))
+	for i, x := range v {
+		bf[i] = scaling.Float32ToBF16(x)
+		wantBF[i] = scaling.BF16ToFloat32(bf[i])
+		codes[i] = scaling.Float32ToE4M3(x)
+		want8[i] = scaling.E4M3ToFloat32(codes[i])
+	}
+	tests := []struct {
+		name      string
+		t         client.Tensor
+		wantDType client.DType
+		want      []float32
+	}{
+		{"float32", client.FromFloat32(v, 6, 5), client.Float32, v},
+		{"bfloat16 bits", client.FromBFloat16(bf, 6, 5), client.BFloat16, wantBF},
+		{"bfloat16 rounded", client.BFloat16FromFloat32(v, 6, 5), client.BFloat16, wantBF},
+		{"fp8", client.FromFP8(codes, 30), client.Float8E4M3FN, want8},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.t.DType != tc.wantDType {
+				t.Errorf("dtype = %v, want %v", tc.t.DType, tc.wantDType)
+			}
+			if err := tc.t.Validate(); err != nil {
+				t.Fatalf("Validate() = %v", err)
+			}
+			got, err := tc.t.Float32s()
+			if err != nil {
+				t.Fatalf("Float32s() = %v", err)
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("Float32s() = %v, want %v", got, tc.want)
+			}
+			back, err := client.TensorFromProto(tc.t.Proto())
+			if err != nil {
+				t.Fatalf("TensorFromProto(Proto()) = %v", err)
+			}
+			if back.DType != tc.t.DType || !slices.Equal(back.Shape, tc.t.Shape) || !slices.Equal(back.Data, tc.t.Data) {
+				t.Errorf("proto round trip = %+v, want %+v", back, tc.t)
+			}
+		})
+	}
+}
+
+func TestInt32s(t *testing.T) {
+	rng := newRand(t)
+	v := make([]int32, 12)
+	for i := range v {
+		v[i] = rng.Int32() - math.MaxInt32/2
+	}
+	got, err := client.FromInt32(v, 3, 4).Int32s()
+	if err != nil || !slices.Equal(got, v) {
+		t.Errorf("Int32s() = %v, %v; want %v", got, err, v)
+	}
+	if _, err := client.FromFloat32([]float32{1}, 1).Int32s(); err == nil {
+		t.Error("Int32s() of a float32 tensor: no error")
+	}
+}
+
+func TestValidate(t *testing.T) {
+	tests := []struct {
+		name    string
+		t       client.Tensor
+		wantErr string
+	}{
+		{"scalar", client.FromFloat32([]float32{2}), ""},
+		{"empty dim", client.FromFloat32(nil, 0, 4), ""},
+		{"too few values", client.FromFloat32([]float32{1, 2, 3}, 2, 2), "needs 16 bytes, got 12"},
+		{"too many codes", client.FromFP8([]byte{1, 2, 3}, 2), "needs 2 bytes, got 3"},
+		{"negative dim", client.Tensor{DType: client.Int32, Shape: []int{-1}}, "negative"},
+		{"no dtype", client.Tensor{Shape: []int{1}, Data: []byte{0}}, "unknown dtype"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.t.Validate()
+			if tc.wantErr == "" {
+				if err != nil {
+					t.Errorf("Validate() = %v, want nil", err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("Validate() = %v, want an error containing %q", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+func TestIsZero(t *testing.T) {
+	if !(client.Tensor{}).IsZero() {
+		t.Error("zero Tensor: IsZero() = false")
+	}
+	if client.FromFloat32([]float32{}).IsZero() {
+		t.Error("empty FP32 scalar-shaped tensor: IsZero() = true")
+	}
+	if (client.Tensor{}).Proto() != nil {
+		t.Error("zero Tensor: Proto() != nil")
+	}
+}

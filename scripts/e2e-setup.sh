@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# e2e-setup.sh installs the outside tools the end-to-end tests (./e2e) drive
+# the daemon with, into .tools/e2e (gitignored):
+#   bin/grpcurl   grpcurl, built from the Go module proxy at a pinned version
+#   venv/         a Python venv with pinned grpcio, grpcio-tools and numpy
+# It is idempotent: a complete install is left alone. The tests find the
+# tools there (or through $EXPERTD_GRPCURL and $EXPERTD_PYTHON) and skip
+# loudly without them, unless EXPERTD_E2E_REQUIRE=1, as in CI, makes a
+# missing tool a failure.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+dest="${EXPERTD_E2E_TOOLS:-$root/.tools/e2e}"
+
+grpcurl_version=v1.9.4
+py_pkgs=(grpcio==1.85.1 grpcio-tools==1.85.1 numpy==2.3.5)
+
+mkdir -p "$dest/bin"
+
+stamp="$dest/bin/.grpcurl-$grpcurl_version"
+if [[ -f "$stamp" && -x "$dest/bin/grpcurl" ]]; then
+  echo "e2e-setup: grpcurl $grpcurl_version already in $dest/bin"
+else
+  echo "e2e-setup: installing grpcurl $grpcurl_version"
+  # Outside this module so its go.mod is neither read nor changed.
+  (cd "$dest" && GOBIN="$dest/bin" GOFLAGS=-mod=mod go install \
+    "github.com/fullstorydev/grpcurl/cmd/grpcurl@$grpcurl_version")
+  rm -f "$dest"/bin/.grpcurl-*
+  touch "$stamp"
+fi
+"$dest/bin/grpcurl" -version
+
+venv="$dest/venv"
+want="${py_pkgs[*]}"
+pystamp="$venv/.installed"
+if [[ -x "$venv/bin/python" && -f "$pystamp" && "$(cat "$pystamp")" == "$want" ]]; then
+  echo "e2e-setup: python venv already has $want"
+else
+  echo "e2e-setup: creating python venv with $want"
+  rm -rf "$venv"
+  "${PYTHON:-python3}" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${py_pkgs[@]}"
+  echo "$want" >"$pystamp"
+fi
+"$venv/bin/python" -c 'import grpc, grpc_tools, numpy; print("e2e-setup: grpcio", grpc.__version__, "numpy", numpy.__version__)'
