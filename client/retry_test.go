@@ -119,7 +119,10 @@ func TestRetries(t *testing.T) {
 			2, nil, codes.OK, 3},
 		{"GetServerInfo", func(ctx context.Context, c *client.Client) error { _, err := c.ServerInfo(ctx); return err },
 			3, nil, codes.OK, 4},
-		{"FusedMoE", func(ctx context.Context, c *client.Client) error { _, err := c.FusedMoE(ctx, fusedReq("a")); return err },
+		{"FusedMoE", func(ctx context.Context, c *client.Client) error {
+			_, err := c.FusedMoE(ctx, fusedReq("a"))
+			return err
+		},
 			1, nil, codes.OK, 2},
 		{"ListExperts", func(ctx context.Context, c *client.Client) error { _, err := c.ListExperts(ctx); return err },
 			4, nil, codes.Unavailable, client.DefaultMaxAttempts},
