@@ -28,6 +28,16 @@ type Case struct {
 	EmptyExperts bool
 }
 
+// New generates the case's problem as NewCase does, except that the expert
+// weights are shared process-wide between cases of the same shape and
+// granularity (generated once from a seed derived from them; callers must
+// not modify them). Hidden states, logits and biases come fresh from rng.
+// Weight quantization is most of a case's cost, so tables run several times
+// faster this way, under -race especially.
+func (c Case) New(rng *rand.Rand) (*kernels.ExpertSet, *kernels.Request) {
+	return newCase(rng, c.Shape, c.M, sharedWeights, c.Opts...)
+}
+
 // Cases is the default table: each reference shape scaled down so the whole
 // table runs in seconds under -race (E, top-k, routing and block shape
 // kept; K and N often not multiples of 16 or 128), and the edge cases of
@@ -97,7 +107,7 @@ func CheckBackend(t testing.TB, b kernels.Backend, cases ...Case) {
 	ctx := context.Background()
 	for i, c := range cases {
 		rng := rand.New(rand.NewPCG(uint64(i)+1, 0x5eed))
-		set, req := newCase(rng, c.Shape, c.M, sharedWeights, c.Opts...)
+		set, req := c.New(rng)
 		got, err := RunCase(ctx, b, set, req)
 		if err != nil {
 			t.Errorf("%s: %v", c.Name, err)
