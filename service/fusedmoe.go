@@ -23,26 +23,59 @@ func (s *Server) FusedMoE(ctx context.Context, req *pb.FusedMoERequest) (*pb.Fus
 	return resp, s.toStatus(ctx, "FusedMoE", err)
 }
 
-// FusedMoEStream answers each request in order. The first failure ends the
-// stream with that request's status, so a client never has to match
-// responses to requests.
+// FusedMoEStream answers each request in order. Up to MaxConcurrent
+// requests of one stream run at once (so a GPU backend can overlap one
+// call's copies with another's compute), but responses leave in request
+// order. The first failure ends the stream with that request's status, so
+// a client never has to match responses to requests.
 func (s *Server) FusedMoEStream(stream grpc.BidiStreamingServer[pb.FusedMoERequest, pb.FusedMoEResponse]) error {
-	ctx := stream.Context()
-	for {
-		req, err := stream.Recv()
-		if errors.Is(err, io.EOF) {
-			return nil
+	ctx, cancel := context.WithCancel(stream.Context())
+	defer cancel() // stops the calls still running after a failure
+	type result struct {
+		resp *pb.FusedMoEResponse
+		err  error
+	}
+	// pending holds each request's result in arrival order; its capacity
+	// bounds the stream's calls in flight.
+	pending := make(chan chan result, s.cfg.MaxConcurrent)
+	recvErr := make(chan error, 1)
+	go func() {
+		defer close(pending)
+		for {
+			req, err := stream.Recv()
+			if err != nil {
+				if !errors.Is(err, io.EOF) {
+					recvErr <- err
+				}
+				return
+			}
+			start := time.Now()
+			res := make(chan result, 1)
+			select {
+			case pending <- res:
+			case <-ctx.Done():
+				return
+			}
+			go func() {
+				resp, err := s.fusedMoE(ctx, start, req)
+				res <- result{resp, err}
+			}()
 		}
-		if err != nil {
+	}()
+	for res := range pending {
+		r := <-res
+		if r.err != nil {
+			return s.toStatus(ctx, "FusedMoEStream", r.err)
+		}
+		if err := stream.Send(r.resp); err != nil {
 			return err
 		}
-		resp, err := s.fusedMoE(ctx, time.Now(), req)
-		if err != nil {
-			return s.toStatus(ctx, "FusedMoEStream", err)
-		}
-		if err := stream.Send(resp); err != nil {
-			return err
-		}
+	}
+	select {
+	case err := <-recvErr:
+		return err
+	default:
+		return nil
 	}
 }
 

@@ -1,10 +1,12 @@
 package service_test
 
 import (
+	"io"
 	"math"
 	"math/rand/v2"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"google.golang.org/grpc/codes"
@@ -333,5 +335,45 @@ func TestFusedMoEInline(t *testing.T) {
 	c2, _, _ := servicetest.StartServerConfig(t, service.Config{MaxLoadedBytes: 100}, &fakeBackend{})
 	if _, err := c2.FusedMoE(testContext(t), req); status.Code(err) != codes.ResourceExhausted {
 		t.Errorf("inline set over max loaded bytes: got %v, want ResourceExhausted", err)
+	}
+}
+
+// TestFusedMoEStreamOrder runs a stream whose later requests finish first:
+// they must run concurrently yet be answered in request order.
+func TestFusedMoEStreamOrder(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{delay: func(r *kernels.Request) time.Duration { return time.Duration(r.M()) * 10 * time.Millisecond }}
+	c, _ := loadedServer(t, rng, service.Config{MaxConcurrent: 4}, b)
+	stream, err := c.FusedMoEStream(testContext(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sizes := []int{5, 4, 3, 2, 1, 3}
+	for _, m := range sizes {
+		if err := stream.Send(request(rng, m)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := stream.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	var got []int
+	for {
+		resp, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatalf("after %d responses: %v", len(got), err)
+		}
+		got = append(got, int(resp.GetOutput().GetShape()[0]))
+	}
+	if diff := cmp.Diff(sizes, got); diff != "" {
+		t.Errorf("response order by M (-want +got):\n%s", diff)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.maxInFlight < 2 || b.maxInFlight > 4 {
+		t.Errorf("at most %d calls of the stream ran at once, want 2..4 (MaxConcurrent)", b.maxInFlight)
 	}
 }

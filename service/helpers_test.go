@@ -129,6 +129,10 @@ type fakeBackend struct {
 	closes  int
 	release chan struct{} // when set, FusedMoE waits on it
 	started chan struct{} // signalled as each FusedMoE call starts
+	// delay, when set, is how long each call takes.
+	delay func(*kernels.Request) time.Duration
+	// inFlight and maxInFlight count concurrent FusedMoE calls.
+	inFlight, maxInFlight int
 }
 
 type fakeLoaded struct {
@@ -166,7 +170,17 @@ func (b *fakeBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kerne
 	b.mu.Lock()
 	b.calls = append(b.calls, req)
 	started, release := b.started, b.release
+	b.inFlight++
+	b.maxInFlight = max(b.maxInFlight, b.inFlight)
 	b.mu.Unlock()
+	defer func() {
+		b.mu.Lock()
+		b.inFlight--
+		b.mu.Unlock()
+	}()
+	if b.delay != nil {
+		time.Sleep(b.delay(req))
+	}
 	if started != nil {
 		started <- struct{}{}
 	}
