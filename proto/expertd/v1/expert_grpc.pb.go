@@ -66,8 +66,9 @@ type ExpertServiceClient interface {
 	// re-quantization, GEMM2 and the weighted combine.
 	FusedMoE(ctx context.Context, in *FusedMoERequest, opts ...grpc.CallOption) (*FusedMoEResponse, error)
 	// FusedMoEStream runs many FusedMoE calls over one stream: exactly one
-	// response per request, in request order. The first failing request ends
-	// the stream with that request's status.
+	// response per request, in request order. Up to max_concurrent requests
+	// of a stream run at once, so a client may send ahead of the responses.
+	// The first failing request ends the stream with that request's status.
 	FusedMoEStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[FusedMoERequest, FusedMoEResponse], error)
 	// GetServerInfo reports the server version, backends, devices and limits.
 	GetServerInfo(ctx context.Context, in *GetServerInfoRequest, opts ...grpc.CallOption) (*ServerInfo, error)
@@ -169,8 +170,9 @@ type ExpertServiceServer interface {
 	// re-quantization, GEMM2 and the weighted combine.
 	FusedMoE(context.Context, *FusedMoERequest) (*FusedMoEResponse, error)
 	// FusedMoEStream runs many FusedMoE calls over one stream: exactly one
-	// response per request, in request order. The first failing request ends
-	// the stream with that request's status.
+	// response per request, in request order. Up to max_concurrent requests
+	// of a stream run at once, so a client may send ahead of the responses.
+	// The first failing request ends the stream with that request's status.
 	FusedMoEStream(grpc.BidiStreamingServer[FusedMoERequest, FusedMoEResponse]) error
 	// GetServerInfo reports the server version, backends, devices and limits.
 	GetServerInfo(context.Context, *GetServerInfoRequest) (*ServerInfo, error)
