@@ -209,6 +209,15 @@ func TestDrainDeadline(t *testing.T) {
 	if _, err := stream.Recv(); err == nil {
 		t.Fatal("empty request succeeded")
 	}
+	// A load balancer's health watch must see NOT_SERVING once the drain
+	// begins.
+	watch, err := healthpb.NewHealthClient(conn).Watch(streamCtx, &healthpb.HealthCheckRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := watch.Recv(); err != nil || st.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("health watch before drain: %v %v, want SERVING", st, err)
+	}
 	// A second stream that sends nothing stays open on the server.
 	if _, err := pb.NewExpertServiceClient(conn).FusedMoEStream(streamCtx); err != nil {
 		t.Fatal(err)
@@ -225,6 +234,9 @@ func TestDrainDeadline(t *testing.T) {
 		t.Logf("drained in %v", time.Since(start))
 	case <-time.After(defaultTestTimeout):
 		t.Fatal("an open stream held the daemon past the drain deadline")
+	}
+	if st, err := watch.Recv(); err != nil || st.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+		t.Errorf("health watch during drain: %v %v, want NOT_SERVING", st, err)
 	}
 	if d := time.Since(start); d < 150*time.Millisecond || d > 5*time.Second {
 		t.Errorf("drain took %v, want about the 200ms deadline", d)
