@@ -54,7 +54,7 @@ func (b *Backend) Capabilities() kernels.Capabilities {
 	return kernels.Capabilities{
 		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2},
 		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block},
-		Devices:       []string{fmt.Sprintf("%s (%d threads, pure Go)", cpuModel(), b.workers)},
+		Devices:       []string{fmt.Sprintf("%s (%d threads, pure Go, %s dot products)", cpuModel(), b.workers, simdKernel)},
 	}
 }
 

@@ -48,13 +48,6 @@ func decodeFP8(dst []float32, src []uint8) {
 	}
 }
 
-// decodeMinRows is the fewest token rows for which decoding a weight tile
-// to float32 first beats reading the codes through the table in the dot
-// product itself. Measured on the 2-core EPYC of docs/perf-notes.md:
-// decoding costs about two multiply-adds per weight, the table lookup in
-// the inner loop about a third of one more per use.
-const decodeMinRows = 5
-
 // gemmArgs is one expert's tile of work.
 type gemmArgs struct {
 	// a are the decoded activation rows; rows[i] selects the row (of length
@@ -124,20 +117,6 @@ func gemmTile(g *gemmArgs) {
 			c[r] = c0
 		}
 	}
-}
-
-// dot4 is four dot products sharing one activation row: five loads per four
-// multiply-adds, four independent accumulator chains.
-func dot4(a, w0, w1, w2, w3 []float32) (s0, s1, s2, s3 float32) {
-	n := len(a)
-	w0, w1, w2, w3 = w0[:n], w1[:n], w2[:n], w3[:n]
-	for k, x := range a {
-		s0 += x * w0[k]
-		s1 += x * w1[k]
-		s2 += x * w2[k]
-		s3 += x * w3[k]
-	}
-	return
 }
 
 // dot4q is dot4 over FP8 weight codes, decoded through the table in the loop.
