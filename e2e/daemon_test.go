@@ -212,7 +212,7 @@ func (d *daemon) stop(t *testing.T) {
 // scripts/e2e-setup.sh installs to (relative to the repo root), then
 // $PATH. When it is absent the test fails under EXPERTD_E2E_REQUIRE and
 // is skipped, loudly, otherwise.
-func tool(t *testing.T, env string, installed string, name string, works func(path string) error) string {
+func tool(t *testing.T, env, installed, name, what string, works func(path string) error) string {
 	t.Helper()
 	var candidates []string
 	if p := os.Getenv(env); p != "" {
@@ -231,7 +231,7 @@ func tool(t *testing.T, env string, installed string, name string, works func(pa
 		}
 		why = append(why, fmt.Sprintf("%s: %v", p, err))
 	}
-	msg := fmt.Sprintf("%s is not available (tried $%s, %s, $PATH: %s); run scripts/e2e-setup.sh", name, env, installed, strings.Join(why, "; "))
+	msg := fmt.Sprintf("%s is not available (tried $%s, %s, %s on $PATH: %s); run scripts/e2e-setup.sh", what, env, installed, name, strings.Join(why, "; "))
 	if os.Getenv(requireEnv) != "" {
 		t.Fatalf("%s is set: %s", requireEnv, msg)
 	}
@@ -261,7 +261,7 @@ func shellJoin(args []string) string {
 	q := make([]string, len(args))
 	for i, a := range args {
 		q[i] = a
-		if a == "" || strings.ContainsAny(a, " '\"$<>|&;*?") {
+		if a == "" || strings.ContainsAny(a, " '\"$<>|&;*?{}") {
 			q[i] = "'" + strings.ReplaceAll(a, "'", `'\''`) + "'"
 		}
 	}
