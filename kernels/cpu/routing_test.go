@@ -2,6 +2,7 @@ package cpu
 
 import (
 	"math"
+	"math/rand/v2"
 	"slices"
 	"testing"
 
@@ -153,4 +154,156 @@ func TestRouteRows(t *testing.T) {
 	if w[0] != w[2] || w[1] != w[3] {
 		t.Errorf("weights = %v, want the same pair twice", w)
 	}
+}
+
+// sortRoute is a sort-based oracle for Route: stable sorts over ascending
+// ids give "lower id wins" for experts and groups alike.
+func sortRoute(logits []float32, r kernels.Routing) ([]int32, []float64) {
+	e := len(logits)
+	score := make([]float64, e)
+	if r.Scoring == kernels.Sigmoid {
+		for i, x := range logits {
+			score[i] = 1 / (1 + math.Exp(-float64(x)))
+		}
+	} else {
+		var sum float64
+		mx := float64(slices.Max(logits))
+		for i, x := range logits {
+			score[i] = math.Exp(float64(x) - mx)
+			sum += score[i]
+		}
+		for i := range score {
+			score[i] /= sum
+		}
+	}
+	sel := slices.Clone(score)
+	for i := range sel {
+		if r.CorrectionBias != nil {
+			sel[i] += float64(r.CorrectionBias[i])
+		}
+	}
+	var cand []int
+	if r.NumGroups > 1 {
+		size := e / r.NumGroups
+		gs := make([]float64, r.NumGroups)
+		order := make([]int, r.NumGroups)
+		for g := range gs {
+			order[g] = g
+			m := slices.Clone(sel[g*size : (g+1)*size])
+			slices.SortFunc(m, func(a, b float64) int { return cmpDesc(a, b) })
+			gs[g] = m[0]
+			if size > 1 {
+				gs[g] += m[1]
+			}
+		}
+		slices.SortStableFunc(order, func(a, b int) int { return cmpDesc(gs[a], gs[b]) })
+		for _, g := range order[:r.TopKGroups] {
+			for i := g * size; i < (g+1)*size; i++ {
+				cand = append(cand, i)
+			}
+		}
+		slices.Sort(cand)
+	} else {
+		for i := range e {
+			cand = append(cand, i)
+		}
+	}
+	slices.SortStableFunc(cand, func(a, b int) int { return cmpDesc(sel[a], sel[b]) })
+	ids := make([]int32, r.TopK)
+	w := make([]float64, r.TopK)
+	var sum float64
+	for j := range ids {
+		ids[j] = int32(cand[j])
+		w[j] = score[cand[j]]
+		sum += w[j]
+	}
+	for j := range w {
+		if r.Renormalize {
+			w[j] /= sum
+		}
+		w[j] *= float64(r.ScalingFactor)
+	}
+	return ids, w
+}
+
+func cmpDesc(a, b float64) int {
+	switch {
+	case a > b:
+		return -1
+	case a < b:
+		return 1
+	}
+	return 0
+}
+
+// TestRouteTies routes random tokens whose logits and biases come from a
+// handful of values, so ties between experts and between groups are the
+// rule, against the sort-based oracle, in every mode.
+func TestRouteTies(t *testing.T) {
+	rng := rand.New(rand.NewPCG(9, 9))
+	levels := []float32{-1, 0, 0.5, 1}
+	biasLevels := []float32{0, 0.25, 0.5}
+	modes := []kernels.Routing{
+		{TopK: 3, Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1},
+		{TopK: 3, Scoring: kernels.Sigmoid, ScalingFactor: 2.5},
+		{TopK: 4, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 2.5, NumGroups: 4, TopKGroups: 2},
+		{TopK: 2, Scoring: kernels.Softmax, ScalingFactor: 1, NumGroups: 8, TopKGroups: 3},
+		{TopK: 16, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 1},
+	}
+	const e = 16
+	for mi, r := range modes {
+		for trial := range 200 {
+			logits := make([]float32, e)
+			for i := range logits {
+				logits[i] = levels[rng.IntN(len(levels))]
+			}
+			r := r
+			if trial%2 == 1 {
+				r.CorrectionBias = make([]float32, e)
+				for i := range r.CorrectionBias {
+					r.CorrectionBias[i] = biasLevels[rng.IntN(len(biasLevels))]
+				}
+			}
+			ids := make([]int32, r.TopK)
+			w := make([]float32, r.TopK)
+			Route(ids, w, logits, 1, e, r)
+			wantIDs, wantW := sortRoute(logits, r)
+			if !slices.Equal(ids, wantIDs) {
+				t.Fatalf("mode %d, logits %v, bias %v: ids %v, want %v", mi, logits, r.CorrectionBias, ids, wantIDs)
+			}
+			for j := range w {
+				if math.Abs(float64(w[j])-wantW[j]) > 1e-6*math.Abs(wantW[j]) {
+					t.Fatalf("mode %d: weights %v, want %v", mi, w, wantW)
+				}
+			}
+		}
+	}
+}
+
+// FuzzRoute checks Route against the oracle on arbitrary logits (NaN
+// excluded: the oracle's sorts do not order it).
+func FuzzRoute(f *testing.F) {
+	f.Add([]byte{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, uint8(0))
+	f.Add([]byte{7, 7, 7, 7, 7, 7, 7, 7, 1, 1, 1, 1, 1, 1, 1, 1}, uint8(2))
+	f.Fuzz(func(t *testing.T, data []byte, mode uint8) {
+		const e = 8
+		if len(data) < e {
+			return
+		}
+		logits := make([]float32, e)
+		for i := range logits {
+			logits[i] = float32(int8(data[i])) / 16
+		}
+		r := []kernels.Routing{
+			{TopK: 2, Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1},
+			{TopK: 3, Scoring: kernels.Sigmoid, ScalingFactor: 2.5},
+			{TopK: 3, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 1, NumGroups: 4, TopKGroups: 2},
+		}[int(mode)%3]
+		ids := make([]int32, r.TopK)
+		w := make([]float32, r.TopK)
+		Route(ids, w, logits, 1, e, r)
+		if wantIDs, _ := sortRoute(logits, r); !slices.Equal(ids, wantIDs) {
+			t.Errorf("logits %v mode %d: ids %v, want %v", logits, mode%3, ids, wantIDs)
+		}
+	})
 }
