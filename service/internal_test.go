@@ -3,7 +3,14 @@ package service
 import (
 	"bytes"
 	"encoding/binary"
+	"math"
 	"testing"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/expertd/expertd/kernels"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
 )
 
 func TestCoverage(t *testing.T) {
@@ -71,6 +78,116 @@ func FuzzParseSafetensors(f *testing.F) {
 			}
 			if _, _, err := st.read(name, "F8_E4M3", "F32", "BF16"); err == nil && st.base+tt.DataOffsets[1] > int64(len(b)) {
 				t.Errorf("tensor %q read past the end", name)
+			}
+		}
+	})
+}
+
+// FuzzCheckRequest feeds arbitrary FusedMoERequest bytes to the validator:
+// it must never panic, and whatever it accepts must satisfy the invariants
+// backends rely on without re-checking.
+func FuzzCheckRequest(f *testing.F) {
+	set := &kernels.ExpertSet{Activation: kernels.SiluGated, E: 4, K: 8, N: 4, Block: [2]int{4, 4}}
+	seed := &pb.FusedMoERequest{
+		HiddenStates: &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{2, 8}, Source: &pb.Tensor_Data{Data: make([]byte, 16)}},
+		HiddenStatesScale: &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{2, 2},
+			Source: &pb.Tensor_Data{Data: bytes.Repeat([]byte{0, 0, 0x80, 0x3f}, 4)}},
+		RouterLogits: &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_BFLOAT16, Shape: []int64{2, 4}, Source: &pb.Tensor_Data{Data: make([]byte, 16)}},
+		Routing:      &pb.Routing{TopK: 2, Scoring: pb.Scoring_SCORING_SIGMOID, NumExpertGroups: 2, TopkGroups: 1},
+	}
+	b, _ := proto.Marshal(seed)
+	f.Add(b)
+	seed.RouterLogits, seed.Routing = nil, nil
+	seed.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{2, 1}, Source: &pb.Tensor_Data{Data: make([]byte, 8)}}
+	seed.TopkWeights = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{2, 1}, Source: &pb.Tensor_Data{Data: make([]byte, 8)}}
+	b, _ = proto.Marshal(seed)
+	f.Add(b)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var req pb.FusedMoERequest
+		if proto.Unmarshal(b, &req) != nil {
+			return
+		}
+		r, err := checkRequest(&req, set, limits{maxTokens: 64})
+		if err != nil {
+			return
+		}
+		m := r.M()
+		if m < 1 || m > 64 || len(r.Hidden.Shape) != 2 || r.Hidden.Shape[1] != set.K || len(r.Hidden.Data) != m*set.K*r.Hidden.DType.Size() {
+			t.Fatalf("accepted hidden %v %v with %d bytes", r.Hidden.DType, r.Hidden.Shape, len(r.Hidden.Data))
+		}
+		if r.Routing.TopK < 1 || r.Routing.TopK > set.E || !(r.Routing.ScalingFactor > 0) {
+			t.Fatalf("accepted routing %+v", r.Routing)
+		}
+		if r.TopKIDs != nil {
+			if len(r.TopKIDs) != m*r.Routing.TopK || len(r.TopKWeights) != len(r.TopKIDs) {
+				t.Fatalf("accepted %d ids, %d weights for M=%d k=%d", len(r.TopKIDs), len(r.TopKWeights), m, r.Routing.TopK)
+			}
+			for _, id := range r.TopKIDs {
+				if id < 0 || int(id) >= set.E {
+					t.Fatalf("accepted expert id %d", id)
+				}
+			}
+		} else if len(r.Logits.Data) != m*set.E*r.Logits.DType.Size() {
+			t.Fatalf("accepted logits %v with %d bytes", r.Logits.Shape, len(r.Logits.Data))
+		}
+		if r.Routing.NumGroups > 1 && (set.E%r.Routing.NumGroups != 0 || r.Routing.TopKGroups < 1 || r.Routing.TopKGroups > r.Routing.NumGroups) {
+			t.Fatalf("accepted groups %d/%d", r.Routing.NumGroups, r.Routing.TopKGroups)
+		}
+		if r.Hidden.DType == kernels.Float8E4M3FN {
+			if n := len(r.HiddenScale); n != 1 && n != m && n != m*2 {
+				t.Fatalf("accepted %d hidden scales for M=%d", n, m)
+			}
+		}
+		for _, s := range r.HiddenScale {
+			if !(s > 0) || math.IsInf(float64(s), 0) {
+				t.Fatalf("accepted hidden scale %v", s)
+			}
+		}
+		if r.OutDType != kernels.BFloat16 && r.OutDType != kernels.Float32 {
+			t.Fatalf("accepted output %v", r.OutDType)
+		}
+	})
+}
+
+// FuzzInlineSet feeds arbitrary ExpertWeights bytes to the weight
+// validator: no panic, and an accepted set's buffers match its sizes.
+func FuzzInlineSet(f *testing.F) {
+	fp8 := func(shape ...int64) *pb.Tensor {
+		n := int64(1)
+		for _, d := range shape {
+			n *= d
+		}
+		return &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: shape, Source: &pb.Tensor_Data{Data: make([]byte, n)}}
+	}
+	one := []byte{0, 0, 0x80, 0x3f}
+	f32 := func(n int, shape ...int64) *pb.Tensor {
+		return &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: shape, Source: &pb.Tensor_Data{Data: bytes.Repeat(one, n)}}
+	}
+	seeds := []*pb.ExpertWeights{
+		{Activation: pb.Activation_ACTIVATION_SILU_GATED, W13: fp8(2, 8, 4), W2: fp8(2, 4, 4), W13Scale: f32(1), W2Scale: f32(2, 2), A13Scale: f32(2, 2)},
+		{Activation: pb.Activation_ACTIVATION_RELU2, W13: fp8(2, 4, 8), W2: fp8(2, 8, 4), W13Scale: f32(4, 2, 2, 1), W2Scale: f32(16, 2, 8), WeightBlockShape: []int32{4, 8}},
+	}
+	for _, s := range seeds {
+		b, _ := proto.Marshal(s)
+		f.Add(b)
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var w pb.ExpertWeights
+		if proto.Unmarshal(b, &w) != nil {
+			return
+		}
+		set, n, err := inlineSet(&w)
+		if err != nil {
+			return
+		}
+		if len(set.W13) != set.E*set.Rows1()*set.K || len(set.W2) != set.E*set.K*set.N || n < int64(len(set.W13)+len(set.W2)) {
+			t.Fatalf("accepted E=%d K=%d N=%d with %d/%d weight bytes, %d total", set.E, set.K, set.N, len(set.W13), len(set.W2), n)
+		}
+		for _, ws := range []scaling.WeightScale{set.W13Scale, set.W2Scale} {
+			for _, v := range ws.Values {
+				if !(v > 0) || math.IsInf(float64(v), 0) {
+					t.Fatalf("accepted scale %v", v)
+				}
 			}
 		}
 	})
