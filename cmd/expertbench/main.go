@@ -1,0 +1,240 @@
+// Command expertbench is a load generator for expertd: c concurrent
+// clients call FusedMoE with m tokens per call on a MoE layer of a
+// reference model (MOE_SPEC.md section 2), for a bounded time or number of
+// calls, and it reports latency percentiles, calls/s and tokens/s.
+//
+//	expertbench -addr 127.0.0.1:50051 -model qwen3 -load -m 64 -c 4 -duration 10s
+//
+// A progress line goes to stderr once a second; the summary goes to
+// stdout. -load first uploads a random layer of the model's shape (scale
+// it down with -e, -k and -n); without it, -set names a layer already
+// loaded. Only loopback addresses are accepted unless -allow-remote is
+// given.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/expertd/expertd/client"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
+		if !errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintln(os.Stderr, "expertbench:", err)
+		}
+		os.Exit(2)
+	}
+}
+
+// Bounds on one run, so that a typo cannot start an endless load.
+const (
+	maxDuration    = 30 * time.Minute
+	maxCalls       = 10_000_000
+	maxConcurrency = 256
+)
+
+// config is a parsed command line.
+type config struct {
+	addr        string
+	allowRemote bool
+	model       model
+	tokens      int
+	concurrency int
+	duration    time.Duration
+	calls       int
+	load        bool
+	keep        bool
+	set         string
+	out         client.DType
+	seed        uint64
+	progress    time.Duration
+	jsonOut     bool
+}
+
+func parseFlags(args []string, stderr io.Writer) (config, error) {
+	var c config
+	fs := flag.NewFlagSet("expertbench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "expertd gRPC address")
+	fs.BoolVar(&c.allowRemote, "allow-remote", false, "allow a non-loopback -addr")
+	name := fs.String("model", "qwen3", "layer shape: "+strings.Join(modelNames(), ", "))
+	e := fs.Int("e", 0, "number of experts E (0: the model's)")
+	k := fs.Int("k", 0, "hidden size K (0: the model's)")
+	n := fs.Int("n", 0, "intermediate size N (0: the model's)")
+	topK := fs.Int("topk", 0, "experts per token (0: the model's)")
+	fs.IntVar(&c.tokens, "m", 64, "tokens per call")
+	fs.IntVar(&c.concurrency, "c", 4, "concurrent clients")
+	fs.DurationVar(&c.duration, "duration", 10*time.Second, fmt.Sprintf("how long to run (at most %v)", maxDuration))
+	fs.IntVar(&c.calls, "calls", 0, fmt.Sprintf("stop after this many calls (0: no count limit; at most %d)", maxCalls))
+	fs.BoolVar(&c.load, "load", false, "upload a random expert set of the shape first (and unload it at the end)")
+	fs.BoolVar(&c.keep, "keep", false, "with -load: leave the set loaded")
+	fs.StringVar(&c.set, "set", "expertbench", "expert set name to call (and to load with -load)")
+	out := fs.String("out", "bf16", "output dtype: bf16 or fp32")
+	fs.Uint64Var(&c.seed, "seed", uint64(time.Now().UnixNano()), "random seed of weights and tokens")
+	fs.DurationVar(&c.progress, "progress", time.Second, "progress line interval on stderr (0: none)")
+	fs.BoolVar(&c.jsonOut, "json", false, "print the summary as JSON")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+
+	m, ok := models[*name]
+	if !ok {
+		return c, fmt.Errorf("-model %q: want one of %s", *name, strings.Join(modelNames(), ", "))
+	}
+	for _, o := range []struct {
+		v   int
+		dst *int
+	}{{*e, &m.e}, {*k, &m.k}, {*n, &m.n}, {*topK, &m.topK}} {
+		if o.v != 0 {
+			*o.dst = o.v
+		}
+	}
+	if m.e != models[*name].e || m.k != models[*name].k || m.n != models[*name].n {
+		m.name += "/scaled"
+	}
+	if err := m.validate(); err != nil {
+		return c, err
+	}
+	c.model = m
+
+	switch *out {
+	case "bf16":
+		c.out = client.BFloat16
+	case "fp32":
+		c.out = client.Float32
+	default:
+		return c, fmt.Errorf("-out %q: want bf16 or fp32", *out)
+	}
+	var errs []error
+	if c.tokens < 1 {
+		errs = append(errs, fmt.Errorf("-m %d: want >= 1", c.tokens))
+	}
+	if c.concurrency < 1 || c.concurrency > maxConcurrency {
+		errs = append(errs, fmt.Errorf("-c %d: want 1..%d", c.concurrency, maxConcurrency))
+	}
+	if c.duration <= 0 || c.duration > maxDuration {
+		errs = append(errs, fmt.Errorf("-duration %v: want > 0 and <= %v", c.duration, maxDuration))
+	}
+	if c.calls < 0 || c.calls > maxCalls {
+		errs = append(errs, fmt.Errorf("-calls %d: want 0..%d", c.calls, maxCalls))
+	}
+	if !c.allowRemote {
+		if err := checkLoopback(c.addr); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return c, errors.Join(errs...)
+}
+
+func modelNames() []string {
+	var names []string
+	for n := range models {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// checkLoopback refuses addresses that leave the host: a load generator
+// should not be pointed at someone else's server by accident.
+func checkLoopback(addr string) error {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("-addr %q: %w", addr, err)
+	}
+	if host == "localhost" {
+		return nil
+	}
+	if ip := net.ParseIP(host); ip != nil && ip.IsLoopback() {
+		return nil
+	}
+	return fmt.Errorf("-addr %q is not a loopback address; pass -allow-remote to load a remote server", addr)
+}
+
+// run is the whole command.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cfg, err := parseFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	dialCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	c, err := client.Dial(dialCtx, cfg.addr)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+
+	if cfg.load {
+		if err := loadSet(ctx, c, cfg, stderr); err != nil {
+			return err
+		}
+		if !cfg.keep {
+			defer func() {
+				unloadCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				if _, err := c.UnloadExperts(unloadCtx, cfg.set); err != nil {
+					fmt.Fprintln(stderr, "expertbench: unloading:", err)
+				}
+			}()
+		}
+	}
+	res, err := bench(ctx, c, cfg, stderr)
+	if err != nil {
+		return err
+	}
+	return res.print(stdout, cfg)
+}
+
+// loadSet uploads a random layer of the configured shape, with a progress
+// line for large sets.
+func loadSet(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) error {
+	start := time.Now()
+	w := cfg.model.randomWeights(cfg.seed)
+	fmt.Fprintf(stderr, "expertbench: generated %s of random weights for %v in %v\n",
+		formatBytes(cfg.model.weightBytes()), cfg.model, time.Since(start).Round(time.Millisecond))
+	start = time.Now()
+	last := start
+	info, err := c.LoadExperts(ctx, cfg.set, w, client.Overwrite(), client.OnProgress(func(p client.Progress) {
+		if time.Since(last) >= time.Second {
+			last = time.Now()
+			fmt.Fprintf(stderr, "expertbench: loading %s: %s of %s\n", cfg.set, formatBytes(p.SentBytes), formatBytes(p.TotalBytes))
+		}
+	}))
+	if err != nil {
+		return err
+	}
+	secs := time.Since(start).Seconds()
+	fmt.Fprintf(stderr, "expertbench: loaded %s (%s) in %.2fs, %.0f MB/s, on %s\n",
+		info.Name, formatBytes(info.Bytes), secs, float64(info.Bytes)/secs/1e6, info.Backend)
+	return nil
+}
+
+func formatBytes(n int64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}

@@ -1,0 +1,199 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/service"
+)
+
+const defaultTestTimeout = 30 * time.Second
+
+func startServer(t *testing.T) string {
+	t.Helper()
+	srv, err := clienttest.Serve(service.Config{MaxConcurrent: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Stop)
+	return srv.Addr
+}
+
+func runBench(t *testing.T, args ...string) (stdout, stderr string, err error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+	var out, errOut bytes.Buffer
+	err = run(ctx, args, &out, &errOut)
+	return out.String(), errOut.String(), err
+}
+
+// TestBenchCalls loads a scaled layer of each model and runs a fixed
+// number of calls: the summary must count exactly them, and the set must
+// be gone afterwards.
+func TestBenchCalls(t *testing.T) {
+	addr := startServer(t)
+	tests := []struct {
+		model string
+		sizes []string
+	}{
+		{"qwen3", []string{"-e", "8", "-k", "64", "-n", "32"}},
+		{"nemotron", []string{"-e", "8", "-k", "48", "-n", "40"}},
+		{"mixtral", []string{"-k", "32", "-n", "48"}},
+		{"deepseek", []string{"-e", "16", "-k", "256", "-n", "128"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.model, func(t *testing.T) {
+			args := append([]string{"-addr", addr, "-model", tc.model, "-load", "-m", "3", "-c", "2", "-calls", "13", "-duration", "20s"}, tc.sizes...)
+			stdout, stderr, err := runBench(t, args...)
+			if err != nil {
+				t.Fatalf("run: %v\nstderr:\n%s", err, stderr)
+			}
+			t.Logf("stdout:\n%s", stdout)
+			if !regexp.MustCompile(`(?m)^calls +13 in `).MatchString(stdout) {
+				t.Errorf("summary does not count 13 calls:\n%s", stdout)
+			}
+			for _, want := range []string{"model        " + tc.model + "/scaled", "backend      cpu", "tokens/call  3", "latency      p50 "} {
+				if !strings.Contains(stdout, want) {
+					t.Errorf("summary lacks %q:\n%s", want, stdout)
+				}
+			}
+			if !strings.Contains(stderr, "loaded expertbench") {
+				t.Errorf("stderr does not report the load:\n%s", stderr)
+			}
+		})
+	}
+	c, err := client.Dial(context.Background(), addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if sets, err := c.ListExperts(context.Background()); err != nil || len(sets) != 0 {
+		t.Errorf("after the runs ListExperts = %v, %v; want no sets (unloaded)", sets, err)
+	}
+}
+
+// TestBenchDurationAndProgress runs by time with a fast progress ticker
+// and a JSON summary.
+func TestBenchDurationAndProgress(t *testing.T) {
+	addr := startServer(t)
+	start := time.Now()
+	stdout, stderr, err := runBench(t, "-addr", addr, "-model", "qwen3", "-e", "8", "-k", "32", "-n", "16",
+		"-load", "-m", "2", "-c", "3", "-duration", "400ms", "-progress", "100ms", "-json")
+	if err != nil {
+		t.Fatalf("run: %v\nstderr:\n%s", err, stderr)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("a 400ms run took %v", took)
+	}
+	var r result
+	if err := json.Unmarshal([]byte(stdout), &r); err != nil {
+		t.Fatalf("parsing the JSON summary: %v\n%s", err, stdout)
+	}
+	if r.Calls < 1 || r.Elapsed < 400*time.Millisecond || r.P50 <= 0 || r.P50 > r.P99 || r.P99 > r.Max || r.Concurrency != 3 {
+		t.Errorf("summary %+v: want calls, elapsed >= 400ms and 0 < p50 <= p99 <= max", r)
+	}
+	if got := float64(r.Calls*r.Tokens) / r.Elapsed.Seconds(); got != r.TokensPerS {
+		t.Errorf("tokens/s %v, want calls*tokens/elapsed = %v", r.TokensPerS, got)
+	}
+	lines := regexp.MustCompile(`(?m)^\[ *\d+\.\ds\] +\d+ calls .* tokens/s +p50 .* p99 `).FindAllString(stderr, -1)
+	if len(lines) < 2 {
+		t.Errorf("want at least 2 progress lines on stderr, got %d:\n%s", len(lines), stderr)
+	}
+}
+
+// TestBenchFailsFast: calling a set that is not loaded ends the run with
+// the server's error instead of a summary of failures.
+func TestBenchFailsFast(t *testing.T) {
+	addr := startServer(t)
+	stdout, _, err := runBench(t, "-addr", addr, "-set", "absent", "-e", "8", "-k", "32", "-n", "16", "-calls", "5")
+	if err == nil || !strings.Contains(err.Error(), "NotFound") {
+		t.Errorf("run on an absent set = %v, want a NotFound error", err)
+	}
+	if stdout != "" {
+		t.Errorf("a failed run printed a summary:\n%s", stdout)
+	}
+}
+
+func TestFlags(t *testing.T) {
+	tests := []struct {
+		args    []string
+		wantErr string
+	}{
+		{[]string{"-addr", "10.1.2.3:50051"}, "not a loopback address"},
+		{[]string{"-addr", "example.com:50051"}, "not a loopback address"},
+		{[]string{"-addr", "[::1]:50051"}, ""},
+		{[]string{"-addr", "localhost:1"}, ""},
+		{[]string{"-addr", "10.1.2.3:50051", "-allow-remote"}, ""},
+		{[]string{"-model", "gpt"}, `-model "gpt": want one of deepseek, mixtral, nemotron, qwen3`},
+		{[]string{"-model", "deepseek", "-e", "12"}, "must divide E = 12"},
+		{[]string{"-topk", "9", "-e", "8"}, "-topk 9: want 1..E (8)"},
+		{[]string{"-duration", "2h"}, "want > 0 and <= 30m0s"},
+		{[]string{"-calls", "-1"}, "-calls -1"},
+		{[]string{"-c", "0"}, "-c 0"},
+		{[]string{"-m", "0"}, "-m 0"},
+		{[]string{"-out", "fp8"}, `-out "fp8"`},
+	}
+	for _, tc := range tests {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			_, err := parseFlags(tc.args, &bytes.Buffer{})
+			if tc.wantErr == "" {
+				if err != nil {
+					t.Errorf("parseFlags = %v, want nil", err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("parseFlags = %v, want an error containing %q", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+func TestPercentile(t *testing.T) {
+	var d []time.Duration
+	for i := 1; i <= 100; i++ {
+		d = append(d, time.Duration(i))
+	}
+	tests := []struct {
+		p    float64
+		want time.Duration
+	}{{0.5, 50}, {0.9, 90}, {0.99, 99}, {1, 100}, {0.001, 1}}
+	for _, tc := range tests {
+		if got := percentile(d, tc.p); got != tc.want {
+			t.Errorf("percentile(1..100, %v) = %v, want %v", tc.p, got, tc.want)
+		}
+	}
+	if got := percentile(nil, 0.5); got != 0 {
+		t.Errorf("percentile(nil) = %v, want 0", got)
+	}
+}
+
+// TestRandomWeightsAreFinite: the table-driven generator must never emit
+// a NaN code (0x7F, 0xFF), and should use both signs.
+func TestRandomWeightsAreFinite(t *testing.T) {
+	m := models["qwen3"]
+	m.e, m.k, m.n = 4, 64, 32
+	w := m.randomWeights(uint64(time.Now().UnixNano()))
+	var neg, pos int
+	for _, b := range append(w.W13.Data, w.W2.Data...) {
+		if b&0x7F == 0x7F {
+			t.Fatalf("NaN code %#x in the weights", b)
+		}
+		if b&0x80 != 0 {
+			neg++
+		} else if b != 0 {
+			pos++
+		}
+	}
+	if neg == 0 || pos == 0 {
+		t.Errorf("%d negative and %d positive codes, want both", neg, pos)
+	}
+}
