@@ -1,0 +1,100 @@
+package client_test
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/service"
+)
+
+// writeSafetensors writes tensors (name -> dtype, shape, bytes) as a
+// .safetensors file: a little-endian header length, the JSON header, the
+// data.
+func writeSafetensors(t *testing.T, path string, names []string, tensors map[string]client.Tensor) {
+	t.Helper()
+	hdr := map[string]any{}
+	var data []byte
+	for _, n := range names {
+		tt := tensors[n]
+		dtype := map[client.DType]string{client.Float8E4M3FN: "F8_E4M3", client.Float32: "F32"}[tt.DType]
+		hdr[n] = map[string]any{"dtype": dtype, "shape": tt.Shape, "data_offsets": []int{len(data), len(data) + len(tt.Data)}}
+		data = append(data, tt.Data...)
+	}
+	js, err := json.Marshal(hdr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := binary.LittleEndian.AppendUint64(nil, uint64(len(js)))
+	if err := os.WriteFile(path, append(append(out, js...), data...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestLoadSafetensors has the server read a layer from a file with custom
+// names, and checks it is byte for byte the layer an upload of the same
+// weights gives (equal fingerprints), and that a path leaving the weights
+// directory is refused.
+func TestLoadSafetensors(t *testing.T) {
+	const e, k, n = 3, 32, 16
+	rng := newRand(t)
+	dir := t.TempDir()
+	c := startServer(t, service.Config{WeightsDir: dir})
+	ctx := testContext(t)
+
+	w13 := randomCodes(t, e*2*n*k)
+	w2 := randomCodes(t, e*k*n)
+	s13, s2 := make([]float32, e), make([]float32, e)
+	tensors := map[string]client.Tensor{}
+	var names []string
+	for x := range e {
+		s13[x], s2[x] = 0.01+float32(rng.Float64()), 0.01+float32(rng.Float64())
+		add := func(name string, tt client.Tensor) {
+			names = append(names, name)
+			tensors[name] = tt
+		}
+		add(fmt.Sprintf("l.2.e.%d.w13", x), client.FromFP8(w13[x*2*n*k:(x+1)*2*n*k], 2*n, k))
+		add(fmt.Sprintf("l.2.e.%d.w2", x), client.FromFP8(w2[x*k*n:(x+1)*k*n], k, n))
+		add(fmt.Sprintf("l.2.e.%d.w13_scale", x), client.FromFloat32([]float32{s13[x]}))
+		add(fmt.Sprintf("l.2.e.%d.w2_scale", x), client.FromFloat32([]float32{s2[x]}))
+	}
+	writeSafetensors(t, filepath.Join(dir, "layer.safetensors"), names, tensors)
+
+	src := client.SafetensorsSource{
+		Path: "layer.safetensors", Layer: 2, Preset: client.CustomNames, Activation: client.SiluGated,
+		W13Template: "l.{L}.e.{e}.w13", W2Template: "l.{L}.e.{e}.w2",
+		W13ScaleTemplate: "l.{L}.e.{e}.w13_scale", W2ScaleTemplate: "l.{L}.e.{e}.w2_scale",
+	}
+	got, err := c.LoadSafetensors(ctx, "from-file", src)
+	if err != nil {
+		t.Fatalf("LoadSafetensors: %v", err)
+	}
+	want, err := c.LoadExperts(ctx, "uploaded", &client.ExpertWeights{
+		Activation: client.SiluGated,
+		W13:        client.FromFP8(w13, e, 2*n, k), W2: client.FromFP8(w2, e, k, n),
+		W13Scale: client.FromFloat32(s13, e), W2Scale: client.FromFloat32(s2, e),
+	})
+	if err != nil {
+		t.Fatalf("LoadExperts: %v", err)
+	}
+	if got.Fingerprint != want.Fingerprint || got.NumExperts != e || got.HiddenSize != k || got.IntermediateSize != n {
+		t.Errorf("from file: %+v\nuploaded: %+v\nwant the same fingerprint and E,K,N = %d,%d,%d", got, want, e, k, n)
+	}
+	if _, err := c.LoadSafetensors(ctx, "from-file", src); status.Code(err) != codes.AlreadyExists {
+		t.Errorf("second LoadSafetensors = %v, want AlreadyExists", err)
+	}
+	if _, err := c.LoadSafetensors(ctx, "from-file", src, client.Overwrite()); err != nil {
+		t.Errorf("LoadSafetensors with Overwrite = %v", err)
+	}
+	src.Path = "../layer.safetensors"
+	if _, err := c.LoadSafetensors(ctx, "escape", src); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("LoadSafetensors(%q) = %v, want InvalidArgument", src.Path, err)
+	}
+}
