@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -14,6 +16,7 @@ import (
 	"testing"
 
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
@@ -23,10 +26,16 @@ import (
 	"github.com/expertd/expertd/scaling"
 )
 
-var update = flag.Bool("update", false, "rewrite testdata/grpcurl/fusedmoe.json")
+var update = flag.Bool("update", false, "rewrite the request files in testdata/grpcurl")
 
-// fusedMoEJSON is the grpcurl request file, relative to the repo root.
-const fusedMoEJSON = "testdata/grpcurl/fusedmoe.json"
+// The grpcurl request files, relative to the repo root, and the name
+// load.json loads under.
+const (
+	fusedMoEJSON      = "testdata/grpcurl/fusedmoe.json"
+	loadJSON          = "testdata/grpcurl/load.json"
+	fusedMoENamedJSON = "testdata/grpcurl/fusedmoe_named.json"
+	grpcurlSet        = "grpcurl-layer"
+)
 
 // The grpcurl request's problem: small enough to read in a terminal.
 const (
@@ -40,14 +49,18 @@ func grpcurlPath(t *testing.T) string {
 	})
 }
 
-// TestWriteGrpcurlRequest regenerates the committed request file with
-// -update, and otherwise checks that it still parses as a FusedMoE
-// request of the documented shape.
+// TestWriteGrpcurlRequest regenerates the committed request files with
+// -update, and otherwise checks that the FusedMoE request still parses
+// with the documented shape. The files: fusedmoe.json (inline weights),
+// load.json (a LoadExperts stream of the same weights: header, then one
+// chunk per tensor) and fusedmoe_named.json (the same tokens on the
+// loaded set).
 func TestWriteGrpcurlRequest(t *testing.T) {
-	path := filepath.Join(repoRoot(t), fusedMoEJSON)
+	root := repoRoot(t)
+	path := filepath.Join(root, fusedMoEJSON)
 	if *update {
-		// A fixed seed: the file is committed, so regenerating it without
-		// a change of shape should not churn it.
+		// A fixed seed: the files are committed, so regenerating them
+		// without a change of shape should not churn them.
 		rng := rand.New(rand.NewPCG(2026, 12))
 		s := kerneltest.Qwen3.Scaled(jsonK, jsonN)
 		s.E, s.TopK = jsonE, jsonTopK
@@ -56,28 +69,29 @@ func TestWriteGrpcurlRequest(t *testing.T) {
 		r := clienttest.Request("", set, req)
 		r.Weights = clienttest.Weights(set)
 		r.ReturnRouting = true
-		p, err := requestProto(r)
-		if err != nil {
-			t.Fatal(err)
+		p := requestProto(r)
+		writeJSON(t, path, p)
+
+		w := p.GetWeights()
+		meta := proto.Clone(w).(*pb.ExpertWeights)
+		hdr := &pb.LoadExpertsRequest_Header{Name: grpcurlSet, Weights: meta}
+		stream := []proto.Message{&pb.LoadExpertsRequest{Payload: &pb.LoadExpertsRequest_Header_{Header: hdr}}}
+		h := sha256.New()
+		for _, f := range []struct {
+			name string
+			t, m *pb.Tensor
+		}{{"w13", w.W13, meta.W13}, {"w2", w.W2, meta.W2}, {"w13_scale", w.W13Scale, meta.W13Scale}, {"w2_scale", w.W2Scale, meta.W2Scale}} {
+			f.m.Source = nil
+			hdr.TotalBytes += int64(len(f.t.GetData()))
+			h.Write(f.t.GetData())
+			stream = append(stream, &pb.LoadExpertsRequest{Payload: &pb.LoadExpertsRequest_Chunk_{Chunk: &pb.LoadExpertsRequest_Chunk{
+				Tensor: f.name, Data: f.t.GetData()}}})
 		}
-		b, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		// protojson writes int64 dims as strings and randomizes its
-		// spacing; write shapes as numbers (grpcurl takes both) and indent
-		// for stable diffs.
-		b = shapeRE.ReplaceAllFunc(compact(t, b), func(m []byte) []byte { return bytes.ReplaceAll(m, []byte(`"`), nil) })
-		b = bytes.ReplaceAll(b, []byte("shape:"), []byte(`"shape":`))
-		var buf bytes.Buffer
-		if err := json.Indent(&buf, b, "", "  "); err != nil {
-			t.Fatal(err)
-		}
-		buf.WriteByte('\n')
-		if err := os.WriteFile(path, buf.Bytes(), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		t.Logf("wrote %s (%d bytes)", path, buf.Len())
+		hdr.Sha256 = hex.EncodeToString(h.Sum(nil))
+		writeJSON(t, filepath.Join(root, loadJSON), stream...)
+
+		p.Experts = &pb.FusedMoERequest_ExpertSet{ExpertSet: grpcurlSet}
+		writeJSON(t, filepath.Join(root, fusedMoENamedJSON), p)
 	}
 	set, req := readRequestJSON(t, path)
 	if set.E != jsonE || set.K != jsonK || set.N != jsonN || req.M() != jsonM || req.Routing.TopK != jsonTopK {
@@ -86,8 +100,44 @@ func TestWriteGrpcurlRequest(t *testing.T) {
 	}
 }
 
-// shapeRE matches a tensor's shape array in compact JSON.
-var shapeRE = regexp.MustCompile(`"shape":\[[^\]]*\]`)
+// writeJSON writes messages as indented JSON objects one after another,
+// as grpcurl -d @ reads a stream, with proto field names. protojson
+// writes int64 dims as strings and randomizes its spacing: shapes become
+// numbers (grpcurl takes both) and the indentation is json.Indent's, for
+// stable diffs.
+func writeJSON(t *testing.T, path string, msgs ...proto.Message) {
+	t.Helper()
+	var buf bytes.Buffer
+	for _, m := range msgs {
+		b, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b = shapeRE.ReplaceAllFunc(compact(t, b), func(m []byte) []byte { return bytes.ReplaceAll(m, []byte(`"`), nil) })
+		b = bytes.ReplaceAll(b, []byte("shape:"), []byte(`"shape":`))
+		var ind bytes.Buffer
+		if err := json.Indent(&ind, b, "", "  "); err != nil {
+			t.Fatal(err)
+		}
+		// One line per shape: [4, 32, 32] reads better than a column.
+		buf.Write(indentedShapeRE.ReplaceAllFunc(ind.Bytes(), func(m []byte) []byte {
+			f := strings.Fields(string(m[len(`"shape": [`) : len(m)-1]))
+			return []byte(`"shape": [` + strings.Join(f, " ") + "]")
+		}))
+		buf.WriteByte('\n')
+	}
+	if err := os.WriteFile(path, buf.Bytes(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("wrote %s (%d bytes)", path, buf.Len())
+}
+
+// shapeRE matches a tensor's shape array in compact JSON, and
+// indentedShapeRE in indented JSON.
+var (
+	shapeRE         = regexp.MustCompile(`"shape":\[[^\]]*\]`)
+	indentedShapeRE = regexp.MustCompile(`"shape": \[[^\]]*\]`)
+)
 
 func compact(t *testing.T, b []byte) []byte {
 	var buf bytes.Buffer
@@ -99,7 +149,7 @@ func compact(t *testing.T, b []byte) []byte {
 
 // requestProto is the wire form of an SDK request, through the SDK's own
 // conversion (a FusedMoE call on a recording stub would do the same).
-func requestProto(r *client.FusedMoERequest) (*pb.FusedMoERequest, error) {
+func requestProto(r *client.FusedMoERequest) *pb.FusedMoERequest {
 	p := &pb.FusedMoERequest{
 		HiddenStates: r.Hidden.Proto(), RouterLogits: r.RouterLogits.Proto(),
 		OutputDtype: pb.DataType(r.OutputDType), ReturnRouting: r.ReturnRouting,
@@ -110,7 +160,7 @@ func requestProto(r *client.FusedMoERequest) (*pb.FusedMoERequest, error) {
 		Activation: pb.Activation(w.Activation), W13: w.W13.Proto(), W2: w.W2.Proto(),
 		W13Scale: w.W13Scale.Proto(), W2Scale: w.W2Scale.Proto(),
 	}}
-	return p, nil
+	return p
 }
 
 // readRequestJSON parses the grpcurl request file into the kernels types
@@ -243,11 +293,11 @@ func TestGrpcurl(t *testing.T) {
 			t.Errorf("server info = %v, want max tokens 512 and the cpu backend", &info)
 		}
 	})
-	t.Run("fusedmoe", func(t *testing.T) {
-		out, err := call(t, fusedMoEJSON, "-plaintext", "-d", "@", d.Addr, "expertd.v1.ExpertService/FusedMoE")
-		if err != nil {
-			t.Fatal(err)
-		}
+	// checkOutput parses a FusedMoE response printed by grpcurl and checks
+	// it against the reference of fusedmoe.json's inputs.
+	set, req := readRequestJSON(t, filepath.Join(root, fusedMoEJSON))
+	checkOutput := func(t *testing.T, out string) {
+		t.Helper()
 		var resp pb.FusedMoEResponse
 		if err := protojson.Unmarshal([]byte(out), &resp); err != nil {
 			t.Fatalf("parsing grpcurl output: %v\n%s", err, out)
@@ -263,7 +313,6 @@ func TestGrpcurl(t *testing.T) {
 		if want := []int{jsonM, jsonK}; fmt.Sprint(res.Shape) != fmt.Sprint(want) || res.DType != client.Float32 {
 			t.Errorf("output %v %v, want float32 %v", res.DType, res.Shape, want)
 		}
-		set, req := readRequestJSON(t, filepath.Join(root, fusedMoEJSON))
 		checkAgainstReference(t, "grpcurl FusedMoE", got, set, req)
 		ids, err := client.TensorFromProto(resp.GetTopkIds())
 		if err != nil {
@@ -276,6 +325,54 @@ func TestGrpcurl(t *testing.T) {
 		_, wantIDs, _ := kerneltest.Reference(set, req)
 		if !sameRouting(gotIDs, wantIDs, jsonTopK) {
 			t.Errorf("returned topk_ids %v, want the reference's %v (in any order per token)", gotIDs, wantIDs)
+		}
+	}
+	t.Run("fusedmoe inline", func(t *testing.T) {
+		out, err := call(t, fusedMoEJSON, "-plaintext", "-d", "@", d.Addr, "expertd.v1.ExpertService/FusedMoE")
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkOutput(t, out)
+	})
+	t.Run("load, list, run by name, unload", func(t *testing.T) {
+		out, err := call(t, loadJSON, "-plaintext", "-d", "@", d.Addr, "expertd.v1.ExpertService/LoadExperts")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var info pb.ExpertSetInfo
+		if err := protojson.Unmarshal([]byte(out), &info); err != nil {
+			t.Fatalf("parsing %q: %v", out, err)
+		}
+		h := sha256.New()
+		for _, b := range [][]byte{set.W13, set.W2, f32Bytes(set.W13Scale.Values), f32Bytes(set.W2Scale.Values)} {
+			h.Write(b)
+		}
+		if want := hex.EncodeToString(h.Sum(nil)); info.GetName() != grpcurlSet || info.GetFingerprint() != want {
+			t.Errorf("loaded %q with fingerprint %s, want %q with %s (the weights of %s)", info.GetName(), info.GetFingerprint(), grpcurlSet, want, fusedMoEJSON)
+		}
+
+		out, err = call(t, "", "-plaintext", d.Addr, "expertd.v1.ExpertService/ListExperts")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var list pb.ListExpertsResponse
+		if err := protojson.Unmarshal([]byte(out), &list); err != nil || len(list.GetExpertSets()) != 1 || list.GetExpertSets()[0].GetName() != grpcurlSet {
+			t.Errorf("ListExperts printed %s (%v), want the one set %s", out, err, grpcurlSet)
+		}
+
+		out, err = call(t, fusedMoENamedJSON, "-plaintext", "-d", "@", d.Addr, "expertd.v1.ExpertService/FusedMoE")
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkOutput(t, out)
+
+		out, err = call(t, "", "-plaintext", "-d", `{"name": "`+grpcurlSet+`"}`, d.Addr, "expertd.v1.ExpertService/UnloadExperts")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var freed pb.UnloadExpertsResponse
+		if err := protojson.Unmarshal([]byte(out), &freed); err != nil || freed.GetFreedBytes() != set.Bytes() {
+			t.Errorf("UnloadExperts printed %s (%v), want %d bytes freed", out, err, set.Bytes())
 		}
 	})
 	t.Run("not found", func(t *testing.T) {

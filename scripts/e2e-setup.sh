@@ -23,7 +23,7 @@ if [[ -f "$stamp" && -x "$dest/bin/grpcurl" ]]; then
 else
   echo "e2e-setup: installing grpcurl $grpcurl_version"
   # Outside this module so its go.mod is neither read nor changed.
-  (cd "$dest" && GOBIN="$dest/bin" GOFLAGS=-mod=mod go install \
+  (cd "$dest" && GOBIN="$dest/bin" go install \
     "github.com/fullstorydev/grpcurl/cmd/grpcurl@$grpcurl_version")
   rm -f "$dest"/bin/.grpcurl-*
   touch "$stamp"
