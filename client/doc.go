@@ -32,10 +32,12 @@
 // Defaults: plaintext (the daemon listens on loopback), 1 GiB messages,
 // 2 MiB upload chunks, no call timeout beyond the context's
 // (WithCallTimeout adds one). ListExperts, ServerInfo, Health and FusedMoE
-// are retried on Unavailable through gRPC's retry policy, up to 4
-// attempts with backoff from 50 ms, all within the context's deadline;
+// are retried on Unavailable through gRPC's retry policy, up to 5
+// attempts with backoff from 100 ms, all within the context's deadline;
 // LoadExperts and UnloadExperts never are, since repeating them is not
-// the same as doing them once.
+// the same as doing them once. A lost connection is re-established with
+// backoff from 100 ms up to 2 s; WithWaitForReady makes calls wait for it
+// (up to their deadline) instead of failing with Unavailable.
 //
 // Package clienttest starts an in-process server for tests and examples.
 package client

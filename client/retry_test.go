@@ -125,7 +125,7 @@ func TestRetries(t *testing.T) {
 		},
 			1, nil, codes.OK, 2},
 		{"ListExperts", func(ctx context.Context, c *client.Client) error { _, err := c.ListExperts(ctx); return err },
-			4, nil, codes.Unavailable, client.DefaultMaxAttempts},
+			client.DefaultMaxAttempts, nil, codes.Unavailable, client.DefaultMaxAttempts},
 		{"ListExperts", func(ctx context.Context, c *client.Client) error { _, err := c.ListExperts(ctx); return err },
 			1, []client.Option{client.WithMaxAttempts(1)}, codes.Unavailable, 1},
 		{"LoadExperts", func(ctx context.Context, c *client.Client) error {
@@ -137,6 +137,7 @@ func TestRetries(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.method, func(t *testing.T) {
+			t.Parallel() // backoffs dominate; each case has its own server
 			c, fs := dialFlaky(t, tc.failures, tc.attempts...)
 			err := tc.call(testContext(t), c)
 			if got := status.Code(err); got != tc.wantCode {
@@ -186,5 +187,50 @@ func TestDeadlines(t *testing.T) {
 				t.Errorf("the server saw %d attempts, want 1", n)
 			}
 		})
+	}
+}
+
+// TestWaitForReady: with WithWaitForReady a call made while nothing
+// listens waits for the server instead of failing; without it the call
+// fails with Unavailable.
+func TestWaitForReady(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	lis.Close()
+
+	ctx := testContext(t)
+	eager, err := client.Dial(ctx, addr, client.WithoutWaiting(), client.WithMaxAttempts(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eager.Close()
+	if _, err := eager.ListExperts(ctx); status.Code(err) != codes.Unavailable {
+		t.Errorf("ListExperts with nothing listening = %v, want Unavailable", err)
+	}
+
+	patient, err := client.Dial(ctx, addr, client.WithoutWaiting(), client.WithWaitForReady())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer patient.Close()
+	got := make(chan error, 1)
+	go func() {
+		_, err := patient.ListExperts(ctx)
+		got <- err
+	}()
+	time.Sleep(300 * time.Millisecond) // the call is waiting by now
+	lis, err = net.Listen("tcp", addr)
+	if err != nil {
+		t.Skipf("port %s was taken meanwhile: %v", addr, err)
+	}
+	gs := grpc.NewServer()
+	pb.RegisterExpertServiceServer(gs, &flakyServer{calls: map[string]int{}})
+	go gs.Serve(lis) //nolint:errcheck // returns on Stop
+	defer gs.Stop()
+	if err := <-got; err != nil {
+		t.Errorf("ListExperts that waited for the server = %v, want success", err)
 	}
 }

@@ -92,6 +92,9 @@ type daemon struct {
 	cmd  *exec.Cmd
 	logs *lockedBuffer
 	done chan error
+	// stopped makes stop idempotent: tests may stop a daemon before its
+	// cleanup does.
+	stopped sync.Once
 }
 
 // lockedBuffer collects the daemon's log while tests read it.
@@ -193,6 +196,10 @@ func (d *daemon) waitServing(t *testing.T, deadline <-chan time.Time) {
 
 // stop sends SIGTERM and expects a clean drain and exit status 0.
 func (d *daemon) stop(t *testing.T) {
+	d.stopped.Do(func() { d.terminate(t) })
+}
+
+func (d *daemon) terminate(t *testing.T) {
 	d.cmd.Process.Signal(syscall.SIGTERM) //nolint:errcheck // it may have exited; done says how
 	select {
 	case err := <-d.done:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"sync"
 	"testing"
 	"time"
@@ -189,5 +190,69 @@ func TestGoSDK(t *testing.T) {
 		if _, err := c.UnloadExperts(ctx, s.Name); err != nil {
 			t.Errorf("UnloadExperts(%s): %v", s.Name, err)
 		}
+	}
+}
+
+// freePort is a loopback port that was free a moment ago, for a test
+// that must restart the daemon on the same address.
+func freePort(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	return lis.Addr().String()
+}
+
+// TestGoSDKAcrossRestart: one client outlives a daemon restart. While the
+// daemon is down, idempotent calls fail with Unavailable once their
+// retries are spent and loads fail at once; after the restart the same
+// client works again, and finds the (in-memory) sets gone.
+func TestGoSDKAcrossRestart(t *testing.T) {
+	addr := freePort(t)
+	d := startDaemon(t, "-listen", addr)
+	ctx := testContext(t)
+	c, err := client.Dial(ctx, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	rng := newRand(t)
+	s := kerneltest.Mixtral.Scaled(32, 48)
+	set, req := kerneltest.NewCase(rng, s, 3)
+	if _, err := c.LoadExperts(ctx, "m", clienttest.Weights(set)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.FusedMoE(ctx, clienttest.Request("m", set, req)); err != nil {
+		t.Fatal(err)
+	}
+
+	d.stop(t)
+	start := time.Now()
+	if _, err := c.ListExperts(ctx); status.Code(err) != codes.Unavailable {
+		t.Errorf("ListExperts with the daemon down = %v, want Unavailable", err)
+	}
+	t.Logf("ListExperts gave up after %v of retries", time.Since(start).Round(time.Millisecond))
+	if _, err := c.LoadExperts(ctx, "m", clienttest.Weights(set)); status.Code(err) != codes.Unavailable {
+		t.Errorf("LoadExperts with the daemon down = %v, want Unavailable", err)
+	}
+
+	startDaemon(t, "-listen", addr)
+	// The client reconnects on its own, with backoff of at most 2 s; its
+	// retries may or may not span the wait, so allow a few calls.
+	start = time.Now()
+	var sets []client.ExpertSetInfo
+	for time.Since(start) < 5*time.Second {
+		if sets, err = c.ListExperts(ctx); err == nil {
+			break
+		}
+	}
+	if err != nil || len(sets) != 0 {
+		t.Errorf("ListExperts for 5s after the restart = %v, %v; want success with no sets", sets, err)
+	}
+	t.Logf("the client was back %v after the restart", time.Since(start).Round(time.Millisecond))
+	if _, err := c.FusedMoE(ctx, clienttest.Request("m", set, req)); status.Code(err) != codes.NotFound {
+		t.Errorf("FusedMoE on the lost set = %v, want NotFound", err)
 	}
 }
