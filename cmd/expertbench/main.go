@@ -57,6 +57,7 @@ type config struct {
 	duration    time.Duration
 	calls       int
 	load        bool
+	maxLoad     int64
 	keep        bool
 	set         string
 	out         client.DType
@@ -81,6 +82,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.duration, "duration", 10*time.Second, fmt.Sprintf("how long to run (at most %v)", maxDuration))
 	fs.IntVar(&c.calls, "calls", 0, fmt.Sprintf("stop after this many calls (0: no count limit; at most %d)", maxCalls))
 	fs.BoolVar(&c.load, "load", false, "upload a random expert set of the shape first (and unload it at the end)")
+	maxLoadGiB := fs.Float64("max-load-gib", 8, "with -load: refuse layers larger than this many GiB (the generator and the server each hold a copy)")
 	fs.BoolVar(&c.keep, "keep", false, "with -load: leave the set loaded")
 	fs.StringVar(&c.set, "set", "expertbench", "expert set name to call (and to load with -load)")
 	out := fs.String("out", "bf16", "output dtype: bf16 or fp32")
@@ -113,6 +115,11 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, err
 	}
 	c.model = m
+	c.maxLoad = int64(*maxLoadGiB * (1 << 30))
+	if c.load && m.weightBytes() > c.maxLoad {
+		return c, fmt.Errorf("-load: a %v layer is %s, above -max-load-gib %g; scale it with -e, -k, -n or raise the limit",
+			m, formatBytes(m.weightBytes()), *maxLoadGiB)
+	}
 
 	switch *out {
 	case "bf16":

@@ -140,6 +140,9 @@ func TestFlags(t *testing.T) {
 		{[]string{"-c", "0"}, "-c 0"},
 		{[]string{"-m", "0"}, "-m 0"},
 		{[]string{"-out", "fp8"}, `-out "fp8"`},
+		{[]string{"-model", "deepseek", "-load"}, "is 10.50 GiB, above -max-load-gib 8"},
+		{[]string{"-model", "deepseek", "-load", "-max-load-gib", "11"}, ""},
+		{[]string{"-model", "deepseek"}, ""},
 	}
 	for _, tc := range tests {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
