@@ -24,6 +24,11 @@
 //	})
 //	out, err := res.Output.Float32s() // [M, K]
 //
+// FusedMoEStream keeps many calls in flight on one stream, answered in
+// order. ListExperts, UnloadExperts, ServerInfo, Health and
+// LoadSafetensors cover the rest of the service; RPC exposes the
+// generated stub for anything else.
+//
 // Errors carry the server's gRPC status (status.Code(err) is
 // InvalidArgument, NotFound, ResourceExhausted, Unavailable, ...); the
 // client refuses a malformed tensor itself with InvalidArgument before
