@@ -100,6 +100,8 @@ func TestGoSDK(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			set, _ := kerneltest.NewCase(rng, tc.shape, 1, tc.opts...)
 			loaded[tc.name] = set
+			t.Logf("Go: info, err := c.LoadExperts(ctx, %q, &client.ExpertWeights{Activation: client.%v, W13: client.FromFP8(w13, %d, %d, %d), ...}, client.OnProgress(fn))",
+				tc.name, map[kernels.Activation]string{kernels.SiluGated: "SiluGated", kernels.Relu2: "Relu2"}[set.Activation], set.E, set.Rows1(), set.K)
 			reports := 0
 			info, err := c.LoadExperts(ctx, tc.name, clienttest.Weights(set), client.ChunkBytes(64<<10),
 				client.OnProgress(func(client.Progress) { reports++ }))
@@ -114,6 +116,8 @@ func TestGoSDK(t *testing.T) {
 			}
 			for _, m := range []int{1, 17} {
 				req := tokens(rng, tc.shape, m, tc.opts...)
+				t.Logf("Go: res, err := c.FusedMoE(ctx, &client.FusedMoERequest{ExpertSet: %q, Hidden: ..., RouterLogits: client.FromFloat32(logits, %d, %d), Routing: client.Routing{TopK: %d, ...}}); out, err := res.Output.Float32s()",
+					tc.name, m, set.E, tc.shape.TopK)
 				res, err := c.FusedMoE(ctx, clienttest.Request(tc.name, set, req))
 				if err != nil {
 					t.Fatalf("FusedMoE M=%d: %v", m, err)
