@@ -1,7 +1,14 @@
 # Small entry points; scripts/ hold the logic.
 GO ?= go
 
-.PHONY: cuda cuda-test-bin device-check
+.PHONY: test cuda cuda-test-bin device-check
+
+# The README's test command: the tools the end-to-end tests drive the daemon
+# with (grpcurl, a Python venv with grpcio), then every test with the race
+# detector. EXPERTD_E2E_REQUIRE=1 turns a missing tool into a failure.
+test:
+	scripts/e2e-setup.sh
+	EXPERTD_E2E_REQUIRE=1 $(GO) test -race -count=1 ./...
 
 # build/libexpertd_cuda.so (installs the pinned CUDA 13.0 wheels if needed).
 cuda:
