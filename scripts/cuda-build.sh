@@ -15,7 +15,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 src="$root/kernels/cuda/csrc"
 out="$root/build"
 obj="$root/.tools/obj"  # objects stay out of build/, which travels to the device
-mkdir -p "$obj"
+mkdir -p "$obj" "$out"
 
 nvcc="${NVCC:-}"
 if [[ -z "$nvcc" ]]; then
