@@ -114,7 +114,17 @@ func extraCases() []kerneltest.Case {
 	nemo := kerneltest.Nemotron.Scaled(512, 384)
 	qwen := kerneltest.Qwen3.Scaled(512, 256)
 	mix := kerneltest.Mixtral.Scaled(256, 512)
+	odd := kerneltest.Shape{Name: "odd", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
+		Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
+	oddRelu := kerneltest.Shape{Name: "odd-relu2", Activation: kernels.Relu2, E: 5, TopK: 2, K: 33, N: 71,
+		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
 	return []kerneltest.Case{
+		{Name: "odd/K=77,N=45/M=11", Shape: odd, M: 11},
+		{Name: "odd/K=77,N=45/M=1/fp32-in/fp32-out", Shape: odd, M: 1,
+			Opts: []kerneltest.Option{kerneltest.WithHidden(kernels.Float32), kerneltest.WithOutput(kernels.Float32)}},
+		{Name: "odd/relu2/K=33,N=71/M=29/static", Shape: oddRelu, M: 29, Opts: []kerneltest.Option{kerneltest.WithStaticScales()}},
+		{Name: "odd/relu2/K=33,N=71/M=7/fp8-in-per-tensor", Shape: oddRelu, M: 7,
+			Opts: []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}},
 		{Name: "x16/Nemotron/M=1", Shape: nemo, M: 1},
 		{Name: "x16/Nemotron/M=64", Shape: nemo, M: 64},
 		{Name: "x16/Nemotron/M=300/static", Shape: nemo, M: 300, Opts: []kerneltest.Option{kerneltest.WithStaticScales()}},
