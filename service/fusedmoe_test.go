@@ -104,7 +104,12 @@ func TestFusedMoEInvalid(t *testing.T) {
 			v := bytesF32(r.RouterLogits.GetData())
 			v[7] = float32(math.NaN())
 			r.RouterLogits.Source = &pb.Tensor_Data{Data: f32Bytes(v)}
-		}, service.Config{}, codes.InvalidArgument, "router_logits: element 7 is NaN"},
+		}, service.Config{}, codes.InvalidArgument, "router_logits: element 7 is NaN: want finite or -Inf"},
+		{"logits +inf", func(r *pb.FusedMoERequest) {
+			v := bytesF32(r.RouterLogits.GetData())
+			v[4] = float32(math.Inf(1))
+			r.RouterLogits.Source = &pb.Tensor_Data{Data: f32Bytes(v)}
+		}, service.Config{}, codes.InvalidArgument, "router_logits: element 4 is +Inf: want finite or -Inf"},
 		{"no routing", func(r *pb.FusedMoERequest) { r.Routing = nil }, service.Config{}, codes.InvalidArgument, "routing: is required"},
 		{"top_k 0", func(r *pb.FusedMoERequest) { r.Routing.TopK = 0 }, service.Config{}, codes.InvalidArgument, "routing.top_k: 0: want in [1, 6]"},
 		{"top_k > E", func(r *pb.FusedMoERequest) { r.Routing.TopK = 7 }, service.Config{}, codes.InvalidArgument, "routing.top_k: 7"},
@@ -136,6 +141,10 @@ func TestFusedMoEInvalid(t *testing.T) {
 			precomputed(r)
 			r.TopkIds.Source = &pb.Tensor_Data{Data: i32Bytes([]int32{0, -1, 2, 3, 4, 5})}
 		}, service.Config{}, codes.InvalidArgument, "topk_ids: element 1 is -1"},
+		{"topk id repeated", func(r *pb.FusedMoERequest) {
+			precomputed(r)
+			r.TopkIds.Source = &pb.Tensor_Data{Data: i32Bytes([]int32{0, 1, 2, 3, 5, 5})}
+		}, service.Config{}, codes.InvalidArgument, "topk_ids: element 5 repeats expert 5 of token 2: want distinct ids per token"},
 		{"topk weights nan", func(r *pb.FusedMoERequest) {
 			precomputed(r)
 			r.TopkWeights = f32Tensor([]float32{.5, .5, .5, .5, .5, float32(math.NaN())}, m, 2)
@@ -179,7 +188,7 @@ func TestFusedMoEInvalid(t *testing.T) {
 func TestFusedMoEConversion(t *testing.T) {
 	rng := newRand(t)
 	const m = 3
-	ids := []int32{5, 0, 1, 1, 3, 2}
+	ids := []int32{5, 0, 1, 4, 3, 2}
 	weights := []float32{0.25, 0.75, 1, -0.5, 2, 0}
 	tests := []struct {
 		name        string
@@ -260,7 +269,7 @@ func TestFusedMoEReturnRouting(t *testing.T) {
 	c, _ := loadedServer(t, rng, service.Config{}, b)
 	req := request(rng, 3)
 	req.RouterLogits, req.Routing = nil, nil
-	ids := []int32{4, 1, 0, 5, 2, 2}
+	ids := []int32{4, 1, 0, 5, 2, 3}
 	ws := []float32{0.5, 0.25, 1, 2, 0.125, 0}
 	req.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{3, 2}, Source: &pb.Tensor_Data{Data: i32Bytes(ids)}}
 	req.TopkWeights = f32Tensor(ws, 3, 2)

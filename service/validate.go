@@ -424,8 +424,8 @@ func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim limits) (
 	if err := wantShape("router_logits", lm.shape, m, set.E); err != nil {
 		return nil, err
 	}
-	if i, bad := firstNaN(lm.dtype, lb); bad {
-		return nil, invalidf("router_logits", "element %d is NaN", i)
+	if i, x, bad := firstBadLogit(lm.dtype, lb); bad {
+		return nil, invalidf("router_logits", "element %d is %v: want finite or -Inf", i, x)
 	}
 	r.Logits = kernels.Tensor{DType: lm.dtype, Shape: lm.shape, Data: lb}
 	r.Routing, err = checkRouting(req.GetRouting(), set.E)
@@ -458,6 +458,13 @@ func precomputed(req *pb.FusedMoERequest, r *kernels.Request, m, e int, i32, f32
 		id := int32(binary.LittleEndian.Uint32(ib[4*i:]))
 		if id < 0 || int(id) >= e {
 			return invalidf("topk_ids", "element %d is %d: want an expert id in [0, %d)", i, id, e)
+		}
+		// An expert chosen twice for one token would run twice and count
+		// double; no router produces that, so it is a caller's bug.
+		for j := i - i%k; j < i; j++ {
+			if r.TopKIDs[j] == id {
+				return invalidf("topk_ids", "element %d repeats expert %d of token %d: want distinct ids per token", i, id, i/k)
+			}
 		}
 		w := math.Float32frombits(binary.LittleEndian.Uint32(wb[4*i:]))
 		if math.IsNaN(float64(w)) || math.IsInf(float64(w), 0) {
@@ -566,14 +573,15 @@ func element(d kernels.DType, b []byte, i int) float32 {
 	return math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 }
 
-// firstNaN finds a NaN in FP32 or BF16 bytes. -Inf logits are legal (they
-// mask an expert); NaN would make top-k selection meaningless.
-func firstNaN(d kernels.DType, b []byte) (int, bool) {
+// firstBadLogit finds a NaN or +Inf in FP32 or BF16 logits. -Inf is legal
+// (it masks an expert); NaN would make top-k selection meaningless, and
+// +Inf turns a softmax row into NaN (inf - inf).
+func firstBadLogit(d kernels.DType, b []byte) (int, float32, bool) {
 	n := len(b) / d.Size()
 	for i := 0; i < n; i++ {
-		if x := element(d, b, i); x != x {
-			return i, true
+		if x := element(d, b, i); x != x || math.IsInf(float64(x), 1) {
+			return i, x, true
 		}
 	}
-	return 0, false
+	return 0, 0, false
 }

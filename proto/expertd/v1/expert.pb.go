@@ -704,11 +704,12 @@ type FusedMoERequest struct {
 	// for BF16/FP32 hidden_states.
 	HiddenStatesScale *Tensor `protobuf:"bytes,4,opt,name=hidden_states_scale,json=hiddenStatesScale,proto3" json:"hidden_states_scale,omitempty"`
 	// Router logits, FP32 or BF16 [M, E]. Required unless topk_ids is set.
+	// -Inf masks an expert; NaN and +Inf are refused.
 	RouterLogits *Tensor `protobuf:"bytes,5,opt,name=router_logits,json=routerLogits,proto3" json:"router_logits,omitempty"`
 	// Top-k selection; required with router_logits.
 	Routing *Routing `protobuf:"bytes,6,opt,name=routing,proto3" json:"routing,omitempty"`
-	// Precomputed expert ids, INT32 [M, k], each in [0, E). Set together
-	// with topk_weights.
+	// Precomputed expert ids, INT32 [M, k], each in [0, E) and distinct
+	// within a token. Set together with topk_weights.
 	TopkIds *Tensor `protobuf:"bytes,7,opt,name=topk_ids,json=topkIds,proto3" json:"topk_ids,omitempty"`
 	// Precomputed weights, FP32 [M, k], finite; applied as given (no
 	// renormalization or scaling).
