@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -50,6 +51,10 @@ type Config struct {
 	LogLevel string
 	// LogFormat is text or json (-log-format, EXPERTD_LOG_FORMAT).
 	LogFormat string
+	// OTLPEndpoint receives RPC traces over OTLP/gRPC, as a URL such as
+	// http://localhost:4317 (http: plaintext, https: TLS); empty exports no
+	// traces (-otlp-endpoint, EXPERTD_OTLP_ENDPOINT).
+	OTLPEndpoint string
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
@@ -137,6 +142,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	str(&c.AdminAddr, "admin-addr", defaultAdminAddr, "address serving /metrics and /healthz; empty disables it")
 	str(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error")
 	str(&c.LogFormat, "log-format", "text", "log format: text or json")
+	str(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector URL for RPC traces, e.g. http://localhost:4317; empty disables tracing")
 	shutdown := defaultShutdown
 	if v := getenv("EXPERTD_SHUTDOWN_TIMEOUT"); v != "" {
 		d, err := time.ParseDuration(v)
@@ -220,6 +226,11 @@ func (c Config) validate() error {
 	}
 	if c.LogFormat != "text" && c.LogFormat != "json" {
 		errs = append(errs, fmt.Errorf("-log-format %q: want text or json", c.LogFormat))
+	}
+	if c.OTLPEndpoint != "" {
+		if u, err := url.Parse(c.OTLPEndpoint); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			errs = append(errs, fmt.Errorf("-otlp-endpoint %q: want an http:// or https:// URL with a host", c.OTLPEndpoint))
+		}
 	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))

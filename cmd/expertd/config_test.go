@@ -33,9 +33,10 @@ func TestParseConfig(t *testing.T) {
 				c.WeightsDir, c.Threads, c.AdminAddr, c.LogFormat, c.ShutdownTimeout = "/w", 3, "", "json", 5*time.Second
 			}},
 		{"env", nil, map[string]string{"EXPERTD_LISTEN": ":8000", "EXPERTD_MAX_CONCURRENT": "9", "EXPERTD_MAX_MESSAGE_BYTES": "64MiB",
-			"EXPERTD_LIBRARY_PATH": "/lib/x.so", "EXPERTD_DEVICE": "1", "EXPERTD_LOG_LEVEL": "debug", "EXPERTD_SHUTDOWN_TIMEOUT": "1m"},
+			"EXPERTD_LIBRARY_PATH": "/lib/x.so", "EXPERTD_DEVICE": "1", "EXPERTD_LOG_LEVEL": "debug", "EXPERTD_SHUTDOWN_TIMEOUT": "1m",
+			"EXPERTD_OTLP_ENDPOINT": "http://collector:4317"},
 			func(c *Config) {
-				c.Listen, c.MaxConcurrent, c.MaxMessageBytes = ":8000", 9, 64<<20
+				c.Listen, c.MaxConcurrent, c.MaxMessageBytes, c.OTLPEndpoint = ":8000", 9, 64<<20, "http://collector:4317"
 				c.LibraryPath, c.Device, c.LogLevel, c.ShutdownTimeout = "/lib/x.so", 1, "debug", time.Minute
 			}},
 		{"flag beats env", []string{"-max-tokens", "32"}, map[string]string{"EXPERTD_MAX_TOKENS": "64"},
@@ -75,6 +76,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{"bad format", []string{"-log-format", "xml"}, nil, `-log-format "xml"`},
 		{"stray argument", []string{"serve"}, nil, "unexpected arguments"},
 		{"unknown flag", []string{"-gpu"}, nil, "flag provided but not defined"},
+		{"otlp without scheme", []string{"-otlp-endpoint", "localhost:4317"}, nil, `-otlp-endpoint "localhost:4317": want an http:// or https:// URL`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -33,6 +33,7 @@ import (
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
@@ -99,6 +100,18 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	meters := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
 	defer meters.Shutdown(context.Background()) //nolint:errcheck // exit path
+	tracer, flushTraces, err := newTracerProvider(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		// Flush on exit with a fresh context: ctx is already cancelled.
+		fctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := flushTraces(fctx); err != nil {
+			log.Warn("flushing traces", slog.Any("err", err))
+		}
+	}()
 
 	svc := service.New(service.Config{
 		Version:         version(),
@@ -110,7 +123,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		Meter:           meters.Meter("github.com/expertd/expertd/service"),
 	}, backend, log)
 
-	gs := newGRPCServer(cfg, log, meters)
+	gs := newGRPCServer(cfg, log, meters, tracer)
 	svc.Register(gs)
 	hs := health.NewServer()
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
@@ -200,7 +213,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 // newGRPCServer builds the server with message limits, panic recovery,
 // call logging (not for health checks and reflection, which would drown
 // the log) and OpenTelemetry RPC metrics.
-func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider) *grpc.Server {
+func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider, tracer trace.TracerProvider) *grpc.Server {
 	rec := recovery.WithRecoveryHandlerContext(func(ctx context.Context, p any) error {
 		log.ErrorContext(ctx, "panic in handler", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
 		return status.Error(codes.Internal, "internal error (logged on the server)")
@@ -215,7 +228,7 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 	return grpc.NewServer(
 		grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)),
 		grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
-		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters))),
+		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters), otelgrpc.WithTracerProvider(tracer))),
 		// Recovery runs innermost so a panic is logged as the Internal it
 		// becomes.
 		grpc.ChainUnaryInterceptor(

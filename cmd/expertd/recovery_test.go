@@ -11,6 +11,7 @@ import (
 	"time"
 
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -48,7 +49,7 @@ func TestPanicBecomesInternal(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	gs := newGRPCServer(cfg, log, sdkmetric.NewMeterProvider())
+	gs := newGRPCServer(cfg, log, sdkmetric.NewMeterProvider(), noop.NewTracerProvider())
 	service.New(service.Config{}, panicBackend{}, log).Register(gs)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
