@@ -24,26 +24,11 @@ say "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.t
 say "== correctness (go test, every GEMM path, poisoned outputs)"
 # The self-test in New uses EXPERTD_CUDA_GEMM; keep it on the portable path
 # so a broken sm90 kernel fails its own cases instead of every test.
-EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 100 build/cuda.test -test.v -test.run 'TestCases|TestSmall|TestErrors|TestOpen|TestHeader' -test.timeout 95s > "$out/test.log" 2>&1
+EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 80 build/cuda.test -test.v -test.run 'TestCases|TestSmall|TestErrors|TestOpen|TestHeader' -test.timeout 75s > "$out/test.log" 2>&1
 rc=$?
 grep -E 'rel-L2|FAIL|PASS|ok |device:|panic|unsupported|Error' "$out/test.log" | grep -v '^=== RUN' | head -150
 say "correctness rc=$rc: $(grep -c -- '--- FAIL' "$out/test.log") failing tests, $(grep -c 'rel-L2.*vs reference' "$out/test.log") checked calls logged"
 (( rc == 0 )) || status=1
-
-say "== timing (Nemotron full shape)"
-EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_TIMING=1 timeout 60 build/cuda.test -test.v -test.run 'TestTiming' -test.timeout 55s > "$out/timing.log" 2>&1
-say "timing rc=$?"
-grep 'timing Nemotron' "$out/timing.log" | sed 's/^ *backend_test.go:[0-9]*: //' | tee -a "$summary"
-grep -E 'FAIL|panic' "$out/timing.log" | head -5 | tee -a "$summary"
-
-say "== compute-sanitizer memcheck (small case)"
-if command -v compute-sanitizer >/dev/null; then
-  EXPERTD_CUDA_GEMM=portable timeout 45 compute-sanitizer --tool memcheck --print-limit 20 build/cuda.test -test.run 'TestSmall' -test.v > "$out/sanitizer.log" 2>&1
-  say "sanitizer rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -1)"
-  grep -E 'Invalid|ERROR SUMMARY|FAIL' "$out/sanitizer.log" | head -10
-else
-  say "compute-sanitizer not found"
-fi
 
 say "== SASS instruction counts"
 if command -v cuobjdump >/dev/null; then
@@ -52,6 +37,21 @@ if command -v cuobjdump >/dev/null; then
   gzip -f "$out/sass.txt"
 else
   say "cuobjdump not found"
+fi
+
+say "== timing (Nemotron full shape)"
+EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_TIMING=1 timeout 45 build/cuda.test -test.v -test.run 'TestTiming' -test.timeout 40s > "$out/timing.log" 2>&1
+say "timing rc=$?"
+grep 'timing Nemotron' "$out/timing.log" | sed 's/^ *backend_test.go:[0-9]*: //' | tee -a "$summary"
+grep -E 'FAIL|panic' "$out/timing.log" | head -5 | tee -a "$summary"
+
+say "== compute-sanitizer memcheck (small case)"
+if command -v compute-sanitizer >/dev/null; then
+  EXPERTD_CUDA_GEMM=portable timeout 30 compute-sanitizer --tool memcheck --print-limit 20 build/cuda.test -test.run 'TestSmall' -test.v > "$out/sanitizer.log" 2>&1
+  say "sanitizer rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -1)"
+  grep -E 'Invalid|ERROR SUMMARY|FAIL' "$out/sanitizer.log" | head -10
+else
+  say "compute-sanitizer not found"
 fi
 
 if [[ -x bench/run.sh && "${DEVICE_CHECK_BENCH:-1}" != 0 ]]; then
