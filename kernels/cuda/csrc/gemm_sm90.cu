@@ -6,6 +6,8 @@
 #include <cuda_fp8.h>
 #include <cudaTypedefs.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "wgmma_fp8.cuh"
@@ -17,11 +19,13 @@ constexpr int kBK = 128;           // K bytes per pipeline stage: one 128B swizz
 constexpr int kWGRows = 64;        // weight rows (wgmma M) per consumer warpgroup
 constexpr int kSmemBudget = 227 * 1024;
 
+// Device helpers exist only in the sm_90a pass: the other targets compile
+// the kernels to empty bodies (the library never launches them there).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
 }
@@ -77,7 +81,6 @@ __device__ __forceinline__ void fence_acc(float* acc) {
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
-#endif
 
 // Shared-memory matrix descriptor for a K-major tile whose rows are 128
 // bytes, stored with the 128-byte swizzle TMA writes: 8-row core groups
@@ -93,6 +96,7 @@ __device__ __forceinline__ uint64_t smem_desc(const void* tile) {
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 struct Params {
   int k;
@@ -119,9 +123,12 @@ struct Params {
 #define DEBUG_MARK(i, v)
 #endif
 
-// One CTA computes kNWG*64 weight rows x BN tokens of one expert block.
-// Warpgroups 0..kNWG-1 consume (wgmma + epilogue); warpgroup kNWG produces
-// (one thread issues the TMA loads).
+// Persistent: each CTA walks tiles t = blockIdx.x, +gridDim.x, ... of the
+// (token block, weight tile) grid; a tile is kNWG*64 weight rows x BN tokens
+// of one expert. Warpgroups 0..kNWG-1 consume (wgmma + epilogue); warpgroup
+// kNWG produces (one thread issues the TMA loads). The producer's ring runs
+// on across tiles, so while the consumers run a tile's epilogue the next
+// tile's operands are already streaming in.
 template <int BN, int kNWG, int kStages, bool kGated, Epilogue kEpi>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
@@ -130,25 +137,30 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   constexpr int kWTile = kNWG * kWGRows * kBK;  // bytes
   constexpr int kATile = BN * kBK;
   constexpr int kRegs = BN / 2;
+  constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;  // output channels per tile
+  constexpr int kESize = kEpi == Epilogue::kAct1FP8 ? 1 : 2;
+  constexpr int kPitch = kOC * kESize + 16;  // staging row, padded against bank conflicts
+  constexpr int kStageRows = BN < 128 ? BN : 128;  // tokens staged at a time
   using Mma = WgmmaE4M3<BN>;
 
-  const int blk = blockIdx.y;
-  if (blk >= *p.num_blocks) return;
-  const int expert = p.block_expert[blk];
-  if (expert < 0) return;
-  const int wtile = blockIdx.x;
+  const int num_blocks = *p.num_blocks;
+  const int n_wtiles = (p.n_out + kOC - 1) / kOC;
+  const int num_tiles = num_blocks * n_wtiles;
+  if (static_cast<int>(blockIdx.x) >= num_tiles) return;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // TMA with 128-byte swizzle needs 1024-byte aligned destinations.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* w_smem = smem;
   uint8_t* a_smem = smem + kStages * kWTile;
-  uint64_t* full = reinterpret_cast<uint64_t*>(a_smem + kStages * kATile);
+  uint8_t* stage = a_smem + kStages * kATile;  // epilogue staging, kStageRows x kPitch
+  uint64_t* full = reinterpret_cast<uint64_t*>(stage + kStageRows * kPitch);
   uint64_t* empty = full + kStages;
-  // Per token row of the tile: its dequantization factor (activation scale,
-  // times the router weight in GEMM2) and its output row, or -1. Gathered
-  // once while the pipeline fills, so the epilogue does no dependent global
-  // loads (measured: those made GEMM2's epilogue longer than its mainloop).
+  // Per token row of the current tile: its dequantization factor (activation
+  // scale x weight scale, x router weight in GEMM2) and its output row or -1.
+  // Gathered while the tile's operands stream in, so the epilogue does no
+  // dependent global loads (measured: those made GEMM2's epilogue longer
+  // than its mainloop).
   float* row_scale = reinterpret_cast<float*>(empty + kStages);
   int* row_dst = reinterpret_cast<int*>(row_scale + BN);
 
@@ -166,21 +178,28 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     // Producer.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == kNWG * 128) {
-      for (int it = 0; it < p.num_k_iters; ++it) {
-        const int s = it % kStages;
-        mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-        mbar_expect_tx(&full[s], kWTile + kATile);
-        const int kb = it * kBK;
-        if (kGated) {
-          // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
-          // group holds 8 gate channels then the same 8 up channels, so a
-          // thread's accumulator rows r and r+8 are a gate/up pair.
-          tma_load_5d(w_smem + s * kWTile, &tm_w, &full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
-        } else {
-          tma_load_3d(w_smem + s * kWTile, &tm_w, &full[s], kb, wtile * kNWG * kWGRows, expert);
+      int it = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const int blk = t / n_wtiles;
+        const int wtile = t % n_wtiles;
+        const int expert = p.block_expert[blk];
+        if (expert < 0) continue;
+        for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          mbar_expect_tx(&full[s], kWTile + kATile);
+          const int kb = kt * kBK;
+          if (kGated) {
+            // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
+            // group holds 8 gate channels then the same 8 up channels, so a
+            // thread's accumulator rows r and r+8 are a gate/up pair.
+            tma_load_5d(w_smem + s * kWTile, &tm_w, &full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
+          } else {
+            tma_load_3d(w_smem + s * kWTile, &tm_w, &full[s], kb, wtile * kNWG * kWGRows, expert);
+          }
+          tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, blk * BN);
+          DEBUG_MARK(0, it + 1);
         }
-        tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, blk * BN);
-        DEBUG_MARK(0, it + 1);
       }
     }
     return;
@@ -188,97 +207,104 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
 
   // Consumers.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  if (threadIdx.x < BN) {
-    const int srow = blk * BN + threadIdx.x;
-    const int pair = p.sorted_pairs[srow];
-    float sc = (p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale) * p.w_scale[expert];
-    if (kEpi == Epilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
-    row_scale[threadIdx.x] = sc;
-    row_dst[threadIdx.x] = pair < 0 ? -1 : (kEpi == Epilogue::kWeightedBF16 ? pair : srow);
-  }
-  float acc[kRegs];
-#pragma unroll
-  for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-
-  for (int it = 0; it < p.num_k_iters; ++it) {
-    const int s = it % kStages;
-    mbar_wait(&full[s], (it / kStages) & 1);
-    DEBUG_MARK(1 + wg, it + 1);
-    const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
-    const uint64_t da = smem_desc(a_smem + s * kATile);
-    fence_acc<kRegs>(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBK / 32; ++kk) {
-      Mma::mma(acc, dw + 2 * kk, da + 2 * kk, (it > 0 || kk > 0) ? 1 : 0);
-    }
-    wgmma_commit();
-    wgmma_wait0();
-    fence_acc<kRegs>(acc);
-    if (threadIdx.x % 128 == 0) mbar_arrive(&empty[s]);
-  }
-
-  // Epilogue: all stages are consumed, so the pipeline buffers become the
-  // staging tile [BN tokens][kOC channels] for coalesced 16-byte stores.
-  constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
-  constexpr int kESize = kEpi == Epilogue::kAct1FP8 ? 1 : 2;
-  constexpr int kPitch = kOC * kESize + 16;  // pad rows against bank conflicts
-  static_assert(BN * kPitch <= kStages * (kWTile + kATile), "staging tile must fit");
-  asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
-  DEBUG_MARK(3, 1);
-  uint8_t* stage = smem;
-
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
+  int it = 0;
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const int blk = t / n_wtiles;
+    const int wtile = t % n_wtiles;
+    const int expert = p.block_expert[blk];
+    if (expert < 0) continue;
+
+    // The previous tile's copy-out has read row_dst and the staging tile.
+    asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+    if (threadIdx.x < BN) {
+      const int srow = blk * BN + threadIdx.x;
+      const int pair = p.sorted_pairs[srow];
+      float sc = (p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale) * p.w_scale[expert];
+      if (kEpi == Epilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
+      row_scale[threadIdx.x] = sc;
+      row_dst[threadIdx.x] = pair < 0 ? -1 : (kEpi == Epilogue::kWeightedBF16 ? pair : srow);
+    }
+
+    float acc[kRegs];
 #pragma unroll
-  for (int i = 0; i < BN / 8; ++i) {
+    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+    for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+      const int s = it % kStages;
+      mbar_wait(&full[s], (it / kStages) & 1);
+      DEBUG_MARK(1 + wg, it + 1);
+      const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
+      const uint64_t da = smem_desc(a_smem + s * kATile);
+      fence_acc<kRegs>(acc);
+      wgmma_fence();
 #pragma unroll
-    for (int c2 = 0; c2 < 2; ++c2) {
-      const int tr = 8 * i + 2 * (lane % 4) + c2;  // token row in tile
-      const float sc = row_scale[tr];
-      uint8_t* row = stage + tr * kPitch;
-      if (kGated) {
-        const float g = acc[4 * i + c2] * sc;
-        const float u = acc[4 * i + 2 + c2] * sc;
-        const float v = silu(g) * u;
-        const int oc = wg * 32 + 8 * warp + lane / 4;
-        if (kEpi == Epilogue::kAct1FP8) {
-          row[oc] = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
-        } else {
-          reinterpret_cast<__nv_bfloat16*>(row)[oc] = __float2bfloat16_rn(v);
-        }
-      } else {
+      for (int kk = 0; kk < kBK / 32; ++kk) {
+        Mma::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      fence_acc<kRegs>(acc);
+      if (threadIdx.x % 128 == 0) mbar_arrive(&empty[s]);
+    }
+    DEBUG_MARK(3, 1);
+
+    // Epilogue, kStageRows tokens at a time: registers -> staging tile
+    // [token][channel] -> coalesced 16-byte stores.
+    const int oc0 = wtile * kOC;  // first output channel of the tile
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float v = acc[4 * i + 2 * h + c2] * sc;
-          if (kEpi != Epilogue::kWeightedBF16) {
-            v = fmaxf(v, 0.f);
-            v = v * v;
-          }
-          const int oc = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
-          if (kEpi == Epilogue::kAct1FP8) {
-            row[oc] = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
+    for (int half = 0; half < BN / kStageRows; ++half) {
+      asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+#pragma unroll
+      for (int i = half * (kStageRows / 8); i < (half + 1) * (kStageRows / 8); ++i) {
+#pragma unroll
+        for (int c2 = 0; c2 < 2; ++c2) {
+          const int tr = 8 * i + 2 * (lane % 4) + c2;  // token row in tile
+          const float sc = row_scale[tr];
+          uint8_t* row = stage + (tr - half * kStageRows) * kPitch;
+          if (kGated) {
+            const float g = acc[4 * i + c2] * sc;
+            const float u = acc[4 * i + 2 + c2] * sc;
+            const float v = silu(g) * u;
+            const int oc = wg * 32 + 8 * warp + lane / 4;
+            if (kEpi == Epilogue::kAct1FP8) {
+              row[oc] = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
+            } else {
+              reinterpret_cast<__nv_bfloat16*>(row)[oc] = __float2bfloat16_rn(v);
+            }
           } else {
-            reinterpret_cast<__nv_bfloat16*>(row)[oc] = __float2bfloat16_rn(v);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float v = acc[4 * i + 2 * h + c2] * sc;
+              if (kEpi != Epilogue::kWeightedBF16) {
+                v = fmaxf(v, 0.f);
+                v = v * v;
+              }
+              const int oc = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+              if (kEpi == Epilogue::kAct1FP8) {
+                row[oc] = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
+              } else {
+                reinterpret_cast<__nv_bfloat16*>(row)[oc] = __float2bfloat16_rn(v);
+              }
+            }
           }
         }
       }
-    }
-  }
-  asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+      asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
 
-  constexpr int kChunks = kOC * kESize / 16;  // 16-byte chunks per row
-  const int oc0 = wtile * kOC;                // first output channel of the tile
-  for (int idx = threadIdx.x; idx < BN * kChunks; idx += kNWG * 128) {
-    const int tr = idx / kChunks;
-    const int ch = idx % kChunks;
-    const int orow = row_dst[tr];
-    if (orow < 0) continue;
-    const int c = oc0 + ch * (16 / kESize);
-    if (c >= p.n_out) continue;  // n_out % 16 == 0, so chunks never straddle the end
-    const uint4 v = *reinterpret_cast<const uint4*>(stage + tr * kPitch + ch * 16);
-    uint8_t* dst = static_cast<uint8_t*>(p.out) + (size_t(orow) * p.ld_out + c) * kESize;
-    *reinterpret_cast<uint4*>(dst) = v;
+      constexpr int kChunks = kOC * kESize / 16;  // 16-byte chunks per row
+      for (int idx = threadIdx.x; idx < kStageRows * kChunks; idx += kNWG * 128) {
+        const int tr = idx / kChunks;
+        const int ch = idx % kChunks;
+        const int orow = row_dst[half * kStageRows + tr];
+        if (orow < 0) continue;
+        const int c = oc0 + ch * (16 / kESize);
+        if (c >= p.n_out) continue;  // n_out % 16 == 0, so chunks never straddle the end
+        const uint4 v = *reinterpret_cast<const uint4*>(stage + tr * kPitch + ch * 16);
+        uint8_t* dst = static_cast<uint8_t*>(p.out) + (size_t(orow) * p.ld_out + c) * kESize;
+        *reinterpret_cast<uint4*>(dst) = v;
+      }
+    }
   }
 #endif
 }
@@ -310,15 +336,27 @@ cudaError_t encode(CUtensorMap* map, const void* base, int rank, const cuuint64_
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+bool persistent_grid() {
+  static const bool persistent = [] {
+    const char* v = std::getenv("EXPERTD_SM90_GRID");
+    return v == nullptr || std::strcmp(v, "full") != 0;
+  }();
+  return persistent;
+}
+
 template <int BN, int kNWG, bool kGated, Epilogue kEpi>
 cudaError_t launch_cfg(const GemmArgs& a, cudaStream_t stream) {
   constexpr int kWTile = kNWG * kWGRows * kBK;
   constexpr int kATile = BN * kBK;
   constexpr int kStageBytes = kWTile + kATile;
-  constexpr int kStagesMax = (kSmemBudget - 1024 - 256 - BN * 8) / kStageBytes;
+  constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
+  constexpr int kESize = kEpi == Epilogue::kAct1FP8 ? 1 : 2;
+  constexpr int kStaging = (BN < 128 ? BN : 128) * (kOC * kESize + 16);
+  constexpr int kFixed = 1024 + kStaging + 256 + BN * 8;
+  constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
   constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
-  static_assert(kStages >= 2, "tile too large for shared memory");
-  const int smem = 1024 + kStages * kStageBytes + 2 * kStages * 8 + BN * 8;
+  static_assert(kStages >= 3, "tile too large for shared memory");
+  const int smem = kFixed + kStages * kStageBytes;
 
   CUtensorMap tm_w, tm_a;
   cudaError_t err;
@@ -365,8 +403,24 @@ cudaError_t launch_cfg(const GemmArgs& a, cudaStream_t stream) {
   p.pair_weight = a.pair_weight;
   p.debug = a.debug;
 
-  constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
-  dim3 grid((a.n_out + kOC - 1) / kOC, a.max_blocks);
+  // Persistent grid: as many CTAs as fit on the device at once, never more
+  // than the largest possible tile count (the real count is on the device).
+  static int resident = 0;
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, (kNWG + 1) * 128, smem) ==
+            cudaSuccess) {
+      resident = sms * per_sm;
+    }
+  });
+  if (resident <= 0) return cudaErrorInvalidConfiguration;
+  const long tiles = long((a.n_out + kOC - 1) / kOC) * a.max_blocks;
+  // EXPERTD_SM90_GRID=full gives one CTA per tile instead, for timing the
+  // two schedules against each other.
+  const int grid = int(tiles < resident || !persistent_grid() ? tiles : resident);
   kernel<<<grid, (kNWG + 1) * 128, smem, stream>>>(tm_w, tm_a, p);
   return cudaGetLastError();
 }
