@@ -12,7 +12,7 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
-src="$root/kernels/cuda/csrc"
+src="${EXPERTD_CSRC:-$root/kernels/cuda/csrc}"  # override: build another copy of the sources
 out="$root/build"
 obj="$root/.tools/obj"  # objects stay out of build/, which travels to the device
 mkdir -p "$obj" "$out"
@@ -70,4 +70,14 @@ g++ -shared -o "$out/libexpertd_cuda.so" "${objs[@]}" "$cudart" \
 echo "cuda-build: $out/libexpertd_cuda.so ($(du -h "$out/libexpertd_cuda.so" | cut -f1)), $(grep -c 'spill' "$out/ptxas.txt" || true) ptxas reports in build/ptxas.txt"
 if grep -E '[1-9][0-9]* bytes spill' "$out/ptxas.txt" >/dev/null; then
   echo "cuda-build: warning: some kernels spill registers (see build/ptxas.txt)" >&2
+fi
+
+# The Hopper GEMM's own check-and-time tool (kernels/cuda/csrc/tools), linked
+# against the same object, so CI compiles it on every submission too.
+if [[ -f "$obj/gemm_sm90.o" ]]; then
+  "$nvcc" -O3 -std=c++17 -I"$src" -gencode arch=compute_90a,code=sm_90a -c "$src/tools/gemm_sm90_check.cu" \
+    -o "$obj/gemm_sm90_check.o"
+  g++ -o "$out/gemm_sm90_check" "$obj/gemm_sm90_check.o" "$obj/gemm_sm90.o" "$cudart" \
+    -static-libstdc++ -static-libgcc -lpthread -ldl -lrt
+  echo "cuda-build: $out/gemm_sm90_check"
 fi

@@ -93,15 +93,16 @@ func supported(set *kernels.ExpertSet, req *kernels.Request) bool {
 	return true
 }
 
-// paths are the GEMM implementations to compare on this card.
 type gemmPath struct {
 	name string
 	gemm int64
 }
 
-func paths(b *Backend) []gemmPath {
+// paths lists the GEMM implementations to compare on this card for a layer
+// of hidden size k and intermediate size n (sm90 takes multiples of 16).
+func paths(b *Backend, k, n int) []gemmPath {
 	ps := []gemmPath{{"portable", gemmPortable}, {"portable-f16", gemmPortableF16}}
-	if strings.Contains(b.info, "gemm=sm90") {
+	if strings.Contains(b.info, "gemm=sm90") && k%16 == 0 && n%16 == 0 {
 		ps = append(ps, gemmPath{"sm90", gemmSM90})
 	}
 	return ps
@@ -181,7 +182,7 @@ func TestCases(t *testing.T) {
 			t.Fatalf("%s: cpu backend: %v", c.Name, err)
 		}
 		cpuOut := decode64(req.OutDType, cres.Output)
-		for _, p := range paths(b) {
+		for _, p := range paths(b, set.K, set.N) {
 			for call := range 3 {
 				out := make([]byte, req.M()*set.K*req.OutDType.Size())
 				kerneltest.Poison(out)
@@ -244,7 +245,7 @@ func TestSmall(t *testing.T) {
 		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 1)), c.Shape, c.M)
 		l := mustLoad(t, b, set)
 		want, _, _ := kerneltest.Reference(set, req)
-		for _, p := range paths(b) {
+		for _, p := range paths(b, set.K, set.N) {
 			out := make([]byte, req.M()*set.K*req.OutDType.Size())
 			res, err := b.run(ctx, l, req, out, p.gemm, false)
 			if err != nil {
@@ -314,7 +315,7 @@ func TestTiming(t *testing.T) {
 			binary.LittleEndian.PutUint16(hidden[2*i:], scaling.Float32ToBF16(float32(rng.NormFloat64()*0.1)))
 		}
 		req.Hidden = kernels.Tensor{DType: kernels.BFloat16, Shape: []int{m, s.K}, Data: hidden}
-		for _, p := range append([]gemmPath{{"auto", gemmAuto}}, paths(b)...) {
+		for _, p := range append([]gemmPath{{"auto", gemmAuto}}, paths(b, s.K, s.N)...) {
 			if p.name == "portable-f16" || p.name == "sm90" {
 				continue // auto is sm90 where it exists; f16 is the Ampere path
 			}

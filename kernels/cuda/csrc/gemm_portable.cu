@@ -76,6 +76,18 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(const uint8_t* p) {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
+// store_out writes one finished output element in the epilogue's format.
+template <GemmEpilogue kEpi>
+__device__ __forceinline__ void store_out(const MoeGemmArgs& p, size_t idx, float v) {
+  if (kEpi == GemmEpilogue::kAct1FP8) {
+    static_cast<uint8_t*>(p.out)[idx] = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
+  } else if (kEpi == GemmEpilogue::kAct1F32) {
+    static_cast<float*>(p.out)[idx] = v;
+  } else {
+    static_cast<__nv_bfloat16*>(p.out)[idx] = __float2bfloat16_rn(v);
+  }
+}
+
 template <int TM, bool kGated, GemmEpilogue kEpi, bool kF16, bool kVec>
 __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGemmArgs p) {
   const int blk = blockIdx.y;
@@ -229,12 +241,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
           const int ch = c0 + 8 * warp + t * 2 + cc;
           if (ch >= p.n_out) continue;
           const float v = silu(acc[mi][0][c] * sc) * (acc[mi][1][c] * sc);
-          if (kEpi == GemmEpilogue::kAct1FP8) {
-            const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
-            static_cast<uint8_t*>(p.out)[orow * p.ld_out + ch] = q;
-          } else {
-            static_cast<__nv_bfloat16*>(p.out)[orow * p.ld_out + ch] = __float2bfloat16_rn(v);
-          }
+          store_out<kEpi>(p, orow * p.ld_out + ch, v);
         } else {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
@@ -245,12 +252,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
               v = fmaxf(v, 0.f);
               v = v * v;
             }
-            if (kEpi == GemmEpilogue::kAct1FP8) {
-              const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
-              static_cast<uint8_t*>(p.out)[orow * p.ld_out + ch] = q;
-            } else {
-              static_cast<__nv_bfloat16*>(p.out)[orow * p.ld_out + ch] = __float2bfloat16_rn(v);
-            }
+            store_out<kEpi>(p, orow * p.ld_out + ch, v);
           }
         }
       }
@@ -319,6 +321,9 @@ cudaError_t launch_gemm1_portable(const MoeGemmArgs& a, bool use_f16, cudaStream
     case GemmEpilogue::kAct1BF16:
       return gated ? launch_tm<true, GemmEpilogue::kAct1BF16>(a, use_f16, stream)
                    : launch_tm<false, GemmEpilogue::kAct1BF16>(a, use_f16, stream);
+    case GemmEpilogue::kAct1F32:
+      return gated ? launch_tm<true, GemmEpilogue::kAct1F32>(a, use_f16, stream)
+                   : launch_tm<false, GemmEpilogue::kAct1F32>(a, use_f16, stream);
     default:
       return cudaErrorInvalidValue;
   }

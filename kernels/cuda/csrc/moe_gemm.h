@@ -36,6 +36,12 @@ enum class GemmEpilogue : int {
   kAct1BF16 = 1,
   // GEMM2: dequantize, times pair_weight[pair], BF16 out [pair, ld_out].
   kWeightedBF16 = 2,
+  // GEMM1: dequantize, activation, FP32 out [sorted row, ld_out]. The dynamic
+  // a2 path uses it where the GEMM has it: rounding the intermediate to BF16
+  // before the per-row FP8 quantization flips ~3% of the FP8 roundings and
+  // measured 1.0-1.6e-2 rel-L2 against the reference (3.2e-2 at top_k=E)
+  // instead of 2-8e-3 (device check, 2026-12-02).
+  kAct1F32 = 3,
 };
 
 // GemmAct is GEMM1's nonlinearity (ignored by GEMM2).
@@ -89,7 +95,7 @@ struct MoeGemmArgs {
   const float* pair_weight; // kWeightedBF16: router weight per pair
 };
 
-// Portable path (gemm_portable.cu): mma.sync m16n8k32 e4m3 on sm_89+, or
+// Portable path (gemm_portable.cu), all four epilogues: mma.sync m16n8k32 e4m3 on sm_89+, or
 // FP8 decoded to FP16 and mma.sync m16n8k16 on sm_80..sm_88. Any k, n_out;
 // block_rows must be one of PortableBlockRows' answers (16, 32 or 64).
 // use_f16 forces the FP16 inner product on sm_89+ too (tests use it to cover
@@ -101,7 +107,8 @@ cudaError_t launch_gemm2_portable(const MoeGemmArgs& args, bool use_f16, cudaStr
 int portable_block_rows(int m, int top_k, int num_experts);
 
 #ifdef EXPERTD_HAVE_SM90
-// Hopper path (gemm_sm90.cu, sm_90a): wgmma (QGMMA) fed by TMA. It returns
+// Hopper path (gemm_sm90.cu, sm_90a): wgmma (QGMMA) fed by TMA. The pipeline
+// asks it for kAct1BF16 on dynamic a2 until it implements kAct1F32. It returns
 // cudaErrorInvalidValue for shapes it cannot take, so callers check
 // sm90_supported first and use the portable path otherwise.
 cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream);

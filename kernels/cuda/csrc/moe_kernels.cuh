@@ -289,22 +289,30 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
   for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = to_e4m3(load_float(hidden, src0 + i, p.hidden_dtype) / s);
 }
 
-// requant_kernel: dynamic per-row FP8 quantization of GEMM1's BF16 output
-// (one block per sorted row).
-__global__ void requant_kernel(const __nv_bfloat16* act, int n, const int32_t* sorted_pairs,
-                               const int32_t* num_blocks, int block_rows, uint8_t* a2q, float* a2s) {
+// requant_kernel: dynamic per-row FP8 quantization of GEMM1's output (FP32,
+// or BF16 from a GEMM without the FP32 epilogue), one block per sorted row.
+template <typename T>
+__device__ __forceinline__ float to_f(T v);
+template <>
+__device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__global__ void requant_kernel(const T* act, int n, const int32_t* sorted_pairs, const int32_t* num_blocks,
+                               int block_rows, uint8_t* a2q, float* a2s) {
   const int row = blockIdx.x;
   if (row >= *num_blocks * block_rows) return;
   if (sorted_pairs[row] < 0) return;
-  const __nv_bfloat16* src = act + size_t(row) * n;
+  const T* src = act + size_t(row) * n;
   __shared__ float red[32];
   float amax = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(src[i])));
+  for (int i = threadIdx.x; i < n; i += blockDim.x) amax = fmaxf(amax, fabsf(to_f(src[i])));
   amax = block_max(amax, red);
   const float s = clamp_scale(amax / kFP8Max);
   if (threadIdx.x == 0) a2s[row] = s;
   uint8_t* dst = a2q + size_t(row) * n;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = to_e4m3(__bfloat162float(src[i]) / s);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = to_e4m3(to_f(src[i]) / s);
 }
 
 // combine_kernel: out[t] = sum over slots of y[t*top_k + j] (weights already
