@@ -13,8 +13,8 @@ set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 src="${EXPERTD_CSRC:-$root/kernels/cuda/csrc}"  # override: build another copy of the sources
-out="$root/build"
-obj="$root/.tools/obj"  # objects stay out of build/, which travels to the device
+out="${EXPERTD_BUILD:-$root/build}"  # override: a private output folder
+obj="${EXPERTD_OBJ:-$root/.tools/obj}"  # objects stay out of build/, which travels to the device
 mkdir -p "$obj" "$out"
 
 nvcc="${NVCC:-}"
@@ -75,7 +75,7 @@ fi
 # The Hopper GEMM's own check-and-time tool (kernels/cuda/csrc/tools), linked
 # against the same object, so CI compiles it on every submission too.
 if [[ -f "$obj/gemm_sm90.o" ]]; then
-  "$nvcc" -O3 -std=c++17 -I"$src" -gencode arch=compute_90a,code=sm_90a -c "$src/tools/gemm_sm90_check.cu" \
+  "$nvcc" -O3 -std=c++17 -DEXPERTD_HAVE_SM90 -I"$src" -gencode arch=compute_90a,code=sm_90a -c "$src/tools/gemm_sm90_check.cu" \
     -o "$obj/gemm_sm90_check.o"
   g++ -o "$out/gemm_sm90_check" "$obj/gemm_sm90_check.o" "$obj/gemm_sm90.o" "$cudart" \
     -static-libstdc++ -static-libgcc -lpthread -ldl -lrt

@@ -10,21 +10,22 @@
 # Everything that matters is also written under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-build/device-out}"
+build="${EXPERTD_BUILD:-build}"  # the folder carried to the device
+out="${OUT:-$build/device-out}"
 mkdir -p "$out"
-export EXPERTD_CUDA_LIB="$PWD/build/libexpertd_cuda.so" EXPERTD_CUDA_REQUIRE=1
+export EXPERTD_CUDA_LIB="$PWD/$build/libexpertd_cuda.so" EXPERTD_CUDA_REQUIRE=1
 summary="$out/summary.txt"
 : > "$summary"
 say() { echo "$*" | tee -a "$summary"; }
 status=0
 
 say "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader 2>&1)"
-[[ -x build/cuda.test && -f build/libexpertd_cuda.so ]] || { say "build/cuda.test or the library is missing: run make cuda cuda-test-bin first"; exit 2; }
+[[ -x "$build/cuda.test" && -f "$build/libexpertd_cuda.so" ]] || { say "$build/cuda.test or the library is missing: run make cuda cuda-test-bin first"; exit 2; }
 
 say "== correctness (go test, every GEMM path, poisoned outputs)"
 # The self-test in New uses EXPERTD_CUDA_GEMM; keep it on the portable path
 # so a broken sm90 kernel fails its own cases instead of every test.
-EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 80 build/cuda.test -test.v -test.run 'TestCases|TestSmall|TestErrors|TestOpen|TestHeader' -test.timeout 75s > "$out/test.log" 2>&1
+EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 80 "$build/cuda.test" -test.v -test.run 'TestCases|TestSmall|TestErrors|TestOpen|TestHeader' -test.timeout 75s > "$out/test.log" 2>&1
 rc=$?
 grep -E 'rel-L2|FAIL|PASS|ok |device:|panic|unsupported|Error' "$out/test.log" | grep -v '^=== RUN' | head -150
 say "correctness rc=$rc: $(grep -c -- '--- FAIL' "$out/test.log") failing tests, $(grep -c 'rel-L2.*vs reference' "$out/test.log") checked calls logged"
@@ -32,7 +33,7 @@ say "correctness rc=$rc: $(grep -c -- '--- FAIL' "$out/test.log") failing tests,
 
 say "== SASS instruction counts"
 if command -v cuobjdump >/dev/null; then
-  cuobjdump --dump-sass build/libexpertd_cuda.so > "$out/sass.txt" 2>&1
+  cuobjdump --dump-sass "$build/libexpertd_cuda.so" > "$out/sass.txt" 2>&1
   for op in QGMMA HGMMA QMMA HMMA; do say "$op: $(grep -c "$op" "$out/sass.txt")"; done
   gzip -f "$out/sass.txt"
 else
@@ -40,14 +41,14 @@ else
 fi
 
 say "== timing (Nemotron full shape)"
-EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_TIMING=1 timeout 45 build/cuda.test -test.v -test.run 'TestTiming' -test.timeout 40s > "$out/timing.log" 2>&1
+EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_TIMING=1 timeout 45 "$build/cuda.test" -test.v -test.run 'TestTiming' -test.timeout 40s > "$out/timing.log" 2>&1
 say "timing rc=$?"
 grep 'timing Nemotron' "$out/timing.log" | sed 's/^ *backend_test.go:[0-9]*: //' | tee -a "$summary"
 grep -E 'FAIL|panic' "$out/timing.log" | head -5 | tee -a "$summary"
 
 say "== compute-sanitizer memcheck (small case)"
 if command -v compute-sanitizer >/dev/null; then
-  EXPERTD_CUDA_GEMM=portable timeout 30 compute-sanitizer --tool memcheck --print-limit 20 build/cuda.test -test.run 'TestSmall' -test.v > "$out/sanitizer.log" 2>&1
+  EXPERTD_CUDA_GEMM=portable timeout 30 compute-sanitizer --tool memcheck --print-limit 20 "$build/cuda.test" -test.run 'TestSmall' -test.v > "$out/sanitizer.log" 2>&1
   say "sanitizer rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -1)"
   grep -E 'Invalid|ERROR SUMMARY|FAIL' "$out/sanitizer.log" | head -10
 else
