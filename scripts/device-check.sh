@@ -3,6 +3,8 @@
 # root, with the prebuilt build/ carried over (no Go there):
 #   make cuda cuda-test-bin   # here, first
 #   run: bash scripts/device-check.sh   (carry: ["build"])
+# EXPERTD_BUILD=dir uses another carried folder (scripts/cuda-build.sh takes
+# the same variable); DEVICE_CHECK_BENCH=0 skips bench/run.sh.
 # It prints the GPU, runs the Go test binary of kernels/cuda against the
 # library (correctness on every GEMM path, then the Nemotron timings), runs
 # compute-sanitizer memcheck on a small case, counts the tensor-core
