@@ -1,5 +1,17 @@
-// Hopper grouped FP8 GEMM for fused MoE; see gemm_sm90.cuh for the design.
-#include "gemm_sm90.cuh"
+// Hopper (sm_90a) grouped FP8 GEMM for fused MoE: TMA loads into 128-byte
+// swizzled shared memory, an mbarrier ring, warp-specialized producer and
+// wgmma (QGMMA) consumers, and fused epilogues (SiLU-and-mul or ReLU²,
+// re-quantization to FP8; or router-weighted BF16 output for GEMM2).
+//
+// Layout choice ("swap AB"): the weights are wgmma's A operand (the M side,
+// 64 output channels per consumer warpgroup) and the expert's tokens are the
+// B operand (the N side, BN tokens). Decode batches give an expert a handful
+// of tokens; with tokens on the N side a tile of 8 tokens wastes nothing,
+// while the weights, which are the bytes that matter, stream through every
+// SM. Both operands are K-contiguous in memory, which is what FP8 wgmma needs.
+//
+// It implements the sm90 half of moe_gemm.h.
+#include "moe_gemm.h"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -12,7 +24,7 @@
 
 #include "wgmma_fp8.cuh"
 
-namespace expertd_sm90 {
+namespace expertd {
 namespace {
 
 constexpr int kBK = 128;           // K bytes per pipeline stage: one 128B swizzle row
@@ -96,7 +108,25 @@ __device__ __forceinline__ uint64_t smem_desc(const void* tile) {
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// stage_store writes output channel oc of one staging row in the epilogue's
+// element type.
+template <GemmEpilogue kEpi>
+__device__ __forceinline__ void stage_store(uint8_t* row, int oc, float v, float inv_scale) {
+  if (kEpi == GemmEpilogue::kAct1FP8) {
+    row[oc] = __nv_cvt_float_to_fp8(v * inv_scale, __NV_SATFINITE, __NV_E4M3);
+  } else if (kEpi == GemmEpilogue::kAct1F32) {
+    reinterpret_cast<float*>(row)[oc] = v;
+  } else {
+    reinterpret_cast<__nv_bfloat16*>(row)[oc] = __float2bfloat16_rn(v);
+  }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// out_size is the bytes of one output element.
+constexpr int out_size(GemmEpilogue e) {
+  return e == GemmEpilogue::kAct1FP8 ? 1 : e == GemmEpilogue::kAct1F32 ? 4 : 2;
+}
 
 struct Params {
   int k;
@@ -113,15 +143,7 @@ struct Params {
   int ld_out;
   float out_inv_scale;
   const float* pair_weight;
-  int* debug;  // progress counters of CTA (0,0), only with EXPERTD_SM90_DEBUG
 };
-
-#if defined(EXPERTD_SM90_DEBUG)
-#define DEBUG_MARK(i, v) \
-  if (p.debug && blockIdx.x == 0 && blockIdx.y == 0) reinterpret_cast<volatile int*>(p.debug)[i] = (v)
-#else
-#define DEBUG_MARK(i, v)
-#endif
 
 // Persistent: each CTA walks tiles t = blockIdx.x, +gridDim.x, ... of the
 // (token block, weight tile) grid; a tile is kNWG*64 weight rows x BN tokens
@@ -129,7 +151,7 @@ struct Params {
 // kNWG produces (one thread issues the TMA loads). The producer's ring runs
 // on across tiles, so while the consumers run a tile's epilogue the next
 // tile's operands are already streaming in.
-template <int BN, int kNWG, int kStages, bool kGated, Epilogue kEpi>
+template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
@@ -138,7 +160,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   constexpr int kATile = BN * kBK;
   constexpr int kRegs = BN / 2;
   constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;  // output channels per tile
-  constexpr int kESize = kEpi == Epilogue::kAct1FP8 ? 1 : 2;
+  constexpr int kESize = out_size(kEpi);
   constexpr int kPitch = kOC * kESize + 16;  // staging row, padded against bank conflicts
   constexpr int kStageRows = BN < 128 ? BN : 128;  // tokens staged at a time
   using Mma = WgmmaE4M3<BN>;
@@ -198,7 +220,6 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             tma_load_3d(w_smem + s * kWTile, &tm_w, &full[s], kb, wtile * kNWG * kWGRows, expert);
           }
           tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, blk * BN);
-          DEBUG_MARK(0, it + 1);
         }
       }
     }
@@ -222,9 +243,9 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       const int srow = blk * BN + threadIdx.x;
       const int pair = p.sorted_pairs[srow];
       float sc = (p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale) * p.w_scale[expert];
-      if (kEpi == Epilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
+      if (kEpi == GemmEpilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
       row_scale[threadIdx.x] = sc;
-      row_dst[threadIdx.x] = pair < 0 ? -1 : (kEpi == Epilogue::kWeightedBF16 ? pair : srow);
+      row_dst[threadIdx.x] = pair < 0 ? -1 : (kEpi == GemmEpilogue::kWeightedBF16 ? pair : srow);
     }
 
     float acc[kRegs];
@@ -233,7 +254,6 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
       const int s = it % kStages;
       mbar_wait(&full[s], (it / kStages) & 1);
-      DEBUG_MARK(1 + wg, it + 1);
       const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
       const uint64_t da = smem_desc(a_smem + s * kATile);
       fence_acc<kRegs>(acc);
@@ -247,7 +267,6 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       fence_acc<kRegs>(acc);
       if (threadIdx.x % 128 == 0) mbar_arrive(&empty[s]);
     }
-    DEBUG_MARK(3, 1);
 
     // Epilogue, kStageRows tokens at a time: registers -> staging tile
     // [token][channel] -> coalesced 16-byte stores.
@@ -267,25 +286,17 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             const float u = acc[4 * i + 2 + c2] * sc;
             const float v = silu(g) * u;
             const int oc = wg * 32 + 8 * warp + lane / 4;
-            if (kEpi == Epilogue::kAct1FP8) {
-              row[oc] = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
-            } else {
-              reinterpret_cast<__nv_bfloat16*>(row)[oc] = __float2bfloat16_rn(v);
-            }
+            stage_store<kEpi>(row, oc, v, p.out_inv_scale);
           } else {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               float v = acc[4 * i + 2 * h + c2] * sc;
-              if (kEpi != Epilogue::kWeightedBF16) {
+              if (kEpi != GemmEpilogue::kWeightedBF16) {
                 v = fmaxf(v, 0.f);
                 v = v * v;
               }
               const int oc = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
-              if (kEpi == Epilogue::kAct1FP8) {
-                row[oc] = __nv_cvt_float_to_fp8(v * p.out_inv_scale, __NV_SATFINITE, __NV_E4M3);
-              } else {
-                reinterpret_cast<__nv_bfloat16*>(row)[oc] = __float2bfloat16_rn(v);
-              }
+              stage_store<kEpi>(row, oc, v, p.out_inv_scale);
             }
           }
         }
@@ -344,13 +355,13 @@ bool persistent_grid() {
   return persistent;
 }
 
-template <int BN, int kNWG, bool kGated, Epilogue kEpi>
-cudaError_t launch_cfg(const GemmArgs& a, cudaStream_t stream) {
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi>
+cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   constexpr int kWTile = kNWG * kWGRows * kBK;
   constexpr int kATile = BN * kBK;
   constexpr int kStageBytes = kWTile + kATile;
   constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
-  constexpr int kESize = kEpi == Epilogue::kAct1FP8 ? 1 : 2;
+  constexpr int kESize = out_size(kEpi);
   constexpr int kStaging = (BN < 128 ? BN : 128) * (kOC * kESize + 16);
   constexpr int kFixed = 1024 + kStaging + 256 + BN * 8;
   constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
@@ -401,7 +412,6 @@ cudaError_t launch_cfg(const GemmArgs& a, cudaStream_t stream) {
   p.ld_out = a.ld_out;
   p.out_inv_scale = a.out_inv_scale;
   p.pair_weight = a.pair_weight;
-  p.debug = a.debug;
 
   // Persistent grid: as many CTAs as fit on the device at once, never more
   // than the largest possible tile count (the real count is on the device).
@@ -426,23 +436,63 @@ cudaError_t launch_cfg(const GemmArgs& a, cudaStream_t stream) {
 }
 
 template <int BN, int kNWG>
-cudaError_t launch_epi(const GemmArgs& a, cudaStream_t s) {
+cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
-    case Epilogue::kAct1FP8:
-      return a.gated ? launch_cfg<BN, kNWG, true, Epilogue::kAct1FP8>(a, s)
-                     : launch_cfg<BN, kNWG, false, Epilogue::kAct1FP8>(a, s);
-    case Epilogue::kAct1BF16:
-      return a.gated ? launch_cfg<BN, kNWG, true, Epilogue::kAct1BF16>(a, s)
-                     : launch_cfg<BN, kNWG, false, Epilogue::kAct1BF16>(a, s);
-    case Epilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, Epilogue::kWeightedBF16>(a, s);
+    case GemmEpilogue::kAct1FP8:
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8>(a, s);
+    case GemmEpilogue::kAct1BF16:
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1BF16>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1BF16>(a, s);
+    case GemmEpilogue::kAct1F32:
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32>(a, s);
+    case GemmEpilogue::kWeightedBF16:
+      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16>(a, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// launch runs either GEMM; gated is GEMM1 of a SiLU-gated layer.
+cudaError_t launch(const MoeGemmArgs& a, bool gated, cudaStream_t stream) {
+  const int n = gated ? a.w_rows / 2 : a.w_rows;
+  if (a.k % 16 != 0 || n % 16 != 0 || a.n_out % 16 != 0 || a.max_blocks <= 0) return cudaErrorInvalidValue;
+  // Few tokens per expert: one consumer warpgroup per CTA doubles the CTAs
+  // streaming weights; many tokens: two warpgroups share each token tile.
+  switch (a.block_rows) {
+    case 8:
+      return launch_epi<8, 1>(a, gated, stream);
+    case 16:
+      return launch_epi<16, 1>(a, gated, stream);
+    case 32:
+      return launch_epi<32, 1>(a, gated, stream);
+    case 64:
+      return launch_epi<64, 2>(a, gated, stream);
+    case 128:
+      return launch_epi<128, 2>(a, gated, stream);
+    case 256:
+      return launch_epi<256, 2>(a, gated, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
-int BlockRows(int m, int top_k, int num_experts) {
+cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
+  if (args.epilogue == GemmEpilogue::kWeightedBF16) return cudaErrorInvalidValue;
+  return launch(args, args.act == GemmAct::kSiluGated, stream);
+}
+
+cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
+  if (args.epilogue != GemmEpilogue::kWeightedBF16) return cudaErrorInvalidValue;
+  return launch(args, false, stream);
+}
+
+// TMA needs 16-byte global strides (K and N bytes), and the gated layout
+// whole 8-row channel groups.
+bool sm90_supported(int hidden, int inter) { return hidden % 16 == 0 && inter % 16 == 0; }
+
+int sm90_block_rows(int m, int top_k, int num_experts) {
   const int per_expert = (m * top_k + num_experts - 1) / num_experts;
   if (per_expert <= 8) return 8;
   if (per_expert <= 16) return 16;
@@ -452,82 +502,6 @@ int BlockRows(int m, int top_k, int num_experts) {
   // for Nemotron at M=8192, and slower for Qwen3 at M=4096 (256 per expert).
   if (per_expert <= 256) return 128;
   return 256;
-}
-
-cudaError_t Launch(const GemmArgs& a, cudaStream_t stream) {
-  if (!Supported(a.k, a.gated ? a.w_rows / 2 : a.w_rows, a.n_out) || a.max_blocks <= 0) {
-    return cudaErrorInvalidValue;
-  }
-  if (a.gated && a.epilogue == Epilogue::kWeightedBF16) return cudaErrorInvalidValue;
-  // Few tokens per expert: one consumer warpgroup per CTA doubles the CTAs
-  // streaming weights; many tokens: two warpgroups share each token tile.
-  switch (a.block_rows) {
-    case 8:
-      return launch_epi<8, 1>(a, stream);
-    case 16:
-      return launch_epi<16, 1>(a, stream);
-    case 32:
-      return launch_epi<32, 1>(a, stream);
-    case 64:
-      return launch_epi<64, 2>(a, stream);
-    case 128:
-      return launch_epi<128, 2>(a, stream);
-    case 256:
-      return launch_epi<256, 2>(a, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
-}  // namespace expertd_sm90
-
-// The pipeline's side of moe_gemm.h: translate its arguments.
-#include "moe_gemm.h"
-
-namespace expertd {
-namespace {
-
-expertd_sm90::GemmArgs to_sm90(const MoeGemmArgs& a) {
-  expertd_sm90::GemmArgs g{};
-  g.w = a.w;
-  g.num_experts = a.num_experts;
-  g.w_rows = a.w_rows;
-  g.k = a.k;
-  g.gated = a.act == GemmAct::kSiluGated && a.epilogue != GemmEpilogue::kWeightedBF16;
-  g.n_out = a.n_out;
-  g.a = a.a;
-  g.a_rows = a.a_rows;
-  g.block_rows = a.block_rows;
-  g.block_expert = a.block_expert;
-  g.num_blocks = a.num_blocks;
-  g.max_blocks = a.max_blocks;
-  g.sorted_pairs = a.sorted_pairs;
-  g.a_scale_rows = a.a_scale_rows;
-  g.a_scale = a.a_scale;
-  g.w_scale = a.w_scale;
-  g.epilogue = static_cast<expertd_sm90::Epilogue>(static_cast<int>(a.epilogue));
-  g.out = a.out;
-  g.ld_out = a.ld_out;
-  g.out_inv_scale = a.out_inv_scale;
-  g.pair_weight = a.pair_weight;
-  return g;
-}
-
-}  // namespace
-
-cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
-  if (args.epilogue == GemmEpilogue::kWeightedBF16) return cudaErrorInvalidValue;
-  return expertd_sm90::Launch(to_sm90(args), stream);
-}
-
-cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
-  if (args.epilogue != GemmEpilogue::kWeightedBF16) return cudaErrorInvalidValue;
-  return expertd_sm90::Launch(to_sm90(args), stream);
-}
-
-bool sm90_supported(int hidden, int inter) { return expertd_sm90::Supported(hidden, inter, hidden); }
-
-int sm90_block_rows(int m, int top_k, int num_experts) {
-  return expertd_sm90::BlockRows(m, top_k, num_experts);
 }
 
 }  // namespace expertd
