@@ -46,6 +46,7 @@ type Backend struct {
 
 	mu     sync.Mutex
 	closed bool
+	live   map[*loaded]struct{} // sets to free on Close
 }
 
 // gemmPaths maps $EXPERTD_CUDA_GEMM values to the ABI's path choice.
@@ -64,17 +65,15 @@ func New(cfg kernels.Config) (*Backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &Backend{lib: lib, device: cfg.Device, exec: newExecutor(), gemm: gemm}
-	var rc int32
+	b := &Backend{lib: lib, device: cfg.Device, exec: newExecutor(), gemm: gemm, live: map[*loaded]struct{}{}}
 	buf := make([]byte, 256)
-	b.exec.do(func() {
-		if rc = lib.init(int32(cfg.Device)); rc != codeOK {
-			return
+	err = b.call("init", func() int32 {
+		if rc := lib.init(int32(cfg.Device)); rc != codeOK {
+			return rc
 		}
-		rc = lib.deviceInfo(int32(cfg.Device), &buf[0], int32(len(buf)))
+		return lib.deviceInfo(int32(cfg.Device), &buf[0], int32(len(buf)))
 	})
-	if rc != codeOK {
-		err := b.callError("init", rc)
+	if err != nil {
 		b.exec.stop()
 		return nil, err
 	}
@@ -95,15 +94,8 @@ func clen(b []byte) int {
 	return len(b)
 }
 
-// callError turns a library return code into a Go error carrying the
-// thread's last error string. Call it on the executor's thread, or right
-// after a do() whose call failed (the string is read inside do below).
-func (b *Backend) callError(op string, rc int32) error {
-	var msg string
-	b.exec.do(func() { msg = b.lib.lastError() })
-	return codeError(op, rc, msg)
-}
-
+// codeError turns a library return code and its last-error string into a
+// Go error, wrapping the kernels sentinels the service maps to statuses.
 func codeError(op string, rc int32, msg string) error {
 	err := fmt.Errorf("cuda: %s: %s: %s", op, codeName(rc), msg)
 	switch rc {
@@ -154,16 +146,28 @@ func (b *Backend) Capabilities() kernels.Capabilities {
 	}
 }
 
-// Close implements kernels.Backend. Sets still loaded are freed with the
-// process; Close only stops the executor.
+// Close implements kernels.Backend: it frees the sets still loaded (waiting
+// for their calls in flight) and stops the executor.
 func (b *Backend) Close() error {
 	b.mu.Lock()
-	defer b.mu.Unlock()
-	if !b.closed {
-		b.closed = true
-		b.exec.stop()
+	if b.closed {
+		b.mu.Unlock()
+		return nil
 	}
-	return nil
+	live := make([]*loaded, 0, len(b.live))
+	for l := range b.live {
+		live = append(live, l)
+	}
+	b.mu.Unlock()
+	var errs []error
+	for _, l := range live {
+		errs = append(errs, l.Close())
+	}
+	b.mu.Lock()
+	b.closed = true
+	b.exec.stop()
+	b.mu.Unlock()
+	return errors.Join(errs...)
 }
 
 var errClosed = errors.New("cuda: backend is closed")
@@ -187,6 +191,9 @@ func (l *loaded) Close() error {
 	}
 	h := l.handle
 	l.handle = 0
+	l.b.mu.Lock()
+	delete(l.b.live, l)
+	l.b.mu.Unlock()
 	return l.b.call("set_free", func() int32 { return l.b.lib.setFree(h) })
 }
 
@@ -201,12 +208,14 @@ func (b *Backend) call(op string, f func() int32) error {
 	}
 	var rc int32
 	var msg string
-	b.exec.do(func() {
+	if !b.exec.do(func() {
 		rc = f()
 		if rc != codeOK {
 			msg = b.lib.lastError()
 		}
-	})
+	}) {
+		return errClosed
+	}
 	if rc != codeOK {
 		return codeError(op, rc, msg)
 	}
@@ -264,7 +273,11 @@ func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loa
 	}
 	meta := *set
 	meta.W13, meta.W2 = nil, nil
-	return &loaded{b: b, meta: &meta, handle: h}, nil
+	l := &loaded{b: b, meta: &meta, handle: h}
+	b.mu.Lock()
+	b.live[l] = struct{}{}
+	b.mu.Unlock()
+	return l, nil
 }
 
 // FusedMoE implements kernels.Backend.

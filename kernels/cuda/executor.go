@@ -29,14 +29,20 @@ func (x *executor) loop() {
 	}
 }
 
-// do runs f on the executor's thread and waits for it.
-func (x *executor) do(f func()) {
+// do runs f on the executor's thread and waits for it. It reports false,
+// without running f, once the executor is stopped.
+func (x *executor) do(f func()) bool {
 	done := make(chan struct{})
-	x.calls <- func() {
+	select {
+	case x.calls <- func() {
 		defer close(done)
 		f()
+	}:
+		<-done
+		return true
+	case <-x.quit:
+		return false
 	}
-	<-done
 }
 
 // stop ends the executor's goroutine; no call may follow.
