@@ -54,7 +54,7 @@ extern "C" {
  * the card and shape allow it, else portable; the others force a path
  * (tests compare them). SM90 on a card or shape without it is UNSUPPORTED. */
 #define EXPERTD_GEMM_AUTO 0
-#define EXPERTD_GEMM_PORTABLE 1     /* mma.sync e4m3 on sm_89+, else FP16 mma */
+#define EXPERTD_GEMM_PORTABLE 1     /* mma.sync e4m3 in the sm_90a cubin, else FP16 mma */
 #define EXPERTD_GEMM_PORTABLE_F16 2 /* FP8 decoded to FP16 mma (the sm_80 path) */
 #define EXPERTD_GEMM_SM90 3         /* wgmma + TMA (sm_90a builds only) */
 
