@@ -5,54 +5,25 @@ import (
 	"fmt"
 	"math"
 
+	"github.com/expertd/expertd/kernels"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
 
-// DType is the element type of a tensor's bytes.
-type DType int
+// DType is the element type of a tensor's bytes. Its values mirror
+// expertd.v1.DataType, so a DType converts to it directly; it is the type
+// the server's backends use, so the two cannot drift apart.
+type DType = kernels.DType
 
-// The element types of the wire contract; the values mirror
-// expertd.v1.DataType, so a DType converts to it directly.
+// The element types of the wire contract.
 const (
-	Float32 DType = iota + 1
-	BFloat16
-	Float16
-	Float8E4M3FN
-	Float8E5M2
-	Int32
+	Float32      = kernels.Float32
+	BFloat16     = kernels.BFloat16
+	Float16      = kernels.Float16
+	Float8E4M3FN = kernels.Float8E4M3FN
+	Float8E5M2   = kernels.Float8E5M2
+	Int32        = kernels.Int32
 )
-
-// Size is the bytes per element, 0 for an unknown type.
-func (d DType) Size() int {
-	switch d {
-	case Float32, Int32:
-		return 4
-	case BFloat16, Float16:
-		return 2
-	case Float8E4M3FN, Float8E5M2:
-		return 1
-	}
-	return 0
-}
-
-func (d DType) String() string {
-	switch d {
-	case Float32:
-		return "float32"
-	case BFloat16:
-		return "bfloat16"
-	case Float16:
-		return "float16"
-	case Float8E4M3FN:
-		return "float8_e4m3fn"
-	case Float8E5M2:
-		return "float8_e5m2"
-	case Int32:
-		return "int32"
-	}
-	return fmt.Sprintf("DType(%d)", int(d))
-}
 
 // Tensor is a dense, row-major, little-endian array: the SDK's form of
 // expertd.v1.Tensor. Build one with FromFloat32, FromBFloat16, FromFP8 or

@@ -4,39 +4,30 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/expertd/expertd/kernels"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
-// Activation is the expert MLP's nonlinearity.
-type Activation int
+// Activation is the expert MLP's nonlinearity (the backends' type).
+type Activation = kernels.Activation
 
 const (
 	// SiluGated is silu(h[:, :N]) * h[:, N:]; W13 is [E, 2N, K] with the
 	// gate rows first (vLLM order). Qwen3-MoE, Mixtral, DeepSeek-V3.
-	SiluGated Activation = iota + 1
+	SiluGated = kernels.SiluGated
 	// Relu2 is relu(h)^2; W13 holds w1, [E, N, K]. Nemotron-H.
-	Relu2
+	Relu2 = kernels.Relu2
 )
 
-func (a Activation) String() string {
-	switch a {
-	case SiluGated:
-		return "silu_gated"
-	case Relu2:
-		return "relu2"
-	}
-	return fmt.Sprintf("Activation(%d)", int(a))
-}
-
-// Scoring is how router logits become expert scores.
-type Scoring int
+// Scoring is how router logits become expert scores (the backends' type).
+type Scoring = kernels.Scoring
 
 const (
 	// Softmax is the default: p = softmax(logits), then top-k.
-	Softmax Scoring = iota + 1
+	Softmax = kernels.Softmax
 	// Sigmoid ranks sigmoid(logits) + CorrectionBias and weights by the
 	// unbiased sigmoid (DeepSeek-V3, Nemotron-H).
-	Sigmoid
+	Sigmoid = kernels.Sigmoid
 )
 
 // ExpertWeights is one MoE layer's FP8 weights and their FP32 scales. The
