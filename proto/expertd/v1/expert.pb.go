@@ -697,7 +697,9 @@ type FusedMoERequest struct {
 	Experts isFusedMoERequest_Experts `protobuf_oneof:"experts"`
 	// Tokens, [M, K]: FP8 E4M3FN (needs hidden_states_scale), BF16 or FP32
 	// (the server quantizes to FP8, per token unless a13_scale is static).
-	// M must be in [1, max_tokens].
+	// M must be in [1, max_tokens]. Values are not scanned: a NaN or Inf in a
+	// token's row makes that token's output NaN and leaves the others as they
+	// would be (as in vLLM).
 	HiddenStates *Tensor `protobuf:"bytes,3,opt,name=hidden_states,json=hiddenStates,proto3" json:"hidden_states,omitempty"`
 	// FP32 dequantization scale of FP8 hidden_states: [] or [1] per-tensor,
 	// [M] per-token, or [M, ceil(K/Bk)] per-group (block mode). Must be unset
