@@ -135,10 +135,8 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	default:
 		return nil, invalidf("experts", "set expert_set (a loaded set's name) or weights (inline)")
 	}
-	select {
-	case s.slots <- struct{}{}:
-	case <-ctx.Done():
-		return nil, ctx.Err()
+	if err := s.acquireSlot(ctx); err != nil {
+		return nil, err
 	}
 	queued := time.Now()
 	res, err := s.run(ctx, loaded, kreq)

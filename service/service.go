@@ -8,6 +8,7 @@ import (
 	"context"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -40,6 +41,12 @@ type Config struct {
 	// MaxConcurrent bounds FusedMoE calls running at once; more wait in
 	// order of arrival. 0 means 1.
 	MaxConcurrent int
+	// MaxQueued bounds the FusedMoE calls waiting for one of the
+	// MaxConcurrent slots; a call beyond it is refused at once with
+	// ResourceExhausted, so a burst is pushed back to callers (who can
+	// retry elsewhere) instead of piling up requests and their memory
+	// here. 0 means 4 × MaxConcurrent; a negative value means no queue.
+	MaxQueued int
 	// Meter records the service's own instruments; nil records nothing.
 	Meter metric.Meter
 }
@@ -55,12 +62,15 @@ type Server struct {
 	reg     *registry
 	// slots is a semaphore of cfg.MaxConcurrent execution slots.
 	slots chan struct{}
+	// queued counts calls waiting for a slot, bounded by cfg.MaxQueued.
+	queued atomic.Int64
 
 	mu       sync.Mutex
 	draining bool
 	inflight sync.WaitGroup
 
 	tokens      metric.Int64Counter
+	queuedCalls metric.Int64ObservableGauge
 	kernelTime  metric.Float64Histogram
 	loadedBytes metric.Int64ObservableGauge
 }
@@ -72,6 +82,12 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 	}
 	if cfg.MaxConcurrent < 1 {
 		cfg.MaxConcurrent = 1
+	}
+	switch {
+	case cfg.MaxQueued == 0:
+		cfg.MaxQueued = 4 * cfg.MaxConcurrent
+	case cfg.MaxQueued < 0:
+		cfg.MaxQueued = 0
 	}
 	if mt := backend.Capabilities().MaxTokens; mt > 0 && (cfg.MaxTokens == 0 || cfg.MaxTokens > mt) {
 		cfg.MaxTokens = mt
@@ -120,6 +136,15 @@ func (s *Server) initMetrics(m metric.Meter) {
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.loaded_expert_bytes"), slog.Any("err", err))
 	}
+	if s.queuedCalls, err = m.Int64ObservableGauge("expertd.queued_calls",
+		metric.WithDescription("FusedMoE calls waiting for an execution slot."),
+		metric.WithUnit("{call}"),
+		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+			o.Observe(s.queued.Load())
+			return nil
+		})); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.queued_calls"), slog.Any("err", err))
+	}
 }
 
 // Register attaches the service to a gRPC server.
@@ -136,6 +161,35 @@ func (s *Server) begin() (func(), error) {
 	s.inflight.Add(1)
 	return s.inflight.Done, nil
 }
+
+// acquireSlot takes an execution slot, waiting in the bounded queue if
+// none is free; the caller releases the slot by receiving from s.slots.
+func (s *Server) acquireSlot(ctx context.Context) error {
+	select {
+	case s.slots <- struct{}{}:
+		return nil
+	default:
+	}
+	if n := s.queued.Add(1); n > int64(s.cfg.MaxQueued) {
+		s.queued.Add(-1)
+		return exhaustedf("", "server busy: %d calls running, %d queued (max queued %d); retry with backoff",
+			len(s.slots), n-1, s.cfg.MaxQueued)
+	}
+	defer s.queued.Add(-1)
+	select {
+	case s.slots <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Queued is the number of FusedMoE calls waiting for an execution slot.
+func (s *Server) Queued() int { return int(s.queued.Load()) }
+
+// LoadedBytes is the memory of resident expert sets plus the reservations
+// of loads and inline sets in flight: what MaxLoadedBytes bounds.
+func (s *Server) LoadedBytes() int64 { return s.reg.usedBytes() }
 
 // Draining reports whether Shutdown has begun.
 func (s *Server) Draining() bool {

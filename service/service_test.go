@@ -2,6 +2,7 @@ package service_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -172,5 +173,73 @@ func TestConcurrencyLimit(t *testing.T) {
 	}
 	if maxQueue < int64(10*time.Millisecond) {
 		t.Errorf("max queue time %v, want >= 10ms for the call that waited", time.Duration(maxQueue))
+	}
+}
+
+// TestQueueBound checks the queue in front of the execution slots: calls
+// beyond MaxConcurrent + MaxQueued are refused at once with
+// ResourceExhausted, and the queued calls run once the slot frees.
+func TestQueueBound(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{release: make(chan struct{}), started: make(chan struct{}, 8)}
+	c, srv, _ := servicetest.StartServerConfig(t, service.Config{MaxConcurrent: 1, MaxQueued: 2}, b)
+	w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)
+	if _, err := servicetest.Upload(testContext(t), c, servicetest.Header("layer", w, false), servicetest.Chunks(w, 1000)); err != nil {
+		t.Fatal(err)
+	}
+	results := make(chan error, 3)
+	call := func() {
+		req := request(rng, 1)
+		go func() {
+			_, err := c.FusedMoE(testContext(t), req)
+			results <- err
+		}()
+	}
+	call()
+	<-b.started // the one slot is taken
+	call()
+	call()
+	for srv.Queued() < 2 {
+		time.Sleep(time.Millisecond)
+	}
+	_, err := c.FusedMoE(testContext(t), request(rng, 1))
+	if status.Code(err) != codes.ResourceExhausted || !strings.Contains(status.Convert(err).Message(), "server busy: 1 calls running, 2 queued") {
+		t.Errorf("call beyond the queue: got %v, want ResourceExhausted \"server busy: 1 calls running, 2 queued\"", err)
+	}
+	close(b.release)
+	for range 3 {
+		if err := <-results; err != nil {
+			t.Errorf("admitted call: %v", err)
+		}
+	}
+	if _, err := c.FusedMoE(testContext(t), request(rng, 2)); err != nil {
+		t.Errorf("call after the burst: %v", err)
+	}
+	if n := b.numCalls(); n != 4 {
+		t.Errorf("backend ran %d calls, want 4 (3 admitted and the last)", n)
+	}
+}
+
+// TestQueueCancel checks a call waiting in the queue ends with its own
+// deadline or cancellation and never reaches the backend.
+func TestQueueCancel(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{release: make(chan struct{}), started: make(chan struct{}, 8)}
+	defer close(b.release)
+	c, _ := loadedServer(t, rng, service.Config{MaxConcurrent: 1}, b)
+	go c.FusedMoE(testContext(t), request(rng, 1)) //nolint:errcheck // released at the end
+	<-b.started
+	ctx, cancel := context.WithTimeout(testContext(t), 30*time.Millisecond)
+	defer cancel()
+	if _, err := c.FusedMoE(ctx, request(rng, 1)); status.Code(err) != codes.DeadlineExceeded {
+		t.Errorf("queued call past its deadline: got %v, want DeadlineExceeded", err)
+	}
+	ctx2, cancel2 := context.WithCancel(testContext(t))
+	time.AfterFunc(30*time.Millisecond, cancel2)
+	if _, err := c.FusedMoE(ctx2, request(rng, 1)); status.Code(err) != codes.Canceled {
+		t.Errorf("queued call cancelled: got %v, want Canceled", err)
+	}
+	if n := b.numCalls(); n != 1 {
+		t.Errorf("backend ran %d calls, want only the running one", n)
 	}
 }
