@@ -44,6 +44,10 @@ type Config struct {
 	// MaxConcurrent bounds FusedMoE calls running at once
 	// (-max-concurrent, EXPERTD_MAX_CONCURRENT).
 	MaxConcurrent int
+	// MaxQueued bounds FusedMoE calls waiting for a slot; more are refused
+	// with ResourceExhausted. 0 means 4 × MaxConcurrent (-max-queued,
+	// EXPERTD_MAX_QUEUED).
+	MaxQueued int
 	// AdminAddr serves /metrics (Prometheus) and /healthz; empty disables
 	// (-admin-addr, EXPERTD_ADMIN_ADDR).
 	AdminAddr string
@@ -139,6 +143,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	i64(&c.MaxMessageBytes, "max-message-bytes", 0, "largest gRPC message in bytes (suffixes KiB, MiB, GiB); 0 sizes it for FP32 requests of max-tokens tokens with K <= 8192, E <= 512")
 	i64(&c.MaxLoadedBytes, "max-loaded-bytes", defaultMaxLoadedBytes, "bytes of expert weights that may be resident at once (suffixes KiB, MiB, GiB); 0 means unlimited")
 	integer(&c.MaxConcurrent, "max-concurrent", defaultMaxConcurrent, "FusedMoE calls that run at once; more wait in order")
+	integer(&c.MaxQueued, "max-queued", 0, "FusedMoE calls that may wait for a slot; more are refused with RESOURCE_EXHAUSTED; 0 means 4 x max-concurrent")
 	str(&c.AdminAddr, "admin-addr", defaultAdminAddr, "address serving /metrics and /healthz; empty disables it")
 	str(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error")
 	str(&c.LogFormat, "log-format", "text", "log format: text or json")
