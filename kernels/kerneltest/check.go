@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
-	"testing"
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/scaling"
@@ -92,6 +91,15 @@ func Cases() []Case {
 	}
 }
 
+// TB is the part of testing.TB that CheckBackend uses. Declaring it here
+// keeps the package free of an import of testing, so the CUDA backend's
+// start-up self-test can build cases with it inside the daemon.
+type TB interface {
+	Helper()
+	Errorf(format string, args ...any)
+	Logf(format string, args ...any)
+}
+
 // CheckBackend runs b through cases (Cases() when none are given), each on
 // fresh random hidden states, logits and biases from a seeded generator
 // (expert weights are generated once per process for each shape and
@@ -99,7 +107,7 @@ func Cases() []Case {
 // L2 error against Reference for each case over its tolerance. It also
 // requires the routing the backend reports to match the reference's ids
 // exactly and its weights to 1e-5, and every output element to be finite.
-func CheckBackend(t testing.TB, b kernels.Backend, cases ...Case) {
+func CheckBackend(t TB, b kernels.Backend, cases ...Case) {
 	t.Helper()
 	if len(cases) == 0 {
 		cases = Cases()
