@@ -66,6 +66,7 @@ type options struct {
 	noWait      bool
 	waitReady   bool
 	dialOpts    []grpc.DialOption
+	token       string
 }
 
 // Option configures Dial.
@@ -157,6 +158,13 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
 	}
 	if o.chunkBytes < 1 || o.maxMsg < 1 {
 		return nil, fmt.Errorf("expertd client: chunk bytes %d and max message bytes %d must be >= 1", o.chunkBytes, o.maxMsg)
+	}
+	if o.token != "" {
+		b := bearer{token: o.token, secure: !isLoopbackTarget(addr)}
+		if b.secure && o.creds.Info().SecurityProtocol == "insecure" {
+			return nil, fmt.Errorf("expertd client: %s: WithBearerToken needs WithTransportCredentials (TLS) for a non-loopback address", addr)
+		}
+		o.dialOpts = append([]grpc.DialOption{grpc.WithPerRPCCredentials(b)}, o.dialOpts...)
 	}
 	dialOpts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(o.creds),

@@ -44,5 +44,9 @@
 // backoff from 100 ms up to 2 s; WithWaitForReady makes calls wait for it
 // (up to their deadline) instead of failing with Unavailable.
 //
+// For a daemon with authorization, WithBearerToken sends a token on every
+// call; it needs WithTransportCredentials (TLS, or mutual TLS with a
+// client certificate) unless the daemon is on a loopback address.
+//
 // Package clienttest starts an in-process server for tests and examples.
 package client
