@@ -89,9 +89,12 @@ func daemonBinary(t *testing.T) string {
 type daemon struct {
 	// Addr is the gRPC address it serves on, "127.0.0.1:port".
 	Addr string
-	cmd  *exec.Cmd
-	logs *lockedBuffer
-	done chan error
+	// Admin is the /metrics and /healthz address, empty unless the test
+	// passed -admin-addr.
+	Admin string
+	cmd   *exec.Cmd
+	logs  *lockedBuffer
+	done  chan error
 	// stopped makes stop idempotent: tests may stop a daemon before its
 	// cleanup does.
 	stopped sync.Once
@@ -135,7 +138,7 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 	t.Logf("$ expertd %s", shellJoin(args))
 	d := &daemon{cmd: cmd, logs: &lockedBuffer{}, done: make(chan error, 1)}
 
-	addr := make(chan string, 1)
+	addr := make(chan [2]string, 1)
 	go func() {
 		// Read the log for the bound address, then keep collecting it.
 		sc := bufio.NewScanner(stderr)
@@ -144,11 +147,12 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 			line := sc.Text()
 			d.logs.Write([]byte(line + "\n"))
 			var rec struct {
-				Msg  string `json:"msg"`
-				GRPC string `json:"grpc"`
+				Msg   string `json:"msg"`
+				GRPC  string `json:"grpc"`
+				Admin string `json:"admin"`
 			}
 			if json.Unmarshal([]byte(line), &rec) == nil && rec.Msg == "expertd serving" {
-				addr <- rec.GRPC
+				addr <- [2]string{rec.GRPC, rec.Admin}
 			}
 		}
 		io.Copy(io.Discard, stderr)
@@ -158,7 +162,8 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 
 	deadline := time.After(startTimeout)
 	select {
-	case d.Addr = <-addr:
+	case a := <-addr:
+		d.Addr, d.Admin = a[0], a[1]
 	case err := <-d.done:
 		d.done <- err
 		t.Fatalf("expertd exited before serving: %v\nlog:\n%s", err, d.logs.String())
