@@ -59,6 +59,22 @@ type Config struct {
 	// http://localhost:4317 (http: plaintext, https: TLS); empty exports no
 	// traces (-otlp-endpoint, EXPERTD_OTLP_ENDPOINT).
 	OTLPEndpoint string
+	// TLSCert and TLSKey are the server's PEM certificate (chain) and key;
+	// both set serve TLS, neither plaintext (-tls-cert, -tls-key,
+	// EXPERTD_TLS_CERT, EXPERTD_TLS_KEY).
+	TLSCert, TLSKey string
+	// TLSClientCA is a PEM bundle of CAs client certificates must chain
+	// to; set, it turns on mutual TLS and authorization (-tls-client-ca,
+	// EXPERTD_TLS_CLIENT_CA).
+	TLSClientCA string
+	// AuthTokensFile holds `token role` lines (role user or admin); set,
+	// every call but health checks needs a bearer token or, with mTLS, a
+	// client certificate (-auth-tokens-file, EXPERTD_AUTH_TOKENS_FILE).
+	AuthTokensFile string
+	// AdminIdentities are client-certificate names (subject CN or any
+	// SAN) granted the admin role; other verified certificates are users
+	// (-admin-identities, comma-separated, EXPERTD_ADMIN_IDENTITIES).
+	AdminIdentities []string
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
@@ -148,6 +164,12 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	str(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error")
 	str(&c.LogFormat, "log-format", "text", "log format: text or json")
 	str(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector URL for RPC traces, e.g. http://localhost:4317; empty disables tracing")
+	str(&c.TLSCert, "tls-cert", "", "PEM certificate (chain) to serve TLS with; needs -tls-key")
+	str(&c.TLSKey, "tls-key", "", "PEM private key of -tls-cert")
+	str(&c.TLSClientCA, "tls-client-ca", "", "PEM CA bundle; set, clients must present a certificate it signed (mutual TLS), which grants the user role")
+	str(&c.AuthTokensFile, "auth-tokens-file", "", "file of \"token role\" lines (role user or admin); set, calls other than health checks need a bearer token")
+	var admins string
+	str(&admins, "admin-identities", "", "comma-separated client-certificate names (subject CN or SAN) granted the admin role; needs -tls-client-ca")
 	shutdown := defaultShutdown
 	if v := getenv("EXPERTD_SHUTDOWN_TIMEOUT"); v != "" {
 		d, err := time.ParseDuration(v)
@@ -166,6 +188,11 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	}
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	for _, id := range strings.Split(admins, ",") {
+		if id = strings.TrimSpace(id); id != "" {
+			c.AdminIdentities = append(c.AdminIdentities, id)
+		}
 	}
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = messageBytesFor(c.MaxTokens)
@@ -237,6 +264,7 @@ func (c Config) validate() error {
 			errs = append(errs, fmt.Errorf("-otlp-endpoint %q: want an http:// or https:// URL with a host", c.OTLPEndpoint))
 		}
 	}
+	errs = append(errs, c.validateSecurity()...)
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))
 	}

@@ -83,6 +83,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	log := cfg.logger(stderr)
 	slog.SetDefault(log)
+	sec, err := newSecurity(cfg)
+	if err != nil {
+		return err
+	}
 
 	backend, err := openBackend(cfg, log)
 	if err != nil {
@@ -124,7 +128,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		Meter:           meters.Meter("github.com/expertd/expertd/service"),
 	}, backend, log)
 
-	gs := newGRPCServer(cfg, log, meters, tracer)
+	gs := newGRPCServer(cfg, log, meters, tracer, sec.serverOptions()...)
 	svc.Register(gs)
 	hs := health.NewServer()
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
@@ -169,6 +173,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
 		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent), slog.Int("max_queued", cfg.MaxQueued),
 		slog.String("weights_dir", cfg.WeightsDir))
+	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {
 		ready <- addrs
 	}
@@ -213,8 +218,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 // newGRPCServer builds the server with message limits, panic recovery,
 // call logging (not for health checks and reflection, which would drown
-// the log) and OpenTelemetry RPC metrics.
-func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider, tracer trace.TracerProvider) *grpc.Server {
+// the log) and OpenTelemetry RPC metrics. extra (TLS credentials, the
+// authorization interceptors) follows; its interceptors run after
+// logging, so refused calls are logged with their code.
+func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider, tracer trace.TracerProvider, extra ...grpc.ServerOption) *grpc.Server {
 	rec := recovery.WithRecoveryHandlerContext(func(ctx context.Context, p any) error {
 		log.ErrorContext(ctx, "panic in handler", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
 		return status.Error(codes.Internal, "internal error (logged on the server)")
@@ -226,7 +233,7 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 	logged := selector.MatchFunc(func(_ context.Context, c interceptors.CallMeta) bool {
 		return c.Service != healthpb.Health_ServiceDesc.ServiceName && !strings.HasPrefix(c.Service, "grpc.reflection.")
 	})
-	return grpc.NewServer(
+	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)),
 		grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
 		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters), otelgrpc.WithTracerProvider(tracer))),
@@ -240,7 +247,8 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 			selector.StreamServerInterceptor(logging.StreamServerInterceptor(logger, logOpts...), logged),
 			recovery.StreamServerInterceptor(rec),
 		),
-	)
+	}
+	return grpc.NewServer(append(opts, extra...)...)
 }
 
 // registerReflection serves reflection v1 and v1alpha with expert.proto's
