@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -565,4 +566,13 @@ func oversized(rng *rand.Rand) []badCall {
 			return err
 		}, codes.ResourceExhausted, "larger than max"},
 	}
+}
+
+// cmpIgnoreBackendCounts compares server states of calls that did reach
+// the backend (the fault tests).
+var cmpIgnoreBackendCounts = cmpopts.IgnoreFields(serverState{}, "BackendCalls", "BackendLoads")
+
+// serviceConfig is a Config with a loaded-bytes budget.
+func serviceConfig(maxLoaded int64) service.Config {
+	return service.Config{MaxLoadedBytes: maxLoaded}
 }

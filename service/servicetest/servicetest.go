@@ -4,6 +4,7 @@ package servicetest
 
 import (
 	"context"
+	"log/slog"
 	"net"
 	"testing"
 	"time"
@@ -36,11 +37,18 @@ func StartServer(t testing.TB, backend kernels.Backend) (pb.ExpertServiceClient,
 // the Server, for lifecycle tests (Shutdown).
 func StartServerConfig(t testing.TB, cfg service.Config, backend kernels.Backend) (pb.ExpertServiceClient, *service.Server, func()) {
 	t.Helper()
+	return StartServerLogger(t, cfg, backend, nil)
+}
+
+// StartServerLogger is StartServerConfig with the server logging to log,
+// for tests that check what the server reports.
+func StartServerLogger(t testing.TB, cfg service.Config, backend kernels.Backend, log *slog.Logger) (pb.ExpertServiceClient, *service.Server, func()) {
+	t.Helper()
 	if cfg.MaxMessageBytes == 0 {
 		cfg.MaxMessageBytes = MaxMessageBytes
 	}
 	lis := bufconn.Listen(1 << 20)
-	srv := service.New(cfg, backend, nil)
+	srv := service.New(cfg, backend, log)
 	gs := grpc.NewServer(grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)))
 	srv.Register(gs)
 	go gs.Serve(lis) //nolint:errcheck // Serve returns when Stop is called
