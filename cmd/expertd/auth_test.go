@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/rand"
+	"encoding/base64"
 	"encoding/hex"
 	"fmt"
 	"io"
@@ -373,5 +374,31 @@ func TestSecurityWarnings(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestPayloadsNotLogged sends a call whose hidden states spell a marker
+// and checks that, even at debug level, neither the marker (raw, base64
+// or hex) nor the token reaches the log, while the call itself is logged.
+func TestPayloadsNotLogged(t *testing.T) {
+	path, user, _ := writeTokens(t)
+	addr, logs := startDaemon(t, "-auth-tokens-file", path, "-log-level", "debug")
+	const marker = "PAYLOADMARKERXYZ" // 16 bytes: four finite float32s
+	req := inlineRequest(mrand.New(mrand.NewPCG(uint64(time.Now().UnixNano()), 4)))
+	copy(req.HiddenStates.GetData(), marker)
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+	ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+user)
+	if _, err := pb.NewExpertServiceClient(dial(t, addr, insecure.NewCredentials())).FusedMoE(ctx, req); err != nil {
+		t.Fatalf("FusedMoE: %v", err)
+	}
+	out := logs.String()
+	if !strings.Contains(out, `"grpc.method":"FusedMoE"`) {
+		t.Fatalf("the call was not logged, so the check below proves nothing:\n%s", out)
+	}
+	for _, secret := range []string{marker, base64.StdEncoding.EncodeToString([]byte(marker))[:20], hex.EncodeToString([]byte(marker)), user} {
+		if strings.Contains(out, secret) {
+			t.Errorf("logs contain %q:\n%s", secret, out)
+		}
 	}
 }
