@@ -1,0 +1,63 @@
+/* A stand-in for libexpertd_cuda.so with no GPU behind it, built by the
+ * fault tests (kernels/cuda, cmd/expertd) with the system C compiler. Each
+ * macro picks one way a real library or device can fail:
+ *
+ *   FAKE_ABI=n        expertd_abi_version returns n (default 1, the ABI)
+ *   FAKE_INIT_RC=c    expertd_init returns code c (5: ERR_NO_DEVICE)
+ *   FAKE_MOE_RC=c     expertd_moe returns c (4: ERR_CUDA); with 0 it
+ *                     "succeeds" without writing its output (a kernel that
+ *                     computes garbage, which the self-test must catch)
+ *   FAKE_OMIT_MOE     leaves expertd_moe out (a truncated build)
+ */
+#include <stdint.h>
+#include <string.h>
+
+#ifndef FAKE_ABI
+#define FAKE_ABI 1
+#endif
+#ifndef FAKE_INIT_RC
+#define FAKE_INIT_RC 0
+#endif
+#ifndef FAKE_MOE_RC
+#define FAKE_MOE_RC 0
+#endif
+
+static const char* last = "";
+
+int expertd_abi_version(void) { return FAKE_ABI; }
+
+int expertd_init(int device) {
+  (void)device;
+  if (FAKE_INIT_RC != 0) last = "fake: no CUDA device";
+  return FAKE_INIT_RC;
+}
+
+int expertd_device_info(int device, char* buf, int buflen) {
+  (void)device;
+  strncpy(buf, "fake device", (size_t)buflen - 1);
+  return 0;
+}
+
+int expertd_set_create(int device, int e, int k, int n, int act, const uint8_t* w13, const uint8_t* w2,
+                       const float* s13, int n13, const float* s2, int n2, float a13, float a2, uint64_t* out) {
+  (void)device; (void)e; (void)k; (void)n; (void)act; (void)w13; (void)w2;
+  (void)s13; (void)n13; (void)s2; (void)n2; (void)a13; (void)a2;
+  *out = 42;
+  return 0;
+}
+
+int expertd_set_free(uint64_t h) { (void)h; return 0; }
+
+#ifndef FAKE_OMIT_MOE
+int expertd_moe(uint64_t h, const int64_t* ip, int nip, const float* fp, int nfp, const void* hidden,
+                const float* hidden_scale, const void* logits, const float* bias, const int32_t* ids_in,
+                const float* w_in, void* out, int32_t* ids_out, float* w_out, float* ms) {
+  (void)h; (void)ip; (void)nip; (void)fp; (void)nfp; (void)hidden; (void)hidden_scale; (void)logits;
+  (void)bias; (void)ids_in; (void)w_in; (void)out; (void)ids_out; (void)w_out;
+  if (ms) *ms = 0.01f;
+  if (FAKE_MOE_RC != 0) last = "fake: an illegal memory access was encountered";
+  return FAKE_MOE_RC;
+}
+#endif
+
+const char* expertd_last_error(void) { return last; }
