@@ -92,6 +92,9 @@ type authorizer struct {
 	// grants user, or admin when one of its names is in admins.
 	mtls   bool
 	admins map[string]bool
+	// looseMode is the tokens file's permission bits when group or others
+	// may read or write it, for a warning; 0 otherwise.
+	looseMode os.FileMode
 }
 
 // newAuthorizer reads the tokens file and the admin identities.
@@ -109,6 +112,9 @@ func newAuthorizer(c Config) (*authorizer, error) {
 			return nil, fmt.Errorf("-auth-tokens-file: %w", err)
 		}
 		defer f.Close()
+		if fi, err := f.Stat(); err == nil && fi.Mode().Perm()&0o077 != 0 {
+			a.looseMode = fi.Mode().Perm()
+		}
 		if a.tokens, err = parseTokens(f); err != nil {
 			return nil, fmt.Errorf("-auth-tokens-file %s: %w", c.AuthTokensFile, err)
 		}
@@ -301,6 +307,10 @@ func (s *security) logPosture(log *slog.Logger, c Config, addr net.Addr) {
 	case !local && !hasTLS && tokens:
 		log.Warn("bearer tokens travel in plaintext to a non-loopback listener; set -tls-cert and -tls-key",
 			slog.String("listen", addr.String()), slog.Bool("tls", false))
+	}
+	if s.authz != nil && s.authz.looseMode != 0 {
+		log.Warn("the tokens file is readable or writable by group or others; chmod 600 it",
+			slog.String("file", c.AuthTokensFile), slog.String("mode", s.authz.looseMode.String()))
 	}
 	if s.authz != nil && !s.authz.hasAdmin() {
 		log.Warn("no caller has the admin role: LoadExperts and UnloadExperts will be refused; add an admin token or -admin-identities")

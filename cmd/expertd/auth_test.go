@@ -337,27 +337,33 @@ func TestNoAuthUnchanged(t *testing.T) {
 
 // TestSecurityWarnings checks the loud warnings: a listener reachable
 // from other hosts with no protection, tokens in plaintext to one, and a
-// configuration where nobody is admin.
+// configuration where nobody is admin, and a tokens file others can read.
 func TestSecurityWarnings(t *testing.T) {
 	userOnly := filepath.Join(t.TempDir(), "tokens")
 	if err := os.WriteFile(userOnly, []byte(newToken(t)+" user\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	withAdmin, _, _ := writeTokens(t)
+	loose, _, _ := writeTokens(t)
+	if err := os.Chmod(loose, 0o644); err != nil {
+		t.Fatal(err)
+	}
 	const (
 		open      = "reachable from other hosts with neither TLS nor authorization"
 		plaintext = "bearer tokens travel in plaintext"
 		noAdmin   = "no caller has the admin role"
+		readable  = "the tokens file is readable or writable by group or others"
 	)
 	tests := []struct {
 		name      string
 		args      []string
 		want, not []string
 	}{
-		{"loopback, nothing set", nil, nil, []string{open, plaintext, noAdmin}},
+		{"loopback, nothing set", nil, nil, []string{open, plaintext, noAdmin, readable}},
 		{"all interfaces, nothing set", []string{"-listen", "0.0.0.0:0"}, []string{open}, []string{plaintext}},
 		{"all interfaces, tokens without TLS", []string{"-listen", "0.0.0.0:0", "-auth-tokens-file", withAdmin}, []string{plaintext}, []string{open, noAdmin}},
-		{"loopback, user tokens only", []string{"-auth-tokens-file", userOnly}, []string{noAdmin}, []string{open, plaintext}},
+		{"loopback, user tokens only", []string{"-auth-tokens-file", userOnly}, []string{noAdmin}, []string{open, plaintext, readable}},
+		{"tokens file mode 644", []string{"-auth-tokens-file", loose}, []string{readable, "-rw-r--r--"}, []string{open, plaintext, noAdmin}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

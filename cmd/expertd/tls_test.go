@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
@@ -226,8 +227,9 @@ func TestMutualTLS(t *testing.T) {
 	ca, other := newTestCA(t, "expertd-test"), newTestCA(t, "other")
 	srv := ca.issue(t, "expertd-server", true)
 	const spiffe = "spiffe://example.org/loader"
+	tokens, userToken, adminToken := writeTokens(t)
 	addr, logs := startDaemon(t, "-tls-cert", srv.certPath, "-tls-key", srv.keyPath, "-tls-client-ca", ca.pemPath,
-		"-admin-identities", "ops-admin, "+spiffe)
+		"-admin-identities", "ops-admin, "+spiffe, "-auth-tokens-file", tokens)
 
 	clientCreds := func(certs ...tls.Certificate) credentials.TransportCredentials {
 		return credentials.NewTLS(&tls.Config{RootCAs: ca.pool(), Certificates: certs})
@@ -241,22 +243,30 @@ func TestMutualTLS(t *testing.T) {
 	tests := []struct {
 		name                   string
 		creds                  credentials.TransportCredentials
+		token                  string // bearer token sent beside the certificate, if any
 		wantHealth, wantInfo   codes.Code
 		wantUnload             codes.Code
 		wantMessageMentionsErr string
 	}{
-		{"no client certificate", clientCreds(), codes.Unavailable, codes.Unavailable, codes.Unavailable, ""},
-		{"certificate from another CA", clientCreds(forged.tls), codes.Unavailable, codes.Unavailable, codes.Unavailable, ""},
-		{"user certificate", clientCreds(user.tls), codes.OK, codes.OK, codes.PermissionDenied, "needs the admin role"},
+		{"no client certificate", clientCreds(), "", codes.Unavailable, codes.Unavailable, codes.Unavailable, ""},
+		{"no client certificate, admin token", clientCreds(), adminToken, codes.Unavailable, codes.Unavailable, codes.Unavailable, ""},
+		{"certificate from another CA", clientCreds(forged.tls), "", codes.Unavailable, codes.Unavailable, codes.Unavailable, ""},
+		{"user certificate", clientCreds(user.tls), "", codes.OK, codes.OK, codes.PermissionDenied, "needs the admin role"},
+		{"user certificate, user token", clientCreds(user.tls), userToken, codes.OK, codes.OK, codes.PermissionDenied, "needs the admin role"},
 		// An admin unloading a set that is not there reaches the handler:
 		// NotFound, not PermissionDenied.
-		{"admin by CN", clientCreds(adminCN.tls), codes.OK, codes.OK, codes.NotFound, ""},
-		{"admin by URI SAN", clientCreds(adminURI.tls), codes.OK, codes.OK, codes.NotFound, ""},
+		{"user certificate, admin token", clientCreds(user.tls), adminToken, codes.OK, codes.OK, codes.NotFound, ""},
+		{"user certificate, unknown token", clientCreds(user.tls), newToken(t), codes.OK, codes.Unauthenticated, codes.Unauthenticated, "not recognized"},
+		{"admin by CN", clientCreds(adminCN.tls), "", codes.OK, codes.OK, codes.NotFound, ""},
+		{"admin by URI SAN", clientCreds(adminURI.tls), "", codes.OK, codes.OK, codes.NotFound, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
 			defer cancel()
+			if tt.token != "" {
+				ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tt.token)
+			}
 			conn := dial(t, addr, tt.creds)
 			_, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
 			if got := status.Code(err); got != tt.wantHealth {
