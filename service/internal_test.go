@@ -192,3 +192,71 @@ func FuzzInlineSet(f *testing.F) {
 		}
 	})
 }
+
+// FuzzDecodeTensor feeds arbitrary Tensor bytes, checked against a chosen
+// set of dtypes, to the tensor decoders: no panic, and what they accept
+// has exactly the bytes its shape needs and the values they promise.
+func FuzzDecodeTensor(f *testing.F) {
+	seeds := []*pb.Tensor{
+		{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{2}, Source: &pb.Tensor_Data{Data: bytes.Repeat([]byte{0, 0, 0x80, 0x3f}, 2)}},
+		{Dtype: pb.DataType_DATA_TYPE_BFLOAT16, Shape: []int64{1, 2}, Source: &pb.Tensor_Data{Data: []byte{0x80, 0xff, 0x80, 0x3f}}},
+		{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{1 << 40, 1 << 40}, Source: &pb.Tensor_Data{Data: []byte{1}}},
+	}
+	for i, s := range seeds {
+		b, _ := proto.Marshal(s)
+		f.Add(b, uint8(i))
+	}
+	all := []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float16, kernels.Float8E4M3FN, kernels.Int32}
+	f.Fuzz(func(t *testing.T, b []byte, mask uint8) {
+		var pt pb.Tensor
+		if proto.Unmarshal(b, &pt) != nil {
+			return
+		}
+		var allowed []kernels.DType
+		for i, d := range all {
+			if mask&(1<<i) != 0 {
+				allowed = append(allowed, d)
+			}
+		}
+		m, data, err := checkTensor("t", &pt, allowed...)
+		if err != nil {
+			return
+		}
+		n := 1
+		for _, d := range m.shape {
+			if d < 0 {
+				t.Fatalf("accepted shape %v", m.shape)
+			}
+			n *= d
+		}
+		if len(data) != n*m.dtype.Size() || int64(len(data)) != m.bytes {
+			t.Fatalf("accepted %v %v with %d bytes", m.dtype, m.shape, len(data))
+		}
+		legal := false
+		for _, a := range allowed {
+			legal = legal || a == m.dtype
+		}
+		if !legal {
+			t.Fatalf("accepted dtype %v, allowed %v", m.dtype, allowed)
+		}
+		switch m.dtype {
+		case kernels.Float32:
+			if v, err := decodeScales("t", data); err == nil {
+				for _, x := range v {
+					if !(x > 0) || math.IsInf(float64(x), 0) {
+						t.Fatalf("accepted scale %v", x)
+					}
+				}
+			}
+			fallthrough
+		case kernels.BFloat16:
+			if _, _, bad := firstBadLogit(m.dtype, data); !bad {
+				for i := range n {
+					if x := element(m.dtype, data, i); x != x || math.IsInf(float64(x), 1) {
+						t.Fatalf("accepted logit %v", x)
+					}
+				}
+			}
+		}
+	})
+}
