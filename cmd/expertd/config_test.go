@@ -41,6 +41,8 @@ func TestParseConfig(t *testing.T) {
 			}},
 		{"flag beats env", []string{"-max-tokens", "32"}, map[string]string{"EXPERTD_MAX_TOKENS": "64"},
 			func(c *Config) { c.MaxTokens, c.MaxMessageBytes = 32, messageBytesFor(32) }},
+		{"queue flag", []string{"-max-queued", "12"}, nil, func(c *Config) { c.MaxQueued = 12 }},
+		{"queue env", nil, map[string]string{"EXPERTD_MAX_QUEUED": "3"}, func(c *Config) { c.MaxQueued = 3 }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
