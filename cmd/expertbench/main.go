@@ -10,6 +10,16 @@
 // it down with -e, -k and -n); without it, -set names a layer already
 // loaded. Only loopback addresses are accepted unless -allow-remote is
 // given.
+//
+// -soak turns it into a soak test (soak.go): three small layers (gated,
+// ReLU², block-scaled) called with mixed token counts, a share of
+// malformed calls that must be refused with the right code, every good
+// response checked against the float64 reference, and the daemon's
+// goroutines and memory read from its admin /metrics before, during and
+// after; it exits 1 on any wrong answer, unexpected status or growth
+// over the thresholds. docs/soak.md has a run and its figures.
+//
+//	expertbench -soak -addr 127.0.0.1:50051 -admin-addr 127.0.0.1:9090 -c 64 -duration 10m
 package main
 
 import (
@@ -35,6 +45,9 @@ func main() {
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if !errors.Is(err, flag.ErrHelp) {
 			fmt.Fprintln(os.Stderr, "expertbench:", err)
+		}
+		if errors.Is(err, errSoakFailed) {
+			os.Exit(1)
 		}
 		os.Exit(2)
 	}
@@ -64,6 +77,10 @@ type config struct {
 	seed        uint64
 	progress    time.Duration
 	jsonOut     bool
+	// k and n are the -k and -n flags as given (0: not given), which
+	// -soak applies to all of its sets.
+	k, n int
+	soak soakConfig
 }
 
 func parseFlags(args []string, stderr io.Writer) (config, error) {
@@ -89,6 +106,14 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.Uint64Var(&c.seed, "seed", uint64(time.Now().UnixNano()), "random seed of weights and tokens")
 	fs.DurationVar(&c.progress, "progress", time.Second, "progress line interval on stderr (0: none)")
 	fs.BoolVar(&c.jsonOut, "json", false, "print the summary as JSON")
+	fs.BoolVar(&c.soak.on, "soak", false, soakUsage)
+	fs.Float64Var(&c.soak.badShare, "bad-share", 0.05, "with -soak: share of calls that are malformed (0..1)")
+	fs.Float64Var(&c.soak.checkShare, "check-share", 1, "with -soak: share of good responses checked against the float64 reference (0..1)")
+	fs.StringVar(&c.soak.adminAddr, "admin-addr", "", "with -soak: the daemon's admin address, to read goroutines and memory from /metrics (empty: no server figures)")
+	fs.Float64Var(&c.soak.maxRSSGrowthMiB, "max-rss-growth-mib", 64, "with -soak and -admin-addr: fail when the server's RSS grows more than this after the warm-up")
+	fs.IntVar(&c.soak.maxGoroutineGrowth, "max-goroutine-growth", 16, "with -soak and -admin-addr: fail when the idle server has more goroutines than this over its count before the load")
+	fs.DurationVar(&c.soak.warmup, "warmup", 0, "with -soak: load time before the RSS baseline (0: a fifth of -duration, at most 1m)")
+	fs.BoolVar(&c.soak.busyOK, "busy-ok", true, "with -soak: count ResourceExhausted on good calls (the daemon's bounded queue) as expected back-pressure")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -115,6 +140,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, err
 	}
 	c.model = m
+	c.k, c.n = *k, *n
 	c.maxLoad = int64(*maxLoadGiB * (1 << 30))
 	if c.load && m.weightBytes() > c.maxLoad {
 		return c, fmt.Errorf("-load: a %v layer is %s, above -max-load-gib %g; scale it with -e, -k, -n or raise the limit",
@@ -139,11 +165,22 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	if c.duration <= 0 || c.duration > maxDuration {
 		errs = append(errs, fmt.Errorf("-duration %v: want > 0 and <= %v", c.duration, maxDuration))
 	}
+	if c.soak.badShare < 0 || c.soak.badShare > 1 || c.soak.checkShare < 0 || c.soak.checkShare > 1 {
+		errs = append(errs, fmt.Errorf("-bad-share %g, -check-share %g: want 0..1", c.soak.badShare, c.soak.checkShare))
+	}
+	if c.soak.warmup == 0 {
+		c.soak.warmup = min(c.duration/5, time.Minute)
+	}
+	if c.soak.on && c.soak.adminAddr != "" && !c.allowRemote {
+		if err := checkLoopback("admin-addr", c.soak.adminAddr); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if c.calls < 0 || c.calls > maxCalls {
 		errs = append(errs, fmt.Errorf("-calls %d: want 0..%d", c.calls, maxCalls))
 	}
 	if !c.allowRemote {
-		if err := checkLoopback(c.addr); err != nil {
+		if err := checkLoopback("addr", c.addr); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -161,10 +198,10 @@ func modelNames() []string {
 
 // checkLoopback refuses addresses that leave the host: a load generator
 // should not be pointed at someone else's server by accident.
-func checkLoopback(addr string) error {
+func checkLoopback(flagName, addr string) error {
 	host, _, err := net.SplitHostPort(addr)
 	if err != nil {
-		return fmt.Errorf("-addr %q: %w", addr, err)
+		return fmt.Errorf("-%s %q: %w", flagName, addr, err)
 	}
 	if host == "localhost" {
 		return nil
@@ -172,7 +209,7 @@ func checkLoopback(addr string) error {
 	if ip := net.ParseIP(host); ip != nil && ip.IsLoopback() {
 		return nil
 	}
-	return fmt.Errorf("-addr %q is not a loopback address; pass -allow-remote to load a remote server", addr)
+	return fmt.Errorf("-%s %q is not a loopback address; pass -allow-remote to load a remote server", flagName, addr)
 }
 
 // run is the whole command.
@@ -189,6 +226,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	defer c.Close()
 
+	if cfg.soak.on {
+		res, err := soak(ctx, c, cfg, stderr)
+		if res != nil {
+			if perr := res.print(stdout, cfg); perr != nil && err == nil {
+				err = perr
+			}
+		}
+		return err
+	}
 	if cfg.load {
 		if err := loadSet(ctx, c, cfg, stderr); err != nil {
 			return err

@@ -143,6 +143,10 @@ func TestFlags(t *testing.T) {
 		{[]string{"-model", "deepseek", "-load"}, "is 10.50 GiB, above -max-load-gib 8"},
 		{[]string{"-model", "deepseek", "-load", "-max-load-gib", "11"}, ""},
 		{[]string{"-model", "deepseek"}, ""},
+		{[]string{"-soak", "-bad-share", "1.5"}, "-bad-share 1.5"},
+		{[]string{"-soak", "-check-share", "-0.1"}, "-check-share -0.1"},
+		{[]string{"-soak", "-admin-addr", "10.1.2.3:9090"}, `-admin-addr "10.1.2.3:9090" is not a loopback`},
+		{[]string{"-soak", "-admin-addr", "127.0.0.1:9090"}, ""},
 	}
 	for _, tc := range tests {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {

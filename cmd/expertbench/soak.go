@@ -1,0 +1,576 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"runtime"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/kerneltest"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
+)
+
+// errSoakFailed is a soak that ran but found a wrong answer, an unexpected
+// status or growth over a threshold; main exits 1 on it.
+var errSoakFailed = errors.New("soak failed")
+
+// soakConfig holds the soak-only flags.
+type soakConfig struct {
+	on bool
+	// badShare of calls are malformed; checkShare of good responses are
+	// compared with the float64 reference.
+	badShare, checkShare float64
+	adminAddr            string
+	maxRSSGrowthMiB      float64
+	maxGoroutineGrowth   int
+	warmup               time.Duration
+	// busyOK counts ResourceExhausted on good calls (the daemon's bounded
+	// queue) as expected back-pressure instead of a failure.
+	busyOK bool
+}
+
+// soakSet is one expert set a soak loads.
+type soakSet struct {
+	name  string
+	shape kerneltest.Shape
+	opts  []kerneltest.Option
+	// out is the output dtype of its calls.
+	out kernels.DType
+}
+
+// soakSets are the layers of a soak: a gated softmax one, a ReLU² sigmoid
+// one with a correction bias, and a block-scaled grouped one with FP32
+// output, so that both activations, every scoring and two scale
+// granularities run side by side. Their own sizes differ; k and n, when
+// not 0, replace them all.
+func soakSets(prefix string, k, n int) []soakSet {
+	size := func(s kerneltest.Shape, dk, dn int) kerneltest.Shape {
+		if k != 0 {
+			dk = k
+		}
+		if n != 0 {
+			dn = n
+		}
+		return s.Scaled(dk, dn)
+	}
+	deepseek := size(kerneltest.DeepSeekV3, 256, 64)
+	deepseek.E = 64
+	return []soakSet{
+		{prefix + "-gated", size(kerneltest.Qwen3, 192, 96), []kerneltest.Option{kerneltest.WithGranularity(scaling.PerExpert)}, kernels.BFloat16},
+		{prefix + "-relu2", size(kerneltest.Nemotron, 160, 128), []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, kernels.BFloat16},
+		{prefix + "-block", deepseek, []kerneltest.Option{kerneltest.WithBlock(64, 64)}, kernels.Float32},
+	}
+}
+
+// poolEntry is one good request with its float64 reference.
+type poolEntry struct {
+	setName string
+	set     *kernels.ExpertSet
+	req     *kernels.Request
+	sdk     *client.FusedMoERequest
+	wire    *pb.FusedMoERequest
+	want    []float64
+}
+
+// newSoakEntry is a request of m fresh tokens on set, drawn like
+// kerneltest's cases (hidden states randn/10 in BF16, FP32 logits randn,
+// bias randn/10) but without kerneltest.NewCase, which would also draw
+// and quantize a whole new set of weights per request.
+func newSoakEntry(rng *rand.Rand, ss soakSet, set *kernels.ExpertSet, m int) *poolEntry {
+	s := ss.shape
+	randn := func(n int, scale float64) []float32 {
+		v := make([]float32, n)
+		for i := range v {
+			v[i] = float32(rng.NormFloat64() * scale)
+		}
+		return v
+	}
+	req := &kernels.Request{
+		Hidden: kernels.Tensor{DType: kernels.BFloat16, Shape: []int{m, s.K},
+			Data: client.BFloat16FromFloat32(randn(m*s.K, 0.1), m, s.K).Data},
+		Logits: kernels.Tensor{DType: kernels.Float32, Shape: []int{m, s.E},
+			Data: client.FromFloat32(randn(m*s.E, 1), m, s.E).Data},
+		Routing: kernels.Routing{TopK: s.TopK, Renormalize: s.Renormalize, Scoring: s.Scoring,
+			NumGroups: s.NumGroups, TopKGroups: s.TopKGroups, ScalingFactor: s.ScalingFactor},
+		OutDType: ss.out,
+	}
+	if req.Routing.ScalingFactor == 0 {
+		req.Routing.ScalingFactor = 1
+	}
+	if s.Bias {
+		req.Routing.CorrectionBias = randn(s.E, 0.1)
+	}
+	sdk := clienttest.Request(ss.name, set, req)
+	return &poolEntry{setName: ss.name, set: set, req: req, sdk: sdk, wire: wireRequest(sdk)}
+}
+
+// tokenCounts are the M of a set's pool requests, capped at -m: eight
+// distinct requests per set, shared by all clients, are enough that
+// concurrent calls mostly differ (so a response sent to the wrong caller
+// is caught) and few enough that their references are quick to compute.
+func tokenCounts(maxM int) []int {
+	var ms []int
+	for _, m := range []int{1, maxM, 3, maxM / 2, 8, 17, 2, maxM / 4} {
+		ms = append(ms, min(max(m, 1), maxM))
+	}
+	return ms
+}
+
+// soakResult is a soak's summary.
+type soakResult struct {
+	Sets        []string       `json:"sets"`
+	Backend     string         `json:"backend"`
+	Concurrency int            `json:"concurrency"`
+	Elapsed     time.Duration  `json:"elapsed_ns"`
+	Calls       int            `json:"calls"`
+	Good        int            `json:"good_calls"`
+	Malformed   int            `json:"malformed_calls"`
+	Checked     int            `json:"checked"`
+	Wrong       int            `json:"wrong"`
+	WorstRelL2  float64        `json:"worst_rel_l2"`
+	Expected    map[string]int `json:"expected_by_code"`
+	Unexpected  map[string]int `json:"unexpected_by_code"`
+	// FirstUnexpected are the first few unexpected outcomes, verbatim.
+	FirstUnexpected []string      `json:"first_unexpected,omitempty"`
+	GoodP50         time.Duration `json:"good_p50_ns"`
+	GoodP99         time.Duration `json:"good_p99_ns"`
+	GoodMax         time.Duration `json:"good_max_ns"`
+	BadP50          time.Duration `json:"malformed_p50_ns"`
+	BadP99          time.Duration `json:"malformed_p99_ns"`
+	// Server figures: idle before the load, after the warm-up, the peak
+	// seen while loading, and idle after it.
+	ServerBefore *serverStats `json:"server_before,omitempty"`
+	ServerWarm   *serverStats `json:"server_after_warmup,omitempty"`
+	ServerPeak   *serverStats `json:"server_peak,omitempty"`
+	ServerEnd    *serverStats `json:"server_end,omitempty"`
+	Failures     []string     `json:"failures"`
+}
+
+// soakState is what the workers share.
+type soakState struct {
+	mu         sync.Mutex
+	res        soakResult
+	good, bad  []time.Duration
+	windowGood int
+}
+
+func (s *soakState) expected(code codes.Code, bad bool, d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.res.Calls++
+	s.res.Expected[outcomeKey(bad, code.String())]++
+	if bad {
+		s.res.Malformed++
+		s.bad = append(s.bad, d)
+	} else {
+		s.res.Good++
+		if code == codes.OK {
+			s.good = append(s.good, d)
+			s.windowGood++
+		}
+	}
+}
+
+// outcomeKey names an outcome in the by-code counts: "good:OK",
+// "good:ResourceExhausted" (busy), "malformed:InvalidArgument", ...
+func outcomeKey(bad bool, code string) string {
+	if bad {
+		return "malformed:" + code
+	}
+	return "good:" + code
+}
+
+func (s *soakState) unexpected(code string, bad bool, what string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.res.Calls++
+	if bad {
+		s.res.Malformed++
+	} else {
+		s.res.Good++
+	}
+	s.res.Unexpected[outcomeKey(bad, code)]++
+	if len(s.res.FirstUnexpected) < 10 {
+		s.res.FirstUnexpected = append(s.res.FirstUnexpected, what)
+	}
+}
+
+func (s *soakState) checked(relErr float64, wrong bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.res.Checked++
+	s.res.WorstRelL2 = max(s.res.WorstRelL2, relErr)
+	if wrong {
+		s.res.Wrong++
+	}
+}
+
+// soak runs the soak: load the sets, build the request pool, run the
+// clients, then judge. It returns the summary and errSoakFailed (wrapped)
+// when the verdict is a failure; other errors mean it could not run.
+func soak(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) (*soakResult, error) {
+	info, err := c.ServerInfo(ctx)
+	if err != nil {
+		return nil, err
+	}
+	rng := rand.New(rand.NewPCG(cfg.seed, 0x50a4))
+	sets := soakSets(cfg.set, cfg.k, cfg.n)
+	var pool []*poolEntry
+	loaded := []string{}
+	defer func() {
+		if cfg.keep {
+			return
+		}
+		unloadCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		for _, name := range loaded {
+			if _, err := c.UnloadExperts(unloadCtx, name); err != nil {
+				fmt.Fprintln(stderr, "expertbench: unloading:", err)
+			}
+		}
+	}()
+	res := &soakResult{Concurrency: cfg.concurrency, Expected: map[string]int{}, Unexpected: map[string]int{}, Failures: []string{}}
+	for _, ss := range sets {
+		set, _ := kerneltest.NewCase(rng, ss.shape, 1, ss.opts...)
+		li, err := c.LoadExperts(ctx, ss.name, clienttest.Weights(set), client.Overwrite())
+		if err != nil {
+			return nil, fmt.Errorf("loading %s: %w", ss.name, err)
+		}
+		loaded = append(loaded, ss.name)
+		res.Backend = li.Backend
+		res.Sets = append(res.Sets, fmt.Sprintf("%s %s E=%d top_k=%d K=%d N=%d %v %v", ss.name, ss.shape.Name, set.E, ss.shape.TopK, set.K, set.N, set.Activation, set.W13Scale.Granularity))
+		maxM := cfg.tokens
+		if info.Limits.MaxTokens > 0 {
+			maxM = min(maxM, info.Limits.MaxTokens)
+		}
+		for _, m := range tokenCounts(maxM) {
+			pool = append(pool, newSoakEntry(rng, ss, set, m))
+		}
+	}
+	start := time.Now()
+	references(pool)
+	fmt.Fprintf(stderr, "expertbench: loaded %d sets, %d requests with references in %v\n", len(sets), len(pool), time.Since(start).Round(time.Millisecond))
+
+	sc := cfg.soak
+	scrapeNow := func(what string) *serverStats {
+		if sc.adminAddr == "" {
+			return nil
+		}
+		st, err := scrape(ctx, sc.adminAddr)
+		if err != nil {
+			res.Failures = append(res.Failures, fmt.Sprintf("%s: %v", what, err))
+			return nil
+		}
+		return &st
+	}
+	res.ServerBefore = scrapeNow("metrics before the load")
+
+	st := &soakState{res: *res}
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	start = time.Now()
+	deadline := start.Add(cfg.duration)
+	for w := range cfg.concurrency {
+		wrng := rand.New(rand.NewPCG(cfg.seed, uint64(w)+1))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			soakWorker(runCtx, c, cfg, info.Limits.MaxTokens, pool, wrng, st, deadline)
+		}()
+	}
+	done := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+
+	progress := cfg.progress
+	if progress <= 0 {
+		progress = time.Second
+	}
+	tick := time.NewTicker(progress)
+	defer tick.Stop()
+	warmAt := start.Add(sc.warmup)
+	var warm, peak *serverStats
+	last := start
+loop:
+	for {
+		select {
+		case <-done:
+			break loop
+		case now := <-tick.C:
+			s := scrapeNow("metrics during the load")
+			if s != nil {
+				if warm == nil && now.After(warmAt) {
+					warm = s
+				}
+				if peak == nil || s.RSS > peak.RSS {
+					peak = s
+				}
+			}
+			if cfg.progress > 0 {
+				st.mu.Lock()
+				calls, bad, unexp, wrong, okN := st.res.Calls, st.res.Malformed, total(st.res.Unexpected), st.res.Wrong, st.windowGood
+				st.windowGood = 0
+				st.mu.Unlock()
+				line := fmt.Sprintf("[%6.1fs] %8d calls  %7.1f good/s  %6d malformed  %d unexpected  %d wrong",
+					now.Sub(start).Seconds(), calls, float64(okN)/now.Sub(last).Seconds(), bad, unexp, wrong)
+				if s != nil {
+					line += fmt.Sprintf("  server: %d goroutines, RSS %.1f MiB", s.Goroutines, mib(s.RSS))
+				}
+				fmt.Fprintln(stderr, line)
+			}
+			last = now
+		}
+	}
+	elapsed := time.Since(start)
+	st.mu.Lock()
+	*res = st.res
+	good, bad := sortedCopy(st.good), sortedCopy(st.bad)
+	st.mu.Unlock()
+	res.Elapsed = elapsed
+	if len(good) > 0 {
+		res.GoodP50, res.GoodP99, res.GoodMax = percentile(good, 0.5), percentile(good, 0.99), good[len(good)-1]
+	}
+	res.BadP50, res.BadP99 = percentile(bad, 0.5), percentile(bad, 0.99)
+
+	if sc.adminAddr != "" {
+		if warm == nil {
+			// A run shorter than its warm-up compares with its last sample.
+			warm = peak
+		}
+		res.ServerWarm, res.ServerPeak = warm, peak
+		res.ServerEnd = settle(ctx, sc, res.ServerBefore)
+	}
+	res.judge(cfg)
+	if len(res.Failures) > 0 {
+		return res, fmt.Errorf("%w: %s", errSoakFailed, strings.Join(res.Failures, "; "))
+	}
+	return res, nil
+}
+
+// settleTimeout bounds how long settle waits.
+var settleTimeout = 5 * time.Second
+
+// settle waits (up to settleTimeout) for the daemon's goroutines to come back to
+// where they were before the load, then takes the final sample: calls
+// that just ended may still be unwinding.
+func settle(ctx context.Context, sc soakConfig, before *serverStats) *serverStats {
+	var s *serverStats
+	for end := time.Now().Add(settleTimeout); ; {
+		st, err := scrape(ctx, sc.adminAddr)
+		if err == nil {
+			s = &st
+			if before == nil || st.Goroutines <= before.Goroutines+sc.maxGoroutineGrowth {
+				return s
+			}
+		}
+		if time.Now().After(end) {
+			return s
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// judge fills Failures from the counts and thresholds.
+func (r *soakResult) judge(cfg config) {
+	sc := cfg.soak
+	if r.Wrong > 0 {
+		r.Failures = append(r.Failures, fmt.Sprintf("%d wrong answers (worst relative L2 %.3g, bound %g)", r.Wrong, r.WorstRelL2, kerneltest.FP8Tol))
+	}
+	if n := total(r.Unexpected); n > 0 {
+		r.Failures = append(r.Failures, fmt.Sprintf("%d unexpected outcomes %v", n, r.Unexpected))
+	}
+	if r.Expected[outcomeKey(false, codes.OK.String())] == 0 {
+		r.Failures = append(r.Failures, "no good call succeeded")
+	}
+	if sc.adminAddr == "" {
+		return
+	}
+	if r.ServerWarm != nil && r.ServerEnd != nil {
+		if g := mib(r.ServerEnd.RSS - r.ServerWarm.RSS); g > sc.maxRSSGrowthMiB {
+			r.Failures = append(r.Failures, fmt.Sprintf("server RSS grew %.1f MiB after the warm-up, above -max-rss-growth-mib %g", g, sc.maxRSSGrowthMiB))
+		}
+	}
+	if r.ServerBefore != nil && r.ServerEnd != nil {
+		if g := r.ServerEnd.Goroutines - r.ServerBefore.Goroutines; g > sc.maxGoroutineGrowth {
+			r.Failures = append(r.Failures, fmt.Sprintf("server goroutines %d -> %d idle, growth above -max-goroutine-growth %d", r.ServerBefore.Goroutines, r.ServerEnd.Goroutines, sc.maxGoroutineGrowth))
+		}
+	}
+	if r.ServerBefore == nil || r.ServerWarm == nil || r.ServerEnd == nil {
+		r.Failures = append(r.Failures, "server metrics incomplete")
+	}
+}
+
+// references computes every pool entry's float64 reference, on all cores.
+func references(pool []*poolEntry) {
+	var wg sync.WaitGroup
+	next := make(chan *poolEntry)
+	for range runtime.GOMAXPROCS(0) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for e := range next {
+				e.want, _, _ = kerneltest.Reference(e.set, e.req)
+			}
+		}()
+	}
+	for _, e := range pool {
+		next <- e
+	}
+	close(next)
+	wg.Wait()
+}
+
+// busyPause is how long a client backs off after ResourceExhausted or an
+// unexpected error, as a real caller would, instead of hammering.
+func busyPause(rng *rand.Rand) time.Duration {
+	return time.Duration(5+rng.IntN(20)) * time.Millisecond
+}
+
+// soakWorker is one client's loop until the deadline.
+func soakWorker(ctx context.Context, c *client.Client, cfg config, maxTokens int, pool []*poolEntry, rng *rand.Rand, st *soakState, deadline time.Time) {
+	sc := cfg.soak
+	for ctx.Err() == nil && time.Now().Before(deadline) {
+		e := pool[rng.IntN(len(pool))]
+		callCtx, cancel := context.WithTimeout(ctx, callTimeout)
+		if rng.Float64() < sc.badShare {
+			kind := &malformedKinds[rng.IntN(len(malformedKinds))]
+			for kind.applies != nil && !kind.applies(e, maxTokens) {
+				e = pool[rng.IntN(len(pool))]
+				kind = &malformedKinds[rng.IntN(len(malformedKinds))]
+			}
+			p := breakRequest(kind, e, maxTokens)
+			t0 := time.Now()
+			_, err := c.RPC().FusedMoE(callCtx, p)
+			d := time.Since(t0)
+			cancel()
+			code := status.Code(err)
+			switch {
+			case code == kind.want && status.Convert(err).Message() != "":
+				st.expected(code, true, d)
+			case code == codes.Canceled && ctx.Err() != nil:
+				return
+			default:
+				st.unexpected(code.String(), true, fmt.Sprintf("%s on %s: got %v, want %v", kind.name, e.setName, err, kind.want))
+				time.Sleep(busyPause(rng))
+			}
+			continue
+		}
+		t0 := time.Now()
+		out, err := c.FusedMoE(callCtx, e.sdk)
+		d := time.Since(t0)
+		cancel()
+		code := status.Code(err)
+		switch {
+		case err == nil:
+			st.expected(codes.OK, false, d)
+			if rng.Float64() < sc.checkShare {
+				got, derr := out.Output.Float32s()
+				rel := kerneltest.RelL2(got, e.want)
+				if derr != nil {
+					rel = math.Inf(1)
+				}
+				st.checked(rel, rel > kerneltest.FP8Tol)
+			}
+		case code == codes.ResourceExhausted && sc.busyOK:
+			st.expected(code, false, d)
+			time.Sleep(busyPause(rng))
+		case code == codes.Canceled && ctx.Err() != nil:
+			return
+		default:
+			st.unexpected(code.String(), false, fmt.Sprintf("good call on %s (M=%d): %v", e.setName, e.req.M(), err))
+			time.Sleep(busyPause(rng))
+		}
+	}
+}
+
+func total(m map[string]int) int {
+	n := 0
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
+
+func mib(n int64) float64 { return float64(n) / (1 << 20) }
+
+// codeCounts writes a by-code map as "A 3, B 1", largest first.
+func codeCounts(m map[string]int) string {
+	if len(m) == 0 {
+		return "none"
+	}
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool { return m[keys[i]] > m[keys[j]] || m[keys[i]] == m[keys[j]] && keys[i] < keys[j] })
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = fmt.Sprintf("%s %d", k, m[k])
+	}
+	return strings.Join(parts, ", ")
+}
+
+// print writes the soak summary: aligned text, or JSON with -json.
+func (r *soakResult) print(w io.Writer, cfg config) error {
+	if cfg.jsonOut {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(r)
+	}
+	ms := func(d time.Duration) string { return fmt.Sprintf("%.3f ms", float64(d)/1e6) }
+	var b strings.Builder
+	fmt.Fprintf(&b, "soak         %d sets\n", len(r.Sets))
+	for _, s := range r.Sets {
+		fmt.Fprintf(&b, "  set        %s\n", s)
+	}
+	fmt.Fprintf(&b, "backend      %s\nconcurrency  %d\n", r.Backend, r.Concurrency)
+	fmt.Fprintf(&b, "calls        %d in %.2fs (%.1f/s): %d good, %d malformed\n", r.Calls, r.Elapsed.Seconds(), float64(r.Calls)/r.Elapsed.Seconds(), r.Good, r.Malformed)
+	fmt.Fprintf(&b, "checked      %d responses against the float64 reference: %d wrong (worst relative L2 %.3g, bound %g)\n", r.Checked, r.Wrong, r.WorstRelL2, kerneltest.FP8Tol)
+	fmt.Fprintf(&b, "expected     %s\n", codeCounts(r.Expected))
+	fmt.Fprintf(&b, "unexpected   %s\n", codeCounts(r.Unexpected))
+	for _, u := range r.FirstUnexpected {
+		fmt.Fprintf(&b, "  first      %s\n", u)
+	}
+	fmt.Fprintf(&b, "latency      good p50 %s  p99 %s  max %s; malformed p50 %s  p99 %s\n", ms(r.GoodP50), ms(r.GoodP99), ms(r.GoodMax), ms(r.BadP50), ms(r.BadP99))
+	if r.ServerBefore != nil && r.ServerEnd != nil {
+		fmt.Fprintf(&b, "goroutines   %d idle before, %d idle after\n", r.ServerBefore.Goroutines, r.ServerEnd.Goroutines)
+		if r.ServerWarm != nil && r.ServerPeak != nil {
+			fmt.Fprintf(&b, "server RSS   %.1f MiB before, %.1f after warm-up, %.1f peak, %.1f at end: growth %+.1f MiB\n",
+				mib(r.ServerBefore.RSS), mib(r.ServerWarm.RSS), mib(r.ServerPeak.RSS), mib(r.ServerEnd.RSS), mib(r.ServerEnd.RSS-r.ServerWarm.RSS))
+			fmt.Fprintf(&b, "server heap  %.1f MiB in use before, %.1f after warm-up, %.1f at end\n",
+				mib(r.ServerBefore.HeapInuse), mib(r.ServerWarm.HeapInuse), mib(r.ServerEnd.HeapInuse))
+		}
+	} else {
+		fmt.Fprintf(&b, "server       no figures (pass -admin-addr to read the daemon's /metrics)\n")
+	}
+	if len(r.Failures) == 0 {
+		fmt.Fprintf(&b, "verdict      PASS\n")
+	} else {
+		fmt.Fprintf(&b, "verdict      FAIL: %s\n", strings.Join(r.Failures, "; "))
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+// soakUsage names what -soak uses of the ordinary flags.
+const soakUsage = "soak mode: load a gated, a ReLU² and a block-scaled set (sizes replaced by -k, -n), call them with up to -m tokens " +
+	"from -c clients for -duration, mixing in -bad-share malformed calls and checking -check-share of good responses against " +
+	"the float64 reference; exit 1 on a wrong answer, an unexpected status, or growth over the thresholds"
