@@ -11,12 +11,15 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/testing/protocmp"
 
 	"github.com/expertd/expertd/kernels"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
 )
 
@@ -166,5 +169,73 @@ func TestBackendFaults(t *testing.T) {
 				t.Errorf("good call afterwards: %v", err)
 			}
 		})
+	}
+}
+
+// TestBackendFault checks the broken-backend signal: request-caused
+// failures (out of memory) never raise it, faultThreshold (3) unexplained
+// failures in a row do, with the latest error and one log line, and one
+// success clears it; every failure is counted by kind.
+func TestBackendFault(t *testing.T) {
+	rng := newRand(t)
+	reader := sdkmetric.NewManualReader()
+	var logs syncBuffer
+	b := &faultyBackend{fakeBackend: &fakeBackend{}}
+	c, srv, _ := servicetest.StartServerLogger(t, service.Config{Meter: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)).Meter("test")},
+		b, slog.New(slog.NewTextHandler(&logs, nil)))
+	w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)
+	if _, err := servicetest.Upload(testContext(t), c, servicetest.Header("layer", w, false), servicetest.Chunks(w, 1000)); err != nil {
+		t.Fatal(err)
+	}
+	steps := []struct {
+		callErr   error
+		wantCode  codes.Code
+		wantFault bool
+	}{
+		{fmt.Errorf("workspace: %w", kernels.ErrOutOfMemory), codes.ResourceExhausted, false},
+		{errors.New("ERR_CUDA: illegal address 1"), codes.Internal, false},
+		{errors.New("ERR_CUDA: illegal address 2"), codes.Internal, false},
+		{fmt.Errorf("workspace: %w", kernels.ErrOutOfMemory), codes.ResourceExhausted, false},
+		{errors.New("ERR_CUDA: illegal address 3"), codes.Internal, true},
+		{errors.New("ERR_CUDA: illegal address 4"), codes.Internal, true},
+		{nil, codes.OK, false},
+	}
+	for i, st := range steps {
+		b.mu.Lock()
+		b.callErr = st.callErr
+		b.mu.Unlock()
+		_, err := c.FusedMoE(testContext(t), request(rng, 2))
+		if got := status.Code(err); got != st.wantCode {
+			t.Errorf("step %d: got %v, want %v", i, err, st.wantCode)
+		}
+		fault := srv.BackendFault()
+		if (fault != nil) != st.wantFault {
+			t.Errorf("step %d: BackendFault() = %v, want fault %v", i, fault, st.wantFault)
+		}
+		if fault != nil && !strings.Contains(fault.Error(), st.callErr.Error()) {
+			t.Errorf("step %d: BackendFault() = %v, want the latest error %q", i, fault, st.callErr)
+		}
+	}
+	if n := strings.Count(logs.String(), "backend failing"); n != 1 {
+		t.Errorf("logged \"backend failing\" %d times, want once:\n%s", n, logs.String())
+	}
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != "expertd.backend.errors" {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				kind, _ := dp.Attributes.Value("kind")
+				got[kind.AsString()] += dp.Value
+			}
+		}
+	}
+	if diff := cmp.Diff(map[string]int64{"out_of_memory": 2, "internal": 4}, got); diff != "" {
+		t.Errorf("expertd.backend.errors by kind (-want +got):\n%s", diff)
 	}
 }

@@ -123,7 +123,8 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		}
 		defer s.reg.release(n)
 		decoded = time.Now()
-		if loaded, err = s.backend.Load(ctx, set); err != nil {
+		loaded, err = s.backend.Load(ctx, set)
+		if err = s.backendDone(ctx, "load", err); err != nil {
 			return nil, err
 		}
 		loadNanos = time.Since(decoded).Nanoseconds()
@@ -141,14 +142,15 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	queued := time.Now()
 	res, err := s.run(ctx, loaded, kreq)
 	if err != nil {
-		return nil, err
+		return nil, s.backendDone(ctx, "fused_moe", err)
 	}
 	m, k := int64(kreq.M()), int64(set.K)
 	topk := int64(kreq.Routing.TopK)
 	if int64(len(res.Output)) != m*k*int64(kreq.OutDType.Size()) || int64(len(res.TopKIDs)) != m*topk || int64(len(res.TopKWeights)) != m*topk {
-		return nil, fmt.Errorf("backend %s returned %d output bytes and %d/%d routing values for [%d %d] %v, top-k %d",
-			s.backend.Name(), len(res.Output), len(res.TopKIDs), len(res.TopKWeights), m, k, kreq.OutDType, topk)
+		return nil, s.backendDone(ctx, "fused_moe", fmt.Errorf("backend %s returned %d output bytes and %d/%d routing values for [%d %d] %v, top-k %d",
+			s.backend.Name(), len(res.Output), len(res.TopKIDs), len(res.TopKWeights), m, k, kreq.OutDType, topk))
 	}
+	s.backendDone(ctx, "fused_moe", nil) //nolint:errcheck // nil in, nil out
 
 	attrs := metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String()))
 	s.tokens.Add(ctx, int64(kreq.M()), attrs)

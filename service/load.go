@@ -182,7 +182,7 @@ func (s *Server) commit(ctx context.Context, name string, set *kernels.ExpertSet
 		return nil, errDraining
 	}
 	loaded, err := s.backend.Load(ctx, set)
-	if err != nil {
+	if err = s.backendDone(ctx, "load", err); err != nil {
 		return nil, err
 	}
 	info := &pb.ExpertSetInfo{

@@ -64,6 +64,7 @@ type Server struct {
 	slots chan struct{}
 	// queued counts calls waiting for a slot, bounded by cfg.MaxQueued.
 	queued atomic.Int64
+	faults faults
 
 	mu       sync.Mutex
 	draining bool
@@ -119,6 +120,12 @@ func (s *Server) initMetrics(m metric.Meter) {
 		metric.WithUnit("{token}")); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.tokens"), slog.Any("err", err))
 		s.tokens, _ = noop.NewMeterProvider().Meter("").Int64Counter("")
+	}
+	if s.faults.counter, err = m.Int64Counter("expertd.backend.errors",
+		metric.WithDescription("Backend Load and FusedMoE failures, by op and kind (out_of_memory, unsupported, canceled, internal)."),
+		metric.WithUnit("{error}")); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.backend.errors"), slog.Any("err", err))
+		s.faults.counter, _ = noop.NewMeterProvider().Meter("").Int64Counter("")
 	}
 	if s.kernelTime, err = m.Float64Histogram("expertd.kernel.duration",
 		metric.WithDescription("Backend compute time of one FusedMoE call."),
