@@ -49,8 +49,15 @@ func (s *Server) backendDone(ctx context.Context, op string, err error) error {
 	f := &s.faults
 	if err == nil {
 		f.mu.Lock()
+		cleared := f.inARow >= faultThreshold
 		f.inARow, f.last = 0, nil
 		f.mu.Unlock()
+		if cleared {
+			s.log.InfoContext(ctx, "backend recovered: a call succeeded", slog.String("backend", s.backend.Name()))
+			if s.cfg.OnBackendFault != nil {
+				s.cfg.OnBackendFault(nil)
+			}
+		}
 		return nil
 	}
 	kind, fault := backendErrorKind(err)
@@ -67,6 +74,9 @@ func (s *Server) backendDone(ctx context.Context, op string, err error) error {
 	if n == faultThreshold {
 		s.log.ErrorContext(ctx, "backend failing: every recent call failed; restart the daemon or check the device",
 			slog.String("backend", s.backend.Name()), slog.Int("failures_in_a_row", n), slog.Any("err", err))
+		if s.cfg.OnBackendFault != nil {
+			s.cfg.OnBackendFault(s.BackendFault())
+		}
 	}
 	return err
 }

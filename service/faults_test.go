@@ -174,15 +174,25 @@ func TestBackendFaults(t *testing.T) {
 
 // TestBackendFault checks the broken-backend signal: request-caused
 // failures (out of memory) never raise it, faultThreshold (3) unexplained
-// failures in a row do, with the latest error and one log line, and one
-// success clears it; every failure is counted by kind.
+// failures in a row do, with the latest error, one log line and one
+// OnBackendFault call, and one success clears it (and says so); every
+// failure is counted by kind.
 func TestBackendFault(t *testing.T) {
 	rng := newRand(t)
 	reader := sdkmetric.NewManualReader()
 	var logs syncBuffer
 	b := &faultyBackend{fakeBackend: &fakeBackend{}}
-	c, srv, _ := servicetest.StartServerLogger(t, service.Config{Meter: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)).Meter("test")},
-		b, slog.New(slog.NewTextHandler(&logs, nil)))
+	var notified []error // OnBackendFault's calls, in order
+	var nmu sync.Mutex
+	cfg := service.Config{
+		Meter: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)).Meter("test"),
+		OnBackendFault: func(err error) {
+			nmu.Lock()
+			notified = append(notified, err)
+			nmu.Unlock()
+		},
+	}
+	c, srv, _ := servicetest.StartServerLogger(t, cfg, b, slog.New(slog.NewTextHandler(&logs, nil)))
 	w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)
 	if _, err := servicetest.Upload(testContext(t), c, servicetest.Header("layer", w, false), servicetest.Chunks(w, 1000)); err != nil {
 		t.Fatal(err)
@@ -219,6 +229,14 @@ func TestBackendFault(t *testing.T) {
 	if n := strings.Count(logs.String(), "backend failing"); n != 1 {
 		t.Errorf("logged \"backend failing\" %d times, want once:\n%s", n, logs.String())
 	}
+	if n := strings.Count(logs.String(), "backend recovered"); n != 1 {
+		t.Errorf("logged \"backend recovered\" %d times, want once:\n%s", n, logs.String())
+	}
+	nmu.Lock()
+	if len(notified) != 2 || notified[0] == nil || !strings.Contains(notified[0].Error(), "illegal address 3") || notified[1] != nil {
+		t.Errorf("OnBackendFault calls = %v, want [the fault with illegal address 3, nil]", notified)
+	}
+	nmu.Unlock()
 	var rm metricdata.ResourceMetrics
 	if err := reader.Collect(context.Background(), &rm); err != nil {
 		t.Fatal(err)

@@ -49,6 +49,10 @@ type Config struct {
 	MaxQueued int
 	// Meter records the service's own instruments; nil records nothing.
 	Meter metric.Meter
+	// OnBackendFault, when set, is called when BackendFault starts
+	// reporting a fault (with it) and when it clears (with nil), so the
+	// daemon can take the replica out of health checks; it must not block.
+	OnBackendFault func(fault error)
 }
 
 // Server is the ExpertService implementation. Create it with New, attach it
