@@ -117,6 +117,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		}
 	}()
 
+	// Health: a backend that keeps failing (a wedged GPU) takes the
+	// replica out of rotation until a call succeeds again.
+	hs := health.NewServer()
 	svc := service.New(service.Config{
 		Version:         version(),
 		WeightsDir:      cfg.WeightsDir,
@@ -126,11 +129,18 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		MaxConcurrent:   cfg.MaxConcurrent,
 		MaxQueued:       cfg.MaxQueued,
 		Meter:           meters.Meter("github.com/expertd/expertd/service"),
+		OnBackendFault: func(fault error) {
+			st := healthpb.HealthCheckResponse_SERVING
+			if fault != nil {
+				st = healthpb.HealthCheckResponse_NOT_SERVING
+			}
+			hs.SetServingStatus("", st)
+			hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, st)
+		},
 	}, backend, log)
 
 	gs := newGRPCServer(cfg, log, meters, tracer, sec.serverOptions()...)
 	svc.Register(gs)
-	hs := health.NewServer()
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(gs, hs)
@@ -156,6 +166,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
 			if svc.Draining() {
 				http.Error(w, "draining", http.StatusServiceUnavailable)
+				return
+			}
+			if err := svc.BackendFault(); err != nil {
+				http.Error(w, "backend failing: "+err.Error(), http.StatusServiceUnavailable)
 				return
 			}
 			io.WriteString(w, "ok\n")
