@@ -2,11 +2,17 @@ package main
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
 // fakeCUDALibrary builds ../../testdata/fakecuda/fakecuda.c, a kernel
@@ -88,4 +94,30 @@ func TestCUDABackendRefusesToStart(t *testing.T) {
 		t.Errorf("daemon listened on %s with an unusable cuda backend", a.grpc)
 	default:
 	}
+}
+
+// TestBackendHealth checks the fault callback drives both health entries
+// and cannot revive a draining server.
+func TestBackendHealth(t *testing.T) {
+	hs := health.NewServer()
+	set := backendHealth(hs)
+	ctx := context.Background()
+	check := func(step string, want healthpb.HealthCheckResponse_ServingStatus) {
+		t.Helper()
+		for _, svc := range []string{"", pb.ExpertService_ServiceDesc.ServiceName} {
+			resp, err := hs.Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
+			if err != nil || resp.GetStatus() != want {
+				t.Errorf("%s: health of %q = %v, %v; want %v", step, svc, resp.GetStatus(), err, want)
+			}
+		}
+	}
+	set(nil)
+	check("healthy", healthpb.HealthCheckResponse_SERVING)
+	set(errors.New("backend cuda: 3 calls in a row failed"))
+	check("fault", healthpb.HealthCheckResponse_NOT_SERVING)
+	set(nil)
+	check("recovered", healthpb.HealthCheckResponse_SERVING)
+	hs.Shutdown()
+	set(nil)
+	check("draining", healthpb.HealthCheckResponse_NOT_SERVING)
 }

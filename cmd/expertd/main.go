@@ -129,14 +129,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		MaxConcurrent:   cfg.MaxConcurrent,
 		MaxQueued:       cfg.MaxQueued,
 		Meter:           meters.Meter("github.com/expertd/expertd/service"),
-		OnBackendFault: func(fault error) {
-			st := healthpb.HealthCheckResponse_SERVING
-			if fault != nil {
-				st = healthpb.HealthCheckResponse_NOT_SERVING
-			}
-			hs.SetServingStatus("", st)
-			hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, st)
-		},
+		OnBackendFault:  backendHealth(hs),
 	}, backend, log)
 
 	gs := newGRPCServer(cfg, log, meters, tracer, sec.serverOptions()...)
@@ -277,6 +270,20 @@ func registerReflection(gs *grpc.Server, log *slog.Logger) {
 	}
 	v1reflectiongrpc.RegisterServerReflectionServer(gs, reflection.NewServerV1(opts))
 	v1alphareflectiongrpc.RegisterServerReflectionServer(gs, reflection.NewServer(opts))
+}
+
+// backendHealth is the service's OnBackendFault: a backend that keeps
+// failing makes the server and ExpertService NOT_SERVING until a call
+// succeeds. After hs.Shutdown (the drain) it changes nothing.
+func backendHealth(hs *health.Server) func(error) {
+	return func(fault error) {
+		st := healthpb.HealthCheckResponse_SERVING
+		if fault != nil {
+			st = healthpb.HealthCheckResponse_NOT_SERVING
+		}
+		hs.SetServingStatus("", st)
+		hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, st)
+	}
 }
 
 // openBackend opens the configured backend. auto prefers cuda and falls
