@@ -86,7 +86,9 @@ func (s *Server) backendDone(ctx context.Context, op string, err error) error {
 // other than the request (not out-of-memory, unsupported or cancelled);
 // nil again after the next success. The daemon's health checks use it, so
 // a wedged GPU takes the replica out of rotation instead of answering
-// Internal forever.
+// Internal forever. Out of rotation it may see no call that could clear
+// it: a replica that stays unhealthy is one for the orchestrator to
+// restart, which is what a poisoned CUDA context needs anyway.
 func (s *Server) BackendFault() error {
 	f := &s.faults
 	f.mu.Lock()

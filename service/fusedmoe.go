@@ -179,6 +179,14 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 // cannot leak it and wedge every later call.
 func (s *Server) run(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
 	defer func() { <-s.slots }()
+	defer func() {
+		// A panic counts as a backend fault; the middleware still turns
+		// it into Internal.
+		if p := recover(); p != nil {
+			s.backendDone(ctx, "fused_moe", fmt.Errorf("backend %s panicked: %v", s.backend.Name(), p)) //nolint:errcheck // re-panicking
+			panic(p)
+		}
+	}()
 	return s.backend.FusedMoE(ctx, loaded, req)
 }
 

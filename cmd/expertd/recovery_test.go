@@ -41,7 +41,8 @@ func (panicBackend) FusedMoE(context.Context, kernels.Loaded, *kernels.Request) 
 }
 
 // TestPanicBecomesInternal checks a panicking backend costs one call an
-// Internal status, is logged with its stack, and leaves the server serving.
+// Internal status, is logged with its stack, counts as a backend fault,
+// and leaves the server serving.
 func TestPanicBecomesInternal(t *testing.T) {
 	var logs syncBuffer
 	log := slog.New(slog.NewJSONHandler(&logs, nil))
@@ -50,7 +51,8 @@ func TestPanicBecomesInternal(t *testing.T) {
 		t.Fatal(err)
 	}
 	gs := newGRPCServer(cfg, log, sdkmetric.NewMeterProvider(), noop.NewTracerProvider())
-	service.New(service.Config{}, panicBackend{}, log).Register(gs)
+	svc := service.New(service.Config{}, panicBackend{}, log)
+	svc.Register(gs)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -81,10 +83,14 @@ func TestPanicBecomesInternal(t *testing.T) {
 		Routing:      &pb.Routing{TopK: 1},
 	}
 	c := pb.NewExpertServiceClient(conn)
-	for i := range 2 {
+	for i := range 3 {
 		if _, err := c.FusedMoE(ctx, req); status.Code(err) != codes.Internal {
 			t.Errorf("call %d: got %v, want Internal", i, err)
 		}
+	}
+	// Three panics in a row are a backend fault, for health to report.
+	if err := svc.BackendFault(); err == nil || !strings.Contains(err.Error(), "panicked: kernel bug") {
+		t.Errorf("BackendFault() after 3 panics = %v, want the panic", err)
 	}
 	if _, err := c.GetServerInfo(ctx, &pb.GetServerInfoRequest{}); err != nil {
 		t.Errorf("server not serving after panics: %v", err)
