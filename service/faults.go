@@ -47,6 +47,11 @@ func backendErrorKind(err error) (string, bool) {
 // "fused_moe") and returns err.
 func (s *Server) backendDone(ctx context.Context, op string, err error) error {
 	f := &s.faults
+	if err == nil && op == "load" {
+		// A copy to the device working says little about the kernels;
+		// only a computed call clears a fault.
+		return nil
+	}
 	if err == nil {
 		f.mu.Lock()
 		cleared := f.inARow >= faultThreshold
@@ -84,7 +89,7 @@ func (s *Server) backendDone(ctx context.Context, op string, err error) error {
 // BackendFault reports a backend that looks broken: non-nil, with the
 // latest error, once faultThreshold calls in a row have failed for reasons
 // other than the request (not out-of-memory, unsupported or cancelled);
-// nil again after the next success. The daemon's health checks use it, so
+// nil again after the next successful FusedMoE call. The daemon's health checks use it, so
 // a wedged GPU takes the replica out of rotation instead of answering
 // Internal forever. Out of rotation it may see no call that could clear
 // it: a replica that stays unhealthy is one for the orchestrator to
