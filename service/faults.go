@@ -89,11 +89,12 @@ func (s *Server) backendDone(ctx context.Context, op string, err error) error {
 // BackendFault reports a backend that looks broken: non-nil, with the
 // latest error, once faultThreshold calls in a row have failed for reasons
 // other than the request (not out-of-memory, unsupported or cancelled);
-// nil again after the next successful FusedMoE call. The daemon's health checks use it, so
-// a wedged GPU takes the replica out of rotation instead of answering
-// Internal forever. Out of rotation it may see no call that could clear
-// it: a replica that stays unhealthy is one for the orchestrator to
-// restart, which is what a poisoned CUDA context needs anyway.
+// nil again after the next successful FusedMoE call. The daemon's health
+// checks use it, so a wedged GPU takes the replica out of rotation instead
+// of answering Internal forever. Out of rotation it may see no call that
+// could clear it: a replica that stays unhealthy is one for the
+// orchestrator to restart, which is what a poisoned CUDA context needs
+// anyway.
 func (s *Server) BackendFault() error {
 	f := &s.faults
 	f.mu.Lock()
