@@ -110,9 +110,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.Float64Var(&c.soak.badShare, "bad-share", 0.05, "with -soak: share of calls that are malformed (0..1)")
 	fs.Float64Var(&c.soak.checkShare, "check-share", 1, "with -soak: share of good responses checked against the float64 reference (0..1)")
 	fs.StringVar(&c.soak.adminAddr, "admin-addr", "", "with -soak: the daemon's admin address, to read goroutines and memory from /metrics (empty: no server figures)")
-	fs.Float64Var(&c.soak.maxRSSGrowthMiB, "max-rss-growth-mib", 64, "with -soak and -admin-addr: fail when the server's RSS grows more than this after the warm-up")
+	fs.Float64Var(&c.soak.maxRSSGrowthMiB, "max-rss-growth-mib", 64, "with -soak and -admin-addr: fail when the server's highest RSS in the second half of the load (after the warm-up) exceeds that of the first half by more than this")
 	fs.IntVar(&c.soak.maxGoroutineGrowth, "max-goroutine-growth", 16, "with -soak and -admin-addr: fail when the idle server has more goroutines than this over its count before the load")
-	fs.DurationVar(&c.soak.warmup, "warmup", 0, "with -soak: load time before the RSS baseline (0: a fifth of -duration, at most 1m)")
+	fs.DurationVar(&c.soak.warmup, "warmup", 0, "with -soak: load time before RSS samples count toward growth (0: a fifth of -duration, at most 1m)")
 	fs.BoolVar(&c.soak.busyOK, "busy-ok", true, "with -soak: count ResourceExhausted on good calls (the daemon's bounded queue) as expected back-pressure")
 	if err := fs.Parse(args); err != nil {
 		return c, err

@@ -152,10 +152,14 @@ type soakResult struct {
 	GoodMax         time.Duration `json:"good_max_ns"`
 	BadP50          time.Duration `json:"malformed_p50_ns"`
 	BadP99          time.Duration `json:"malformed_p99_ns"`
-	// Server figures: idle before the load, after the warm-up, the peak
-	// seen while loading, and idle after it.
+	// Server figures: idle before the load; the samples of highest RSS in
+	// the first and in the second half of the load after the warm-up
+	// (their difference is the growth: a leak raises the second, while
+	// comparing two single samples would mostly measure how many calls
+	// happened to be in flight); the highest overall; idle after.
 	ServerBefore *serverStats `json:"server_before,omitempty"`
-	ServerWarm   *serverStats `json:"server_after_warmup,omitempty"`
+	ServerEarly  *serverStats `json:"server_early_peak,omitempty"`
+	ServerLate   *serverStats `json:"server_late_peak,omitempty"`
 	ServerPeak   *serverStats `json:"server_peak,omitempty"`
 	ServerEnd    *serverStats `json:"server_end,omitempty"`
 	Failures     []string     `json:"failures"`
@@ -300,14 +304,16 @@ func soak(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) (
 		close(done)
 	}()
 
-	progress := cfg.progress
-	if progress <= 0 {
-		progress = time.Second
+	// The daemon is sampled every second (or every -progress, if more
+	// often); a progress line goes out every -progress.
+	sampleEvery := time.Second
+	if cfg.progress > 0 {
+		sampleEvery = min(sampleEvery, cfg.progress)
 	}
-	tick := time.NewTicker(progress)
+	tick := time.NewTicker(sampleEvery)
 	defer tick.Stop()
 	warmAt := start.Add(sc.warmup)
-	var warm, peak *serverStats
+	var samples, all []serverStats
 	last := start
 loop:
 	for {
@@ -317,14 +323,12 @@ loop:
 		case now := <-tick.C:
 			s := scrapeNow("metrics during the load")
 			if s != nil {
-				if warm == nil && now.After(warmAt) {
-					warm = s
-				}
-				if peak == nil || s.RSS > peak.RSS {
-					peak = s
+				all = append(all, *s)
+				if now.After(warmAt) {
+					samples = append(samples, *s)
 				}
 			}
-			if cfg.progress > 0 {
+			if cfg.progress > 0 && now.Sub(last) >= cfg.progress-sampleEvery/2 {
 				st.mu.Lock()
 				calls, bad, unexp, wrong, okN := st.res.Calls, st.res.Malformed, total(st.res.Unexpected), st.res.Wrong, st.windowGood
 				st.windowGood = 0
@@ -335,8 +339,8 @@ loop:
 					line += fmt.Sprintf("  server: %d goroutines, RSS %.1f MiB", s.Goroutines, mib(s.RSS))
 				}
 				fmt.Fprintln(stderr, line)
+				last = now
 			}
-			last = now
 		}
 	}
 	elapsed := time.Since(start)
@@ -351,11 +355,11 @@ loop:
 	res.BadP50, res.BadP99 = percentile(bad, 0.5), percentile(bad, 0.99)
 
 	if sc.adminAddr != "" {
-		if warm == nil {
-			// A run shorter than its warm-up compares with its last sample.
-			warm = peak
+		if len(samples) < 2 {
+			// A run about as short as its warm-up uses every sample.
+			samples = all
 		}
-		res.ServerWarm, res.ServerPeak = warm, peak
+		res.ServerEarly, res.ServerLate, res.ServerPeak = halves(samples)
 		res.ServerEnd = settle(ctx, sc, res.ServerBefore)
 	}
 	res.judge(cfg)
@@ -363,6 +367,25 @@ loop:
 		return res, fmt.Errorf("%w: %s", errSoakFailed, strings.Join(res.Failures, "; "))
 	}
 	return res, nil
+}
+
+// halves returns the highest-RSS sample of the first and of the second
+// half of samples, and of all; nil when there are fewer than two.
+func halves(samples []serverStats) (early, late, peak *serverStats) {
+	if len(samples) < 2 {
+		return nil, nil, nil
+	}
+	highest := func(ss []serverStats) *serverStats {
+		h := ss[0]
+		for _, s := range ss[1:] {
+			if s.RSS > h.RSS {
+				h = s
+			}
+		}
+		return &h
+	}
+	mid := len(samples) / 2
+	return highest(samples[:mid]), highest(samples[mid:]), highest(samples)
 }
 
 // settleTimeout bounds how long settle waits.
@@ -403,9 +426,9 @@ func (r *soakResult) judge(cfg config) {
 	if sc.adminAddr == "" {
 		return
 	}
-	if r.ServerWarm != nil && r.ServerEnd != nil {
-		if g := mib(r.ServerEnd.RSS - r.ServerWarm.RSS); g > sc.maxRSSGrowthMiB {
-			r.Failures = append(r.Failures, fmt.Sprintf("server RSS grew %.1f MiB after the warm-up, above -max-rss-growth-mib %g", g, sc.maxRSSGrowthMiB))
+	if r.ServerEarly != nil && r.ServerLate != nil {
+		if g := mib(r.ServerLate.RSS - r.ServerEarly.RSS); g > sc.maxRSSGrowthMiB {
+			r.Failures = append(r.Failures, fmt.Sprintf("server RSS grew %.1f MiB between the halves of the load after the warm-up, above -max-rss-growth-mib %g", g, sc.maxRSSGrowthMiB))
 		}
 	}
 	if r.ServerBefore != nil && r.ServerEnd != nil {
@@ -413,7 +436,7 @@ func (r *soakResult) judge(cfg config) {
 			r.Failures = append(r.Failures, fmt.Sprintf("server goroutines %d -> %d idle, growth above -max-goroutine-growth %d", r.ServerBefore.Goroutines, r.ServerEnd.Goroutines, sc.maxGoroutineGrowth))
 		}
 	}
-	if r.ServerBefore == nil || r.ServerWarm == nil || r.ServerEnd == nil {
+	if r.ServerBefore == nil || r.ServerEarly == nil || r.ServerEnd == nil {
 		r.Failures = append(r.Failures, "server metrics incomplete")
 	}
 }
@@ -552,11 +575,11 @@ func (r *soakResult) print(w io.Writer, cfg config) error {
 	fmt.Fprintf(&b, "latency      good p50 %s  p99 %s  max %s; malformed p50 %s  p99 %s\n", ms(r.GoodP50), ms(r.GoodP99), ms(r.GoodMax), ms(r.BadP50), ms(r.BadP99))
 	if r.ServerBefore != nil && r.ServerEnd != nil {
 		fmt.Fprintf(&b, "goroutines   %d idle before, %d idle after\n", r.ServerBefore.Goroutines, r.ServerEnd.Goroutines)
-		if r.ServerWarm != nil && r.ServerPeak != nil {
-			fmt.Fprintf(&b, "server RSS   %.1f MiB before, %.1f after warm-up, %.1f peak, %.1f at end: growth %+.1f MiB\n",
-				mib(r.ServerBefore.RSS), mib(r.ServerWarm.RSS), mib(r.ServerPeak.RSS), mib(r.ServerEnd.RSS), mib(r.ServerEnd.RSS-r.ServerWarm.RSS))
-			fmt.Fprintf(&b, "server heap  %.1f MiB in use before, %.1f after warm-up, %.1f at end\n",
-				mib(r.ServerBefore.HeapInuse), mib(r.ServerWarm.HeapInuse), mib(r.ServerEnd.HeapInuse))
+		if r.ServerEarly != nil && r.ServerLate != nil {
+			fmt.Fprintf(&b, "server RSS   %.1f MiB idle before; highest %.1f in the first half after warm-up, %.1f in the second: growth %+.1f MiB; peak %.1f; %.1f idle after\n",
+				mib(r.ServerBefore.RSS), mib(r.ServerEarly.RSS), mib(r.ServerLate.RSS), mib(r.ServerLate.RSS-r.ServerEarly.RSS), mib(r.ServerPeak.RSS), mib(r.ServerEnd.RSS))
+			fmt.Fprintf(&b, "server heap  %.1f MiB in use idle before, %.1f and %.1f at those samples, %.1f idle after\n",
+				mib(r.ServerBefore.HeapInuse), mib(r.ServerEarly.HeapInuse), mib(r.ServerLate.HeapInuse), mib(r.ServerEnd.HeapInuse))
 		}
 	} else {
 		fmt.Fprintf(&b, "server       no figures (pass -admin-addr to read the daemon's /metrics)\n")
