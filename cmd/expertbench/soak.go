@@ -271,18 +271,26 @@ func soak(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) (
 	fmt.Fprintf(stderr, "expertbench: loaded %d sets, %d requests with references in %v\n", len(sets), len(pool), time.Since(start).Round(time.Millisecond))
 
 	sc := cfg.soak
-	scrapeNow := func(what string) *serverStats {
+	// An admin endpoint that stops answering under load is a finding, so
+	// failed scrapes fail the run; they are counted, with the first error.
+	var scrapes, scrapeErrs int
+	var firstScrapeErr error
+	scrapeNow := func() *serverStats {
 		if sc.adminAddr == "" {
 			return nil
 		}
+		scrapes++
 		st, err := scrape(ctx, sc.adminAddr)
 		if err != nil {
-			res.Failures = append(res.Failures, fmt.Sprintf("%s: %v", what, err))
+			scrapeErrs++
+			if firstScrapeErr == nil {
+				firstScrapeErr = err
+			}
 			return nil
 		}
 		return &st
 	}
-	res.ServerBefore = scrapeNow("metrics before the load")
+	res.ServerBefore = scrapeNow()
 
 	st := &soakState{res: *res}
 	runCtx, cancel := context.WithCancel(ctx)
@@ -321,7 +329,7 @@ loop:
 		case <-done:
 			break loop
 		case now := <-tick.C:
-			s := scrapeNow("metrics during the load")
+			s := scrapeNow()
 			if s != nil {
 				all = append(all, *s)
 				if now.After(warmAt) {
@@ -363,6 +371,9 @@ loop:
 		res.ServerEnd = settle(ctx, sc, res.ServerBefore)
 	}
 	res.judge(cfg)
+	if scrapeErrs > 0 {
+		res.Failures = append(res.Failures, fmt.Sprintf("%d of %d scrapes of the daemon's metrics failed (first: %v)", scrapeErrs, scrapes, firstScrapeErr))
+	}
 	if len(res.Failures) > 0 {
 		return res, fmt.Errorf("%w: %s", errSoakFailed, strings.Join(res.Failures, "; "))
 	}

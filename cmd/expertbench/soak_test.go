@@ -176,8 +176,9 @@ func TestSoakCatchesWrongAnswers(t *testing.T) {
 }
 
 // fakeMetrics serves /metrics whose RSS and goroutine count grow by the
-// given steps on every scrape.
-func fakeMetrics(t *testing.T, rssStep int64, goroutineStep int) string {
+// given steps on every scrape; from the failAfter-th scrape on (when > 0)
+// it answers 500.
+func fakeMetrics(t *testing.T, rssStep int64, goroutineStep int, failAfter int64) string {
 	t.Helper()
 	var n atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -186,6 +187,10 @@ func fakeMetrics(t *testing.T, rssStep int64, goroutineStep int) string {
 			return
 		}
 		i := n.Add(1)
+		if failAfter > 0 && i >= failAfter {
+			http.Error(w, "broken", http.StatusInternalServerError)
+			return
+		}
 		fmt.Fprintf(w, "# HELP go_goroutines Number of goroutines.\n# TYPE go_goroutines gauge\ngo_goroutines %d\n", 20+int(i)*goroutineStep)
 		fmt.Fprintf(w, "go_memstats_heap_inuse_bytes %d\n", 8<<20+i*rssStep/2)
 		fmt.Fprintf(w, "process_resident_memory_bytes %.6e\n", float64(40<<20+i*rssStep))
@@ -204,17 +209,18 @@ func TestSoakServerGrowth(t *testing.T) {
 		name          string
 		rssStep       int64
 		goroutineStep int
+		failAfter     int64
 		wantErr       string
 	}{
-		{"steady", 0, 0, ""},
-		{"rss", 100 << 20, 0, "server RSS grew"},
-		{"goroutines", 0, 10, "server goroutines"},
+		{"steady", 0, 0, 0, ""},
+		{"rss", 100 << 20, 0, 0, "server RSS grew"},
+		{"goroutines", 0, 10, 0, "server goroutines"},
+		{"metrics fail during the load", 0, 0, 3, "scrapes of the daemon's metrics failed"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			admin := fakeMetrics(t, tc.rssStep, tc.goroutineStep)
+			admin := fakeMetrics(t, tc.rssStep, tc.goroutineStep, tc.failAfter)
 			stdout, stderr, err := runBench(t, soakArgs(addr, "-duration", "1s", "-progress", "200ms", "-admin-addr", admin, "-max-rss-growth-mib", "64")...)
-			t.Logf("stderr:\n%s", stderr)
 			if tc.wantErr == "" {
 				if err != nil {
 					t.Fatalf("run: %v\nstdout:\n%s\nstderr:\n%s", err, stdout, stderr)
