@@ -175,6 +175,12 @@ bool sm90_ok(const Set& s) {
 #endif
 }
 
+// use_sm90 is the GEMM path a call takes: the Hopper kernels when asked for,
+// or by default where the card and shape allow them.
+bool use_sm90(const Set& s, const Call& c) {
+  return c.gemm == EXPERTD_GEMM_SM90 || (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s));
+}
+
 int block_rows_for(const Set& s, const Call& c, bool sm90) {
 #ifdef EXPERTD_HAVE_SM90
   if (sm90) return sm90_block_rows(c.m, c.top_k, s.E);
@@ -306,7 +312,7 @@ int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t 
   CK(cudaGetLastError());
   const bool a1_rows = !(c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && s.a13_scale > 0);
 
-  const bool sm90 = c.gemm == EXPERTD_GEMM_SM90 || (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s));
+  const bool sm90 = use_sm90(s, c);
   const bool f16 = c.gemm == EXPERTD_GEMM_PORTABLE_F16 || !e4m3_mma(s);
 
   MoeGemmArgs g1{};
@@ -573,7 +579,7 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   if (c.n_hidden_scale > 0 && !hidden_scale) return fail(EXPERTD_ERR_INVALID, "moe: NULL hidden_scale");
   CK(cudaSetDevice(s.device));
 
-  const bool sm90 = c.gemm == EXPERTD_GEMM_SM90 || (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s));
+  const bool sm90 = use_sm90(s, c);
   const Layout L = layout(s, c, block_rows_for(s, c, sm90));
   if (int rc = ensure_workspace(s, L)) return rc;
 
@@ -691,7 +697,7 @@ int expertd_moe_device(uint64_t handle, const int64_t* iparams, int n_iparams, c
   if (!hidden || !out) return fail(EXPERTD_ERR_INVALID, "moe_device: NULL hidden or out");
   if (c.n_hidden_scale > 0 && !hidden_scale) return fail(EXPERTD_ERR_INVALID, "moe_device: NULL hidden_scale");
   CK(cudaSetDevice(s.device));
-  const bool sm90 = c.gemm == EXPERTD_GEMM_SM90 || (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s));
+  const bool sm90 = use_sm90(s, c);
   const Layout L = layout(s, c, block_rows_for(s, c, sm90));
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   if (L.total > s.ws_bytes) {
