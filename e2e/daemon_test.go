@@ -18,6 +18,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/expertd/expertd/service/servicetest"
 )
 
 // Timeouts of the harness. The daemon build is the slow part on a cold
@@ -93,29 +95,11 @@ type daemon struct {
 	// passed -admin-addr.
 	Admin string
 	cmd   *exec.Cmd
-	logs  *lockedBuffer
+	logs  *servicetest.LogBuffer
 	done  chan error
 	// stopped makes stop idempotent: tests may stop a daemon before its
 	// cleanup does.
 	stopped sync.Once
-}
-
-// lockedBuffer collects the daemon's log while tests read it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // startDaemon starts the real daemon on a free loopback port (it binds
@@ -136,7 +120,7 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 		t.Fatalf("starting %s: %v", bin, err)
 	}
 	t.Logf("$ expertd %s", shellJoin(args))
-	d := &daemon{cmd: cmd, logs: &lockedBuffer{}, done: make(chan error, 1)}
+	d := &daemon{cmd: cmd, logs: &servicetest.LogBuffer{}, done: make(chan error, 1)}
 
 	addr := make(chan [2]string, 1)
 	go func() {

@@ -1,7 +1,6 @@
 package service_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -64,24 +63,6 @@ func (f *faultyBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *ker
 	return res, err
 }
 
-// syncBuffer is a log sink safe for the server's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // TestBackendFaults checks each kind of backend failure becomes the
 // status its cause calls for (out of memory: ResourceExhausted, a request
 // the backend cannot run: FailedPrecondition, anything else: Internal with
@@ -131,7 +112,7 @@ func TestBackendFaults(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx := testContext(t)
-			var logs syncBuffer
+			var logs servicetest.LogBuffer
 			b := &faultyBackend{fakeBackend: &fakeBackend{}}
 			c, srv, _ := servicetest.StartServerLogger(t, serviceConfig(layerBytes+1<<20), b, slog.New(slog.NewTextHandler(&logs, nil)))
 			w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)
@@ -180,7 +161,7 @@ func TestBackendFaults(t *testing.T) {
 func TestBackendFault(t *testing.T) {
 	rng := newRand(t)
 	reader := sdkmetric.NewManualReader()
-	var logs syncBuffer
+	var logs servicetest.LogBuffer
 	b := &faultyBackend{fakeBackend: &fakeBackend{}}
 	var notified []error // OnBackendFault's calls, in order
 	var nmu sync.Mutex

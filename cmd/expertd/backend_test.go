@@ -13,6 +13,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service/servicetest"
 )
 
 // fakeCUDALibrary builds ../../testdata/fakecuda/fakecuda.c, a kernel
@@ -47,7 +48,7 @@ func TestBackendFallback(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.backend, func(t *testing.T) {
-			var logs syncBuffer
+			var logs servicetest.LogBuffer
 			log := slog.New(slog.NewTextHandler(&logs, nil))
 			b, err := openBackend(Config{Backend: tt.backend, LibraryPath: lib}, log)
 			if tt.wantName == "" {
@@ -82,7 +83,7 @@ func TestBackendFallback(t *testing.T) {
 // library it cannot use: it must exit with the cause before listening.
 func TestCUDABackendRefusesToStart(t *testing.T) {
 	lib := fakeCUDALibrary(t)
-	var stderr syncBuffer
+	var stderr servicetest.LogBuffer
 	ready := make(chan listening, 1)
 	err := run(context.Background(), []string{"-backend", "cuda", "-library-path", lib, "-listen", "127.0.0.1:0", "-admin-addr", ""},
 		func(string) string { return "" }, &stderr, ready)

@@ -1,11 +1,9 @@
 package main
 
 import (
-	"bytes"
 	"encoding/binary"
 	"math"
 	"math/rand/v2"
-	"sync"
 	"time"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -13,24 +11,6 @@ import (
 )
 
 const defaultTestTimeout = 20 * time.Second
-
-// syncBuffer collects the daemon's log lines across goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 func tensor(dt pb.DataType, data []byte, shape ...int64) *pb.Tensor {
 	return &pb.Tensor{Dtype: dt, Shape: shape, Source: &pb.Tensor_Data{Data: data}}

@@ -19,6 +19,7 @@ import (
 	"google.golang.org/protobuf/types/descriptorpb"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service/servicetest"
 )
 
 // TestDaemon starts the real daemon on loopback ports and checks what an
@@ -27,7 +28,7 @@ import (
 func TestDaemon(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var logs syncBuffer
+	var logs servicetest.LogBuffer
 	ready := make(chan listening, 1)
 	done := make(chan error, 1)
 	args := []string{"-listen", "127.0.0.1:0", "-admin-addr", "127.0.0.1:0", "-log-format", "json", "-threads", "2"}
@@ -187,7 +188,7 @@ func listServicesV1alpha(t *testing.T, ctx context.Context, conn *grpc.ClientCon
 func TestDrainDeadline(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var logs syncBuffer
+	var logs servicetest.LogBuffer
 	ready := make(chan listening, 1)
 	done := make(chan error, 1)
 	args := []string{"-listen", "127.0.0.1:0", "-admin-addr", "", "-shutdown-timeout", "200ms", "-backend", "cpu"}

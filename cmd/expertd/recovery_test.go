@@ -20,6 +20,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
+	"github.com/expertd/expertd/service/servicetest"
 )
 
 // panicBackend loads anything and panics in every FusedMoE call.
@@ -44,7 +45,7 @@ func (panicBackend) FusedMoE(context.Context, kernels.Loaded, *kernels.Request) 
 // Internal status, is logged with its stack, counts as a backend fault,
 // and leaves the server serving.
 func TestPanicBecomesInternal(t *testing.T) {
-	var logs syncBuffer
+	var logs servicetest.LogBuffer
 	log := slog.New(slog.NewJSONHandler(&logs, nil))
 	cfg, err := parseConfig(nil, func(string) string { return "" }, io.Discard)
 	if err != nil {

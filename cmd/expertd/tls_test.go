@@ -29,6 +29,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service/servicetest"
 )
 
 // testCA is a throwaway certificate authority living in a test's temp dir.
@@ -143,10 +144,10 @@ func (ca *testCA) pool() *x509.CertPool {
 
 // startDaemon runs the real daemon on 127.0.0.1:0 with args added and
 // stops it when the test ends.
-func startDaemon(t *testing.T, args ...string) (string, *syncBuffer) {
+func startDaemon(t *testing.T, args ...string) (string, *servicetest.LogBuffer) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	logs := &syncBuffer{}
+	logs := &servicetest.LogBuffer{}
 	ready := make(chan listening, 1)
 	done := make(chan error, 1)
 	args = append([]string{"-listen", "127.0.0.1:0", "-admin-addr", "", "-backend", "cpu", "-threads", "2", "-log-format", "json"}, args...)

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service/servicetest"
 )
 
 // collector is an OTLP/gRPC trace receiver that records span names.
@@ -56,7 +57,7 @@ func TestTracesReachCollector(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var logs syncBuffer
+	var logs servicetest.LogBuffer
 	ready := make(chan listening, 1)
 	done := make(chan error, 1)
 	args := []string{"-listen", "127.0.0.1:0", "-admin-addr", "", "-backend", "cpu",

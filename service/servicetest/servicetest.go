@@ -6,6 +6,8 @@ import (
 	"context"
 	"log/slog"
 	"net"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -137,4 +139,25 @@ func Upload(ctx context.Context, c pb.ExpertServiceClient, h *pb.LoadExpertsRequ
 		}
 	}
 	return stream.CloseAndRecv()
+}
+
+// LogBuffer is a log sink that a server's goroutines may write while a test
+// reads it: give it to slog.NewJSONHandler, or to a daemon's stderr copy.
+type LogBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+// Write appends p.
+func (l *LogBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+// String returns everything written so far.
+func (l *LogBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
