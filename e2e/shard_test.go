@@ -31,9 +31,8 @@ func TestShardedFanOut(t *testing.T) {
 		ds[i] = startDaemon(t)
 		addrs[i] = ds[i].Addr
 	}
-	ctx := testContext(t)
 	rng := newRand(t)
-	single, err := client.Dial(ctx, addrs[0])
+	single, err := client.Dial(testContext(t), addrs[0])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,6 +83,7 @@ func TestShardedFanOut(t *testing.T) {
 	}
 	for _, l := range layers {
 		t.Run(l.name, func(t *testing.T) {
+			ctx := testContext(t)
 			sc, err := client.DialSharded(ctx, l.m, addrs)
 			if err != nil {
 				t.Fatal(err)
@@ -114,7 +114,7 @@ func TestShardedFanOut(t *testing.T) {
 
 			for _, tc := range l.cases {
 				t.Run(tc.name, func(t *testing.T) {
-					_, req := kerneltest.NewCase(rng, l.shape, tc.m, append(append([]kerneltest.Option(nil), l.opts...), tc.opts...)...)
+					req := request(rng, l.shape, tc.m, append(append([]kerneltest.Option(nil), l.opts...), tc.opts...)...)
 					if tc.onShard >= 0 {
 						routeToShard(rng, req, l.m, tc.onShard)
 					}
@@ -165,6 +165,7 @@ func TestShardedFanOut(t *testing.T) {
 	}
 
 	t.Run("errors", func(t *testing.T) {
+		ctx := testContext(t)
 		sc, err := client.DialSharded(ctx, roundRobin, addrs, client.WithMaxAttempts(1))
 		if err != nil {
 			t.Fatal(err)
@@ -187,6 +188,16 @@ func TestShardedFanOut(t *testing.T) {
 			t.Logf("shard 1 down: %v", err)
 		}
 	})
+}
+
+// request draws fresh hidden states, logits and bias for a set of shape s
+// loaded earlier. Its own weights, generated once per process from a fixed
+// seed and cached by kerneltest, are not used (without static scales the
+// request does not depend on them); generating fresh ones per call would
+// dominate the test's time under -race.
+func request(rng *rand.Rand, s kerneltest.Shape, m int, opts ...kerneltest.Option) *kernels.Request {
+	_, req := kerneltest.Case{Shape: s, M: m, Opts: opts}.New(rng)
+	return req
 }
 
 // routeToShard replaces req's routing with precomputed ids drawn from
