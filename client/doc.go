@@ -27,7 +27,8 @@
 // FusedMoEStream keeps many calls in flight on one stream, answered in
 // order. ListExperts, UnloadExperts, ServerInfo, Health and
 // LoadSafetensors cover the rest of the service; RPC exposes the
-// generated stub for anything else.
+// generated stub for anything else. Sharded runs a layer whose experts
+// are spread over several daemons (expert parallelism, docs/sharding.md).
 //
 // Errors carry the server's gRPC status (status.Code(err) is
 // InvalidArgument, NotFound, ResourceExhausted, Unavailable, ...); the

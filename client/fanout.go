@@ -1,0 +1,585 @@
+package client
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/scaling"
+	"github.com/expertd/expertd/shard"
+)
+
+// Sharded runs MoE layers whose experts are spread over several expertd
+// daemons (expert parallelism across hosts): daemon s holds the experts
+// that a shard.Map places on shard s. It routes each call once, here, sends
+// every daemon only the (token, expert) pairs of its experts, and sums the
+// partial outputs in float32. docs/sharding.md has the design and the
+// numerics. It is safe for concurrent use; create it with DialSharded.
+type Sharded struct {
+	m      *shard.Map
+	shards []*shardConn
+}
+
+// shardConn is one daemon and its limits.
+type shardConn struct {
+	addr string
+	c    *Client
+	// maxTokens and maxMsg are the daemon's bounds on one call (0: none).
+	maxTokens int
+	maxMsg    int64
+}
+
+// ShardError is a failure of one shard's daemon. It wraps the daemon's
+// error, so status.Code gives the daemon's code, and its message names the
+// shard.
+type ShardError struct {
+	// Shard is the index in the map, Addr the daemon's address.
+	Shard int
+	Addr  string
+	Err   error
+}
+
+func (e *ShardError) Error() string { return fmt.Sprintf("shard %d (%s): %v", e.Shard, e.Addr, e.Err) }
+
+// Unwrap is the daemon's error.
+func (e *ShardError) Unwrap() error { return e.Err }
+
+// DialSharded connects to one daemon per shard of m, addrs[s] serving
+// shard s, with opts applied to each connection. It asks each daemon for
+// its limits, so that calls can be split to fit them.
+func DialSharded(ctx context.Context, m *shard.Map, addrs []string, opts ...Option) (*Sharded, error) {
+	if m == nil || len(addrs) != m.NumShards() {
+		n := 0
+		if m != nil {
+			n = m.NumShards()
+		}
+		return nil, fmt.Errorf("expertd sharded client: %d addresses for a map of %d shards", len(addrs), n)
+	}
+	s := &Sharded{m: m, shards: make([]*shardConn, len(addrs))}
+	err := s.each(ctx, allShards(len(addrs)), func(ctx context.Context, i int) error {
+		c, err := Dial(ctx, addrs[i], opts...)
+		if err != nil {
+			return err
+		}
+		sc := &shardConn{addr: addrs[i], c: c}
+		s.shards[i] = sc
+		info, err := c.ServerInfo(ctx)
+		if err != nil {
+			return err
+		}
+		sc.maxTokens, sc.maxMsg = info.Limits.MaxTokens, info.Limits.MaxMessageBytes
+		if len(info.Backends) > 0 {
+			if bt := info.Backends[0].MaxTokens; bt > 0 && (sc.maxTokens == 0 || bt < sc.maxTokens) {
+				sc.maxTokens = bt
+			}
+		}
+		return nil
+	}, addrs)
+	if err != nil {
+		s.Close()
+		return nil, fmt.Errorf("expertd sharded client: %w", err)
+	}
+	return s, nil
+}
+
+// Close closes every connection.
+func (s *Sharded) Close() error {
+	var errs []error
+	for _, sc := range s.shards {
+		if sc != nil {
+			errs = append(errs, sc.c.Close())
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Map is the placement the client was dialed with.
+func (s *Sharded) Map() *shard.Map { return s.m }
+
+// Shard is the client of shard i's daemon, for calls the fan-out does not
+// wrap (ListExperts, ServerInfo, Health).
+func (s *Sharded) Shard(i int) *Client { return s.shards[i].c }
+
+func allShards(n int) []int {
+	ids := make([]int, n)
+	for i := range ids {
+		ids[i] = i
+	}
+	return ids
+}
+
+// each runs fn for the given shards concurrently. The first failure cancels
+// the others and is returned as a *ShardError; later ones (often just the
+// cancellation) are dropped.
+func (s *Sharded) each(ctx context.Context, ids []int, fn func(ctx context.Context, shard int) error, addrs []string) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		wg    sync.WaitGroup
+		once  sync.Once
+		first error
+	)
+	for _, i := range ids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := fn(ctx, i); err != nil {
+				once.Do(func() {
+					first = &ShardError{Shard: i, Addr: addrs[i], Err: err}
+					cancel()
+				})
+			}
+		}()
+	}
+	wg.Wait()
+	return first
+}
+
+func (s *Sharded) addrs() []string {
+	a := make([]string, len(s.shards))
+	for i, sc := range s.shards {
+		a[i] = sc.addr
+	}
+	return a
+}
+
+// LoadExperts loads w's experts on their daemons under name, all shards
+// concurrently: shard s gets the experts the map places on it, in local-id
+// order (see shardWeights for how each scale is split). It returns each
+// shard's set info. When a shard fails the error names it, and the others
+// may hold the new set: load again with Overwrite, or unload.
+func (s *Sharded) LoadExperts(ctx context.Context, name string, w *ExpertWeights, opts ...LoadOption) ([]*ExpertSetInfo, error) {
+	if w == nil {
+		return nil, invalid("LoadExperts", errors.New("weights: required"))
+	}
+	if err := w.validate("weights"); err != nil {
+		return nil, invalid("LoadExperts", err)
+	}
+	parts := make([]*ExpertWeights, len(s.shards))
+	for i := range s.shards {
+		p, err := shardWeights(w, s.m, i)
+		if err != nil {
+			return nil, invalid("LoadExperts", err)
+		}
+		parts[i] = p
+	}
+	infos := make([]*ExpertSetInfo, len(s.shards))
+	err := s.each(ctx, allShards(len(s.shards)), func(ctx context.Context, i int) error {
+		info, err := s.shards[i].c.LoadExperts(ctx, name, parts[i], opts...)
+		infos[i] = info
+		return err
+	}, s.addrs())
+	if err != nil {
+		return nil, err
+	}
+	return infos, nil
+}
+
+// UnloadExperts unloads name from every shard and returns the bytes freed.
+// Every shard is tried; the error names the first that failed.
+func (s *Sharded) UnloadExperts(ctx context.Context, name string) (int64, error) {
+	var (
+		mu    sync.Mutex
+		freed int64
+		errs  []error
+		wg    sync.WaitGroup
+	)
+	for i, sc := range s.shards {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			n, err := sc.c.UnloadExperts(ctx, name)
+			mu.Lock()
+			defer mu.Unlock()
+			freed += n
+			if err != nil {
+				errs = append(errs, &ShardError{Shard: i, Addr: sc.addr, Err: err})
+			}
+		}()
+	}
+	wg.Wait()
+	if len(errs) > 0 {
+		sort.Slice(errs, func(a, b int) bool { return errs[a].(*ShardError).Shard < errs[b].(*ShardError).Shard })
+		return freed, errs[0]
+	}
+	return freed, nil
+}
+
+// FusedMoE runs one MoE layer on the set name loaded with LoadExperts.
+//
+// Routing runs here, once, with the CPU backend's own code (cpu.Route), so
+// it is the server's routing bit for bit (the CUDA backend is checked to
+// agree with it). Each (token, slot) pair goes to the shard that owns its
+// expert, as one row of a top_k = 1 request with its shard-local id and
+// routing weight; a shard with no pairs is not called. Shards answer in
+// FP32 (each row is w·y, rounded once), and the rows of each token are
+// summed in slot order in float32, exactly as a single daemon's combine
+// does, before one rounding to the requested dtype (BF16 partials would
+// round twice). ReturnRouting returns the global routing.
+//
+// Shards run concurrently, each split into calls of at most the daemon's
+// max tokens; the context's deadline bounds them all, and the first failure
+// cancels the rest and is returned as a *ShardError (status.Code gives the
+// daemon's code).
+func (s *Sharded) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoEResult, error) {
+	call, err := s.prepare(req)
+	if err != nil {
+		return nil, invalid("FusedMoE", err)
+	}
+	d, err := s.m.Dispatch(call.ids, call.topK)
+	if err != nil {
+		return nil, invalid("FusedMoE", err)
+	}
+	var busy []int
+	for i := range s.shards {
+		if len(d.Pairs[i]) > 0 {
+			busy = append(busy, i)
+		}
+	}
+	// rows[s] are shard s's answers, one FP32 row of K per pair, in the
+	// order of d.Pairs[s]; timings and backends are per shard.
+	rows := make([][]byte, len(s.shards))
+	timings := make([]Timings, len(s.shards))
+	backends := make([]string, len(s.shards))
+	err = s.each(ctx, busy, func(ctx context.Context, i int) error {
+		out, t, b, err := s.shards[i].run(ctx, call, req.ExpertSet, d.Pairs[i], d.LocalIDs[i])
+		rows[i], timings[i], backends[i] = out, t, b
+		return err
+	}, s.addrs())
+	if err != nil {
+		return nil, err
+	}
+
+	// where[p] locates pair p's row: shard and row index.
+	type loc struct{ shard, row int32 }
+	where := make([]loc, len(call.ids))
+	for i, pairs := range d.Pairs {
+		for r, p := range pairs {
+			where[p] = loc{int32(i), int32(r)}
+		}
+	}
+	m, k := call.m, call.k
+	acc := make([]float32, k)
+	out := make([]byte, m*k*call.out.Size())
+	for t := range m {
+		clear(acc)
+		for j := range call.topK {
+			l := where[t*call.topK+j]
+			row := rows[l.shard][int(l.row)*4*k:][:4*k]
+			for x := range acc {
+				acc[x] += math.Float32frombits(binary.LittleEndian.Uint32(row[4*x:]))
+			}
+		}
+		encodeRow(out[t*k*call.out.Size():], acc, call.out)
+	}
+	res := &FusedMoEResult{Output: Tensor{DType: call.out, Shape: []int{m, k}, Data: out}}
+	if req.ReturnRouting {
+		res.TopKIDs = FromInt32(call.ids, m, call.topK)
+		res.TopKWeights = FromFloat32(call.weights, m, call.topK)
+	}
+	var names []string
+	for _, i := range busy {
+		res.Timings = maxTimings(res.Timings, timings[i])
+		names = append(names, backends[i])
+	}
+	res.Backend = strings.Join(dedupe(names), ",")
+	return res, nil
+}
+
+// fanCall is a validated call, routed.
+type fanCall struct {
+	m, k, topK int
+	out        DType
+	hidden     Tensor
+	// scale is the FP8 hidden states' scale; perRow its values per token
+	// (0 for a per-tensor scale, sent whole to every shard).
+	scale  Tensor
+	perRow int
+	// ids and weights are the global routing, [m, topK].
+	ids     []int32
+	weights []float32
+}
+
+// prepare validates req against the map and routes it.
+func (s *Sharded) prepare(req *FusedMoERequest) (*fanCall, error) {
+	if req.Weights != nil || req.ExpertSet == "" {
+		return nil, errors.New("experts: a sharded call needs ExpertSet (a set loaded with Sharded.LoadExperts); inline weights are not sharded")
+	}
+	out := req.OutputDType
+	switch out {
+	case 0:
+		out = BFloat16
+	case BFloat16, Float32:
+	default:
+		return nil, fmt.Errorf("output_dtype: %v: want BFloat16 (default) or Float32", req.OutputDType)
+	}
+	h := req.Hidden
+	if err := h.Validate(); err != nil {
+		return nil, fmt.Errorf("hidden_states: %w", err)
+	}
+	if len(h.Shape) != 2 || h.Shape[0] < 1 || h.Shape[1] < 1 ||
+		(h.DType != Float8E4M3FN && h.DType != BFloat16 && h.DType != Float32) {
+		return nil, fmt.Errorf("hidden_states: %v %v: want [M, K] with M, K >= 1 of FP8 E4M3FN, BF16 or FP32", h.DType, h.Shape)
+	}
+	c := &fanCall{m: h.Shape[0], k: h.Shape[1], hidden: h, out: out}
+	if h.DType == Float8E4M3FN {
+		sc := req.HiddenScale
+		if err := sc.Validate(); err != nil || sc.DType != Float32 {
+			return nil, fmt.Errorf("hidden_states_scale: FP32 scale required for FP8 hidden_states (%v %v)", sc.DType, err)
+		}
+		switch {
+		case len(sc.Shape) == 0 || len(sc.Shape) == 1 && sc.Shape[0] == 1:
+		case len(sc.Shape) == 1 && sc.Shape[0] == c.m:
+			c.perRow = 1
+		case len(sc.Shape) == 2 && sc.Shape[0] == c.m && sc.Shape[1] >= 1:
+			c.perRow = sc.Shape[1]
+		default:
+			return nil, fmt.Errorf("hidden_states_scale: shape %v: want [] or [1] (per-tensor), [%d] (per-token) or [%d, groups]", sc.Shape, c.m, c.m)
+		}
+		c.scale = sc
+	} else if !req.HiddenScale.IsZero() {
+		return nil, fmt.Errorf("hidden_states_scale: only FP8 hidden_states take a scale; %v is quantized by the server", h.DType)
+	}
+
+	e := s.m.NumExperts()
+	if !req.TopKIDs.IsZero() || !req.TopKWeights.IsZero() {
+		ids, err := req.TopKIDs.Int32s()
+		if err != nil || len(req.TopKIDs.Shape) != 2 || req.TopKIDs.Shape[0] != c.m || req.TopKIDs.Shape[1] < 1 {
+			return nil, fmt.Errorf("topk_ids: %v %v: want INT32 [%d, k] (%v)", req.TopKIDs.DType, req.TopKIDs.Shape, c.m, err)
+		}
+		c.topK = req.TopKIDs.Shape[1]
+		w, err := req.TopKWeights.Float32s()
+		if err != nil || req.TopKWeights.DType != Float32 || !equalShape(req.TopKWeights.Shape, c.m, c.topK) {
+			return nil, fmt.Errorf("topk_weights: %v %v: want FP32 [%d, %d] (%v)", req.TopKWeights.DType, req.TopKWeights.Shape, c.m, c.topK, err)
+		}
+		for i, x := range w {
+			if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
+				return nil, fmt.Errorf("topk_weights: element %d is %v: want finite", i, x)
+			}
+		}
+		c.ids, c.weights = ids, w
+		return c, nil
+	}
+
+	lg := req.RouterLogits
+	if lg.DType != Float32 && lg.DType != BFloat16 || !equalShape(lg.Shape, c.m, e) {
+		return nil, fmt.Errorf("router_logits: %v %v: want FP32 or BF16 [%d, %d] (E of the shard map)", lg.DType, lg.Shape, c.m, e)
+	}
+	logits, err := lg.Float32s()
+	if err != nil {
+		return nil, fmt.Errorf("router_logits: %w", err)
+	}
+	for i, x := range logits {
+		if x != x || math.IsInf(float64(x), 1) {
+			return nil, fmt.Errorf("router_logits: element %d is %v: want finite or -Inf", i, x)
+		}
+	}
+	r, err := kernelRouting(req.Routing, e)
+	if err != nil {
+		return nil, err
+	}
+	c.topK = r.TopK
+	c.ids, c.weights = make([]int32, c.m*r.TopK), make([]float32, c.m*r.TopK)
+	cpu.Route(c.ids, c.weights, logits, c.m, e, r)
+	return c, nil
+}
+
+// kernelRouting checks rt for E experts with the server's rules
+// (service.checkRouting) and converts it for cpu.Route.
+func kernelRouting(rt Routing, e int) (kernels.Routing, error) {
+	r := kernels.Routing{TopK: rt.TopK, Renormalize: rt.Renormalize, Scoring: rt.Scoring, ScalingFactor: rt.ScalingFactor}
+	if r.TopK < 1 || r.TopK > e {
+		return r, fmt.Errorf("routing.top_k: %d: want in [1, %d] (E of the shard map)", rt.TopK, e)
+	}
+	switch r.Scoring {
+	case 0:
+		r.Scoring = kernels.Softmax
+	case kernels.Softmax, kernels.Sigmoid:
+	default:
+		return r, fmt.Errorf("routing.scoring: %v: want Softmax or Sigmoid", rt.Scoring)
+	}
+	if b := rt.CorrectionBias; !b.IsZero() {
+		if r.Scoring != kernels.Sigmoid {
+			return r, errors.New("routing.correction_bias: only valid with Sigmoid scoring")
+		}
+		if b.DType != Float32 && b.DType != BFloat16 || !equalShape(b.Shape, e) {
+			return r, fmt.Errorf("routing.correction_bias: %v %v: want FP32 or BF16 [%d]", b.DType, b.Shape, e)
+		}
+		v, err := b.Float32s()
+		if err != nil {
+			return r, fmt.Errorf("routing.correction_bias: %w", err)
+		}
+		for i, x := range v {
+			if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
+				return r, fmt.Errorf("routing.correction_bias: element %d is %v: want finite", i, x)
+			}
+		}
+		r.CorrectionBias = v
+	}
+	if g := rt.NumGroups; g > 1 {
+		if g > e || e%g != 0 {
+			return r, fmt.Errorf("routing.num_expert_groups: %d does not divide E = %d", g, e)
+		}
+		tg := rt.TopKGroups
+		if tg < 1 || tg > g {
+			return r, fmt.Errorf("routing.topk_groups: %d: want in [1, %d] (num_expert_groups)", tg, g)
+		}
+		if tg*(e/g) < r.TopK {
+			return r, fmt.Errorf("routing.topk_groups: %d groups of %d experts cannot supply top_k = %d", tg, e/g, r.TopK)
+		}
+		r.NumGroups, r.TopKGroups = g, tg
+	} else if g < 0 {
+		return r, fmt.Errorf("routing.num_expert_groups: %d: want >= 0", g)
+	}
+	switch sf := r.ScalingFactor; {
+	case sf == 0:
+		r.ScalingFactor = 1
+	case !(sf > 0) || math.IsInf(float64(sf), 0):
+		return r, fmt.Errorf("routing.routed_scaling_factor: %v: want finite and > 0 (0 means 1)", sf)
+	}
+	return r, nil
+}
+
+// chunkHeadroomRows is what a shard call needs beyond its rows: names,
+// shapes and protobuf framing, with a wide margin.
+const chunkHeadroomRows = 64 << 10
+
+// rowsPerCall is how many pair rows fit one call to this daemon: its max
+// tokens, and its message limit both ways (hidden row, scales, id and
+// weight in; an FP32 row out).
+func (sc *shardConn) rowsPerCall(c *fanCall) int {
+	n := math.MaxInt
+	if sc.maxTokens > 0 {
+		n = sc.maxTokens
+	}
+	if sc.maxMsg > 2*chunkHeadroomRows {
+		in := c.k*c.hidden.DType.Size() + 4*c.perRow + 8
+		per := int64(max(in, 4*c.k))
+		n = min(n, int(max(1, (sc.maxMsg-chunkHeadroomRows)/per)))
+	}
+	return n
+}
+
+// run computes shard pairs on this daemon, in calls of at most rowsPerCall
+// rows one after another (the daemon runs calls in parallel itself, and a
+// burst would only fill its queue), and returns the FP32 rows in pair order.
+func (sc *shardConn) run(ctx context.Context, c *fanCall, set string, pairs []int, local []int32) ([]byte, Timings, string, error) {
+	out := make([]byte, 0, len(pairs)*4*c.k)
+	var tm Timings
+	var backend string
+	step := sc.rowsPerCall(c)
+	for lo := 0; lo < len(pairs); lo += step {
+		hi := min(lo+step, len(pairs))
+		res, err := sc.c.FusedMoE(ctx, shardRequest(c, set, pairs[lo:hi], local[lo:hi]))
+		if err != nil {
+			return nil, tm, "", err
+		}
+		o := res.Output
+		if o.DType != Float32 || !equalShape(o.Shape, hi-lo, c.k) {
+			return nil, tm, "", status.Errorf(codes.Internal, "output %v %v: want FP32 [%d, %d]", o.DType, o.Shape, hi-lo, c.k)
+		}
+		out = append(out, o.Data...)
+		tm = addTimings(tm, res.Timings)
+		backend = res.Backend
+	}
+	return out, tm, backend, nil
+}
+
+// shardRequest is the call for some of a shard's pairs: one row per pair,
+// the token's hidden row (and its scales), the pair's local expert id and
+// routing weight, top_k = 1, FP32 out.
+func shardRequest(c *fanCall, set string, pairs []int, local []int32) *FusedMoERequest {
+	n := len(pairs)
+	rb := c.k * c.hidden.DType.Size()
+	hidden := make([]byte, n*rb)
+	weights := make([]float32, n)
+	var scales []byte
+	if c.perRow > 0 {
+		scales = make([]byte, n*4*c.perRow)
+	}
+	for i, p := range pairs {
+		t := p / c.topK
+		copy(hidden[i*rb:(i+1)*rb], c.hidden.Data[t*rb:])
+		if c.perRow > 0 {
+			sb := 4 * c.perRow
+			copy(scales[i*sb:(i+1)*sb], c.scale.Data[t*sb:])
+		}
+		weights[i] = c.weights[p]
+	}
+	r := &FusedMoERequest{
+		ExpertSet:   set,
+		Hidden:      Tensor{DType: c.hidden.DType, Shape: []int{n, c.k}, Data: hidden},
+		TopKIDs:     FromInt32(local, n, 1),
+		TopKWeights: FromFloat32(weights, n, 1),
+		OutputDType: Float32,
+	}
+	switch {
+	case c.scale.IsZero():
+	case c.perRow == 0:
+		r.HiddenScale = c.scale
+	case len(c.scale.Shape) == 1:
+		r.HiddenScale = Tensor{DType: Float32, Shape: []int{n}, Data: scales}
+	default:
+		r.HiddenScale = Tensor{DType: Float32, Shape: []int{n, c.perRow}, Data: scales}
+	}
+	return r
+}
+
+func encodeRow(dst []byte, v []float32, dt DType) {
+	if dt == Float32 {
+		for i, x := range v {
+			binary.LittleEndian.PutUint32(dst[4*i:], math.Float32bits(x))
+		}
+		return
+	}
+	for i, x := range v {
+		binary.LittleEndian.PutUint16(dst[2*i:], scaling.Float32ToBF16(x))
+	}
+}
+
+func equalShape(shape []int, want ...int) bool {
+	if len(shape) != len(want) {
+		return false
+	}
+	for i := range shape {
+		if shape[i] != want[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func addTimings(a, b Timings) Timings {
+	return Timings{Decode: a.Decode + b.Decode, Queue: a.Queue + b.Queue, H2D: a.H2D + b.H2D,
+		Kernel: a.Kernel + b.Kernel, D2H: a.D2H + b.D2H, Total: a.Total + b.Total}
+}
+
+// maxTimings is the field-wise max: shards run concurrently, so the
+// slowest shard's figure is the call's.
+func maxTimings(a, b Timings) Timings {
+	m := func(x, y time.Duration) time.Duration { return max(x, y) }
+	return Timings{Decode: m(a.Decode, b.Decode), Queue: m(a.Queue, b.Queue), H2D: m(a.H2D, b.H2D),
+		Kernel: m(a.Kernel, b.Kernel), D2H: m(a.D2H, b.D2H), Total: m(a.Total, b.Total)}
+}
+
+func dedupe(s []string) []string {
+	sort.Strings(s)
+	out := s[:0]
+	for i, x := range s {
+		if i == 0 || x != s[i-1] {
+			out = append(out, x)
+		}
+	}
+	return out
+}
