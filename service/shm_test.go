@@ -448,3 +448,46 @@ func TestSharedMemoryShrunk(t *testing.T) {
 		t.Errorf("backend ran %d calls, want 0", n)
 	}
 }
+
+// TestSharedMemoryStream: FusedMoEStream resolves each request's
+// references on its own, writing each output to its own slice.
+func TestSharedMemoryStream(t *testing.T) {
+	rng := newRand(t)
+	ctx := testContext(t)
+	c, _ := loadedServer(t, rng, service.Config{SharedMemory: true, MaxConcurrent: 2}, &fakeBackend{})
+	key, f := shmObject(t, 1<<14)
+	if _, err := c.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, ByteSize: 1 << 14}); err != nil {
+		t.Fatalf("RegisterSharedMemory: %v", err)
+	}
+	stream, err := c.FusedMoEStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const calls, m = 3, 2
+	const outBytes = m * testK * 4
+	for i := range calls {
+		req := request(rng, m)
+		req.OutputDtype = pb.DataType_DATA_TYPE_FLOAT32
+		writeAt(t, f, req.GetHiddenStates().GetData(), int64(i)*1024)
+		req.HiddenStates.Source = shmRef("r", int64(i)*1024, m*testK*4)
+		req.OutputShm = &pb.SharedMemoryRef{RegionName: "r", Offset: 8192 + int64(i)*1024, ByteSize: outBytes}
+		if err := stream.Send(req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := stream.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range calls {
+		resp, err := stream.Recv()
+		if err != nil {
+			t.Fatalf("response %d: %v", i, err)
+		}
+		if got := resp.GetOutput().GetShm().GetOffset(); got != 8192+int64(i)*1024 {
+			t.Errorf("response %d: output at offset %d, want %d", i, got, 8192+i*1024)
+		}
+		if got := bytesF32(readAt(t, f, outBytes, 8192+int64(i)*1024)); got[m*testK-1] != m*testK-1 {
+			t.Errorf("response %d: region output ends with %v, want %d", i, got[m*testK-1], m*testK-1)
+		}
+	}
+}
