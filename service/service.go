@@ -162,6 +162,7 @@ func (s *Server) initMetrics(m metric.Meter) {
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.queued_calls"), slog.Any("err", err))
 	}
+	s.initShmMetrics(m)
 }
 
 // Register attaches the service to a gRPC server.

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/stats"
@@ -87,6 +88,9 @@ type shmTable struct {
 	// a region nobody will clean up.
 	conns  map[uint64]map[string]*region
 	closed bool
+	// mapped counts the regions mapped (registered, or unregistered but
+	// still used by a call) and their bytes, for the gauges.
+	mapped, mappedBytes int64
 }
 
 func newShmTable(enabled bool, log *slog.Logger) *shmTable {
@@ -153,6 +157,8 @@ func (t *shmTable) dropLocked(regs map[string]*region) []string {
 }
 
 func (t *shmTable) unmap(r *region) {
+	t.mapped--
+	t.mappedBytes -= r.size
 	if err := r.m.close(); err != nil {
 		t.log.Error("unmapping shared memory", slog.String("region", r.name), slog.String("key", r.key), slog.Any("err", err))
 	}
@@ -184,6 +190,33 @@ func (t *shmTable) connRegions(ctx context.Context) (uint64, map[string]*region,
 		return 0, nil, codedf(codes.Canceled, "", "the connection has closed")
 	}
 	return id, regs, nil
+}
+
+// initShmMetrics observes the mapped regions, so a leak (mappings that
+// outlive their connections) shows on a dashboard.
+func (s *Server) initShmMetrics(m metric.Meter) {
+	t := s.shm
+	observe := func(get func() int64) metric.Int64Callback {
+		return func(_ context.Context, o metric.Int64Observer) error {
+			t.mu.Lock()
+			v := get()
+			t.mu.Unlock()
+			o.Observe(v)
+			return nil
+		}
+	}
+	if _, err := m.Int64ObservableGauge("expertd.shared_memory.regions",
+		metric.WithDescription("Shared-memory regions mapped: registered, or unregistered but still used by a call."),
+		metric.WithUnit("{region}"),
+		metric.WithInt64Callback(observe(func() int64 { return t.mapped }))); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.regions"), slog.Any("err", err))
+	}
+	if _, err := m.Int64ObservableGauge("expertd.shared_memory.mapped_bytes",
+		metric.WithDescription("Bytes of the shared-memory regions mapped."),
+		metric.WithUnit("By"),
+		metric.WithInt64Callback(observe(func() int64 { return t.mappedBytes }))); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.mapped_bytes"), slog.Any("err", err))
+	}
 }
 
 // StatsHandler is the stats.Handler that tracks connections for shared
@@ -267,6 +300,8 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 	}
 	r.conn = id
 	regs[r.name] = r
+	t.mapped++
+	t.mappedBytes += r.size
 	info := r.info()
 	t.mu.Unlock()
 	s.log.InfoContext(ctx, "shared memory registered", slog.String("region", r.name), slog.String("key", key),

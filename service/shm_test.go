@@ -2,6 +2,7 @@ package service_test
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -12,6 +13,8 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -489,5 +492,49 @@ func TestSharedMemoryStream(t *testing.T) {
 		if got := bytesF32(readAt(t, f, outBytes, 8192+int64(i)*1024)); got[m*testK-1] != m*testK-1 {
 			t.Errorf("response %d: region output ends with %v, want %d", i, got[m*testK-1], m*testK-1)
 		}
+	}
+}
+
+// TestSharedMemoryMetrics: the gauges count mapped regions and bytes, and
+// return to zero once they are unregistered.
+func TestSharedMemoryMetrics(t *testing.T) {
+	ctx := testContext(t)
+	reader := sdkmetric.NewManualReader()
+	meter := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)).Meter("test")
+	c, _, _ := servicetest.StartServerConfig(t, service.Config{SharedMemory: true, Meter: meter}, &fakeBackend{})
+	gauges := func() (regions, mapped int64) {
+		t.Helper()
+		var rm metricdata.ResourceMetrics
+		if err := reader.Collect(context.Background(), &rm); err != nil {
+			t.Fatal(err)
+		}
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if d, ok := m.Data.(metricdata.Gauge[int64]); ok && len(d.DataPoints) == 1 {
+					switch m.Name {
+					case "expertd.shared_memory.regions":
+						regions = d.DataPoints[0].Value
+					case "expertd.shared_memory.mapped_bytes":
+						mapped = d.DataPoints[0].Value
+					}
+				}
+			}
+		}
+		return regions, mapped
+	}
+	key, _ := shmObject(t, 8192)
+	for _, r := range []*pb.RegisterSharedMemoryRequest{{Name: "a", Key: key, ByteSize: 8192}, {Name: "b", Key: key, Offset: 5000, ByteSize: 100}} {
+		if _, err := c.RegisterSharedMemory(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r, b := gauges(); r != 2 || b != 8292 {
+		t.Errorf("gauges with two regions: %d regions, %d bytes; want 2, 8292", r, b)
+	}
+	if _, err := c.UnregisterSharedMemory(ctx, &pb.UnregisterSharedMemoryRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	if r, b := gauges(); r != 0 || b != 0 {
+		t.Errorf("gauges after unregistering: %d regions, %d bytes; want 0, 0", r, b)
 	}
 }
