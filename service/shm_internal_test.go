@@ -2,9 +2,13 @@ package service
 
 import (
 	"context"
+	"fmt"
+	"math"
 	"net"
+	"os"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
@@ -59,4 +63,75 @@ func TestCheckShmKey(t *testing.T) {
 			t.Errorf("checkShmKey(%q) = %q, %v; want %q", key, got, err, want)
 		}
 	}
+}
+
+// FuzzResolveShm feeds arbitrary references and shapes to resolveShm over
+// a real 4000-byte region: it must never panic, and what it accepts must
+// view bytes inside the region, of the declared size, with the output
+// apart from the input; every region it took must be released.
+func FuzzResolveShm(f *testing.F) {
+	if _, err := os.Stat("/dev/shm"); err != nil {
+		f.Skipf("no /dev/shm: %v", err)
+	}
+	key := fmt.Sprintf("expertd-fuzz-%d", os.Getpid())
+	obj, err := os.OpenFile("/dev/shm/"+key, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(func() { obj.Close(); os.Remove(obj.Name()) })
+	if err := obj.Truncate(8192); err != nil {
+		f.Fatal(err)
+	}
+	s := New(Config{SharedMemory: true}, cpu.New(kernels.Config{}), nil)
+	ctx := s.shm.TagConn(context.Background(), &stats.ConnTagInfo{})
+	f.Cleanup(func() { s.shm.HandleConn(ctx, &stats.ConnEnd{}) })
+	const regionOff, regionSize = 100, 4000
+	if _, err := s.registerShm(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, Offset: regionOff, ByteSize: regionSize}); err != nil {
+		f.Fatal(err)
+	}
+	reg := s.shm.conns[ctx.Value(connKey{}).(uint64)]["r"]
+	mem := reg.m.data()
+
+	f.Add(int64(0), int64(320), int64(2), int64(40), uint8(pb.DataType_DATA_TYPE_FLOAT32), int64(1000), int64(160), uint8(0))
+	f.Add(int64(3999), int64(1), int64(1), int64(1), uint8(pb.DataType_DATA_TYPE_FLOAT8_E4M3FN), int64(0), int64(2), uint8(pb.DataType_DATA_TYPE_BFLOAT16))
+	f.Add(int64(8), int64(math.MaxInt64), int64(1<<40), int64(1<<40), uint8(pb.DataType_DATA_TYPE_INT32), int64(-1), int64(-1), uint8(9))
+	f.Fuzz(func(t *testing.T, hOff, hSize, m, k int64, dt uint8, oOff, oSize int64, odt uint8) {
+		req := &pb.FusedMoERequest{
+			HiddenStates: &pb.Tensor{Dtype: pb.DataType(dt), Shape: []int64{m, k},
+				Source: &pb.Tensor_Shm{Shm: &pb.SharedMemoryRef{RegionName: "r", Offset: hOff, ByteSize: hSize}}},
+			OutputDtype: pb.DataType(odt),
+			OutputShm:   &pb.SharedMemoryRef{RegionName: "r", Offset: oOff, ByteSize: oSize},
+		}
+		c, err := s.resolveShm(ctx, req)
+		defer func() {
+			c.release()
+			if reg.refs != 0 {
+				t.Fatalf("%d references left after release", reg.refs)
+			}
+		}()
+		if err != nil {
+			if status.Code(s.toStatus(ctx, "FuzzResolveShm", err)) == codes.Internal {
+				t.Fatalf("internal error: %v", err)
+			}
+			return
+		}
+		inside := func(b []byte) bool {
+			if len(b) == 0 {
+				return true
+			}
+			lo := uintptr(unsafe.Pointer(unsafe.SliceData(mem)))
+			p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+			return p >= lo && p+uintptr(len(b)) <= lo+uintptr(len(mem))
+		}
+		h := req.GetHiddenStates().GetData()
+		if int64(len(h)) != hSize || int64(cap(h)) != hSize || !inside(h) {
+			t.Fatalf("hidden view of %d bytes (cap %d) for byte_size %d, inside the region: %v", len(h), cap(h), hSize, inside(h))
+		}
+		if int64(len(c.out)) != oSize || !inside(c.out) {
+			t.Fatalf("output view of %d bytes for byte_size %d, inside the region: %v", len(c.out), oSize, inside(c.out))
+		}
+		if oSize > 0 && hSize > 0 && oOff < hOff+hSize && hOff < oOff+oSize {
+			t.Fatalf("accepted output [%d, %d) over hidden [%d, %d)", oOff, oOff+oSize, hOff, hOff+hSize)
+		}
+	})
 }
