@@ -455,6 +455,12 @@ var allDTypes = []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float
 // is left to validation, which refuses shm tensors when this is disabled.
 func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmCall, error) {
 	t := s.shm
+	if !t.enabled {
+		if req.GetOutputShm() != nil {
+			return nil, invalidf("output_shm", "shared memory is not enabled on this server (expertd -shared-memory); leave output_shm unset")
+		}
+		return nil, nil // validation refuses the shm tensors
+	}
 	ts := requestTensors(req)
 	uses := req.GetOutputShm() != nil
 	for _, x := range ts {
@@ -462,12 +468,6 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 	}
 	if !uses {
 		return nil, nil
-	}
-	if !t.enabled {
-		if req.GetOutputShm() != nil {
-			return nil, invalidf("output_shm", "shared memory is not enabled on this server (expertd -shared-memory); leave output_shm unset")
-		}
-		return nil, nil // validation refuses the shm tensors
 	}
 	c := &shmCall{t: t}
 	t.mu.Lock()
