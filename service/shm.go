@@ -160,7 +160,7 @@ func (t *shmTable) unmap(r *region) {
 	t.mapped--
 	t.mappedBytes -= r.size
 	if err := r.m.close(); err != nil {
-		t.log.Error("unmapping shared memory", slog.String("region", r.name), slog.String("key", r.key), slog.Any("err", err))
+		t.log.Error("unmapping shared memory", slog.String("region", r.name), slog.String("key", r.key), slog.Uint64("conn", r.conn), slog.Any("err", err))
 	}
 }
 
