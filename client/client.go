@@ -51,6 +51,7 @@ type Client struct {
 	rpc    pb.ExpertServiceClient
 	health healthpb.HealthClient
 	opts   options
+	shm    regions
 
 	// limitMu guards serverMaxMsg, the server's message limit once known.
 	limitMu      sync.Mutex
@@ -207,7 +208,7 @@ func (c *Client) Close() error { return c.conn.Close() }
 func (c *Client) Conn() grpc.ClientConnInterface { return c.conn }
 
 // RPC is the generated stub on the same connection, for fields the SDK
-// does not cover yet (FusedMoEStream, shared memory).
+// does not cover yet.
 func (c *Client) RPC() pb.ExpertServiceClient { return c.rpc }
 
 // callContext applies the default call timeout when ctx has no deadline.
@@ -240,6 +241,9 @@ func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoER
 	ctx, cancel := c.callContext(ctx)
 	defer cancel()
 	resp, err := c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+	if err != nil && c.reregister(ctx, err) {
+		resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+	}
 	if err != nil {
 		return nil, wrap("FusedMoE", err)
 	}
@@ -247,6 +251,7 @@ func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoER
 	if err != nil {
 		return nil, wrap("FusedMoE", fmt.Errorf("malformed response: %w", err))
 	}
+	c.viewOutputs(res)
 	return res, nil
 }
 

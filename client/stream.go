@@ -17,6 +17,7 @@ import (
 type Stream struct {
 	s      pb.ExpertService_FusedMoEStreamClient
 	cancel context.CancelFunc
+	c      *Client
 }
 
 // FusedMoEStream opens a stream of FusedMoE calls; ctx bounds the whole
@@ -28,7 +29,7 @@ func (c *Client) FusedMoEStream(ctx context.Context) (*Stream, error) {
 		cancel()
 		return nil, wrap("FusedMoEStream", err)
 	}
-	return &Stream{s: s, cancel: cancel}, nil
+	return &Stream{s: s, cancel: cancel, c: c}, nil
 }
 
 // Send queues one request. A request the client refuses locally is an
@@ -64,6 +65,7 @@ func (s *Stream) Recv() (*FusedMoEResult, error) {
 	if err != nil {
 		return nil, wrap("FusedMoEStream", fmt.Errorf("malformed response: %w", err))
 	}
+	s.c.viewOutputs(res)
 	return res, nil
 }
 

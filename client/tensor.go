@@ -34,8 +34,13 @@ type Tensor struct {
 	DType DType
 	// Shape is outermost first; empty means a scalar.
 	Shape []int
-	// Data holds Numel()*DType.Size() bytes.
+	// Data holds Numel()*DType.Size() bytes. With Shm set it is the local
+	// view of the region's bytes, or nil when the client has none.
 	Data []byte
+	// Shm, when set, sends the tensor as a reference into a shared-memory
+	// region registered on the client's connection instead of inline
+	// bytes (Region.Tensor builds one).
+	Shm *SharedMemoryRef
 }
 
 // FromFloat32 is an FP32 tensor of the given shape holding v.
@@ -84,7 +89,7 @@ func FromInt32(v []int32, shape ...int) Tensor {
 }
 
 // IsZero reports whether t is the zero Tensor, which means "not set".
-func (t Tensor) IsZero() bool { return t.DType == 0 && t.Shape == nil && t.Data == nil }
+func (t Tensor) IsZero() bool { return t.DType == 0 && t.Shape == nil && t.Data == nil && t.Shm == nil }
 
 // Numel is the number of elements the shape holds.
 func (t Tensor) Numel() int {
@@ -107,7 +112,16 @@ func (t Tensor) Validate() error {
 			return fmt.Errorf("shape %v has a negative dimension", t.Shape)
 		}
 	}
-	if want := t.Numel() * t.DType.Size(); len(t.Data) != want {
+	want := t.Numel() * t.DType.Size()
+	if t.Shm != nil {
+		if t.Shm.Size != int64(want) {
+			return fmt.Errorf("%v shape %v needs %d bytes, shared-memory reference has %d", t.DType, t.Shape, want, t.Shm.Size)
+		}
+		if t.Data == nil {
+			return nil
+		}
+	}
+	if len(t.Data) != want {
 		return fmt.Errorf("%v shape %v needs %d bytes, got %d", t.DType, t.Shape, want, len(t.Data))
 	}
 	return nil
@@ -172,21 +186,26 @@ func (t Tensor) Proto() *pb.Tensor {
 	for i, d := range t.Shape {
 		shape[i] = int64(d)
 	}
+	if t.Shm != nil {
+		return &pb.Tensor{Dtype: pb.DataType(t.DType), Shape: shape, Source: &pb.Tensor_Shm{Shm: t.Shm.proto()}}
+	}
 	return &pb.Tensor{Dtype: pb.DataType(t.DType), Shape: shape, Source: &pb.Tensor_Data{Data: t.Data}}
 }
 
-// TensorFromProto converts a wire tensor with inline data; nil gives the
-// zero Tensor. The bytes are shared, not copied.
+// TensorFromProto converts a wire tensor; nil gives the zero Tensor. The
+// bytes are shared, not copied. A tensor in shared memory comes back with
+// Shm set and Data nil (Client.FusedMoE fills Data in from the region).
 func TensorFromProto(p *pb.Tensor) (Tensor, error) {
 	if p == nil {
 		return Tensor{}, nil
 	}
-	if p.GetShm() != nil {
-		return Tensor{}, fmt.Errorf("tensor in shared memory region %q: not supported by this client", p.GetShm().GetRegionName())
-	}
 	shape := make([]int, len(p.GetShape()))
 	for i, d := range p.GetShape() {
 		shape[i] = int(d)
+	}
+	if ref := p.GetShm(); ref != nil {
+		t := Tensor{DType: DType(p.GetDtype()), Shape: shape, Shm: refFromProto(ref)}
+		return t, t.Validate()
 	}
 	t := Tensor{DType: DType(p.GetDtype()), Shape: shape, Data: p.GetData()}
 	if t.Data == nil {

@@ -131,6 +131,11 @@ type FusedMoERequest struct {
 	OutputDType DType
 	// ReturnRouting asks for the routing used in the result.
 	ReturnRouting bool
+	// OutputShm, when set, has the server write the output ([M, K] in
+	// OutputDType) into this slice of a registered shared-memory region
+	// (Region.Ref) instead of sending it; the result's Output then views
+	// those bytes.
+	OutputShm *SharedMemoryRef
 }
 
 // proto validates r locally and returns its wire form.
@@ -141,6 +146,7 @@ func (r *FusedMoERequest) proto() (*pb.FusedMoERequest, error) {
 	p := &pb.FusedMoERequest{
 		OutputDtype:   pb.DataType(r.OutputDType),
 		ReturnRouting: r.ReturnRouting,
+		OutputShm:     r.OutputShm.proto(),
 	}
 	if r.Weights != nil {
 		if err := r.Weights.validate("weights"); err != nil {

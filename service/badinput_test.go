@@ -2,8 +2,10 @@ package service_test
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
 	"strings"
 	"testing"
 
@@ -88,6 +90,7 @@ func TestBadInput(t *testing.T) {
 		}, tt.wantCode, tt.wantMsg})
 	}
 	cases = append(cases, oversized(rng)...)
+	cases = append(cases, shmBadInput(rng)...)
 	if len(cases) < 40 {
 		t.Fatalf("the suite has %d cases, want at least 40", len(cases))
 	}
@@ -575,4 +578,92 @@ var cmpIgnoreBackendCounts = cmpopts.IgnoreFields(serverState{}, "BackendCalls",
 // serviceConfig is a Config with a loaded-bytes budget.
 func serviceConfig(maxLoaded int64) service.Config {
 	return service.Config{MaxLoadedBytes: maxLoaded}
+}
+
+// shmRegionSize is the region every shared-memory bad-input call registers.
+const shmRegionSize = 4096
+
+// registerBadRegion registers a fresh shmRegionSize region "r" on c's
+// connection with data at offset 0, and unlinks its object at once (the
+// server's mapping keeps the pages; the connection's end unmaps them).
+func registerBadRegion(ctx context.Context, c pb.ExpertServiceClient, data []byte) error {
+	key := fmt.Sprintf("expertd-badinput-%d-%d", os.Getpid(), shmSeq.Add(1))
+	f, err := os.OpenFile("/dev/shm/"+key, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(f.Name())
+	defer f.Close()
+	if err := f.Truncate(shmRegionSize); err != nil {
+		return err
+	}
+	if _, err := f.WriteAt(data, 0); err != nil {
+		return err
+	}
+	_, err = c.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, ByteSize: shmRegionSize})
+	return err
+}
+
+// shmBadInput are malformed shared-memory references on a server with
+// shared memory on: each call registers region "r" holding the request's
+// hidden states (badM x testK FP32, 480 bytes) at offset 0, then edits the
+// request.
+func shmBadInput(rng *rand.Rand) []badCall {
+	on := service.Config{SharedMemory: true}
+	const hb = badM * testK * 4
+	call := func(edit func(r *pb.FusedMoERequest)) func(ctx context.Context, c pb.ExpertServiceClient) error {
+		return func(ctx context.Context, c pb.ExpertServiceClient) error {
+			req := request(rng, badM)
+			if err := registerBadRegion(ctx, c, req.GetHiddenStates().GetData()); err != nil {
+				return err
+			}
+			req.HiddenStates.Source = shmRef("r", 0, hb)
+			edit(req)
+			_, err := c.FusedMoE(ctx, req)
+			return err
+		}
+	}
+	hidden := func(off, n int64) func(r *pb.FusedMoERequest) {
+		return func(r *pb.FusedMoERequest) { r.HiddenStates.Source = shmRef("r", off, n) }
+	}
+	out := func(region string, off, n int64) func(r *pb.FusedMoERequest) {
+		return func(r *pb.FusedMoERequest) {
+			r.OutputShm = &pb.SharedMemoryRef{RegionName: region, Offset: off, ByteSize: n}
+		}
+	}
+	return []badCall{
+		{"FusedMoE/shm unknown region", on, call(func(r *pb.FusedMoERequest) { r.HiddenStates.Source = shmRef("nope", 0, hb) }),
+			codes.NotFound, `hidden_states.shm.region_name: no shared-memory region "nope" on this connection`},
+		{"FusedMoE/shm negative offset", on, call(hidden(-1, hb)), codes.InvalidArgument, `hidden_states.shm.offset: -1: want in [0, 4096]`},
+		{"FusedMoE/shm offset past the region", on, call(hidden(shmRegionSize+1, hb)), codes.InvalidArgument, `hidden_states.shm.offset: 4097`},
+		{"FusedMoE/shm runs past the region", on, call(hidden(shmRegionSize-hb+1, hb)), codes.InvalidArgument, `hidden_states.shm.byte_size: 480 at offset 3617 runs past the end of region "r" (4096 bytes)`},
+		{"FusedMoE/shm offset+size overflows int64", on, call(hidden(8, math.MaxInt64)), codes.InvalidArgument, `hidden_states.shm.byte_size: 9223372036854775807 at offset 8 runs past the end`},
+		{"FusedMoE/shm negative size", on, call(hidden(0, -1)), codes.InvalidArgument, `hidden_states.shm.byte_size: -1 at offset 0`},
+		{"FusedMoE/shm size one short", on, call(hidden(0, hb-1)), codes.InvalidArgument, `hidden_states.shm.byte_size: 479: shape [3 40] of DATA_TYPE_FLOAT32 needs 480 bytes`},
+		{"FusedMoE/shm size disagrees with dtype", on, call(func(r *pb.FusedMoERequest) { r.HiddenStates.Dtype = pb.DataType_DATA_TYPE_BFLOAT16 }),
+			codes.InvalidArgument, `hidden_states.shm.byte_size: 480: shape [3 40] of DATA_TYPE_BFLOAT16 needs 240 bytes`},
+		{"FusedMoE/shm bad dtype left to validation", on, call(func(r *pb.FusedMoERequest) { r.HiddenStates.Dtype = pb.DataType_DATA_TYPE_INT32 }),
+			codes.InvalidArgument, `hidden_states: dtype DATA_TYPE_INT32`},
+		{"FusedMoE/shm logits past the region", on, call(func(r *pb.FusedMoERequest) { r.RouterLogits.Source = shmRef("r", shmRegionSize-8, badM*testE*4) }),
+			codes.InvalidArgument, `router_logits.shm.byte_size: 72 at offset 4088 runs past the end`},
+		{"FusedMoE/shm inline weights short", on, call(func(r *pb.FusedMoERequest) {
+			w := randomWeights(rng, pb.Activation_ACTIVATION_RELU2, 2, testK, 8)
+			w.W2Scale.Source = shmRef("r", 0, 4)
+			r.Experts = &pb.FusedMoERequest_Weights{Weights: w}
+		}), codes.InvalidArgument, `weights.w2_scale.shm.byte_size: 4: shape [2] of DATA_TYPE_FLOAT32 needs 8 bytes`},
+		{"FusedMoE/output_shm unknown region", on, call(out("nope", 0, badM*testK*2)), codes.NotFound, `output_shm.region_name: no shared-memory region "nope"`},
+		{"FusedMoE/output_shm wrong size", on, call(out("r", 1024, badM*testK*4)), codes.InvalidArgument, `output_shm.byte_size: 480: the output [3 40] of DATA_TYPE_BFLOAT16 needs 240 bytes`},
+		{"FusedMoE/output_shm past the region", on, call(out("r", shmRegionSize-100, badM*testK*2)), codes.InvalidArgument, `output_shm.byte_size: 240 at offset 3996 runs past the end of region "r"`},
+		{"FusedMoE/output_shm overlaps an input", on, call(out("r", 400, badM*testK*2)), codes.InvalidArgument, `output_shm: [400, 640) of region "r" overlaps hidden_states.shm`},
+		{"FusedMoE/output_shm without shared memory", service.Config{}, func(ctx context.Context, c pb.ExpertServiceClient) error {
+			req := request(rng, badM)
+			out("r", 0, badM*testK*2)(req)
+			_, err := c.FusedMoE(ctx, req)
+			return err
+		}, codes.InvalidArgument, `output_shm: shared memory is not enabled on this server`},
+		{"RegisterSharedMemory/key escapes /dev/shm", on, func(ctx context.Context, c pb.ExpertServiceClient) error {
+			_, err := c.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: "../../etc/passwd", ByteSize: 1})
+			return err
+		}, codes.InvalidArgument, `key: "../../etc/passwd": character '/'`},
+	}
 }

@@ -86,6 +86,11 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		return nil, err
 	}
 	defer done()
+	sh, err := s.resolveShm(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	defer sh.release()
 
 	var (
 		loaded kernels.Loaded
@@ -159,6 +164,9 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	resp := &pb.FusedMoEResponse{
 		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
 		Backend: s.backend.Name(),
+	}
+	if err := sh.writeOutput(resp); err != nil {
+		return nil, err
 	}
 	if req.GetReturnRouting() {
 		resp.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: int32Bytes(res.TopKIDs)}}

@@ -49,6 +49,10 @@ type Config struct {
 	MaxQueued int
 	// Meter records the service's own instruments; nil records nothing.
 	Meter metric.Meter
+	// SharedMemory serves RegisterSharedMemory and tensors in shared
+	// memory (shm.go) to callers on this host. It needs StatsHandler
+	// installed on the grpc.Server, which tracks their connections.
+	SharedMemory bool
 	// OnBackendFault, when set, is called when BackendFault starts
 	// reporting a fault (with it) and when it clears (with nil), so the
 	// daemon can take the replica out of health checks; it must not block.
@@ -69,6 +73,7 @@ type Server struct {
 	// queued counts calls waiting for a slot, bounded by cfg.MaxQueued.
 	queued atomic.Int64
 	faults faults
+	shm    *shmTable
 
 	mu       sync.Mutex
 	draining bool
@@ -106,6 +111,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 		log:     logger,
 		reg:     newRegistry(cfg.MaxLoadedBytes),
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
+		shm:     newShmTable(cfg.SharedMemory, logger),
 	}
 	s.reg.closeFn = s.free
 	s.initMetrics(cfg.Meter)
@@ -156,6 +162,7 @@ func (s *Server) initMetrics(m metric.Meter) {
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.queued_calls"), slog.Any("err", err))
 	}
+	s.initShmMetrics(m)
 }
 
 // Register attaches the service to a gRPC server.
@@ -210,10 +217,10 @@ func (s *Server) Draining() bool {
 }
 
 // Shutdown refuses new calls with Unavailable, waits for calls in flight
-// until ctx ends, then unloads every expert set. It returns ctx's error if
-// calls were still running; the sets are unloaded regardless (a set still
-// in use is freed when its last call ends). The backend is the caller's to
-// close.
+// until ctx ends, then unloads every expert set and unregisters every
+// shared-memory region. It returns ctx's error if calls were still running;
+// the sets and regions go regardless (one still in use is freed when its
+// last call ends). The backend is the caller's to close.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	s.draining = true
@@ -230,6 +237,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		err = ctx.Err()
 	}
 	s.reg.removeAll()
+	s.shm.closeAll()
 	return err
 }
 

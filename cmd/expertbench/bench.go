@@ -106,6 +106,13 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 		for i := range reqs {
 			reqs[i] = cfg.model.request(rng, cfg.set, cfg.tokens, cfg.out)
 		}
+		if cfg.shm {
+			free, err := toSharedMemory(ctx, c, w, reqs, cfg)
+			if err != nil {
+				return nil, fmt.Errorf("-shm: %w", err)
+			}
+			defer free()
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

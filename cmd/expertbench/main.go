@@ -77,6 +77,8 @@ type config struct {
 	seed        uint64
 	progress    time.Duration
 	jsonOut     bool
+	// shm passes tensors and outputs through shared memory (shm.go).
+	shm bool
 	// k and n are the -k and -n flags as given (0: not given), which
 	// -soak applies to all of its sets.
 	k, n int
@@ -106,6 +108,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.Uint64Var(&c.seed, "seed", uint64(time.Now().UnixNano()), "random seed of weights and tokens")
 	fs.DurationVar(&c.progress, "progress", time.Second, "progress line interval on stderr (0: none)")
 	fs.BoolVar(&c.jsonOut, "json", false, "print the summary as JSON")
+	fs.BoolVar(&c.shm, "shm", false, shmUsage)
 	fs.BoolVar(&c.soak.on, "soak", false, soakUsage)
 	fs.Float64Var(&c.soak.badShare, "bad-share", 0.05, "with -soak: share of calls that are malformed (0..1)")
 	fs.Float64Var(&c.soak.checkShare, "check-share", 1, "with -soak: share of good responses checked against the float64 reference (0..1)")

@@ -49,16 +49,27 @@ func (r role) String() string {
 }
 
 // methodRoles is the role each ExpertService method needs. A method not
-// listed (one added to the proto later, such as shared-memory
-// registration) needs admin until someone decides otherwise: the table
-// fails closed. TestMethodRoles checks every method of the service is here.
+// listed (one added to the proto later) needs admin until someone decides
+// otherwise: the table fails closed. TestMethodRoles checks every method of
+// the service is here.
+//
+// Shared-memory registration is a user's: a region belongs to the
+// connection that registered it and serves only that connection's own
+// FusedMoE calls, so it gives nothing over other callers (as in Triton,
+// which asks no more of it than of inference). What it lends the caller
+// is the daemon's right to open objects under /dev/shm, which is why it is
+// off without -shared-memory, refused to peers that are not local, and why
+// the README says to run the daemon as its own Unix user.
 var methodRoles = map[string]role{
-	pb.ExpertService_FusedMoE_FullMethodName:       roleUser,
-	pb.ExpertService_FusedMoEStream_FullMethodName: roleUser,
-	pb.ExpertService_ListExperts_FullMethodName:    roleUser,
-	pb.ExpertService_GetServerInfo_FullMethodName:  roleUser,
-	pb.ExpertService_LoadExperts_FullMethodName:    roleAdmin,
-	pb.ExpertService_UnloadExperts_FullMethodName:  roleAdmin,
+	pb.ExpertService_FusedMoE_FullMethodName:               roleUser,
+	pb.ExpertService_FusedMoEStream_FullMethodName:         roleUser,
+	pb.ExpertService_ListExperts_FullMethodName:            roleUser,
+	pb.ExpertService_GetServerInfo_FullMethodName:          roleUser,
+	pb.ExpertService_RegisterSharedMemory_FullMethodName:   roleUser,
+	pb.ExpertService_UnregisterSharedMemory_FullMethodName: roleUser,
+	pb.ExpertService_ListSharedMemory_FullMethodName:       roleUser,
+	pb.ExpertService_LoadExperts_FullMethodName:            roleAdmin,
+	pb.ExpertService_UnloadExperts_FullMethodName:          roleAdmin,
 }
 
 // requiredRole is the role fullMethod ("/service/method") needs. Server

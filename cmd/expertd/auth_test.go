@@ -52,7 +52,10 @@ func TestMethodRoles(t *testing.T) {
 		{pb.ExpertService_ListExperts_FullMethodName, roleUser},
 		{pb.ExpertService_GetServerInfo_FullMethodName, roleUser},
 		{reflectionpb.ServerReflection_ServerReflectionInfo_FullMethodName, roleUser},
-		{"/expertd.v1.ExpertService/RegisterSharedMemory", roleAdmin},
+		{pb.ExpertService_RegisterSharedMemory_FullMethodName, roleUser},
+		{pb.ExpertService_UnregisterSharedMemory_FullMethodName, roleUser},
+		{pb.ExpertService_ListSharedMemory_FullMethodName, roleUser},
+		{"/expertd.v1.ExpertService/AddedLater", roleAdmin},
 		{"/some.Other/Method", roleAdmin},
 	}
 	for _, tt := range tests {

@@ -75,6 +75,10 @@ type Config struct {
 	// SAN) granted the admin role; other verified certificates are users
 	// (-admin-identities, comma-separated, EXPERTD_ADMIN_IDENTITIES).
 	AdminIdentities []string
+	// SharedMemory serves RegisterSharedMemory and tensors in POSIX shared
+	// memory to callers on this host (-shared-memory,
+	// EXPERTD_SHARED_MEMORY=true).
+	SharedMemory bool
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
@@ -170,6 +174,15 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	str(&c.AuthTokensFile, "auth-tokens-file", "", "file of \"token role\" lines (role user or admin); set, calls other than health checks need a bearer token")
 	var admins string
 	str(&admins, "admin-identities", "", "comma-separated client-certificate names (subject CN or SAN) granted the admin role; needs -tls-client-ca")
+	shm := false
+	if v := getenv("EXPERTD_SHARED_MEMORY"); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			envErrs = append(envErrs, fmt.Errorf("$EXPERTD_SHARED_MEMORY: %q is not true or false", v))
+		}
+		shm = b
+	}
+	fs.BoolVar(&c.SharedMemory, "shared-memory", shm, "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) ($EXPERTD_SHARED_MEMORY)")
 	shutdown := defaultShutdown
 	if v := getenv("EXPERTD_SHUTDOWN_TIMEOUT"); v != "" {
 		d, err := time.ParseDuration(v)

@@ -43,6 +43,9 @@ func TestParseConfig(t *testing.T) {
 			func(c *Config) { c.MaxTokens, c.MaxMessageBytes = 32, messageBytesFor(32) }},
 		{"queue flag", []string{"-max-queued", "12"}, nil, func(c *Config) { c.MaxQueued = 12 }},
 		{"queue env", nil, map[string]string{"EXPERTD_MAX_QUEUED": "3"}, func(c *Config) { c.MaxQueued = 3 }},
+		{"shared memory flag", []string{"-shared-memory"}, nil, func(c *Config) { c.SharedMemory = true }},
+		{"shared memory env", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "true"}, func(c *Config) { c.SharedMemory = true }},
+		{"shared memory flag beats env", []string{"-shared-memory=false"}, map[string]string{"EXPERTD_SHARED_MEMORY": "1"}, func(c *Config) {}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -69,6 +72,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{"bad backend", []string{"-backend", "tpu"}, nil, `-backend "tpu": want auto, cpu or cuda`},
 		{"bad number", []string{"-max-tokens", "many"}, nil, `"many" is not a whole number`},
 		{"bad env number", nil, map[string]string{"EXPERTD_MAX_LOADED_BYTES": "1XB"}, "$EXPERTD_MAX_LOADED_BYTES"},
+		{"bad env bool", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "yes"}, `$EXPERTD_SHARED_MEMORY: "yes" is not true or false`},
 		{"bad env duration", nil, map[string]string{"EXPERTD_SHUTDOWN_TIMEOUT": "soon"}, "$EXPERTD_SHUTDOWN_TIMEOUT"},
 		{"zero tokens", []string{"-max-tokens", "0"}, nil, "-max-tokens 0: want >= 1"},
 		{"negative", []string{"-max-concurrent", "-1"}, nil, "out of range"},

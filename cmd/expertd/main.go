@@ -130,9 +130,16 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		MaxQueued:       cfg.MaxQueued,
 		Meter:           meters.Meter("github.com/expertd/expertd/service"),
 		OnBackendFault:  backendHealth(hs),
+		SharedMemory:    cfg.SharedMemory,
 	}, backend, log)
 
-	gs := newGRPCServer(cfg, log, meters, tracer, sec.serverOptions()...)
+	opts := sec.serverOptions()
+	if cfg.SharedMemory {
+		// Regions belong to connections; the service learns of their end
+		// through this handler.
+		opts = append(opts, grpc.StatsHandler(svc.StatsHandler()))
+	}
+	gs := newGRPCServer(cfg, log, meters, tracer, opts...)
 	svc.Register(gs)
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
@@ -179,7 +186,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.String("backend", backend.Name()), slog.String("version", version()),
 		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
 		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent), slog.Int("max_queued", cfg.MaxQueued),
-		slog.String("weights_dir", cfg.WeightsDir))
+		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory))
 	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {
 		ready <- addrs

@@ -280,6 +280,62 @@ func (NamingPreset) EnumDescriptor() ([]byte, []int) {
 	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{3}
 }
 
+// SharedMemoryKind is what a registered region is.
+type SharedMemoryKind int32
+
+const (
+	// Not set; means SHARED_MEMORY_KIND_POSIX.
+	SharedMemoryKind_SHARED_MEMORY_KIND_UNSPECIFIED SharedMemoryKind = 0
+	// A POSIX shared-memory object the caller created with
+	// shm_open("/<key>", O_CREAT | O_RDWR, 0600) and sized with ftruncate;
+	// the server opens /dev/shm/<key> read-write and maps it. Host memory:
+	// a GPU backend copies from and to it.
+	//
+	// A CUDA IPC kind (the caller passes a cudaIpcMemHandle_t and the kernel
+	// library opens device memory with no copy at all) will take the next
+	// value; it is not served yet.
+	SharedMemoryKind_SHARED_MEMORY_KIND_POSIX SharedMemoryKind = 1
+)
+
+// Enum value maps for SharedMemoryKind.
+var (
+	SharedMemoryKind_name = map[int32]string{
+		0: "SHARED_MEMORY_KIND_UNSPECIFIED",
+		1: "SHARED_MEMORY_KIND_POSIX",
+	}
+	SharedMemoryKind_value = map[string]int32{
+		"SHARED_MEMORY_KIND_UNSPECIFIED": 0,
+		"SHARED_MEMORY_KIND_POSIX":       1,
+	}
+)
+
+func (x SharedMemoryKind) Enum() *SharedMemoryKind {
+	p := new(SharedMemoryKind)
+	*p = x
+	return p
+}
+
+func (x SharedMemoryKind) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (SharedMemoryKind) Descriptor() protoreflect.EnumDescriptor {
+	return file_expertd_v1_expert_proto_enumTypes[4].Descriptor()
+}
+
+func (SharedMemoryKind) Type() protoreflect.EnumType {
+	return &file_expertd_v1_expert_proto_enumTypes[4]
+}
+
+func (x SharedMemoryKind) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use SharedMemoryKind.Descriptor instead.
+func (SharedMemoryKind) EnumDescriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{4}
+}
+
 // Tensor is a dense, row-major, little-endian array.
 type Tensor struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -379,8 +435,9 @@ type Tensor_Data struct {
 }
 
 type Tensor_Shm struct {
-	// The bytes in a shared-memory region registered with the server (not
-	// served yet: requests using it get INVALID_ARGUMENT).
+	// The bytes in a shared-memory region the caller registered with
+	// RegisterSharedMemory (FusedMoE requests only; INVALID_ARGUMENT on a
+	// server without -shared-memory).
 	Shm *SharedMemoryRef `protobuf:"bytes,4,opt,name=shm,proto3,oneof"`
 }
 
@@ -390,13 +447,18 @@ func (*Tensor_Shm) isTensor_Source() {}
 
 // SharedMemoryRef points at tensor bytes in a shared-memory region, so large
 // tensors can skip the gRPC copy when client and server share a host.
+//
+// The caller must not change the bytes of an input while a call reads them,
+// nor shrink the region's file while it is registered.
 type SharedMemoryRef struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The region's registered name.
+	// The region's registered name (RegisterSharedMemoryRequest.name);
+	// NOT_FOUND if the caller's connection has no region of that name.
 	RegionName string `protobuf:"bytes,1,opt,name=region_name,json=regionName,proto3" json:"region_name,omitempty"`
-	// Byte offset of the tensor's first byte within the region.
+	// Byte offset of the tensor's first byte within the region; >= 0.
 	Offset int64 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
-	// Byte length; must equal numel(shape) * itemsize(dtype).
+	// Byte length; must equal numel(shape) * itemsize(dtype), and offset +
+	// byte_size must not exceed the region's byte_size.
 	ByteSize      int64 `protobuf:"varint,3,opt,name=byte_size,json=byteSize,proto3" json:"byte_size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -721,6 +783,12 @@ type FusedMoERequest struct {
 	OutputDtype DataType `protobuf:"varint,9,opt,name=output_dtype,json=outputDtype,proto3,enum=expertd.v1.DataType" json:"output_dtype,omitempty"`
 	// Also return the routing used (topk_ids, topk_weights) in the response.
 	ReturnRouting bool `protobuf:"varint,10,opt,name=return_routing,json=returnRouting,proto3" json:"return_routing,omitempty"`
+	// When set, the server writes the output's bytes ([M, K] in output_dtype,
+	// so byte_size must be M * K * itemsize) into this slice of one of the
+	// caller's shared-memory regions, and the response's output carries this
+	// reference instead of data. The bytes are there when the response
+	// arrives; on an error the slice's content is unspecified.
+	OutputShm     *SharedMemoryRef `protobuf:"bytes,11,opt,name=output_shm,json=outputShm,proto3" json:"output_shm,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -836,6 +904,13 @@ func (x *FusedMoERequest) GetReturnRouting() bool {
 	return false
 }
 
+func (x *FusedMoERequest) GetOutputShm() *SharedMemoryRef {
+	if x != nil {
+		return x.OutputShm
+	}
+	return nil
+}
+
 type isFusedMoERequest_Experts interface {
 	isFusedMoERequest_Experts()
 }
@@ -858,7 +933,8 @@ func (*FusedMoERequest_Weights) isFusedMoERequest_Experts() {}
 // FusedMoEResponse is one MoE layer's result.
 type FusedMoEResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// [M, K] in the request's output_dtype.
+	// [M, K] in the request's output_dtype; inline data, or the request's
+	// output_shm reference when it was set.
 	Output *Tensor `protobuf:"bytes,1,opt,name=output,proto3" json:"output,omitempty"`
 	// INT32 [M, top_k], set when return_routing was asked.
 	TopkIds *Tensor `protobuf:"bytes,2,opt,name=topk_ids,json=topkIds,proto3" json:"topk_ids,omitempty"`
@@ -1597,6 +1673,431 @@ func (x *ServerInfo) GetLimits() *ServerInfo_Limits {
 	return nil
 }
 
+// RegisterSharedMemoryRequest names a slice of a shared-memory object.
+//
+// The server maps [offset, offset + byte_size) of the object, so the object
+// must be at least that large, and keeps the mapping until the region is
+// unregistered or the connection closes. Its bytes are read for inputs and
+// written for outputs; SharedMemoryRef offsets are relative to this slice.
+type RegisterSharedMemoryRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Name the caller's tensors will use (SharedMemoryRef.region_name): 1-128
+	// characters of [A-Za-z0-9._/-], unique among the connection's regions
+	// (ALREADY_EXISTS otherwise).
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The region's kind; unset means SHARED_MEMORY_KIND_POSIX.
+	Kind SharedMemoryKind `protobuf:"varint,2,opt,name=kind,proto3,enum=expertd.v1.SharedMemoryKind" json:"kind,omitempty"`
+	// POSIX: the shm_open name, with or without its leading "/"; 1-255
+	// characters of [A-Za-z0-9._-], not containing "..". The server opens
+	// /dev/shm/<key> and nothing else: no path separators, no symbolic
+	// links, only regular files.
+	Key string `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
+	// Byte offset of the region within the object; >= 0.
+	Offset int64 `protobuf:"varint,4,opt,name=offset,proto3" json:"offset,omitempty"`
+	// Bytes in the region; >= 1, and offset + byte_size must not exceed the
+	// object's size.
+	ByteSize      int64 `protobuf:"varint,5,opt,name=byte_size,json=byteSize,proto3" json:"byte_size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RegisterSharedMemoryRequest) Reset() {
+	*x = RegisterSharedMemoryRequest{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RegisterSharedMemoryRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RegisterSharedMemoryRequest) ProtoMessage() {}
+
+func (x *RegisterSharedMemoryRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RegisterSharedMemoryRequest.ProtoReflect.Descriptor instead.
+func (*RegisterSharedMemoryRequest) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *RegisterSharedMemoryRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *RegisterSharedMemoryRequest) GetKind() SharedMemoryKind {
+	if x != nil {
+		return x.Kind
+	}
+	return SharedMemoryKind_SHARED_MEMORY_KIND_UNSPECIFIED
+}
+
+func (x *RegisterSharedMemoryRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *RegisterSharedMemoryRequest) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *RegisterSharedMemoryRequest) GetByteSize() int64 {
+	if x != nil {
+		return x.ByteSize
+	}
+	return 0
+}
+
+// RegisterSharedMemoryResponse describes the region registered.
+type RegisterSharedMemoryResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The region as the server holds it.
+	Region        *SharedMemoryRegion `protobuf:"bytes,1,opt,name=region,proto3" json:"region,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RegisterSharedMemoryResponse) Reset() {
+	*x = RegisterSharedMemoryResponse{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RegisterSharedMemoryResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RegisterSharedMemoryResponse) ProtoMessage() {}
+
+func (x *RegisterSharedMemoryResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RegisterSharedMemoryResponse.ProtoReflect.Descriptor instead.
+func (*RegisterSharedMemoryResponse) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *RegisterSharedMemoryResponse) GetRegion() *SharedMemoryRegion {
+	if x != nil {
+		return x.Region
+	}
+	return nil
+}
+
+// SharedMemoryRegion is one registered region.
+type SharedMemoryRegion struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Its name.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Its kind.
+	Kind SharedMemoryKind `protobuf:"varint,2,opt,name=kind,proto3,enum=expertd.v1.SharedMemoryKind" json:"kind,omitempty"`
+	// The object's key, without a leading "/".
+	Key string `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
+	// Byte offset within the object.
+	Offset int64 `protobuf:"varint,4,opt,name=offset,proto3" json:"offset,omitempty"`
+	// Bytes in the region.
+	ByteSize int64 `protobuf:"varint,5,opt,name=byte_size,json=byteSize,proto3" json:"byte_size,omitempty"`
+	// Calls using the region right now.
+	CallsInFlight int32 `protobuf:"varint,6,opt,name=calls_in_flight,json=callsInFlight,proto3" json:"calls_in_flight,omitempty"`
+	// When it was registered.
+	RegisteredAt  *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=registered_at,json=registeredAt,proto3" json:"registered_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SharedMemoryRegion) Reset() {
+	*x = SharedMemoryRegion{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SharedMemoryRegion) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SharedMemoryRegion) ProtoMessage() {}
+
+func (x *SharedMemoryRegion) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SharedMemoryRegion.ProtoReflect.Descriptor instead.
+func (*SharedMemoryRegion) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *SharedMemoryRegion) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SharedMemoryRegion) GetKind() SharedMemoryKind {
+	if x != nil {
+		return x.Kind
+	}
+	return SharedMemoryKind_SHARED_MEMORY_KIND_UNSPECIFIED
+}
+
+func (x *SharedMemoryRegion) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *SharedMemoryRegion) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *SharedMemoryRegion) GetByteSize() int64 {
+	if x != nil {
+		return x.ByteSize
+	}
+	return 0
+}
+
+func (x *SharedMemoryRegion) GetCallsInFlight() int32 {
+	if x != nil {
+		return x.CallsInFlight
+	}
+	return 0
+}
+
+func (x *SharedMemoryRegion) GetRegisteredAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.RegisteredAt
+	}
+	return nil
+}
+
+// UnregisterSharedMemoryRequest names a region to forget.
+type UnregisterSharedMemoryRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The region's name; NOT_FOUND if the caller has none of that name. Empty
+	// means every region of the caller's connection (as in Triton).
+	Name          string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnregisterSharedMemoryRequest) Reset() {
+	*x = UnregisterSharedMemoryRequest{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnregisterSharedMemoryRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnregisterSharedMemoryRequest) ProtoMessage() {}
+
+func (x *UnregisterSharedMemoryRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnregisterSharedMemoryRequest.ProtoReflect.Descriptor instead.
+func (*UnregisterSharedMemoryRequest) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *UnregisterSharedMemoryRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+// UnregisterSharedMemoryResponse reports what was unregistered.
+type UnregisterSharedMemoryResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The names unregistered, sorted.
+	Names         []string `protobuf:"bytes,1,rep,name=names,proto3" json:"names,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnregisterSharedMemoryResponse) Reset() {
+	*x = UnregisterSharedMemoryResponse{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnregisterSharedMemoryResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnregisterSharedMemoryResponse) ProtoMessage() {}
+
+func (x *UnregisterSharedMemoryResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnregisterSharedMemoryResponse.ProtoReflect.Descriptor instead.
+func (*UnregisterSharedMemoryResponse) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *UnregisterSharedMemoryResponse) GetNames() []string {
+	if x != nil {
+		return x.Names
+	}
+	return nil
+}
+
+// ListSharedMemoryRequest asks for the caller's regions.
+type ListSharedMemoryRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only this region (NOT_FOUND if the caller has none of that name);
+	// empty means all.
+	Name          string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSharedMemoryRequest) Reset() {
+	*x = ListSharedMemoryRequest{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSharedMemoryRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSharedMemoryRequest) ProtoMessage() {}
+
+func (x *ListSharedMemoryRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSharedMemoryRequest.ProtoReflect.Descriptor instead.
+func (*ListSharedMemoryRequest) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *ListSharedMemoryRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+// ListSharedMemoryResponse lists the caller's regions.
+type ListSharedMemoryResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Sorted by name.
+	Regions       []*SharedMemoryRegion `protobuf:"bytes,1,rep,name=regions,proto3" json:"regions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSharedMemoryResponse) Reset() {
+	*x = ListSharedMemoryResponse{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSharedMemoryResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSharedMemoryResponse) ProtoMessage() {}
+
+func (x *ListSharedMemoryResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSharedMemoryResponse.ProtoReflect.Descriptor instead.
+func (*ListSharedMemoryResponse) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *ListSharedMemoryResponse) GetRegions() []*SharedMemoryRegion {
+	if x != nil {
+		return x.Regions
+	}
+	return nil
+}
+
 // Header names the set and declares its tensors.
 type LoadExpertsRequest_Header struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1621,7 +2122,7 @@ type LoadExpertsRequest_Header struct {
 
 func (x *LoadExpertsRequest_Header) Reset() {
 	*x = LoadExpertsRequest_Header{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[15]
+	mi := &file_expertd_v1_expert_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1633,7 +2134,7 @@ func (x *LoadExpertsRequest_Header) String() string {
 func (*LoadExpertsRequest_Header) ProtoMessage() {}
 
 func (x *LoadExpertsRequest_Header) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[15]
+	mi := &file_expertd_v1_expert_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1701,7 +2202,7 @@ type LoadExpertsRequest_Chunk struct {
 
 func (x *LoadExpertsRequest_Chunk) Reset() {
 	*x = LoadExpertsRequest_Chunk{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[16]
+	mi := &file_expertd_v1_expert_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1713,7 +2214,7 @@ func (x *LoadExpertsRequest_Chunk) String() string {
 func (*LoadExpertsRequest_Chunk) ProtoMessage() {}
 
 func (x *LoadExpertsRequest_Chunk) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[16]
+	mi := &file_expertd_v1_expert_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1790,7 +2291,7 @@ type LoadExpertsRequest_SafetensorsSource struct {
 
 func (x *LoadExpertsRequest_SafetensorsSource) Reset() {
 	*x = LoadExpertsRequest_SafetensorsSource{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[17]
+	mi := &file_expertd_v1_expert_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1802,7 +2303,7 @@ func (x *LoadExpertsRequest_SafetensorsSource) String() string {
 func (*LoadExpertsRequest_SafetensorsSource) ProtoMessage() {}
 
 func (x *LoadExpertsRequest_SafetensorsSource) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[17]
+	mi := &file_expertd_v1_expert_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1922,7 +2423,7 @@ type ServerInfo_BackendInfo struct {
 
 func (x *ServerInfo_BackendInfo) Reset() {
 	*x = ServerInfo_BackendInfo{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[18]
+	mi := &file_expertd_v1_expert_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1934,7 +2435,7 @@ func (x *ServerInfo_BackendInfo) String() string {
 func (*ServerInfo_BackendInfo) ProtoMessage() {}
 
 func (x *ServerInfo_BackendInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[18]
+	mi := &file_expertd_v1_expert_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2003,7 +2504,7 @@ type ServerInfo_Limits struct {
 
 func (x *ServerInfo_Limits) Reset() {
 	*x = ServerInfo_Limits{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[19]
+	mi := &file_expertd_v1_expert_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2015,7 +2516,7 @@ func (x *ServerInfo_Limits) String() string {
 func (*ServerInfo_Limits) ProtoMessage() {}
 
 func (x *ServerInfo_Limits) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[19]
+	mi := &file_expertd_v1_expert_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2095,7 +2596,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x11num_expert_groups\x18\x05 \x01(\x05R\x0fnumExpertGroups\x12\x1f\n" +
 	"\vtopk_groups\x18\x06 \x01(\x05R\n" +
 	"topkGroups\x122\n" +
-	"\x15routed_scaling_factor\x18\a \x01(\x02R\x13routedScalingFactor\"\x9f\x04\n" +
+	"\x15routed_scaling_factor\x18\a \x01(\x02R\x13routedScalingFactor\"\xdb\x04\n" +
 	"\x0fFusedMoERequest\x12\x1f\n" +
 	"\n" +
 	"expert_set\x18\x01 \x01(\tH\x00R\texpertSet\x125\n" +
@@ -2108,7 +2609,9 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\ftopk_weights\x18\b \x01(\v2\x12.expertd.v1.TensorR\vtopkWeights\x127\n" +
 	"\foutput_dtype\x18\t \x01(\x0e2\x14.expertd.v1.DataTypeR\voutputDtype\x12%\n" +
 	"\x0ereturn_routing\x18\n" +
-	" \x01(\bR\rreturnRoutingB\t\n" +
+	" \x01(\bR\rreturnRouting\x12:\n" +
+	"\n" +
+	"output_shm\x18\v \x01(\v2\x1b.expertd.v1.SharedMemoryRefR\toutputShmB\t\n" +
 	"\aexperts\"\xed\x01\n" +
 	"\x10FusedMoEResponse\x12*\n" +
 	"\x06output\x18\x01 \x01(\v2\x12.expertd.v1.TensorR\x06output\x12-\n" +
@@ -2209,7 +2712,31 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\n" +
 	"max_tokens\x18\x02 \x01(\x05R\tmaxTokens\x12(\n" +
 	"\x10max_loaded_bytes\x18\x03 \x01(\x03R\x0emaxLoadedBytes\x12%\n" +
-	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent*\xb8\x01\n" +
+	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\"\xaa\x01\n" +
+	"\x1bRegisterSharedMemoryRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x120\n" +
+	"\x04kind\x18\x02 \x01(\x0e2\x1c.expertd.v1.SharedMemoryKindR\x04kind\x12\x10\n" +
+	"\x03key\x18\x03 \x01(\tR\x03key\x12\x16\n" +
+	"\x06offset\x18\x04 \x01(\x03R\x06offset\x12\x1b\n" +
+	"\tbyte_size\x18\x05 \x01(\x03R\bbyteSize\"V\n" +
+	"\x1cRegisterSharedMemoryResponse\x126\n" +
+	"\x06region\x18\x01 \x01(\v2\x1e.expertd.v1.SharedMemoryRegionR\x06region\"\x8a\x02\n" +
+	"\x12SharedMemoryRegion\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x120\n" +
+	"\x04kind\x18\x02 \x01(\x0e2\x1c.expertd.v1.SharedMemoryKindR\x04kind\x12\x10\n" +
+	"\x03key\x18\x03 \x01(\tR\x03key\x12\x16\n" +
+	"\x06offset\x18\x04 \x01(\x03R\x06offset\x12\x1b\n" +
+	"\tbyte_size\x18\x05 \x01(\x03R\bbyteSize\x12&\n" +
+	"\x0fcalls_in_flight\x18\x06 \x01(\x05R\rcallsInFlight\x12?\n" +
+	"\rregistered_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\fregisteredAt\"3\n" +
+	"\x1dUnregisterSharedMemoryRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"6\n" +
+	"\x1eUnregisterSharedMemoryResponse\x12\x14\n" +
+	"\x05names\x18\x01 \x03(\tR\x05names\"-\n" +
+	"\x17ListSharedMemoryRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"T\n" +
+	"\x18ListSharedMemoryResponse\x128\n" +
+	"\aregions\x18\x01 \x03(\v2\x1e.expertd.v1.SharedMemoryRegionR\aregions*\xb8\x01\n" +
 	"\bDataType\x12\x19\n" +
 	"\x15DATA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11DATA_TYPE_FLOAT32\x10\x01\x12\x16\n" +
@@ -2231,14 +2758,20 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x19NAMING_PRESET_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18NAMING_PRESET_NEMOTRON_H\x10\x01\x12\x1b\n" +
 	"\x17NAMING_PRESET_QWEN3_MOE\x10\x02\x12\x18\n" +
-	"\x14NAMING_PRESET_CUSTOM\x10\x032\xe4\x03\n" +
+	"\x14NAMING_PRESET_CUSTOM\x10\x03*T\n" +
+	"\x10SharedMemoryKind\x12\"\n" +
+	"\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x1c\n" +
+	"\x18SHARED_MEMORY_KIND_POSIX\x10\x012\x9f\x06\n" +
 	"\rExpertService\x12J\n" +
 	"\vLoadExperts\x12\x1e.expertd.v1.LoadExpertsRequest\x1a\x19.expertd.v1.ExpertSetInfo(\x01\x12N\n" +
 	"\vListExperts\x12\x1e.expertd.v1.ListExpertsRequest\x1a\x1f.expertd.v1.ListExpertsResponse\x12T\n" +
 	"\rUnloadExperts\x12 .expertd.v1.UnloadExpertsRequest\x1a!.expertd.v1.UnloadExpertsResponse\x12E\n" +
 	"\bFusedMoE\x12\x1b.expertd.v1.FusedMoERequest\x1a\x1c.expertd.v1.FusedMoEResponse\x12O\n" +
 	"\x0eFusedMoEStream\x12\x1b.expertd.v1.FusedMoERequest\x1a\x1c.expertd.v1.FusedMoEResponse(\x010\x01\x12I\n" +
-	"\rGetServerInfo\x12 .expertd.v1.GetServerInfoRequest\x1a\x16.expertd.v1.ServerInfoB7Z5github.com/expertd/expertd/proto/expertd/v1;expertdv1b\x06proto3"
+	"\rGetServerInfo\x12 .expertd.v1.GetServerInfoRequest\x1a\x16.expertd.v1.ServerInfo\x12i\n" +
+	"\x14RegisterSharedMemory\x12'.expertd.v1.RegisterSharedMemoryRequest\x1a(.expertd.v1.RegisterSharedMemoryResponse\x12o\n" +
+	"\x16UnregisterSharedMemory\x12).expertd.v1.UnregisterSharedMemoryRequest\x1a*.expertd.v1.UnregisterSharedMemoryResponse\x12]\n" +
+	"\x10ListSharedMemory\x12#.expertd.v1.ListSharedMemoryRequest\x1a$.expertd.v1.ListSharedMemoryResponseB7Z5github.com/expertd/expertd/proto/expertd/v1;expertdv1b\x06proto3"
 
 var (
 	file_expertd_v1_expert_proto_rawDescOnce sync.Once
@@ -2252,88 +2785,108 @@ func file_expertd_v1_expert_proto_rawDescGZIP() []byte {
 	return file_expertd_v1_expert_proto_rawDescData
 }
 
-var file_expertd_v1_expert_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
+var file_expertd_v1_expert_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
+var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_expertd_v1_expert_proto_goTypes = []any{
 	(DataType)(0),                                // 0: expertd.v1.DataType
 	(Activation)(0),                              // 1: expertd.v1.Activation
 	(Scoring)(0),                                 // 2: expertd.v1.Scoring
 	(NamingPreset)(0),                            // 3: expertd.v1.NamingPreset
-	(*Tensor)(nil),                               // 4: expertd.v1.Tensor
-	(*SharedMemoryRef)(nil),                      // 5: expertd.v1.SharedMemoryRef
-	(*ExpertWeights)(nil),                        // 6: expertd.v1.ExpertWeights
-	(*Routing)(nil),                              // 7: expertd.v1.Routing
-	(*FusedMoERequest)(nil),                      // 8: expertd.v1.FusedMoERequest
-	(*FusedMoEResponse)(nil),                     // 9: expertd.v1.FusedMoEResponse
-	(*Timings)(nil),                              // 10: expertd.v1.Timings
-	(*LoadExpertsRequest)(nil),                   // 11: expertd.v1.LoadExpertsRequest
-	(*ExpertSetInfo)(nil),                        // 12: expertd.v1.ExpertSetInfo
-	(*ListExpertsRequest)(nil),                   // 13: expertd.v1.ListExpertsRequest
-	(*ListExpertsResponse)(nil),                  // 14: expertd.v1.ListExpertsResponse
-	(*UnloadExpertsRequest)(nil),                 // 15: expertd.v1.UnloadExpertsRequest
-	(*UnloadExpertsResponse)(nil),                // 16: expertd.v1.UnloadExpertsResponse
-	(*GetServerInfoRequest)(nil),                 // 17: expertd.v1.GetServerInfoRequest
-	(*ServerInfo)(nil),                           // 18: expertd.v1.ServerInfo
-	(*LoadExpertsRequest_Header)(nil),            // 19: expertd.v1.LoadExpertsRequest.Header
-	(*LoadExpertsRequest_Chunk)(nil),             // 20: expertd.v1.LoadExpertsRequest.Chunk
-	(*LoadExpertsRequest_SafetensorsSource)(nil), // 21: expertd.v1.LoadExpertsRequest.SafetensorsSource
-	(*ServerInfo_BackendInfo)(nil),               // 22: expertd.v1.ServerInfo.BackendInfo
-	(*ServerInfo_Limits)(nil),                    // 23: expertd.v1.ServerInfo.Limits
-	(*timestamppb.Timestamp)(nil),                // 24: google.protobuf.Timestamp
+	(SharedMemoryKind)(0),                        // 4: expertd.v1.SharedMemoryKind
+	(*Tensor)(nil),                               // 5: expertd.v1.Tensor
+	(*SharedMemoryRef)(nil),                      // 6: expertd.v1.SharedMemoryRef
+	(*ExpertWeights)(nil),                        // 7: expertd.v1.ExpertWeights
+	(*Routing)(nil),                              // 8: expertd.v1.Routing
+	(*FusedMoERequest)(nil),                      // 9: expertd.v1.FusedMoERequest
+	(*FusedMoEResponse)(nil),                     // 10: expertd.v1.FusedMoEResponse
+	(*Timings)(nil),                              // 11: expertd.v1.Timings
+	(*LoadExpertsRequest)(nil),                   // 12: expertd.v1.LoadExpertsRequest
+	(*ExpertSetInfo)(nil),                        // 13: expertd.v1.ExpertSetInfo
+	(*ListExpertsRequest)(nil),                   // 14: expertd.v1.ListExpertsRequest
+	(*ListExpertsResponse)(nil),                  // 15: expertd.v1.ListExpertsResponse
+	(*UnloadExpertsRequest)(nil),                 // 16: expertd.v1.UnloadExpertsRequest
+	(*UnloadExpertsResponse)(nil),                // 17: expertd.v1.UnloadExpertsResponse
+	(*GetServerInfoRequest)(nil),                 // 18: expertd.v1.GetServerInfoRequest
+	(*ServerInfo)(nil),                           // 19: expertd.v1.ServerInfo
+	(*RegisterSharedMemoryRequest)(nil),          // 20: expertd.v1.RegisterSharedMemoryRequest
+	(*RegisterSharedMemoryResponse)(nil),         // 21: expertd.v1.RegisterSharedMemoryResponse
+	(*SharedMemoryRegion)(nil),                   // 22: expertd.v1.SharedMemoryRegion
+	(*UnregisterSharedMemoryRequest)(nil),        // 23: expertd.v1.UnregisterSharedMemoryRequest
+	(*UnregisterSharedMemoryResponse)(nil),       // 24: expertd.v1.UnregisterSharedMemoryResponse
+	(*ListSharedMemoryRequest)(nil),              // 25: expertd.v1.ListSharedMemoryRequest
+	(*ListSharedMemoryResponse)(nil),             // 26: expertd.v1.ListSharedMemoryResponse
+	(*LoadExpertsRequest_Header)(nil),            // 27: expertd.v1.LoadExpertsRequest.Header
+	(*LoadExpertsRequest_Chunk)(nil),             // 28: expertd.v1.LoadExpertsRequest.Chunk
+	(*LoadExpertsRequest_SafetensorsSource)(nil), // 29: expertd.v1.LoadExpertsRequest.SafetensorsSource
+	(*ServerInfo_BackendInfo)(nil),               // 30: expertd.v1.ServerInfo.BackendInfo
+	(*ServerInfo_Limits)(nil),                    // 31: expertd.v1.ServerInfo.Limits
+	(*timestamppb.Timestamp)(nil),                // 32: google.protobuf.Timestamp
 }
 var file_expertd_v1_expert_proto_depIdxs = []int32{
 	0,  // 0: expertd.v1.Tensor.dtype:type_name -> expertd.v1.DataType
-	5,  // 1: expertd.v1.Tensor.shm:type_name -> expertd.v1.SharedMemoryRef
+	6,  // 1: expertd.v1.Tensor.shm:type_name -> expertd.v1.SharedMemoryRef
 	1,  // 2: expertd.v1.ExpertWeights.activation:type_name -> expertd.v1.Activation
-	4,  // 3: expertd.v1.ExpertWeights.w13:type_name -> expertd.v1.Tensor
-	4,  // 4: expertd.v1.ExpertWeights.w2:type_name -> expertd.v1.Tensor
-	4,  // 5: expertd.v1.ExpertWeights.w13_scale:type_name -> expertd.v1.Tensor
-	4,  // 6: expertd.v1.ExpertWeights.w2_scale:type_name -> expertd.v1.Tensor
-	4,  // 7: expertd.v1.ExpertWeights.a13_scale:type_name -> expertd.v1.Tensor
-	4,  // 8: expertd.v1.ExpertWeights.a2_scale:type_name -> expertd.v1.Tensor
+	5,  // 3: expertd.v1.ExpertWeights.w13:type_name -> expertd.v1.Tensor
+	5,  // 4: expertd.v1.ExpertWeights.w2:type_name -> expertd.v1.Tensor
+	5,  // 5: expertd.v1.ExpertWeights.w13_scale:type_name -> expertd.v1.Tensor
+	5,  // 6: expertd.v1.ExpertWeights.w2_scale:type_name -> expertd.v1.Tensor
+	5,  // 7: expertd.v1.ExpertWeights.a13_scale:type_name -> expertd.v1.Tensor
+	5,  // 8: expertd.v1.ExpertWeights.a2_scale:type_name -> expertd.v1.Tensor
 	2,  // 9: expertd.v1.Routing.scoring:type_name -> expertd.v1.Scoring
-	4,  // 10: expertd.v1.Routing.correction_bias:type_name -> expertd.v1.Tensor
-	6,  // 11: expertd.v1.FusedMoERequest.weights:type_name -> expertd.v1.ExpertWeights
-	4,  // 12: expertd.v1.FusedMoERequest.hidden_states:type_name -> expertd.v1.Tensor
-	4,  // 13: expertd.v1.FusedMoERequest.hidden_states_scale:type_name -> expertd.v1.Tensor
-	4,  // 14: expertd.v1.FusedMoERequest.router_logits:type_name -> expertd.v1.Tensor
-	7,  // 15: expertd.v1.FusedMoERequest.routing:type_name -> expertd.v1.Routing
-	4,  // 16: expertd.v1.FusedMoERequest.topk_ids:type_name -> expertd.v1.Tensor
-	4,  // 17: expertd.v1.FusedMoERequest.topk_weights:type_name -> expertd.v1.Tensor
+	5,  // 10: expertd.v1.Routing.correction_bias:type_name -> expertd.v1.Tensor
+	7,  // 11: expertd.v1.FusedMoERequest.weights:type_name -> expertd.v1.ExpertWeights
+	5,  // 12: expertd.v1.FusedMoERequest.hidden_states:type_name -> expertd.v1.Tensor
+	5,  // 13: expertd.v1.FusedMoERequest.hidden_states_scale:type_name -> expertd.v1.Tensor
+	5,  // 14: expertd.v1.FusedMoERequest.router_logits:type_name -> expertd.v1.Tensor
+	8,  // 15: expertd.v1.FusedMoERequest.routing:type_name -> expertd.v1.Routing
+	5,  // 16: expertd.v1.FusedMoERequest.topk_ids:type_name -> expertd.v1.Tensor
+	5,  // 17: expertd.v1.FusedMoERequest.topk_weights:type_name -> expertd.v1.Tensor
 	0,  // 18: expertd.v1.FusedMoERequest.output_dtype:type_name -> expertd.v1.DataType
-	4,  // 19: expertd.v1.FusedMoEResponse.output:type_name -> expertd.v1.Tensor
-	4,  // 20: expertd.v1.FusedMoEResponse.topk_ids:type_name -> expertd.v1.Tensor
-	4,  // 21: expertd.v1.FusedMoEResponse.topk_weights:type_name -> expertd.v1.Tensor
-	10, // 22: expertd.v1.FusedMoEResponse.timings:type_name -> expertd.v1.Timings
-	19, // 23: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
-	20, // 24: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
-	21, // 25: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
-	1,  // 26: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
-	24, // 27: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
-	12, // 28: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
-	22, // 29: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
-	23, // 30: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
-	6,  // 31: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
-	3,  // 32: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
-	1,  // 33: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
-	1,  // 34: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
-	11, // 35: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
-	13, // 36: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
-	15, // 37: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
-	8,  // 38: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
-	8,  // 39: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
-	17, // 40: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
-	12, // 41: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
-	14, // 42: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
-	16, // 43: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
-	9,  // 44: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
-	9,  // 45: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
-	18, // 46: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
-	41, // [41:47] is the sub-list for method output_type
-	35, // [35:41] is the sub-list for method input_type
-	35, // [35:35] is the sub-list for extension type_name
-	35, // [35:35] is the sub-list for extension extendee
-	0,  // [0:35] is the sub-list for field type_name
+	6,  // 19: expertd.v1.FusedMoERequest.output_shm:type_name -> expertd.v1.SharedMemoryRef
+	5,  // 20: expertd.v1.FusedMoEResponse.output:type_name -> expertd.v1.Tensor
+	5,  // 21: expertd.v1.FusedMoEResponse.topk_ids:type_name -> expertd.v1.Tensor
+	5,  // 22: expertd.v1.FusedMoEResponse.topk_weights:type_name -> expertd.v1.Tensor
+	11, // 23: expertd.v1.FusedMoEResponse.timings:type_name -> expertd.v1.Timings
+	27, // 24: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
+	28, // 25: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
+	29, // 26: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
+	1,  // 27: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
+	32, // 28: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
+	13, // 29: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
+	30, // 30: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
+	31, // 31: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
+	4,  // 32: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
+	22, // 33: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
+	4,  // 34: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
+	32, // 35: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
+	22, // 36: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
+	7,  // 37: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
+	3,  // 38: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
+	1,  // 39: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
+	1,  // 40: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
+	12, // 41: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
+	14, // 42: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
+	16, // 43: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
+	9,  // 44: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
+	9,  // 45: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
+	18, // 46: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
+	20, // 47: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
+	23, // 48: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
+	25, // 49: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
+	13, // 50: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
+	15, // 51: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
+	17, // 52: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
+	10, // 53: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
+	10, // 54: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
+	19, // 55: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
+	21, // 56: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
+	24, // 57: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
+	26, // 58: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
+	50, // [50:59] is the sub-list for method output_type
+	41, // [41:50] is the sub-list for method input_type
+	41, // [41:41] is the sub-list for extension type_name
+	41, // [41:41] is the sub-list for extension extendee
+	0,  // [0:41] is the sub-list for field type_name
 }
 
 func init() { file_expertd_v1_expert_proto_init() }
@@ -2359,8 +2912,8 @@ func file_expertd_v1_expert_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_expertd_v1_expert_proto_rawDesc), len(file_expertd_v1_expert_proto_rawDesc)),
-			NumEnums:      4,
-			NumMessages:   20,
+			NumEnums:      5,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

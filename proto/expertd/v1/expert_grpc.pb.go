@@ -36,12 +36,15 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	ExpertService_LoadExperts_FullMethodName    = "/expertd.v1.ExpertService/LoadExperts"
-	ExpertService_ListExperts_FullMethodName    = "/expertd.v1.ExpertService/ListExperts"
-	ExpertService_UnloadExperts_FullMethodName  = "/expertd.v1.ExpertService/UnloadExperts"
-	ExpertService_FusedMoE_FullMethodName       = "/expertd.v1.ExpertService/FusedMoE"
-	ExpertService_FusedMoEStream_FullMethodName = "/expertd.v1.ExpertService/FusedMoEStream"
-	ExpertService_GetServerInfo_FullMethodName  = "/expertd.v1.ExpertService/GetServerInfo"
+	ExpertService_LoadExperts_FullMethodName            = "/expertd.v1.ExpertService/LoadExperts"
+	ExpertService_ListExperts_FullMethodName            = "/expertd.v1.ExpertService/ListExperts"
+	ExpertService_UnloadExperts_FullMethodName          = "/expertd.v1.ExpertService/UnloadExperts"
+	ExpertService_FusedMoE_FullMethodName               = "/expertd.v1.ExpertService/FusedMoE"
+	ExpertService_FusedMoEStream_FullMethodName         = "/expertd.v1.ExpertService/FusedMoEStream"
+	ExpertService_GetServerInfo_FullMethodName          = "/expertd.v1.ExpertService/GetServerInfo"
+	ExpertService_RegisterSharedMemory_FullMethodName   = "/expertd.v1.ExpertService/RegisterSharedMemory"
+	ExpertService_UnregisterSharedMemory_FullMethodName = "/expertd.v1.ExpertService/UnregisterSharedMemory"
+	ExpertService_ListSharedMemory_FullMethodName       = "/expertd.v1.ExpertService/ListSharedMemory"
 )
 
 // ExpertServiceClient is the client API for ExpertService service.
@@ -72,6 +75,24 @@ type ExpertServiceClient interface {
 	FusedMoEStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[FusedMoERequest, FusedMoEResponse], error)
 	// GetServerInfo reports the server version, backends, devices and limits.
 	GetServerInfo(ctx context.Context, in *GetServerInfoRequest, opts ...grpc.CallOption) (*ServerInfo, error)
+	// RegisterSharedMemory maps a shared-memory region the caller created, so
+	// tensors (SharedMemoryRef) and outputs (FusedMoERequest.output_shm) can
+	// live in it instead of in messages. For callers on the server's host;
+	// served only when the daemon runs with -shared-memory, else
+	// FAILED_PRECONDITION, and refused (PERMISSION_DENIED) from a TCP peer
+	// that is not loopback.
+	//
+	// Regions belong to the connection that registered them: only calls on
+	// that connection see them, and they are unregistered when it closes. A
+	// client that reconnects registers again.
+	RegisterSharedMemory(ctx context.Context, in *RegisterSharedMemoryRequest, opts ...grpc.CallOption) (*RegisterSharedMemoryResponse, error)
+	// UnregisterSharedMemory forgets one of the caller's regions, or all of
+	// them. Calls already using a region finish first; the server unmaps it
+	// after them.
+	UnregisterSharedMemory(ctx context.Context, in *UnregisterSharedMemoryRequest, opts ...grpc.CallOption) (*UnregisterSharedMemoryResponse, error)
+	// ListSharedMemory reports the caller's regions (those of its
+	// connection), sorted by name.
+	ListSharedMemory(ctx context.Context, in *ListSharedMemoryRequest, opts ...grpc.CallOption) (*ListSharedMemoryResponse, error)
 }
 
 type expertServiceClient struct {
@@ -148,6 +169,36 @@ func (c *expertServiceClient) GetServerInfo(ctx context.Context, in *GetServerIn
 	return out, nil
 }
 
+func (c *expertServiceClient) RegisterSharedMemory(ctx context.Context, in *RegisterSharedMemoryRequest, opts ...grpc.CallOption) (*RegisterSharedMemoryResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RegisterSharedMemoryResponse)
+	err := c.cc.Invoke(ctx, ExpertService_RegisterSharedMemory_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *expertServiceClient) UnregisterSharedMemory(ctx context.Context, in *UnregisterSharedMemoryRequest, opts ...grpc.CallOption) (*UnregisterSharedMemoryResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UnregisterSharedMemoryResponse)
+	err := c.cc.Invoke(ctx, ExpertService_UnregisterSharedMemory_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *expertServiceClient) ListSharedMemory(ctx context.Context, in *ListSharedMemoryRequest, opts ...grpc.CallOption) (*ListSharedMemoryResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListSharedMemoryResponse)
+	err := c.cc.Invoke(ctx, ExpertService_ListSharedMemory_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ExpertServiceServer is the server API for ExpertService service.
 // All implementations must embed UnimplementedExpertServiceServer
 // for forward compatibility.
@@ -176,6 +227,24 @@ type ExpertServiceServer interface {
 	FusedMoEStream(grpc.BidiStreamingServer[FusedMoERequest, FusedMoEResponse]) error
 	// GetServerInfo reports the server version, backends, devices and limits.
 	GetServerInfo(context.Context, *GetServerInfoRequest) (*ServerInfo, error)
+	// RegisterSharedMemory maps a shared-memory region the caller created, so
+	// tensors (SharedMemoryRef) and outputs (FusedMoERequest.output_shm) can
+	// live in it instead of in messages. For callers on the server's host;
+	// served only when the daemon runs with -shared-memory, else
+	// FAILED_PRECONDITION, and refused (PERMISSION_DENIED) from a TCP peer
+	// that is not loopback.
+	//
+	// Regions belong to the connection that registered them: only calls on
+	// that connection see them, and they are unregistered when it closes. A
+	// client that reconnects registers again.
+	RegisterSharedMemory(context.Context, *RegisterSharedMemoryRequest) (*RegisterSharedMemoryResponse, error)
+	// UnregisterSharedMemory forgets one of the caller's regions, or all of
+	// them. Calls already using a region finish first; the server unmaps it
+	// after them.
+	UnregisterSharedMemory(context.Context, *UnregisterSharedMemoryRequest) (*UnregisterSharedMemoryResponse, error)
+	// ListSharedMemory reports the caller's regions (those of its
+	// connection), sorted by name.
+	ListSharedMemory(context.Context, *ListSharedMemoryRequest) (*ListSharedMemoryResponse, error)
 	mustEmbedUnimplementedExpertServiceServer()
 }
 
@@ -203,6 +272,15 @@ func (UnimplementedExpertServiceServer) FusedMoEStream(grpc.BidiStreamingServer[
 }
 func (UnimplementedExpertServiceServer) GetServerInfo(context.Context, *GetServerInfoRequest) (*ServerInfo, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetServerInfo not implemented")
+}
+func (UnimplementedExpertServiceServer) RegisterSharedMemory(context.Context, *RegisterSharedMemoryRequest) (*RegisterSharedMemoryResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RegisterSharedMemory not implemented")
+}
+func (UnimplementedExpertServiceServer) UnregisterSharedMemory(context.Context, *UnregisterSharedMemoryRequest) (*UnregisterSharedMemoryResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UnregisterSharedMemory not implemented")
+}
+func (UnimplementedExpertServiceServer) ListSharedMemory(context.Context, *ListSharedMemoryRequest) (*ListSharedMemoryResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListSharedMemory not implemented")
 }
 func (UnimplementedExpertServiceServer) mustEmbedUnimplementedExpertServiceServer() {}
 func (UnimplementedExpertServiceServer) testEmbeddedByValue()                       {}
@@ -311,6 +389,60 @@ func _ExpertService_GetServerInfo_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ExpertService_RegisterSharedMemory_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RegisterSharedMemoryRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ExpertServiceServer).RegisterSharedMemory(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ExpertService_RegisterSharedMemory_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ExpertServiceServer).RegisterSharedMemory(ctx, req.(*RegisterSharedMemoryRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ExpertService_UnregisterSharedMemory_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UnregisterSharedMemoryRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ExpertServiceServer).UnregisterSharedMemory(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ExpertService_UnregisterSharedMemory_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ExpertServiceServer).UnregisterSharedMemory(ctx, req.(*UnregisterSharedMemoryRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ExpertService_ListSharedMemory_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListSharedMemoryRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ExpertServiceServer).ListSharedMemory(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ExpertService_ListSharedMemory_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ExpertServiceServer).ListSharedMemory(ctx, req.(*ListSharedMemoryRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ExpertService_ServiceDesc is the grpc.ServiceDesc for ExpertService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -333,6 +465,18 @@ var ExpertService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetServerInfo",
 			Handler:    _ExpertService_GetServerInfo_Handler,
+		},
+		{
+			MethodName: "RegisterSharedMemory",
+			Handler:    _ExpertService_RegisterSharedMemory_Handler,
+		},
+		{
+			MethodName: "UnregisterSharedMemory",
+			Handler:    _ExpertService_UnregisterSharedMemory_Handler,
+		},
+		{
+			MethodName: "ListSharedMemory",
+			Handler:    _ExpertService_ListSharedMemory_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -1,0 +1,347 @@
+package client
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+)
+
+// Shared memory: a caller on the daemon's host can keep tensors and
+// outputs in a POSIX shared-memory object both processes map, so their
+// bytes never travel in gRPC messages (the daemon must run with
+// -shared-memory):
+//
+//	shm, err := client.CreateSharedMemory("", 64<<20) // /dev/shm/expertd-...
+//	defer shm.Close()
+//	region, err := c.RegisterSharedMemory(ctx, "acts", shm, 0, shm.Size())
+//	hidden, err := region.Put(0, client.BFloat16FromFloat32(h, M, K))
+//	res, err := c.FusedMoE(ctx, &client.FusedMoERequest{
+//		ExpertSet: "layer0", Hidden: hidden, ...,
+//		OutputShm: region.Ref(outOff, int64(M*K*2)),
+//	})
+//	out, err := res.Output.Float32s() // read straight from the region
+//
+// Regions belong to the client's connection: the server forgets them when
+// it closes. Client.FusedMoE registers them again, once, if the connection
+// was re-established meanwhile.
+
+// SharedMemoryRef points at bytes in a region registered on the client's
+// connection.
+type SharedMemoryRef struct {
+	// Region is the registered name.
+	Region string
+	// Offset and Size are the bytes' place within the region.
+	Offset, Size int64
+}
+
+func (r *SharedMemoryRef) proto() *pb.SharedMemoryRef {
+	if r == nil {
+		return nil
+	}
+	return &pb.SharedMemoryRef{RegionName: r.Region, Offset: r.Offset, ByteSize: r.Size}
+}
+
+func refFromProto(p *pb.SharedMemoryRef) *SharedMemoryRef {
+	return &SharedMemoryRef{Region: p.GetRegionName(), Offset: p.GetOffset(), Size: p.GetByteSize()}
+}
+
+// SharedMemory is a POSIX shared-memory object this process created and
+// maps read-write, for an expertd on the same host to map too. Create it
+// with CreateSharedMemory and release it with Close.
+type SharedMemory struct {
+	key string
+	mem []byte
+
+	mu               sync.Mutex
+	closed, unlinked bool
+}
+
+// CreateSharedMemory creates the object /dev/shm/<key> of size bytes (as
+// shm_open with O_CREAT|O_EXCL and mode 0600, then ftruncate) and maps it.
+// An empty key picks a fresh random one. Only this user may open the
+// object, so the daemon must run as the same user (or chmod it).
+func CreateSharedMemory(key string, size int64) (*SharedMemory, error) {
+	if key == "" {
+		var b [8]byte
+		rand.Read(b[:]) //nolint:errcheck // never fails
+		key = fmt.Sprintf("expertd-%d-%s", os.Getpid(), hex.EncodeToString(b[:]))
+	}
+	key = strings.TrimPrefix(key, "/")
+	if key == "" || strings.ContainsAny(key, "/\x00") || strings.Contains(key, "..") {
+		return nil, fmt.Errorf("expertd shared memory: key %q: want one file name under /dev/shm", key)
+	}
+	if size < 1 {
+		return nil, fmt.Errorf("expertd shared memory: size %d: want >= 1", size)
+	}
+	mem, err := createShm(key, size)
+	if err != nil {
+		return nil, fmt.Errorf("expertd shared memory: %w", err)
+	}
+	return &SharedMemory{key: key, mem: mem}, nil
+}
+
+// Key is the object's name under /dev/shm, what RegisterSharedMemory sends.
+func (m *SharedMemory) Key() string { return m.key }
+
+// Size is the object's size in bytes.
+func (m *SharedMemory) Size() int64 { return int64(len(m.mem)) }
+
+// Bytes is the mapping; nil after Close.
+func (m *SharedMemory) Bytes() []byte {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return nil
+	}
+	return m.mem
+}
+
+// Unlink removes the object's name, as shm_unlink does: processes that
+// have mapped it (this one, a daemon that registered it) keep the memory,
+// no one else can open it, and it is freed when the last mapping goes. Call
+// it once the regions over it are registered, so a crash leaves nothing
+// behind in /dev/shm.
+func (m *SharedMemory) Unlink() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.unlinked {
+		return nil
+	}
+	m.unlinked = true
+	return os.Remove(shmPath(m.key))
+}
+
+// Close unmaps the object and unlinks it if Unlink was not called. Regions
+// over it should be unregistered first (or their connection closed): the
+// daemon keeps its own mapping until then.
+func (m *SharedMemory) Close() error {
+	var errs []error
+	if err := m.Unlink(); err != nil && !os.IsNotExist(err) {
+		errs = append(errs, err)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.closed {
+		m.closed = true
+		if err := unmapShm(m.mem); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("expertd shared memory %s: %v", m.key, errs)
+	}
+	return nil
+}
+
+func shmPath(key string) string { return "/dev/shm/" + key }
+
+// Region is a slice of a SharedMemory registered with the server on the
+// client's connection.
+type Region struct {
+	// Name is the registered name.
+	Name string
+	shm  *SharedMemory
+	// offset and size place the region within shm.
+	offset, size int64
+}
+
+// Bytes is the region's bytes in this process.
+func (r *Region) Bytes() []byte {
+	b := r.shm.Bytes()
+	if b == nil {
+		return nil
+	}
+	return b[r.offset : r.offset+r.size : r.offset+r.size]
+}
+
+// Size is the region's length in bytes.
+func (r *Region) Size() int64 { return r.size }
+
+// Ref is the reference to size bytes at offset within the region, for
+// FusedMoERequest.OutputShm.
+func (r *Region) Ref(offset, size int64) *SharedMemoryRef {
+	return &SharedMemoryRef{Region: r.Name, Offset: offset, Size: size}
+}
+
+// Tensor is a tensor of the given dtype and shape whose bytes are at offset
+// in the region: sent as a reference, with Data viewing the region here.
+func (r *Region) Tensor(dtype DType, offset int64, shape ...int) (Tensor, error) {
+	t := Tensor{DType: dtype, Shape: shape}
+	n := int64(t.Numel() * dtype.Size())
+	if offset < 0 || n < 0 || offset > r.size || n > r.size-offset {
+		return Tensor{}, fmt.Errorf("expertd region %s: %d bytes at offset %d do not fit in its %d bytes", r.Name, n, offset, r.size)
+	}
+	b := r.Bytes()
+	if b == nil {
+		return Tensor{}, fmt.Errorf("expertd region %s: its shared memory is closed", r.Name)
+	}
+	t.Shm = r.Ref(offset, n)
+	t.Data = b[offset : offset+n : offset+n]
+	return t, t.Validate()
+}
+
+// Put copies t's bytes into the region at offset and returns the tensor
+// referencing them there.
+func (r *Region) Put(offset int64, t Tensor) (Tensor, error) {
+	if err := t.Validate(); err != nil {
+		return Tensor{}, err
+	}
+	dst, err := r.Tensor(t.DType, offset, t.Shape...)
+	if err != nil {
+		return Tensor{}, err
+	}
+	copy(dst.Data, t.Data)
+	return dst, nil
+}
+
+// regions are the client's registrations, kept to give results a local
+// view of shm outputs and to register again on a new connection.
+type regions struct {
+	mu     sync.Mutex
+	byName map[string]*Region
+}
+
+func (rs *regions) get(name string) *Region {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	return rs.byName[name]
+}
+
+func (rs *regions) all() []*Region {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	out := make([]*Region, 0, len(rs.byName))
+	for _, r := range rs.byName {
+		out = append(out, r)
+	}
+	return out
+}
+
+// RegisterSharedMemory registers size bytes at offset of shm with the
+// server under name, for this client's calls. It is not retried.
+func (c *Client) RegisterSharedMemory(ctx context.Context, name string, shm *SharedMemory, offset, size int64) (*Region, error) {
+	if offset < 0 || size < 1 || offset > shm.Size() || size > shm.Size()-offset {
+		return nil, invalid("RegisterSharedMemory", fmt.Errorf("%d bytes at offset %d do not fit in %s's %d bytes", size, offset, shm.Key(), shm.Size()))
+	}
+	r := &Region{Name: name, shm: shm, offset: offset, size: size}
+	if err := c.register(ctx, r); err != nil {
+		return nil, err
+	}
+	c.shm.mu.Lock()
+	if c.shm.byName == nil {
+		c.shm.byName = map[string]*Region{}
+	}
+	c.shm.byName[name] = r
+	c.shm.mu.Unlock()
+	return r, nil
+}
+
+func (c *Client) register(ctx context.Context, r *Region) error {
+	ctx, cancel := c.callContext(ctx)
+	defer cancel()
+	_, err := c.rpc.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{
+		Name: r.Name, Kind: pb.SharedMemoryKind_SHARED_MEMORY_KIND_POSIX,
+		Key: r.shm.Key(), Offset: r.offset, ByteSize: r.size,
+	})
+	if err != nil {
+		return wrap("RegisterSharedMemory", err)
+	}
+	return nil
+}
+
+// UnregisterSharedMemory unregisters the named region, or all of the
+// client's regions when name is "", and returns the names unregistered.
+func (c *Client) UnregisterSharedMemory(ctx context.Context, name string) ([]string, error) {
+	ctx, cancel := c.callContext(ctx)
+	defer cancel()
+	resp, err := c.rpc.UnregisterSharedMemory(ctx, &pb.UnregisterSharedMemoryRequest{Name: name})
+	c.shm.mu.Lock()
+	if name == "" {
+		c.shm.byName = nil
+	} else {
+		delete(c.shm.byName, name)
+	}
+	c.shm.mu.Unlock()
+	if err != nil {
+		return nil, wrap("UnregisterSharedMemory", err)
+	}
+	return resp.GetNames(), nil
+}
+
+// RegionInfo is a region as the server holds it.
+type RegionInfo struct {
+	Name, Key     string
+	Offset, Size  int64
+	CallsInFlight int
+	RegisteredAt  time.Time
+}
+
+// ListSharedMemory reports the client's regions as the server has them,
+// sorted by name.
+func (c *Client) ListSharedMemory(ctx context.Context) ([]RegionInfo, error) {
+	ctx, cancel := c.callContext(ctx)
+	defer cancel()
+	resp, err := c.rpc.ListSharedMemory(ctx, &pb.ListSharedMemoryRequest{})
+	if err != nil {
+		return nil, wrap("ListSharedMemory", err)
+	}
+	out := make([]RegionInfo, 0, len(resp.GetRegions()))
+	for _, r := range resp.GetRegions() {
+		out = append(out, RegionInfo{Name: r.GetName(), Key: r.GetKey(), Offset: r.GetOffset(), Size: r.GetByteSize(),
+			CallsInFlight: int(r.GetCallsInFlight()), RegisteredAt: r.GetRegisteredAt().AsTime()})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}
+
+// reregister registers the client's regions again when err says the server
+// does not know one of them, which happens after the connection was
+// re-established; it reports whether the call is worth repeating.
+func (c *Client) reregister(ctx context.Context, err error) bool {
+	if status.Code(err) != codes.NotFound || !strings.Contains(status.Convert(err).Message(), "no shared-memory region") {
+		return false
+	}
+	all := c.shm.all()
+	ours := false
+	for _, r := range all {
+		ours = ours || strings.Contains(status.Convert(err).Message(), fmt.Sprintf("region %q", r.Name))
+	}
+	if !ours {
+		return false
+	}
+	for _, r := range all {
+		if err := c.register(ctx, r); err != nil && status.Code(err) != codes.AlreadyExists {
+			return false
+		}
+	}
+	return true
+}
+
+// viewOutputs points res's shm tensors at this process's view of their
+// region, when the client registered it.
+func (c *Client) viewOutputs(res *FusedMoEResult) {
+	for _, t := range []*Tensor{&res.Output, &res.TopKIDs, &res.TopKWeights} {
+		if t.Shm == nil {
+			continue
+		}
+		r := c.shm.get(t.Shm.Region)
+		if r == nil {
+			continue
+		}
+		lo, n := t.Shm.Offset, t.Shm.Size
+		if b := r.Bytes(); b != nil && lo >= 0 && n >= 0 && lo <= r.size && n <= r.size-lo {
+			t.Data = b[lo : lo+n : lo+n]
+		}
+	}
+}

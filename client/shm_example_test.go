@@ -1,0 +1,93 @@
+package client_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log"
+	"math/rand/v2"
+
+	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/service"
+)
+
+// Pass hidden states and logits to a daemon on the same host through
+// shared memory, and read the output where the daemon wrote it. The daemon
+// must run with -shared-memory.
+func ExampleClient_RegisterSharedMemory() {
+	srv, err := clienttest.Serve(service.Config{SharedMemory: true}) // expertd -shared-memory
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer srv.Stop()
+	ctx := context.Background()
+	c, err := client.Dial(ctx, srv.Addr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
+
+	const E, K, N, M = 4, 64, 32, 3
+	rng := rand.New(rand.NewPCG(5, 6))
+	w1, s1 := quantize(randomFloats(rng, E*N*K, 1), E)
+	w2, s2 := quantize(randomFloats(rng, E*K*N, 1), E)
+	if _, err := c.LoadExperts(ctx, "layer0", &client.ExpertWeights{
+		Activation: client.Relu2,
+		W13:        client.FromFP8(w1, E, N, K),
+		W2:         client.FromFP8(w2, E, K, N),
+		W13Scale:   client.FromFloat32(s1, E),
+		W2Scale:    client.FromFloat32(s2, E),
+	}); err != nil {
+		log.Fatal(err)
+	}
+
+	// One object for everything; the daemon maps the region registered
+	// over it. Unlink once registered: nothing is left in /dev/shm if
+	// either process dies.
+	shm, err := client.CreateSharedMemory("", 1<<20)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer shm.Close()
+	region, err := c.RegisterSharedMemory(ctx, "acts", shm, 0, shm.Size())
+	if err != nil {
+		log.Fatal(err)
+	}
+	shm.Unlink()
+
+	// Put copies into the region; Region.Tensor instead views bytes a
+	// producer already wrote there.
+	hidden, err := region.Put(0, client.BFloat16FromFloat32(randomFloats(rng, M*K, 0.1), M, K))
+	if err != nil {
+		log.Fatal(err)
+	}
+	logits, err := region.Put(4096, client.FromFloat32(randomFloats(rng, M*E, 1), M, E))
+	if err != nil {
+		log.Fatal(err)
+	}
+	req := &client.FusedMoERequest{
+		ExpertSet:    "layer0",
+		Hidden:       hidden,
+		RouterLogits: logits,
+		Routing:      client.Routing{TopK: 2, Renormalize: true},
+		OutputDType:  client.Float32,
+		OutputShm:    region.Ref(8192, M*K*4),
+	}
+	res, err := c.FusedMoE(ctx, req)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Printf("output %v %v in region %q at offset %d\n", res.Output.Shape, res.Output.DType, res.Output.Shm.Region, res.Output.Shm.Offset)
+
+	// The same call with everything inline gives the same bytes.
+	req.Hidden.Shm, req.RouterLogits.Shm, req.OutputShm = nil, nil, nil
+	inline, err := c.FusedMoE(ctx, req)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("same as inline:", bytes.Equal(res.Output.Data, inline.Output.Data))
+	// Output:
+	// output [3 64] float32 in region "acts" at offset 8192
+	// same as inline: true
+}

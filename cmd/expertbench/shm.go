@@ -1,0 +1,58 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/expertd/expertd/client"
+)
+
+// shmUsage documents -shm.
+const shmUsage = "pass hidden states and logits, and receive outputs, through POSIX shared memory (the daemon must run with -shared-memory on this host)"
+
+// toSharedMemory moves worker w's requests into one POSIX region
+// registered on c: each request's hidden states, logits and output get
+// their own page-aligned slots, so calls send references and responses
+// carry no output bytes. The small correction bias stays inline. free
+// unregisters the region and releases the memory.
+func toSharedMemory(ctx context.Context, c *client.Client, w int, reqs []*client.FusedMoERequest, cfg config) (free func(), err error) {
+	const page = 4096
+	slot := func(n int64) int64 { return (n + page - 1) / page * page }
+	outBytes := int64(cfg.tokens) * int64(cfg.model.k) * int64(cfg.out.Size())
+	var size int64
+	for _, r := range reqs {
+		size += slot(int64(len(r.Hidden.Data))) + slot(int64(len(r.RouterLogits.Data))) + slot(outBytes)
+	}
+	shm, err := client.CreateSharedMemory("", size)
+	if err != nil {
+		return nil, err
+	}
+	name := fmt.Sprintf("expertbench-%d", w)
+	region, err := c.RegisterSharedMemory(ctx, name, shm, 0, size)
+	if err != nil {
+		shm.Close()
+		return nil, err
+	}
+	// Both processes hold a mapping now; nothing stays in /dev/shm if
+	// either dies.
+	shm.Unlink() //nolint:errcheck // Close unlinks again and reports
+	var off int64
+	for _, r := range reqs {
+		for _, t := range []*client.Tensor{&r.Hidden, &r.RouterLogits} {
+			if *t, err = region.Put(off, *t); err != nil {
+				shm.Close()
+				return nil, err
+			}
+			off += slot(int64(len(t.Data)))
+		}
+		r.OutputShm = region.Ref(off, outBytes)
+		off += slot(outBytes)
+	}
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		c.UnregisterSharedMemory(ctx, name) //nolint:errcheck // the connection's end frees it too
+		shm.Close()
+	}, nil
+}

@@ -1,0 +1,88 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+)
+
+// shmObject creates /dev/shm/<key> of size bytes, removed at cleanup.
+func shmObject(t *testing.T, size int64) string {
+	t.Helper()
+	if _, err := os.Stat("/dev/shm"); err != nil {
+		t.Skipf("no /dev/shm: %v", err)
+	}
+	key := fmt.Sprintf("expertd-daemon-test-%d-%d", os.Getpid(), time.Now().UnixNano())
+	f, err := os.OpenFile("/dev/shm/"+key, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	t.Cleanup(func() { os.Remove("/dev/shm/" + key) })
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	return key
+}
+
+// mappedHere reports whether this process (the daemon runs in it) maps
+// /dev/shm/<key>.
+func mappedHere(t *testing.T, key string) bool {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		t.Skipf("no /proc/self/maps: %v", err)
+	}
+	return bytes.Contains(b, []byte("/dev/shm/"+key+"\n"))
+}
+
+// TestSharedMemoryFlag: off by default (FailedPrecondition naming the
+// flag); with -shared-memory a user-role caller registers a region, and the
+// daemon unmaps it when the caller's connection closes.
+func TestSharedMemoryFlag(t *testing.T) {
+	key := shmObject(t, 1<<16)
+	reg := &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, ByteSize: 1 << 16}
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+
+	t.Run("off", func(t *testing.T) {
+		addr, _ := startDaemon(t)
+		_, err := pb.NewExpertServiceClient(dial(t, addr, insecure.NewCredentials())).RegisterSharedMemory(ctx, reg)
+		if status.Code(err) != codes.FailedPrecondition || !bytes.Contains([]byte(status.Convert(err).Message()), []byte("-shared-memory")) {
+			t.Errorf("RegisterSharedMemory = %v, want FailedPrecondition naming -shared-memory", err)
+		}
+	})
+	t.Run("on", func(t *testing.T) {
+		path, user, _ := writeTokens(t)
+		addr, logs := startDaemon(t, "-shared-memory", "-auth-tokens-file", path)
+		conn := dial(t, addr, insecure.NewCredentials())
+		c := pb.NewExpertServiceClient(conn)
+		uctx := metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+user)
+		if _, err := c.RegisterSharedMemory(uctx, reg); err != nil {
+			t.Fatalf("RegisterSharedMemory as a user: %v", err)
+		}
+		list, err := c.ListSharedMemory(uctx, &pb.ListSharedMemoryRequest{})
+		if err != nil || len(list.GetRegions()) != 1 {
+			t.Fatalf("ListSharedMemory = %v, %v; want the region", list, err)
+		}
+		if !mappedHere(t, key) {
+			t.Fatalf("/dev/shm/%s is not mapped after registering", key)
+		}
+		conn.Close()
+		for deadline := time.Now().Add(defaultTestTimeout); mappedHere(t, key); time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("/dev/shm/%s still mapped after its connection closed\n%s", key, logs.String())
+			}
+		}
+	})
+}

@@ -1,0 +1,137 @@
+package service
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"unsafe"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/stats"
+	"google.golang.org/grpc/status"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cpu"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+)
+
+// TestSharedMemoryPeers: registration is for callers on this host. A TCP
+// peer that is not loopback is refused before any file is opened (the key
+// does not exist, so getting past the check would be NotFound).
+func TestSharedMemoryPeers(t *testing.T) {
+	s := New(Config{SharedMemory: true}, cpu.New(kernels.Config{}), nil)
+	tests := []struct {
+		name string
+		addr net.Addr
+		want codes.Code
+	}{
+		{"remote v4", &net.TCPAddr{IP: net.IPv4(10, 1, 2, 3), Port: 4000}, codes.PermissionDenied},
+		{"remote v6", &net.TCPAddr{IP: net.ParseIP("2001:db8::1"), Port: 4000}, codes.PermissionDenied},
+		{"loopback v4", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 4000}, codes.NotFound},
+		{"loopback v6", &net.TCPAddr{IP: net.IPv6loopback, Port: 4000}, codes.NotFound},
+		{"unix socket", &net.UnixAddr{Name: "/run/expertd.sock", Net: "unix"}, codes.NotFound},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := s.shm.TagConn(context.Background(), &stats.ConnTagInfo{RemoteAddr: tt.addr})
+			defer s.shm.HandleConn(ctx, &stats.ConnEnd{})
+			ctx = peer.NewContext(ctx, &peer.Peer{Addr: tt.addr})
+			_, err := s.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: "expertd-test-no-such-object", ByteSize: 1})
+			if got := status.Code(err); got != tt.want {
+				t.Errorf("got %v, want %v", err, tt.want)
+			}
+			if tt.want == codes.PermissionDenied && !strings.Contains(status.Convert(err).Message(), "not loopback") {
+				t.Errorf("message %q does not say why", status.Convert(err).Message())
+			}
+		})
+	}
+}
+
+// TestCheckShmKey: keys are single names under /dev/shm.
+func TestCheckShmKey(t *testing.T) {
+	for key, want := range map[string]string{
+		"a": "a", "/a": "a", "torch_123.buf-0": "torch_123.buf-0", "..": "", "/../x": "", "a/b": "", "//a": "",
+		"a..b": "", ".": "", "/.": "", "": "", "/": "", "é": "", strings.Repeat("x", 255): strings.Repeat("x", 255), strings.Repeat("x", 256): "",
+	} {
+		got, err := checkShmKey(key)
+		if got != want || (err == nil) != (want != "") {
+			t.Errorf("checkShmKey(%q) = %q, %v; want %q", key, got, err, want)
+		}
+	}
+}
+
+// FuzzResolveShm feeds arbitrary references and shapes to resolveShm over
+// a real 4000-byte region: it must never panic, and what it accepts must
+// view bytes inside the region, of the declared size, with the output
+// apart from the input; every region it took must be released.
+func FuzzResolveShm(f *testing.F) {
+	if _, err := os.Stat("/dev/shm"); err != nil {
+		f.Skipf("no /dev/shm: %v", err)
+	}
+	key := fmt.Sprintf("expertd-fuzz-%d", os.Getpid())
+	obj, err := os.OpenFile("/dev/shm/"+key, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(func() { obj.Close(); os.Remove(obj.Name()) })
+	if err := obj.Truncate(8192); err != nil {
+		f.Fatal(err)
+	}
+	s := New(Config{SharedMemory: true}, cpu.New(kernels.Config{}), nil)
+	ctx := s.shm.TagConn(context.Background(), &stats.ConnTagInfo{})
+	f.Cleanup(func() { s.shm.HandleConn(ctx, &stats.ConnEnd{}) })
+	const regionOff, regionSize = 100, 4000
+	if _, err := s.registerShm(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, Offset: regionOff, ByteSize: regionSize}); err != nil {
+		f.Fatal(err)
+	}
+	reg := s.shm.conns[ctx.Value(connKey{}).(uint64)]["r"]
+	mem := reg.m.data()
+
+	f.Add(int64(0), int64(320), int64(2), int64(40), uint8(pb.DataType_DATA_TYPE_FLOAT32), int64(1000), int64(160), uint8(0))
+	f.Add(int64(3999), int64(1), int64(1), int64(1), uint8(pb.DataType_DATA_TYPE_FLOAT8_E4M3FN), int64(0), int64(2), uint8(pb.DataType_DATA_TYPE_BFLOAT16))
+	f.Add(int64(8), int64(math.MaxInt64), int64(1<<40), int64(1<<40), uint8(pb.DataType_DATA_TYPE_INT32), int64(-1), int64(-1), uint8(9))
+	f.Fuzz(func(t *testing.T, hOff, hSize, m, k int64, dt uint8, oOff, oSize int64, odt uint8) {
+		req := &pb.FusedMoERequest{
+			HiddenStates: &pb.Tensor{Dtype: pb.DataType(dt), Shape: []int64{m, k},
+				Source: &pb.Tensor_Shm{Shm: &pb.SharedMemoryRef{RegionName: "r", Offset: hOff, ByteSize: hSize}}},
+			OutputDtype: pb.DataType(odt),
+			OutputShm:   &pb.SharedMemoryRef{RegionName: "r", Offset: oOff, ByteSize: oSize},
+		}
+		c, err := s.resolveShm(ctx, req)
+		defer func() {
+			c.release()
+			if reg.refs != 0 {
+				t.Fatalf("%d references left after release", reg.refs)
+			}
+		}()
+		if err != nil {
+			if status.Code(s.toStatus(ctx, "FuzzResolveShm", err)) == codes.Internal {
+				t.Fatalf("internal error: %v", err)
+			}
+			return
+		}
+		inside := func(b []byte) bool {
+			if len(b) == 0 {
+				return true
+			}
+			lo := uintptr(unsafe.Pointer(unsafe.SliceData(mem)))
+			p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+			return p >= lo && p+uintptr(len(b)) <= lo+uintptr(len(mem))
+		}
+		h := req.GetHiddenStates().GetData()
+		if int64(len(h)) != hSize || int64(cap(h)) != hSize || !inside(h) {
+			t.Fatalf("hidden view of %d bytes (cap %d) for byte_size %d, inside the region: %v", len(h), cap(h), hSize, inside(h))
+		}
+		if int64(len(c.out)) != oSize || !inside(c.out) {
+			t.Fatalf("output view of %d bytes for byte_size %d, inside the region: %v", len(c.out), oSize, inside(c.out))
+		}
+		if oSize > 0 && hSize > 0 && oOff < hOff+hSize && hOff < oOff+oSize {
+			t.Fatalf("accepted output [%d, %d) over hidden [%d, %d)", oOff, oOff+oSize, hOff, hOff+hSize)
+		}
+	})
+}
