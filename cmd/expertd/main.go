@@ -255,6 +255,7 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 			recovery.StreamServerInterceptor(rec),
 		),
 	}
+	opts = append(opts, service.ServerOptions()...)
 	return grpc.NewServer(append(opts, extra...)...)
 }
 
