@@ -42,6 +42,10 @@ const Name = "proto"
 // than another buffer to track.
 const AliasBytes = 16 << 10
 
+// aliasBytes is AliasBytes, lowered by tests so that small fuzz inputs
+// take the referencing path too.
+var aliasBytes = AliasBytes
+
 // recursionLimit bounds message nesting, as protobuf's decoder does (with
 // its default).
 const recursionLimit = 10000
@@ -159,7 +163,7 @@ func hasLarge(m protoreflect.Message, depth int) bool {
 		}
 		switch fd.Kind() {
 		case protoreflect.BytesKind:
-			found = len(v.Bytes()) >= AliasBytes
+			found = len(v.Bytes()) >= aliasBytes
 		case protoreflect.MessageKind:
 			found = hasLarge(v.Message(), depth+1)
 		}
@@ -207,7 +211,7 @@ func (w *writer) message(m protoreflect.Message, depth int) error {
 		v := m.Get(fd)
 		singular := fd.Cardinality() != protoreflect.Repeated
 		switch {
-		case singular && fd.Kind() == protoreflect.BytesKind && len(v.Bytes()) >= AliasBytes:
+		case singular && fd.Kind() == protoreflect.BytesKind && len(v.Bytes()) >= aliasBytes:
 			w.small = protowire.AppendTag(w.small, fd.Number(), protowire.BytesType)
 			w.small = protowire.AppendVarint(w.small, uint64(len(v.Bytes())))
 			w.flush()
