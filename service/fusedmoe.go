@@ -21,7 +21,7 @@ import (
 func (s *Server) FusedMoE(ctx context.Context, req *pb.FusedMoERequest) (*pb.FusedMoEResponse, error) {
 	start := time.Now()
 	resp, err := s.fusedMoE(ctx, start, req)
-	if resp != nil {
+	if resp.GetTimings() != nil {
 		resp.Timings.ReceiveNanos = receiveNanos(ctx, start)
 	}
 	return resp, s.toStatus(ctx, "FusedMoE", err)

@@ -225,7 +225,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 // newGRPCServer builds the server with message limits, panic recovery,
 // call logging (not for health checks and reflection, which would drown
-// the log) and OpenTelemetry RPC metrics. extra (TLS credentials, the
+// the log), OpenTelemetry RPC metrics and the service's own options (its
+// codec and receive timing). extra (TLS credentials, the
 // authorization interceptors) follows; its interceptors run after
 // logging, so refused calls are logged with their code.
 func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider, tracer trace.TracerProvider, extra ...grpc.ServerOption) *grpc.Server {
