@@ -15,6 +15,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/expertd/expertd/codec"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -169,7 +170,10 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
 	}
 	dialOpts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(o.creds),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(o.maxMsg), grpc.MaxCallSendMsgSize(o.maxMsg), grpc.WaitForReady(o.waitReady)),
+		// The codec sends tensors without copying them into the message
+		// and returns outputs that alias the received message.
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(o.maxMsg), grpc.MaxCallSendMsgSize(o.maxMsg), grpc.WaitForReady(o.waitReady),
+			grpc.ForceCodecV2(codec.Codec{})),
 		grpc.WithConnectParams(reconnect),
 		// The retry policy is the SDK's, not whatever a resolver serves.
 		grpc.WithDisableServiceConfig(),

@@ -35,6 +35,9 @@ func (c *Client) FusedMoEStream(ctx context.Context) (*Stream, error) {
 // Send queues one request. A request the client refuses locally is an
 // InvalidArgument error and is not sent; the stream stays usable. After
 // the server has ended the stream, Send returns io.EOF and Recv says why.
+// Send returns before the request is on the wire, and large tensors are
+// sent without a copy: their Data must not change until Recv has returned
+// this request's result.
 func (s *Stream) Send(req *FusedMoERequest) error {
 	p, err := req.proto()
 	if err != nil {

@@ -200,6 +200,9 @@ type Timings struct {
 	// execution slot; H2D, Kernel and D2H the copies and compute (H2D and
 	// D2H are 0 on the CPU backend); Total from receipt to response.
 	Decode, Queue, H2D, Kernel, D2H, Total time.Duration
+	// Receive, before Total, is reading and unmarshalling the request on
+	// the server; 0 when the server did not observe it.
+	Receive time.Duration
 }
 
 // FusedMoEResult is one MoE layer's output.
@@ -232,6 +235,7 @@ func resultFromProto(p *pb.FusedMoEResponse) (*FusedMoEResult, error) {
 		Decode: time.Duration(t.GetDecodeNanos()), Queue: time.Duration(t.GetQueueNanos()),
 		H2D: time.Duration(t.GetH2DNanos()), Kernel: time.Duration(t.GetKernelNanos()),
 		D2H: time.Duration(t.GetD2HNanos()), Total: time.Duration(t.GetTotalNanos()),
+		Receive: time.Duration(t.GetReceiveNanos()),
 	}
 	return r, nil
 }

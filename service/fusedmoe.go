@@ -19,7 +19,11 @@ import (
 
 // FusedMoE runs one MoE layer.
 func (s *Server) FusedMoE(ctx context.Context, req *pb.FusedMoERequest) (*pb.FusedMoEResponse, error) {
-	resp, err := s.fusedMoE(ctx, time.Now(), req)
+	start := time.Now()
+	resp, err := s.fusedMoE(ctx, start, req)
+	if resp.GetTimings() != nil {
+		resp.Timings.ReceiveNanos = receiveNanos(ctx, start)
+	}
 	return resp, s.toStatus(ctx, "FusedMoE", err)
 }
 

@@ -219,10 +219,6 @@ func (s *Server) initShmMetrics(m metric.Meter) {
 	}
 }
 
-// StatsHandler is the stats.Handler that tracks connections for shared
-// memory; install it with grpc.StatsHandler when Config.SharedMemory is
-// set (it is harmless, and does nothing, when it is not).
-func (s *Server) StatsHandler() stats.Handler { return s.shm }
 
 // RegisterSharedMemory maps a region of a POSIX shared-memory object for
 // the calling connection.

@@ -53,8 +53,7 @@ func Serve(cfg service.Config) (*Server, error) {
 	}
 	backend := cpu.New(kernels.Config{})
 	svc := service.New(cfg, backend, nil)
-	gs := grpc.NewServer(grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
-		grpc.StatsHandler(svc.StatsHandler()))
+	gs := grpc.NewServer(append(svc.ServerOptions(), grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)))...)
 	svc.Register(gs)
 	hs := health.NewServer()
 	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)

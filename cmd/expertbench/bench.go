@@ -30,18 +30,27 @@ type recorder struct {
 	mu     sync.Mutex
 	window []time.Duration // since the last progress line
 	all    []time.Duration
-	kernel []time.Duration // server-side compute time
-	queue  []time.Duration // server-side wait for an execution slot
+	calls  []callSample
 	back   string
 }
 
-func (r *recorder) add(d time.Duration, res *client.FusedMoEResult) {
+// callSample is one call as the client saw it and as the server timed it.
+type callSample struct {
+	latency time.Duration
+	send    time.Duration // client: marshal the request, hand it to gRPC
+	server  client.Timings
+	// reqBytes and respBytes are the messages' wire sizes.
+	reqBytes, respBytes int
+}
+
+func (r *recorder) add(d time.Duration, res *client.FusedMoEResult, ct *callTrace) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.window = append(r.window, d)
 	r.all = append(r.all, d)
-	r.kernel = append(r.kernel, res.Timings.Kernel)
-	r.queue = append(r.queue, res.Timings.Queue)
+	cs := callSample{latency: d, send: ct.send(), server: res.Timings}
+	cs.reqBytes, cs.respBytes = ct.sizes()
+	r.calls = append(r.calls, cs)
 	r.back = res.Backend
 }
 
@@ -85,6 +94,79 @@ type result struct {
 	Max         time.Duration `json:"max_ns"`
 	KernelP50   time.Duration `json:"kernel_p50_ns"`
 	QueueP50    time.Duration `json:"queue_p50_ns"`
+	Breakdown   breakdown     `json:"breakdown"`
+}
+
+// breakdown is one call's time by phase: the median of each phase over
+// the calls, and the medians of the per-call differences that no single
+// clock measures. The medians do not add up exactly; each is its own
+// distribution.
+type breakdown struct {
+	// Client is the latency the caller sees; Send the part of it spent
+	// marshalling the request and handing it to gRPC (the client's
+	// encode).
+	Client time.Duration `json:"client_ns"`
+	Send   time.Duration `json:"send_ns"`
+	// The server's Timings: Receive (reading and unmarshalling the
+	// request, before the handler), then Decode (validation), Queue, H2D,
+	// Kernel, D2H, and Total from the handler's start to the response
+	// built.
+	Receive time.Duration `json:"receive_ns"`
+	Decode  time.Duration `json:"decode_ns"`
+	Queue   time.Duration `json:"queue_ns"`
+	H2D     time.Duration `json:"h2d_ns"`
+	Kernel  time.Duration `json:"kernel_ns"`
+	D2H     time.Duration `json:"d2h_ns"`
+	Total   time.Duration `json:"server_total_ns"`
+	// RPC is Client - Total: everything outside the handler, i.e. both
+	// messages' encoding, transfer and decoding (Receive is part of it).
+	RPC time.Duration `json:"rpc_ns"`
+	// Service is Total - Kernel: what the handler adds to the backend.
+	Service time.Duration `json:"service_ns"`
+	// OverheadPct is the median over calls of (Client - Kernel) / Kernel
+	// in percent: what the whole service path adds to backend time.
+	OverheadPct float64 `json:"overhead_pct"`
+	// RequestBytes and ResponseBytes are the median wire sizes.
+	RequestBytes  int `json:"request_bytes"`
+	ResponseBytes int `json:"response_bytes"`
+}
+
+// summarize computes the breakdown of the calls.
+func summarize(calls []callSample) breakdown {
+	p50 := func(f func(c callSample) time.Duration) time.Duration {
+		v := make([]time.Duration, len(calls))
+		for i, c := range calls {
+			v[i] = f(c)
+		}
+		slices.Sort(v)
+		return percentile(v, 0.5)
+	}
+	b := breakdown{
+		Client:        p50(func(c callSample) time.Duration { return c.latency }),
+		Send:          p50(func(c callSample) time.Duration { return c.send }),
+		Receive:       p50(func(c callSample) time.Duration { return c.server.Receive }),
+		Decode:        p50(func(c callSample) time.Duration { return c.server.Decode }),
+		Queue:         p50(func(c callSample) time.Duration { return c.server.Queue }),
+		H2D:           p50(func(c callSample) time.Duration { return c.server.H2D }),
+		Kernel:        p50(func(c callSample) time.Duration { return c.server.Kernel }),
+		D2H:           p50(func(c callSample) time.Duration { return c.server.D2H }),
+		Total:         p50(func(c callSample) time.Duration { return c.server.Total }),
+		RPC:           p50(func(c callSample) time.Duration { return c.latency - c.server.Total }),
+		Service:       p50(func(c callSample) time.Duration { return c.server.Total - c.server.Kernel }),
+		RequestBytes:  int(p50(func(c callSample) time.Duration { return time.Duration(c.reqBytes) })),
+		ResponseBytes: int(p50(func(c callSample) time.Duration { return time.Duration(c.respBytes) })),
+	}
+	pct := make([]float64, 0, len(calls))
+	for _, c := range calls {
+		if c.server.Kernel > 0 {
+			pct = append(pct, 100*float64(c.latency-c.server.Kernel)/float64(c.server.Kernel))
+		}
+	}
+	if len(pct) > 0 {
+		slices.Sort(pct)
+		b.OverheadPct = pct[(len(pct)-1)/2]
+	}
+	return b
 }
 
 // bench runs the load and summarizes it. The first failed call ends the
@@ -124,6 +206,7 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 					return
 				}
 				callCtx, callCancel := context.WithTimeout(ctx, callTimeout)
+				callCtx, ct := withTrace(callCtx)
 				t0 := time.Now()
 				res, err := c.FusedMoE(callCtx, reqs[i%len(reqs)])
 				d := time.Since(t0)
@@ -132,7 +215,7 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 					cancel(fmt.Errorf("FusedMoE call failed after %d calls: %w", rec.count(), err))
 					return
 				}
-				rec.add(d, res)
+				rec.add(d, res, ct)
 			}
 		}()
 	}
@@ -180,8 +263,9 @@ loop:
 		CallsPerSec: float64(len(all)) / elapsed.Seconds(),
 		TokensPerS:  float64(len(all)*cfg.tokens) / elapsed.Seconds(),
 		P50:         percentile(all, 0.5), P90: percentile(all, 0.9), P99: percentile(all, 0.99), Max: all[len(all)-1],
-		KernelP50: percentile(sortedCopy(rec.kernel), 0.5), QueueP50: percentile(sortedCopy(rec.queue), 0.5),
 	}
+	r.Breakdown = summarize(rec.calls)
+	r.KernelP50, r.QueueP50 = r.Breakdown.Kernel, r.Breakdown.Queue
 	return r, nil
 }
 
@@ -199,6 +283,7 @@ func (r *result) print(w io.Writer, cfg config) error {
 		return enc.Encode(r)
 	}
 	ms := func(d time.Duration) string { return fmt.Sprintf("%.3f ms", float64(d)/1e6) }
+	b := r.Breakdown
 	_, err := fmt.Fprintf(w, `model        %s
 backend      %s
 tokens/call  %d
@@ -208,7 +293,14 @@ calls/s      %.1f
 tokens/s     %.0f
 latency      p50 %s  p90 %s  p99 %s  max %s
 server       kernel p50 %s  queue p50 %s
+breakdown    (p50 of each)
+  client     %s  (send %s; request %d B, response %d B on the wire)
+  server     receive %s  decode %s  queue %s  h2d %s  kernel %s  d2h %s  total %s
+  overhead   rpc (client - server total) %s  service (server total - kernel) %s  client over kernel +%.1f%%
 `, r.Model, r.Backend, r.Tokens, r.Concurrency, r.Calls, r.Elapsed.Seconds(), r.CallsPerSec, r.TokensPerS,
-		ms(r.P50), ms(r.P90), ms(r.P99), ms(r.Max), ms(r.KernelP50), ms(r.QueueP50))
+		ms(r.P50), ms(r.P90), ms(r.P99), ms(r.Max), ms(r.KernelP50), ms(r.QueueP50),
+		ms(b.Client), ms(b.Send), b.RequestBytes, b.ResponseBytes,
+		ms(b.Receive), ms(b.Decode), ms(b.Queue), ms(b.H2D), ms(b.Kernel), ms(b.D2H), ms(b.Total),
+		ms(b.RPC), ms(b.Service), b.OverheadPct)
 	return err
 }

@@ -1,7 +1,11 @@
 // Command expertbench is a load generator for expertd: c concurrent
 // clients call FusedMoE with m tokens per call on a MoE layer of a
 // reference model (MOE_SPEC.md section 2), for a bounded time or number of
-// calls, and it reports latency percentiles, calls/s and tokens/s.
+// calls, and it reports latency percentiles, calls/s and tokens/s, and
+// the median breakdown of a call: the client's send (request marshalling),
+// the server's Timings (receive, decode, queue, h2d, kernel, d2h, total),
+// and from them what the RPC adds (client latency - server total) and
+// what the service adds (server total - kernel).
 //
 //	expertbench -addr 127.0.0.1:50051 -model qwen3 -load -m 64 -c 4 -duration 10s
 //
@@ -35,6 +39,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"google.golang.org/grpc"
 
 	"github.com/expertd/expertd/client"
 )
@@ -223,7 +229,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	dialCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	c, err := client.Dial(dialCtx, cfg.addr)
+	c, err := client.Dial(dialCtx, cfg.addr, client.WithDialOptions(grpc.WithStatsHandler(traceHandler{})))
 	if err != nil {
 		return err
 	}

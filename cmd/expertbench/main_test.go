@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/service"
@@ -202,5 +204,28 @@ func TestRandomWeightsAreFinite(t *testing.T) {
 	}
 	if neg == 0 || pos == 0 {
 		t.Errorf("%d negative and %d positive codes, want both", neg, pos)
+	}
+}
+
+// TestSummarize: the breakdown's medians and the per-call differences
+// that no single clock measures.
+func TestSummarize(t *testing.T) {
+	ms := time.Millisecond
+	call := func(latency, receive, total, kernel time.Duration, req, resp int) callSample {
+		return callSample{latency: latency, send: ms / 10, reqBytes: req, respBytes: resp,
+			server: client.Timings{Receive: receive, Decode: ms / 100, Kernel: kernel, Total: total}}
+	}
+	calls := []callSample{
+		call(12*ms, ms, 11*ms, 10*ms, 100, 50),
+		call(30*ms, 2*ms, 20*ms, 10*ms, 100, 50), // a slow call: its own differences, not the medians'
+		call(11*ms, ms, 10*ms, 10*ms, 120, 60),
+	}
+	got := summarize(calls)
+	want := breakdown{
+		Client: 12 * ms, Send: ms / 10, Receive: ms, Decode: ms / 100, Kernel: 10 * ms, Total: 11 * ms,
+		RPC: ms, Service: ms, OverheadPct: 20, RequestBytes: 100, ResponseBytes: 50,
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("summarize (-want +got):\n%s", diff)
 	}
 }

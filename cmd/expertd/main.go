@@ -133,13 +133,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		SharedMemory:    cfg.SharedMemory,
 	}, backend, log)
 
-	opts := sec.serverOptions()
-	if cfg.SharedMemory {
-		// Regions belong to connections; the service learns of their end
-		// through this handler.
-		opts = append(opts, grpc.StatsHandler(svc.StatsHandler()))
-	}
-	gs := newGRPCServer(cfg, log, meters, tracer, opts...)
+	gs := newGRPCServer(cfg, log, meters, tracer, append(svc.ServerOptions(), sec.serverOptions()...)...)
 	svc.Register(gs)
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
@@ -232,9 +226,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 // newGRPCServer builds the server with message limits, panic recovery,
 // call logging (not for health checks and reflection, which would drown
-// the log) and OpenTelemetry RPC metrics. extra (TLS credentials, the
-// authorization interceptors) follows; its interceptors run after
-// logging, so refused calls are logged with their code.
+// the log) and OpenTelemetry RPC metrics. extra (the service's own
+// options, TLS credentials, the authorization interceptors) follows; its
+// interceptors run after logging, so refused calls are logged with their
+// code.
 func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider, tracer trace.TracerProvider, extra ...grpc.ServerOption) *grpc.Server {
 	rec := recovery.WithRecoveryHandlerContext(func(ctx context.Context, p any) error {
 		log.ErrorContext(ctx, "panic in handler", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))

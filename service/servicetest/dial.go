@@ -25,8 +25,7 @@ func StartServerDial(t testing.TB, cfg service.Config, backend kernels.Backend) 
 	}
 	lis := bufconn.Listen(1 << 20)
 	srv = service.New(cfg, backend, nil)
-	gs := grpc.NewServer(grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
-		grpc.StatsHandler(srv.StatsHandler()))
+	gs := grpc.NewServer(append(srv.ServerOptions(), grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)))...)
 	srv.Register(gs)
 	go gs.Serve(lis) //nolint:errcheck // Serve returns when Stop is called
 	t.Cleanup(func() {

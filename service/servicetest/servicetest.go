@@ -51,8 +51,7 @@ func StartServerLogger(t testing.TB, cfg service.Config, backend kernels.Backend
 	}
 	lis := bufconn.Listen(1 << 20)
 	srv := service.New(cfg, backend, log)
-	gs := grpc.NewServer(grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
-		grpc.StatsHandler(srv.StatsHandler()))
+	gs := grpc.NewServer(append(srv.ServerOptions(), grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)))...)
 	srv.Register(gs)
 	go gs.Serve(lis) //nolint:errcheck // Serve returns when Stop is called
 	conn, err := grpc.NewClient("passthrough:///bufnet",

@@ -1029,7 +1029,15 @@ type Timings struct {
 	// Device-to-host copies.
 	D2HNanos int64 `protobuf:"varint,5,opt,name=d2h_nanos,json=d2hNanos,proto3" json:"d2h_nanos,omitempty"`
 	// From request receipt to response ready.
-	TotalNanos    int64 `protobuf:"varint,6,opt,name=total_nanos,json=totalNanos,proto3" json:"total_nanos,omitempty"`
+	TotalNanos int64 `protobuf:"varint,6,opt,name=total_nanos,json=totalNanos,proto3" json:"total_nanos,omitempty"`
+	// Before total_nanos starts: from the call's start on the server (its
+	// headers read) to the request message received and unmarshalled, i.e.
+	// the request's transfer over the connection plus protobuf decoding. 0
+	// when the server could not observe it. The response's encoding and
+	// transfer happen after the response is built, so no field here can
+	// hold them; a caller sees them as its own latency minus receive_nanos
+	// minus total_nanos.
+	ReceiveNanos  int64 `protobuf:"varint,7,opt,name=receive_nanos,json=receiveNanos,proto3" json:"receive_nanos,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1102,6 +1110,13 @@ func (x *Timings) GetD2HNanos() int64 {
 func (x *Timings) GetTotalNanos() int64 {
 	if x != nil {
 		return x.TotalNanos
+	}
+	return 0
+}
+
+func (x *Timings) GetReceiveNanos() int64 {
+	if x != nil {
+		return x.ReceiveNanos
 	}
 	return 0
 }
@@ -2618,7 +2633,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\btopk_ids\x18\x02 \x01(\v2\x12.expertd.v1.TensorR\atopkIds\x125\n" +
 	"\ftopk_weights\x18\x03 \x01(\v2\x12.expertd.v1.TensorR\vtopkWeights\x12-\n" +
 	"\atimings\x18\x04 \x01(\v2\x13.expertd.v1.TimingsR\atimings\x12\x18\n" +
-	"\abackend\x18\x05 \x01(\tR\abackend\"\xcb\x01\n" +
+	"\abackend\x18\x05 \x01(\tR\abackend\"\xf0\x01\n" +
 	"\aTimings\x12!\n" +
 	"\fdecode_nanos\x18\x01 \x01(\x03R\vdecodeNanos\x12\x1f\n" +
 	"\vqueue_nanos\x18\x02 \x01(\x03R\n" +
@@ -2627,7 +2642,8 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\fkernel_nanos\x18\x04 \x01(\x03R\vkernelNanos\x12\x1b\n" +
 	"\td2h_nanos\x18\x05 \x01(\x03R\bd2hNanos\x12\x1f\n" +
 	"\vtotal_nanos\x18\x06 \x01(\x03R\n" +
-	"totalNanos\"\xb5\a\n" +
+	"totalNanos\x12#\n" +
+	"\rreceive_nanos\x18\a \x01(\x03R\freceiveNanos\"\xb5\a\n" +
 	"\x12LoadExpertsRequest\x12?\n" +
 	"\x06header\x18\x01 \x01(\v2%.expertd.v1.LoadExpertsRequest.HeaderH\x00R\x06header\x12<\n" +
 	"\x05chunk\x18\x02 \x01(\v2$.expertd.v1.LoadExpertsRequest.ChunkH\x00R\x05chunk\x12T\n" +

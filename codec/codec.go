@@ -1,0 +1,243 @@
+// Package codec is the gRPC codec of expertd's server and Go SDK: protobuf
+// on the wire, but tensor bytes are not copied on the way in or out.
+//
+// grpc-go's default codec copies a received message twice before a
+// handler sees it (its frames into one buffer, then each bytes field out
+// of that buffer into a fresh slice), and copies each bytes field of a
+// sent message into the marshal buffer. For expertd's messages those
+// fields are the tensors, hundreds of kilobytes to gigabytes. This codec
+// keeps the first receive copy (a message must be contiguous to parse, and
+// gRPC hands it over in HTTP/2 frames of 16 KiB), parses with the bytes
+// fields aliasing that buffer, and sends large bytes fields as buffers of
+// their own instead of copying them.
+//
+// Lifetimes: the receive buffer is ordinary Go memory, not one of gRPC's
+// pooled buffers, so it lives exactly as long as something refers to it
+// (the request, a view of it in a batch, the response). A pooled buffer
+// would save the garbage collector some work but not a copy, and would
+// turn any view kept past the handler into a use-after-free; that trade is
+// not worth it. A sent message must not change until gRPC is done with it,
+// which grpc-go already requires of every message passed to SendMsg.
+package codec
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"slices"
+
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+)
+
+// Name is the codec's name: it replaces the standard protobuf codec, and
+// its wire format is exactly protobuf's.
+const Name = "proto"
+
+// AliasBytes is the smallest bytes field Marshal sends as a buffer of its
+// own rather than copying: one HTTP/2 frame, below which a copy is cheaper
+// than another buffer to track.
+const AliasBytes = 16 << 10
+
+// aliasBytes is AliasBytes, lowered by tests so that small fuzz inputs
+// take the referencing path too.
+var aliasBytes = AliasBytes
+
+// recursionLimit bounds message nesting, as protobuf's decoder does (with
+// its default).
+const recursionLimit = 10000
+
+var errRecursion = errors.New("codec: message nested too deeply")
+
+// Codec is the aliasing protobuf codec; its zero value is ready to use.
+// Pass it with grpc.ForceServerCodecV2 or grpc.ForceCodecV2.
+type Codec struct{}
+
+var _ encoding.CodecV2 = Codec{}
+
+// Name implements encoding.CodecV2.
+func (Codec) Name() string { return Name }
+
+// Marshal implements encoding.CodecV2. Messages without a bytes field of
+// at least AliasBytes are marshalled by grpc-go's protobuf codec.
+func (Codec) Marshal(v any) (mem.BufferSlice, error) {
+	m, ok := v.(proto.Message)
+	if !ok {
+		return nil, fmt.Errorf("codec: cannot marshal %T: not a proto.Message", v)
+	}
+	r := m.ProtoReflect()
+	if !hasLarge(r, 0) {
+		return encoding.GetCodecV2(Name).Marshal(v)
+	}
+	var w writer
+	if err := w.message(r, 0); err != nil {
+		return nil, err
+	}
+	w.flush()
+	return w.out, nil
+}
+
+// Unmarshal implements encoding.CodecV2: data is copied once into a
+// buffer of its own, and v's bytes fields alias that buffer.
+func (Codec) Unmarshal(data mem.BufferSlice, v any) error {
+	m, ok := v.(proto.Message)
+	if !ok {
+		return fmt.Errorf("codec: cannot unmarshal into %T: not a proto.Message", v)
+	}
+	// bytes.Join allocates without zeroing, which for a large message
+	// costs more than the copy itself (mem.BufferSlice.Materialize zeroes
+	// first; measured in BenchmarkServicePath's profile).
+	pieces := make([][]byte, len(data))
+	for i, b := range data {
+		pieces[i] = b.ReadOnlyData()
+	}
+	return Unmarshal(bytes.Join(pieces, nil), m)
+}
+
+// Unmarshal parses b into m, as proto.Unmarshal does, except that every
+// singular bytes field of m (and of the singular messages within it)
+// aliases b instead of holding a copy: b must not change while m is in
+// use. Other fields are decoded by proto.Unmarshal, one at a time; a
+// message's encoding is the concatenation of its fields', so that is the
+// same parse.
+func Unmarshal(b []byte, m proto.Message) error {
+	proto.Reset(m)
+	return unmarshal(b, m.ProtoReflect(), 0)
+}
+
+func unmarshal(b []byte, m protoreflect.Message, depth int) error {
+	if depth > recursionLimit {
+		return errRecursion
+	}
+	fields := m.Descriptor().Fields()
+	merge := proto.UnmarshalOptions{Merge: true}
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return fmt.Errorf("codec: %w", protowire.ParseError(n))
+		}
+		fd := fields.ByNumber(num)
+		if typ == protowire.BytesType && fd != nil && fd.Cardinality() != protoreflect.Repeated &&
+			(fd.Kind() == protoreflect.BytesKind || fd.Kind() == protoreflect.MessageKind) {
+			v, vn := protowire.ConsumeBytes(b[n:])
+			if vn < 0 {
+				return fmt.Errorf("codec: %w", protowire.ParseError(vn))
+			}
+			if fd.Kind() == protoreflect.BytesKind {
+				// A later occurrence replaces an earlier one, as in
+				// protobuf; a oneof member replaces its siblings.
+				m.Set(fd, protoreflect.ValueOfBytes(v))
+			} else if err := unmarshal(v, m.Mutable(fd).Message(), depth+1); err != nil {
+				// Mutable returns the message already there, so a
+				// repeated occurrence merges, as in protobuf.
+				return err
+			}
+			b = b[n+vn:]
+			continue
+		}
+		vn := protowire.ConsumeFieldValue(num, typ, b[n:])
+		if vn < 0 {
+			return fmt.Errorf("codec: %w", protowire.ParseError(vn))
+		}
+		if err := merge.Unmarshal(b[:n+vn], m.Interface()); err != nil {
+			return err
+		}
+		b = b[n+vn:]
+	}
+	return nil
+}
+
+// hasLarge reports whether m holds a singular bytes field of at least
+// AliasBytes, directly or in a singular message field.
+func hasLarge(m protoreflect.Message, depth int) bool {
+	if depth > recursionLimit {
+		return false
+	}
+	found := false
+	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		if fd.Cardinality() == protoreflect.Repeated {
+			return true
+		}
+		switch fd.Kind() {
+		case protoreflect.BytesKind:
+			found = len(v.Bytes()) >= aliasBytes
+		case protoreflect.MessageKind:
+			found = hasLarge(v.Message(), depth+1)
+		}
+		return !found
+	})
+	return found
+}
+
+// writer builds a message's encoding as small copied runs between large
+// bytes fields that are referenced, not copied.
+type writer struct {
+	out   mem.BufferSlice
+	small []byte
+}
+
+func (w *writer) flush() {
+	if len(w.small) > 0 {
+		w.out = append(w.out, mem.SliceBuffer(w.small))
+		w.small = nil
+	}
+}
+
+// message appends m's fields in field-number order, members of oneofs
+// after the others, then its unknown fields: the order proto.Marshal
+// uses, so the bytes are the same.
+func (w *writer) message(m protoreflect.Message, depth int) error {
+	if depth > recursionLimit {
+		return errRecursion
+	}
+	var fds []protoreflect.FieldDescriptor
+	m.Range(func(fd protoreflect.FieldDescriptor, _ protoreflect.Value) bool {
+		fds = append(fds, fd)
+		return true
+	})
+	slices.SortFunc(fds, func(a, b protoreflect.FieldDescriptor) int {
+		if oa, ob := inOneof(a), inOneof(b); oa != ob {
+			if oa {
+				return 1
+			}
+			return -1
+		}
+		return int(a.Number()) - int(b.Number())
+	})
+	for _, fd := range fds {
+		v := m.Get(fd)
+		singular := fd.Cardinality() != protoreflect.Repeated
+		switch {
+		case singular && fd.Kind() == protoreflect.BytesKind && len(v.Bytes()) >= aliasBytes:
+			w.small = protowire.AppendTag(w.small, fd.Number(), protowire.BytesType)
+			w.small = protowire.AppendVarint(w.small, uint64(len(v.Bytes())))
+			w.flush()
+			w.out = append(w.out, mem.SliceBuffer(v.Bytes()))
+		case singular && fd.Kind() == protoreflect.MessageKind && hasLarge(v.Message(), depth+1):
+			w.small = protowire.AppendTag(w.small, fd.Number(), protowire.BytesType)
+			w.small = protowire.AppendVarint(w.small, uint64(proto.Size(v.Message().Interface())))
+			if err := w.message(v.Message(), depth+1); err != nil {
+				return err
+			}
+		default:
+			// One field alone, marshalled by protobuf into the run.
+			one := m.New()
+			one.Set(fd, v)
+			var err error
+			if w.small, err = (proto.MarshalOptions{}).MarshalAppend(w.small, one.Interface()); err != nil {
+				return err
+			}
+		}
+	}
+	w.small = append(w.small, m.GetUnknown()...)
+	return nil
+}
+
+// inOneof reports whether fd is a member of a real (not synthetic) oneof.
+func inOneof(fd protoreflect.FieldDescriptor) bool {
+	o := fd.ContainingOneof()
+	return o != nil && !o.IsSynthetic()
+}

@@ -1,0 +1,75 @@
+package service
+
+import (
+	"context"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/stats"
+
+	"github.com/expertd/expertd/codec"
+)
+
+// ServerOptions are the gRPC server options the service is built for:
+// the aliasing codec, so a request's tensor bytes reach validation (and
+// the backend) without being copied out of the receive buffer; a stats
+// handler that times each call's receive for Timings.receive_nanos; and,
+// with Config.SharedMemory, the one that tells the service when a
+// connection ends, since shared-memory regions belong to connections. The
+// codec replaces the protobuf codec for every service on the server
+// (health and reflection included); its wire format is the same.
+func (s *Server) ServerOptions() []grpc.ServerOption {
+	opts := []grpc.ServerOption{
+		grpc.ForceServerCodecV2(codec.Codec{}),
+		grpc.StatsHandler(receiveTimer{}),
+	}
+	if s.shm.enabled {
+		opts = append(opts, grpc.StatsHandler(s.shm))
+	}
+	return opts
+}
+
+// epoch anchors monotonic times stored as integers.
+var epoch = time.Now()
+
+// callBegin is when gRPC began a call (its headers read), in nanoseconds
+// since epoch; 0 until known.
+type callBegin struct{ nanos atomic.Int64 }
+
+type callBeginKey struct{}
+
+// receiveTimer is a stats.Handler that notes when each call began, so
+// the handler can tell how long reading and unmarshalling its request
+// took: gRPC does both before the handler runs.
+type receiveTimer struct{}
+
+func (receiveTimer) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
+	return context.WithValue(ctx, callBeginKey{}, &callBegin{})
+}
+
+func (receiveTimer) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	if b, ok := s.(*stats.Begin); ok {
+		if cb, _ := ctx.Value(callBeginKey{}).(*callBegin); cb != nil {
+			cb.nanos.Store(max(1, b.BeginTime.Sub(epoch).Nanoseconds()))
+		}
+	}
+}
+
+func (receiveTimer) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
+
+func (receiveTimer) HandleConn(context.Context, stats.ConnStats) {}
+
+// receiveNanos is the time from the call's beginning to handlerStart, or 0
+// when the server has no receiveTimer.
+func receiveNanos(ctx context.Context, handlerStart time.Time) int64 {
+	cb, _ := ctx.Value(callBeginKey{}).(*callBegin)
+	if cb == nil {
+		return 0
+	}
+	begin := cb.nanos.Load()
+	if begin == 0 {
+		return 0
+	}
+	return max(0, handlerStart.Sub(epoch).Nanoseconds()-begin)
+}
