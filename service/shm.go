@@ -219,7 +219,6 @@ func (s *Server) initShmMetrics(m metric.Meter) {
 	}
 }
 
-
 // RegisterSharedMemory maps a region of a POSIX shared-memory object for
 // the calling connection.
 func (s *Server) RegisterSharedMemory(ctx context.Context, req *pb.RegisterSharedMemoryRequest) (*pb.RegisterSharedMemoryResponse, error) {
