@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/expertd/expertd/service"
 )
 
 func defaults() Config {
@@ -14,6 +16,7 @@ func defaults() Config {
 		Listen: "127.0.0.1:50051", Backend: "auto", MaxTokens: 8192,
 		MaxMessageBytes: messageBytesFor(8192), MaxLoadedBytes: 32 << 30, MaxConcurrent: 4,
 		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
+		BatchWindow: service.DefaultBatchWindow,
 	}
 }
 
@@ -43,6 +46,10 @@ func TestParseConfig(t *testing.T) {
 			func(c *Config) { c.MaxTokens, c.MaxMessageBytes = 32, messageBytesFor(32) }},
 		{"queue flag", []string{"-max-queued", "12"}, nil, func(c *Config) { c.MaxQueued = 12 }},
 		{"queue env", nil, map[string]string{"EXPERTD_MAX_QUEUED": "3"}, func(c *Config) { c.MaxQueued = 3 }},
+		{"batching flags", []string{"-batch-window", "500us", "-batch-max-tokens", "1024"}, nil,
+			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 500*time.Microsecond, 1024 }},
+		{"batching env", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "0", "EXPERTD_BATCH_MAX_TOKENS": "64"},
+			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 0, 64 }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -78,6 +85,9 @@ func TestParseConfigErrors(t *testing.T) {
 		{"bad format", []string{"-log-format", "xml"}, nil, `-log-format "xml"`},
 		{"stray argument", []string{"serve"}, nil, "unexpected arguments"},
 		{"unknown flag", []string{"-gpu"}, nil, "flag provided but not defined"},
+		{"bad env window", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "2"}, "$EXPERTD_BATCH_WINDOW"},
+		{"negative window", []string{"-batch-window", "-1ms"}, nil, "-batch-window -1ms: want 0 (off) to 1s"},
+		{"window too long", []string{"-batch-window", "2s"}, nil, "-batch-window 2s"},
 		{"otlp without scheme", []string{"-otlp-endpoint", "localhost:4317"}, nil, `-otlp-endpoint "localhost:4317": want an http:// or https:// URL`},
 	}
 	for _, tt := range tests {
