@@ -53,8 +53,9 @@ import (
 // backend's tolerance against the reference either way.
 //
 // A batch opens with its first call and waits BatchWindow (less if it
-// fills up to BatchMaxTokens), then for an execution slot, still taking
-// compatible calls, so a busy server batches more. A waiting batch takes
+// fills up to BatchMaxTokens), then for any batch of its key still running
+// to finish (and one more window; see await), then for an execution slot,
+// taking compatible calls all along, so a busy server batches more. A waiting batch takes
 // one place of the MaxQueued queue, not one per call. Each call waits for
 // its own result or its context: a call that leaves before the inputs are
 // merged is dropped from the batch; one that leaves later gets nothing and
@@ -83,8 +84,17 @@ type batcher struct {
 
 	mu   sync.Mutex
 	open map[batchKey]*batch
+	// busy holds the keys with a batch started and not yet finished.
+	busy map[batchKey]*keyState
 	// waiting counts calls in batches whose backend call has not started.
 	waiting int
+}
+
+// keyState is the started batches of one key.
+type keyState struct {
+	running int
+	// idle is closed when running drops to 0.
+	idle chan struct{}
 }
 
 // newBatcher returns the server's batcher, nil when cfg disables batching.
@@ -99,7 +109,7 @@ func newBatcher(s *Server, cfg Config) *batcher {
 	if cfg.MaxTokens > 0 {
 		n = min(n, cfg.MaxTokens)
 	}
-	return &batcher{s: s, window: cfg.BatchWindow, maxTokens: n, open: map[batchKey]*batch{}}
+	return &batcher{s: s, window: cfg.BatchWindow, maxTokens: n, open: map[batchKey]*batch{}, busy: map[batchKey]*keyState{}}
 }
 
 // accepts reports whether req goes through the batcher: batching is on and
@@ -300,14 +310,13 @@ func (bt *batcher) dispatch(b *batch) {
 	s := bt.s
 	defer s.reg.done(b.key.set)
 	defer b.cancel()
-	t := time.NewTimer(bt.window)
-	select {
-	case <-t.C:
-	case <-b.start:
-	case <-b.ctx.Done():
+	var err error
+	if bt.await(b) {
+		defer bt.finish(b.key)
+		err = s.acquireSlot(b.ctx)
+	} else {
+		err = b.ctx.Err()
 	}
-	t.Stop()
-	err := s.acquireSlot(b.ctx)
 	members := bt.take(b)
 	var req *kernels.Request
 	if err == nil && len(members) > 0 {
@@ -342,6 +351,58 @@ func (bt *batcher) dispatch(b *batch) {
 	for _, m := range members {
 		m.queued = queued
 		close(m.done)
+	}
+}
+
+// await holds b until it may start, and then counts it as started: once
+// its window has passed and no other batch of its key is between start and
+// finish, or at once when it is full or the server drains. A batch that
+// found another of its key running waits for it to finish and then one
+// more window, in which that batch's callers, if they call again at once,
+// join it: without that, closed-loop callers settle into one large and
+// one small batch alternating, and a small batch costs as much per token
+// as no batching on the CPU. It reports false if every caller left first.
+func (bt *batcher) await(b *batch) bool {
+	for {
+		t := time.NewTimer(bt.window)
+		select {
+		case <-t.C:
+		case <-b.start:
+		case <-b.ctx.Done():
+			t.Stop()
+			return false
+		}
+		t.Stop()
+		bt.mu.Lock()
+		st := bt.busy[b.key]
+		if st == nil || b.started {
+			if st == nil {
+				st = &keyState{idle: make(chan struct{})}
+				bt.busy[b.key] = st
+			}
+			st.running++
+			bt.mu.Unlock()
+			return true
+		}
+		idle := st.idle
+		bt.mu.Unlock()
+		select {
+		case <-idle:
+		case <-b.start:
+		case <-b.ctx.Done():
+			return false
+		}
+	}
+}
+
+// finish ends a batch counted as started by await.
+func (bt *batcher) finish(key batchKey) {
+	bt.mu.Lock()
+	defer bt.mu.Unlock()
+	st := bt.busy[key]
+	if st.running--; st.running == 0 {
+		close(st.idle)
+		delete(bt.busy, key)
 	}
 }
 

@@ -533,3 +533,32 @@ func TestBatchMetrics(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchWaitsForRunning checks a batch does not start while another of
+// its key runs (unless full): calls arriving meanwhile gather into one
+// batch that starts when the running one ends.
+func TestBatchWaitsForRunning(t *testing.T) {
+	f := newBatchFixture(t, service.Config{MaxConcurrent: 4, BatchWindow: time.Millisecond, BatchMaxTokens: 6}, true)
+	reqA, a := f.call(testContext(t), 2)
+	<-f.b.started // A's window passed: it runs alone
+	reqB, b := f.call(testContext(t), 1)
+	waitFor(t, "B in the batcher", func() bool { return f.srv.Batched() == 1 })
+	select {
+	case <-f.b.started:
+		t.Fatal("a second batch of the key started while the first ran")
+	case <-time.After(20 * time.Millisecond):
+	}
+	reqC, c := f.call(testContext(t), 2)
+	waitFor(t, "C in the batcher", func() bool { return f.srv.Batched() == 2 })
+	close(f.b.release)
+	for _, x := range []struct {
+		name string
+		req  *kernels.Request
+		ch   <-chan callResult
+	}{{"A", reqA, a}, {"B", reqB, b}, {"C", reqC, c}} {
+		f.check(x.name, x.req, x.ch)
+	}
+	if got := f.b.calls(); !slices.Equal(got, []int{2, 3}) {
+		t.Errorf("backend calls of %v tokens, want [2 3] (B and C together)", got)
+	}
+}
