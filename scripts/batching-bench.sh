@@ -4,14 +4,17 @@
 # then CALLERS concurrent callers sending SMALL tokens each, and print
 # tokens/s, tokens per CPU-second of the daemon (process_cpu_seconds_total:
 # the figure that does not depend on how much of a shared machine the
-# daemon got) and the mean batch size it recorded (expertd_batch_calls).
+# daemon got) and the mean batch size it recorded (expertd_batch_calls);
+# last, one caller sending SMALL tokens, whose latency shows what the
+# window costs a caller with nobody to batch with.
 # docs/perf-notes.md ("Dynamic batching") has a run.
 #
 #   scripts/batching-bench.sh                       # nemotron, windows 0 (off) 0.5ms 2ms 5ms
 #   WINDOWS="0 2ms" DURATION=30s scripts/batching-bench.sh
 #   MODEL=qwen3 SIZES="-k 1024 -n 384" scripts/batching-bench.sh
 #
-# Window 0 turns batching off. The daemon runs with -max-queued so that
+# BACKEND (default cpu) is the daemon's -backend; on a GPU machine add
+# LIBRARY=path/to/libexpertd_cuda.so. Window 0 turns batching off. The daemon runs with -max-queued so that
 # unbatched callers queue instead of being refused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,9 +44,9 @@ mean_batch() {
 		awk '/^expertd_batch_calls_sum/ {s+=$2} /^expertd_batch_calls_count/ {c+=$2} END {if (c) printf "%.1f", s/c; else printf "-"}'
 }
 
-printf '%-7s %9s %9s %8s | %9s %9s %8s | %9s %9s | %6s\n' window "big tok/s" "tok/cpu-s" "p50 ms" "small t/s" "tok/cpu-s" "p50 ms" "% tok/s" "% cpu-s" batch
+printf '%-7s %9s %9s %8s | %9s %9s %8s | %9s %9s | %6s | %8s\n' window "big tok/s" "tok/cpu-s" "p50 ms" "small t/s" "tok/cpu-s" "p50 ms" "% tok/s" "% cpu-s" batch "lone p50"
 for w in $windows; do
-	"$bin/expertd" -listen "127.0.0.1:$port" -admin-addr "127.0.0.1:$admin" -backend cpu \
+	"$bin/expertd" -listen "127.0.0.1:$port" -admin-addr "127.0.0.1:$admin" -backend "${BACKEND:-cpu}" ${LIBRARY:+-library-path "$LIBRARY"} \
 		-max-queued 256 -batch-window "$w" -log-level warn &
 	daemon=$!
 	for _ in $(seq 100); do
@@ -59,13 +62,16 @@ for w in $windows; do
 	# shellcheck disable=SC2086
 	many=$("$bin/expertbench" -addr "127.0.0.1:$port" -model "$model" $sizes -m "$small" -c "$callers" -duration "$duration" -progress 0 -json)
 	c2=$(cpu_s)
+	batch=$(mean_batch)
+	# shellcheck disable=SC2086
+	lone=$("$bin/expertbench" -addr "127.0.0.1:$port" -model "$model" $sizes -m "$small" -c 1 -duration "$duration" -progress 0 -json)
 	t1=$(tokens_per_s <<<"$one")
 	t2=$(tokens_per_s <<<"$many")
 	e1=$(awk -v n="$(calls <<<"$one")" -v m="$big" -v a="$c0" -v b="$c1" 'BEGIN {print n*m/(b-a)}')
 	e2=$(awk -v n="$(calls <<<"$many")" -v m="$small" -v a="$c1" -v b="$c2" 'BEGIN {print n*m/(b-a)}')
-	printf '%-7s %9.0f %9.1f %8s | %9.0f %9.1f %8s | %8.0f%% %8.0f%% | %6s\n' "$w" "$t1" "$e1" "$(p50_ms <<<"$one")" \
+	printf '%-7s %9.0f %9.1f %8s | %9.0f %9.1f %8s | %8.0f%% %8.0f%% | %6s | %8s\n' "$w" "$t1" "$e1" "$(p50_ms <<<"$one")" \
 		"$t2" "$e2" "$(p50_ms <<<"$many")" "$(awk -v a="$t2" -v b="$t1" 'BEGIN {print 100*a/b}')" \
-		"$(awk -v a="$e2" -v b="$e1" 'BEGIN {print 100*a/b}')" "$(mean_batch)"
+		"$(awk -v a="$e2" -v b="$e1" 'BEGIN {print 100*a/b}')" "$batch" "$(p50_ms <<<"$lone")"
 	kill "$daemon"
 	wait "$daemon" 2>/dev/null || true
 done
