@@ -55,8 +55,10 @@ import (
 // A batch opens with its first call and waits BatchWindow (less if it
 // fills up to BatchMaxTokens), then for any batch of its key still running
 // to finish (and one more window; see await), then for an execution slot,
-// taking compatible calls all along, so a busy server batches more. A waiting batch takes
-// one place of the MaxQueued queue, not one per call. Each call waits for
+// taking compatible calls all along, so a busy server batches more. So
+// calls of one key (a FusedMoEStream's included) run one batch at a time
+// unless batches fill up. A waiting batch takes one place of the
+// MaxQueued queue, not one per call. Each call waits for
 // its own result or its context: a call that leaves before the inputs are
 // merged is dropped from the batch; one that leaves later gets nothing and
 // the others are unaffected. The backend call is cancelled only when every
