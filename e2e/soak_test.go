@@ -67,7 +67,9 @@ type soakSummary struct {
 // has the long run.
 func TestSoak(t *testing.T) {
 	bench := benchBinary(t)
-	d := startDaemon(t, "-admin-addr", "127.0.0.1:0")
+	// Batching on, so that merged calls meet malformed ones and every
+	// answer is still checked (the daemon's default is off).
+	d := startDaemon(t, "-admin-addr", "127.0.0.1:0", "-batch-window", "500us")
 	if d.Admin == "" {
 		t.Fatal("the daemon did not log its admin address")
 	}

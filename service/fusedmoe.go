@@ -97,6 +97,8 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	defer sh.release()
 
 	var (
+		// ent is the named set's registry entry, nil for inline weights.
+		ent    *entry
 		loaded kernels.Loaded
 		set    *kernels.ExpertSet
 		kreq   *kernels.Request
@@ -107,12 +109,11 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	)
 	switch ex := req.GetExperts().(type) {
 	case *pb.FusedMoERequest_ExpertSet:
-		e, err := s.reg.acquire(ex.ExpertSet)
-		if err != nil {
+		if ent, err = s.reg.acquire(ex.ExpertSet); err != nil {
 			return nil, err
 		}
-		defer s.reg.done(e)
-		loaded, set = e.loaded, e.loaded.Set()
+		defer s.reg.done(ent)
+		loaded, set = ent.loaded, ent.loaded.Set()
 		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}); err != nil {
 			return nil, err
 		}
@@ -145,25 +146,23 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	default:
 		return nil, invalidf("experts", "set expert_set (a loaded set's name) or weights (inline)")
 	}
-	if err := s.acquireSlot(ctx); err != nil {
-		return nil, err
+	// queued is when the backend call started.
+	var (
+		res    *kernels.Result
+		queued time.Time
+	)
+	if ent != nil && s.batch.accepts(kreq) {
+		res, queued, err = s.batch.do(ctx, ent, kreq)
+	} else if err = s.acquireSlot(ctx); err == nil {
+		queued = time.Now()
+		res, err = s.compute(ctx, loaded, kreq)
 	}
-	queued := time.Now()
-	res, err := s.run(ctx, loaded, kreq)
 	if err != nil {
-		return nil, s.backendDone(ctx, "fused_moe", err)
+		return nil, err
 	}
 	m, k := int64(kreq.M()), int64(set.K)
 	topk := int64(kreq.Routing.TopK)
-	if int64(len(res.Output)) != m*k*int64(kreq.OutDType.Size()) || int64(len(res.TopKIDs)) != m*topk || int64(len(res.TopKWeights)) != m*topk {
-		return nil, s.backendDone(ctx, "fused_moe", fmt.Errorf("backend %s returned %d output bytes and %d/%d routing values for [%d %d] %v, top-k %d",
-			s.backend.Name(), len(res.Output), len(res.TopKIDs), len(res.TopKWeights), m, k, kreq.OutDType, topk))
-	}
-	s.backendDone(ctx, "fused_moe", nil) //nolint:errcheck // nil in, nil out
-
-	attrs := metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String()))
-	s.tokens.Add(ctx, int64(kreq.M()), attrs)
-	s.kernelTime.Record(ctx, float64(res.KernelNanos)/1e9, attrs)
+	s.tokens.Add(ctx, m, metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String())))
 
 	resp := &pb.FusedMoEResponse{
 		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
@@ -184,6 +183,28 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		TotalNanos:  time.Since(start).Nanoseconds(),
 	}
 	return resp, nil
+}
+
+// compute is one backend call on req, made holding an execution slot,
+// which it releases. It checks the result's sizes and records the call's
+// outcome and kernel time, once per backend call however many FusedMoE
+// calls a batch merged into it.
+func (s *Server) compute(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	res, err := s.run(ctx, loaded, req)
+	if err != nil {
+		return nil, s.backendDone(ctx, "fused_moe", err)
+	}
+	set := loaded.Set()
+	m, k := int64(req.M()), int64(set.K)
+	topk := int64(req.Routing.TopK)
+	if int64(len(res.Output)) != m*k*int64(req.OutDType.Size()) || int64(len(res.TopKIDs)) != m*topk || int64(len(res.TopKWeights)) != m*topk {
+		return nil, s.backendDone(ctx, "fused_moe", fmt.Errorf("backend %s returned %d output bytes and %d/%d routing values for [%d %d] %v, top-k %d",
+			s.backend.Name(), len(res.Output), len(res.TopKIDs), len(res.TopKWeights), m, k, req.OutDType, topk))
+	}
+	s.backendDone(ctx, "fused_moe", nil) //nolint:errcheck // nil in, nil out
+	s.kernelTime.Record(ctx, float64(res.KernelNanos)/1e9, metric.WithAttributes(
+		attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String())))
+	return res, nil
 }
 
 // run calls the backend holding an execution slot. The slot is released by

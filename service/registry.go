@@ -107,7 +107,15 @@ func (r *registry) acquire(name string) (*entry, error) {
 	return e, nil
 }
 
-// done drops a reference taken by acquire.
+// hold takes another reference on e, which the caller already holds
+// through acquire; drop it with done.
+func (r *registry) hold(e *entry) {
+	r.mu.Lock()
+	e.refs++
+	r.mu.Unlock()
+}
+
+// done drops a reference taken by acquire or hold.
 func (r *registry) done(e *entry) {
 	r.mu.Lock()
 	e.refs--

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -42,11 +43,21 @@ type Config struct {
 	// order of arrival. 0 means 1.
 	MaxConcurrent int
 	// MaxQueued bounds the FusedMoE calls waiting for one of the
-	// MaxConcurrent slots; a call beyond it is refused at once with
-	// ResourceExhausted, so a burst is pushed back to callers (who can
-	// retry elsewhere) instead of piling up requests and their memory
-	// here. 0 means 4 × MaxConcurrent; a negative value means no queue.
+	// MaxConcurrent slots (a batch of merged calls counts once); a call
+	// beyond it is refused at once with ResourceExhausted, so a burst is
+	// pushed back to callers (who can retry elsewhere) instead of piling
+	// up requests and their memory here. 0 means 4 × MaxConcurrent; a
+	// negative value means no queue.
 	MaxQueued int
+	// BatchWindow is how long a FusedMoE call on a loaded expert set
+	// waits for compatible calls to merge with into one backend call
+	// (dynamic batching, batcher.go); 0 disables batching.
+	// SuggestedBatchWindow is what the CPU measurements suggest.
+	BatchWindow time.Duration
+	// BatchMaxTokens bounds the tokens of one merged backend call; a
+	// call of that many tokens or more runs alone. 0 means
+	// DefaultBatchMaxTokens; MaxTokens caps it.
+	BatchMaxTokens int
 	// Meter records the service's own instruments; nil records nothing.
 	Meter metric.Meter
 	// SharedMemory serves RegisterSharedMemory and tensors in shared
@@ -74,6 +85,8 @@ type Server struct {
 	queued atomic.Int64
 	faults faults
 	shm    *shmTable
+	// batch merges compatible calls; nil when batching is off.
+	batch *batcher
 
 	mu       sync.Mutex
 	draining bool
@@ -83,6 +96,8 @@ type Server struct {
 	queuedCalls metric.Int64ObservableGauge
 	kernelTime  metric.Float64Histogram
 	loadedBytes metric.Int64ObservableGauge
+	batchCalls  metric.Int64Histogram
+	batchTokens metric.Int64Histogram
 }
 
 // New returns a Server running calls on backend. A nil logger discards.
@@ -114,6 +129,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 		shm:     newShmTable(cfg.SharedMemory, logger),
 	}
 	s.reg.closeFn = s.free
+	s.batch = newBatcher(s, cfg)
 	s.initMetrics(cfg.Meter)
 	return s
 }
@@ -143,6 +159,19 @@ func (s *Server) initMetrics(m metric.Meter) {
 		metric.WithExplicitBucketBoundaries(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10)); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.kernel.duration"), slog.Any("err", err))
 		s.kernelTime, _ = noop.NewMeterProvider().Meter("").Float64Histogram("")
+	}
+	sizes := metric.WithExplicitBucketBoundaries(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+	if s.batchCalls, err = m.Int64Histogram("expertd.batch.calls",
+		metric.WithDescription("FusedMoE calls merged into one backend call by dynamic batching."),
+		metric.WithUnit("{call}"), sizes); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.batch.calls"), slog.Any("err", err))
+		s.batchCalls, _ = noop.NewMeterProvider().Meter("").Int64Histogram("")
+	}
+	if s.batchTokens, err = m.Int64Histogram("expertd.batch.tokens",
+		metric.WithDescription("Tokens of one backend call made by dynamic batching."),
+		metric.WithUnit("{token}"), sizes); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.batch.tokens"), slog.Any("err", err))
+		s.batchTokens, _ = noop.NewMeterProvider().Meter("").Int64Histogram("")
 	}
 	if s.loadedBytes, err = m.Int64ObservableGauge("expertd.loaded_expert_bytes",
 		metric.WithDescription("Bytes of resident expert sets, including loads in flight."),
@@ -225,6 +254,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	s.draining = true
 	s.mu.Unlock()
+	s.batch.flush()
 	idle := make(chan struct{})
 	go func() {
 		s.inflight.Wait()

@@ -136,8 +136,8 @@ func (m model) randomWeights(seed uint64) *client.ExpertWeights {
 }
 
 // request is a FusedMoE call of tokens random tokens on the loaded set:
-// BF16 hidden states randn/10, FP32 logits randn, and a random correction
-// bias for models that have one.
+// BF16 hidden states randn/10, FP32 logits randn, and for models that have
+// one the layer's correction bias.
 func (m model) request(rng *rand.Rand, set string, tokens int, out client.DType) *client.FusedMoERequest {
 	randn := func(n int, scale float64) []float32 {
 		v := make([]float32, n)
@@ -155,7 +155,20 @@ func (m model) request(rng *rand.Rand, set string, tokens int, out client.DType)
 		OutputDType: out,
 	}
 	if m.bias {
-		r.Routing.CorrectionBias = client.FromFloat32(randn(m.e, 0.1), m.e)
+		r.Routing.CorrectionBias = m.correctionBias()
 	}
 	return r
+}
+
+// correctionBias is the layer's routing bias, randn/10 from a seed fixed
+// by the shape. It belongs to the layer like its weights, so every call
+// sends the same one, as a model's callers do; the server batches only
+// calls that agree on it.
+func (m model) correctionBias() client.Tensor {
+	rng := rand.New(rand.NewPCG(uint64(m.e), uint64(m.k)<<32|uint64(m.n)))
+	v := make([]float32, m.e)
+	for i := range v {
+		v[i] = float32(rng.NormFloat64() * 0.1)
+	}
+	return client.FromFloat32(v, m.e)
 }

@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/expertd/expertd/service"
 )
 
 // Config is every knob of the daemon, parsed once at start. Each field is
@@ -48,6 +50,14 @@ type Config struct {
 	// with ResourceExhausted. 0 means 4 × MaxConcurrent (-max-queued,
 	// EXPERTD_MAX_QUEUED).
 	MaxQueued int
+	// BatchWindow is how long a FusedMoE call on a loaded set waits for
+	// compatible calls to merge with into one backend call; 0 disables
+	// dynamic batching (-batch-window, EXPERTD_BATCH_WINDOW).
+	BatchWindow time.Duration
+	// BatchMaxTokens bounds the tokens of one merged backend call; 0
+	// means service.DefaultBatchMaxTokens (-batch-max-tokens,
+	// EXPERTD_BATCH_MAX_TOKENS).
+	BatchMaxTokens int
 	// AdminAddr serves /metrics (Prometheus) and /healthz; empty disables
 	// (-admin-addr, EXPERTD_ADMIN_ADDR).
 	AdminAddr string
@@ -94,6 +104,9 @@ const (
 	defaultMaxLoadedBytes = 32 << 30
 	defaultMaxConcurrent  = 4
 	defaultShutdown       = 30 * time.Second
+	// maxBatchWindow bounds -batch-window: a window is a few
+	// milliseconds; a second is a typo that would stall every call.
+	maxBatchWindow = time.Second
 )
 
 // Largest layer dimensions the default message limit is sized for: every
@@ -183,15 +196,20 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 		shm = b
 	}
 	fs.BoolVar(&c.SharedMemory, "shared-memory", shm, "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) ($EXPERTD_SHARED_MEMORY)")
-	shutdown := defaultShutdown
-	if v := getenv("EXPERTD_SHUTDOWN_TIMEOUT"); v != "" {
-		d, err := time.ParseDuration(v)
-		if err != nil {
-			envErrs = append(envErrs, fmt.Errorf("$EXPERTD_SHUTDOWN_TIMEOUT: %w", err))
+	duration := func(p *time.Duration, name string, def time.Duration, help string) {
+		env := envName(name)
+		if v := getenv(env); v != "" {
+			d, err := time.ParseDuration(v)
+			if err != nil {
+				envErrs = append(envErrs, fmt.Errorf("$%s: %w", env, err))
+			}
+			def = d
 		}
-		shutdown = d
+		fs.DurationVar(p, name, def, help+" ($"+env+")")
 	}
-	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", shutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM ($EXPERTD_SHUTDOWN_TIMEOUT)")
+	duration(&c.ShutdownTimeout, "shutdown-timeout", defaultShutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM")
+	duration(&c.BatchWindow, "batch-window", 0, fmt.Sprintf("how long a FusedMoE call waits for compatible calls to merge with into one backend call (dynamic batching), e.g. %v; 0 disables batching", service.SuggestedBatchWindow))
+	integer(&c.BatchMaxTokens, "batch-max-tokens", 0, fmt.Sprintf("most tokens in one merged backend call; 0 means %d", service.DefaultBatchMaxTokens))
 
 	if err := errors.Join(envErrs...); err != nil {
 		return c, err
@@ -278,6 +296,9 @@ func (c Config) validate() error {
 		}
 	}
 	errs = append(errs, c.validateSecurity()...)
+	if c.BatchWindow < 0 || c.BatchWindow > maxBatchWindow {
+		errs = append(errs, fmt.Errorf("-batch-window %v: want 0 (off) to %v", c.BatchWindow, maxBatchWindow))
+	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))
 	}

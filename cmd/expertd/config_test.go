@@ -46,6 +46,10 @@ func TestParseConfig(t *testing.T) {
 		{"shared memory flag", []string{"-shared-memory"}, nil, func(c *Config) { c.SharedMemory = true }},
 		{"shared memory env", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "true"}, func(c *Config) { c.SharedMemory = true }},
 		{"shared memory flag beats env", []string{"-shared-memory=false"}, map[string]string{"EXPERTD_SHARED_MEMORY": "1"}, func(c *Config) {}},
+		{"batching flags", []string{"-batch-window", "500us", "-batch-max-tokens", "1024"}, nil,
+			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 500*time.Microsecond, 1024 }},
+		{"batching env", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "0", "EXPERTD_BATCH_MAX_TOKENS": "64"},
+			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 0, 64 }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -82,6 +86,9 @@ func TestParseConfigErrors(t *testing.T) {
 		{"bad format", []string{"-log-format", "xml"}, nil, `-log-format "xml"`},
 		{"stray argument", []string{"serve"}, nil, "unexpected arguments"},
 		{"unknown flag", []string{"-gpu"}, nil, "flag provided but not defined"},
+		{"bad env window", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "2"}, "$EXPERTD_BATCH_WINDOW"},
+		{"negative window", []string{"-batch-window", "-1ms"}, nil, "-batch-window -1ms: want 0 (off) to 1s"},
+		{"window too long", []string{"-batch-window", "2s"}, nil, "-batch-window 2s"},
 		{"otlp without scheme", []string{"-otlp-endpoint", "localhost:4317"}, nil, `-otlp-endpoint "localhost:4317": want an http:// or https:// URL`},
 	}
 	for _, tt := range tests {

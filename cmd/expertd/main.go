@@ -128,6 +128,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		MaxLoadedBytes:  cfg.MaxLoadedBytes,
 		MaxConcurrent:   cfg.MaxConcurrent,
 		MaxQueued:       cfg.MaxQueued,
+		BatchWindow:     cfg.BatchWindow,
+		BatchMaxTokens:  cfg.BatchMaxTokens,
 		Meter:           meters.Meter("github.com/expertd/expertd/service"),
 		OnBackendFault:  backendHealth(hs),
 		SharedMemory:    cfg.SharedMemory,
@@ -180,6 +182,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.String("backend", backend.Name()), slog.String("version", version()),
 		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
 		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent), slog.Int("max_queued", cfg.MaxQueued),
+		slog.Duration("batch_window", cfg.BatchWindow), slog.Int("batch_max_tokens", cfg.BatchMaxTokens),
 		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory))
 	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {

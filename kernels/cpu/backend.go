@@ -121,5 +121,14 @@ func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels
 	return res, nil
 }
 
+// BatchInvariant reports whether a token's output is bit-identical however
+// many other tokens share its call, so that merging calls (the service's
+// dynamic batching) cannot change a result. It holds for the default
+// build. With GOEXPERIMENT=simd on an AVX-512 CPU the decoded-tile dot
+// products sum in a different order from the per-code ones used for
+// experts with a single token, so results differ by float32 rounding
+// (within the usual tolerance) depending on how tokens share experts.
+func BatchInvariant() bool { return simdKernel == "scalar" }
+
 // Close implements kernels.Backend; the CPU backend holds no resources.
 func (b *Backend) Close() error { return nil }

@@ -133,15 +133,23 @@ func dot4q(a []float32, w0, w1, w2, w3 []uint8) (s0, s1, s2, s3 float32) {
 	return
 }
 
-// dot1q is dot1 over FP8 weight codes.
+// dot1q is dot1 over FP8 weight codes, with dot1's two chains: whether a
+// tile is decoded first depends on how many tokens its expert has, so the
+// two must sum in the same order for a token's result not to depend on the
+// other tokens of its call (dynamic batching in the service relies on it).
 func dot1q(a []float32, w []uint8) float32 {
 	lut := &scaling.E4M3Table
 	w = w[:len(a)]
-	var s float32
-	for k, x := range a {
-		s += x * lut[w[k]]
+	var s0, s1 float32
+	k := 0
+	for ; k+2 <= len(a); k += 2 {
+		s0 += a[k] * lut[w[k]]
+		s1 += a[k+1] * lut[w[k+1]]
 	}
-	return s
+	if k < len(a) {
+		s0 += a[k] * lut[w[k]]
+	}
+	return s0 + s1
 }
 
 // dot1 is a plain dot product with two accumulator chains.

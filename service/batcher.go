@@ -1,0 +1,498 @@
+package service
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"slices"
+	"sync"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/expertd/expertd/kernels"
+)
+
+// Dynamic batching: FusedMoE calls on the same loaded expert set that
+// arrive within BatchWindow of each other are merged into one backend call
+// and its result is split back, so many callers with a few tokens each
+// cost about what one caller with all their tokens costs (a GPU streams a
+// layer's weights once per call whatever M is, up to a few hundred
+// tokens).
+//
+// Calls merge only when the merged call computes, for every token, exactly
+// what the token's own call would have:
+//
+//   - the same expert set (the registry entry, so a reloaded name starts
+//     new batches);
+//   - the same routing: logits of the same dtype with equal top_k,
+//     renormalize, scoring, groups, scaling factor and correction bias
+//     (bit for bit), or all precomputed top-k with equal k;
+//   - the same hidden-state dtype, and for FP8 input scales that are per
+//     row: per-tensor and per-token scales merge (a per-tensor scale is
+//     repeated for each of its call's tokens, which both backends read as
+//     one scale per row anyway), per-group scales merge only with
+//     per-group scales;
+//   - the same output dtype.
+//
+// No scale in expertd depends on other tokens: BF16/FP32 hidden states
+// are quantized with the set's static a13 scale or dynamically per token
+// (per group of Bk in block mode), the intermediate with the static a2
+// scale or per (token, expert) row, and an FP8 caller's scale comes with
+// its own tokens. A per-tensor dynamic activation scale (amax over the
+// whole call) would break this rule, since merged tokens would change each
+// other's quantization; should one be added, it must be part of the key
+// (never merged). Routing, GEMMs and the combine are per token. On the CPU
+// backend the merged result is bit-identical to the separate calls
+// (cpu.BatchInvariant; not in its AVX-512 simd build, where summation
+// order depends on tokens per expert and results differ by float32
+// rounding). On CUDA the GEMM's token tiling depends on tokens per expert,
+// so bit-identity is expected but not promised; results stay within the
+// backend's tolerance against the reference either way.
+//
+// A batch opens with its first call and waits BatchWindow (less if it
+// fills up to BatchMaxTokens), then for any batch of its key still running
+// to finish (and one more window; see await), then for an execution slot,
+// taking compatible calls all along, so a busy server batches more. So
+// calls of one key (a FusedMoEStream's included) run one batch at a time
+// unless batches fill up. A waiting batch takes one place of the
+// MaxQueued queue, not one per call. Each call waits for
+// its own result or its context: a call that leaves before the inputs are
+// merged is dropped from the batch; one that leaves later gets nothing and
+// the others are unaffected. The backend call is cancelled only when every
+// caller has left. Inputs are copied when the batch is merged, so a
+// caller's request buffers are never read after it has returned.
+
+// SuggestedBatchWindow is the window to turn batching on with. On the CPU
+// backend 0.5, 2 and 5 ms all brought 64 callers × 4 tokens to 94-98% of
+// the tokens per CPU-second of one caller × 256 tokens (75% unbatched), so
+// the shortest is suggested: it is what a caller with nobody to batch with
+// pays, and while a batch runs later calls gather anyway (await).
+// docs/perf-notes.md ("Dynamic batching") has the runs. The daemon does
+// not batch unless asked: a lone caller pays the window, which is lost in
+// the noise of a CPU call (tens of ms) but is 8 times a GPU decode call
+// (0.06 ms at M=1), and batching has not been measured on a GPU yet.
+const SuggestedBatchWindow = 500 * time.Microsecond
+
+// DefaultBatchMaxTokens bounds the tokens of one merged call when
+// Config.BatchMaxTokens is 0: on the H200 a Nemotron layer takes about
+// the same time from 256 to 1024 tokens (docs/perf-notes.md), and 256
+// keeps the latency a small caller pays for others' tokens bounded on
+// slower backends.
+const DefaultBatchMaxTokens = 256
+
+// batcher merges compatible FusedMoE calls; see the comment above.
+type batcher struct {
+	s         *Server
+	window    time.Duration
+	maxTokens int
+
+	mu   sync.Mutex
+	open map[batchKey]*batch
+	// busy holds the keys with a batch started and not yet finished.
+	busy map[batchKey]*keyState
+	// waiting counts calls in batches whose backend call has not started.
+	waiting int
+}
+
+// keyState is the started batches of one key.
+type keyState struct {
+	running int
+	// idle is closed when running drops to 0.
+	idle chan struct{}
+}
+
+// newBatcher returns the server's batcher, nil when cfg disables batching.
+func newBatcher(s *Server, cfg Config) *batcher {
+	if cfg.BatchWindow <= 0 {
+		return nil
+	}
+	n := cfg.BatchMaxTokens
+	if n <= 0 {
+		n = DefaultBatchMaxTokens
+	}
+	if cfg.MaxTokens > 0 {
+		n = min(n, cfg.MaxTokens)
+	}
+	return &batcher{s: s, window: cfg.BatchWindow, maxTokens: n, open: map[batchKey]*batch{}, busy: map[batchKey]*keyState{}}
+}
+
+// accepts reports whether req goes through the batcher: batching is on and
+// req leaves room for another call's tokens.
+func (bt *batcher) accepts(req *kernels.Request) bool {
+	return bt != nil && req.M() < bt.maxTokens
+}
+
+// batchKey is what calls must share to merge.
+type batchKey struct {
+	set    *entry
+	hidden kernels.DType
+	// groupScale marks FP8 hidden states with per-group scales.
+	groupScale bool
+	// logits is 0 for precomputed routing.
+	logits             kernels.DType
+	topK               int
+	renormalize        bool
+	scoring            kernels.Scoring
+	groups, topKGroups int
+	scalingFactor      float32
+	// bias is the correction bias's bytes, "" for none.
+	bias string
+	out  kernels.DType
+}
+
+func keyOf(e *entry, r *kernels.Request) batchKey {
+	k := batchKey{
+		set: e, hidden: r.Hidden.DType, logits: r.Logits.DType,
+		topK: r.Routing.TopK, renormalize: r.Routing.Renormalize, scoring: r.Routing.Scoring,
+		groups: r.Routing.NumGroups, topKGroups: r.Routing.TopKGroups, scalingFactor: r.Routing.ScalingFactor,
+		out: r.OutDType,
+	}
+	k.groupScale = groupScale(r)
+	if b := r.Routing.CorrectionBias; b != nil {
+		k.bias = string(float32Bytes(b))
+	}
+	return k
+}
+
+// groupScale reports FP8 hidden states with per-group scales (block mode);
+// other FP8 scales are per-tensor or per-token, one value per row.
+func groupScale(r *kernels.Request) bool {
+	n := len(r.HiddenScale)
+	return r.Hidden.DType == kernels.Float8E4M3FN && n != 1 && n != r.M()
+}
+
+// batch is calls being gathered into one backend call.
+type batch struct {
+	key batchKey
+	// ctx is the backend call's: the first caller's values, cancelled
+	// when every caller has left.
+	ctx    context.Context
+	cancel context.CancelFunc
+	// start is closed to end the window early (full, or draining).
+	start   chan struct{}
+	started bool
+	// merged is closed once the members' inputs have been copied.
+	merged chan struct{}
+
+	// Guarded by batcher.mu.
+	members []*member
+	tokens  int
+	live    int  // members still waiting for their result
+	closed  bool // members fixed and their inputs taken
+}
+
+// member is one call in a batch.
+type member struct {
+	req  *kernels.Request
+	done chan struct{} // closed when res or err is set
+	res  *kernels.Result
+	err  error
+	// queued is when the backend call started.
+	queued time.Time
+}
+
+// startNow ends the batch's window; bt.mu must be held.
+func (b *batch) startNow() {
+	if !b.started {
+		b.started = true
+		close(b.start)
+	}
+}
+
+// do runs req as part of a batch and returns its share of the result and
+// when the backend call started. e must stay acquired until do returns.
+func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*kernels.Result, time.Time, error) {
+	m := &member{req: req, done: make(chan struct{})}
+	b := bt.join(ctx, keyOf(e, req), m)
+	select {
+	case <-m.done:
+		return m.res, m.queued, m.err
+	case <-ctx.Done():
+		bt.leave(b, m)
+		return nil, time.Time{}, ctx.Err()
+	}
+}
+
+// join adds m to the open batch of its key, opening one if there is none
+// or the open one has no room.
+func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
+	n := m.req.M()
+	bt.mu.Lock()
+	defer bt.mu.Unlock()
+	b := bt.open[key]
+	if b != nil && b.tokens+n > bt.maxTokens {
+		delete(bt.open, key)
+		b.startNow()
+		b = nil
+	}
+	if b == nil {
+		b = &batch{key: key, start: make(chan struct{}), merged: make(chan struct{})}
+		b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(ctx))
+		// The batch holds the set itself: its callers may all leave
+		// while the backend call runs, and the set must outlive it.
+		bt.s.reg.hold(key.set)
+		bt.open[key] = b
+		go bt.dispatch(b)
+	}
+	b.members = append(b.members, m)
+	b.tokens += n
+	b.live++
+	bt.waiting++
+	if b.tokens >= bt.maxTokens {
+		delete(bt.open, key)
+		b.startNow()
+	}
+	return b
+}
+
+// leave takes m out of b after its caller gave up.
+func (bt *batcher) leave(b *batch, m *member) {
+	bt.mu.Lock()
+	b.live--
+	closed := b.closed
+	if !closed {
+		b.members = slices.DeleteFunc(b.members, func(x *member) bool { return x == m })
+		b.tokens -= m.req.M()
+		bt.waiting--
+		if b.live == 0 && bt.open[b.key] == b {
+			// Nobody is left: new calls start a fresh batch rather than
+			// join one whose backend call is cancelled.
+			delete(bt.open, b.key)
+		}
+	}
+	if b.live == 0 {
+		b.cancel()
+	}
+	bt.mu.Unlock()
+	if closed {
+		// The dispatcher may be copying m's inputs; its caller's buffers
+		// must not be released before that ends.
+		<-b.merged
+	}
+}
+
+// flush ends the window of every open batch (Shutdown: a drain should not
+// wait out windows).
+func (bt *batcher) flush() {
+	if bt == nil {
+		return
+	}
+	bt.mu.Lock()
+	defer bt.mu.Unlock()
+	for _, b := range bt.open {
+		b.startNow()
+	}
+}
+
+// take closes b to joins and departures and returns its members.
+func (bt *batcher) take(b *batch) []*member {
+	bt.mu.Lock()
+	defer bt.mu.Unlock()
+	if bt.open[b.key] == b {
+		delete(bt.open, b.key)
+	}
+	b.closed = true
+	bt.waiting -= len(b.members)
+	return b.members
+}
+
+// Batched is the number of FusedMoE calls waiting in the batcher for their
+// batch's backend call to start.
+func (s *Server) Batched() int {
+	bt := s.batch
+	if bt == nil {
+		return 0
+	}
+	bt.mu.Lock()
+	defer bt.mu.Unlock()
+	return bt.waiting
+}
+
+// dispatch runs batch b: window, execution slot, merge, backend call,
+// split.
+func (bt *batcher) dispatch(b *batch) {
+	s := bt.s
+	defer s.reg.done(b.key.set)
+	defer b.cancel()
+	var err error
+	if bt.await(b) {
+		defer bt.finish(b.key)
+		err = s.acquireSlot(b.ctx)
+	} else {
+		err = b.ctx.Err()
+	}
+	members := bt.take(b)
+	var req *kernels.Request
+	if err == nil && len(members) > 0 {
+		req = mergeRequests(members)
+	}
+	close(b.merged)
+	if err != nil {
+		for _, m := range members {
+			m.err = err
+			close(m.done)
+		}
+		return
+	}
+	if len(members) == 0 {
+		<-s.slots
+		return
+	}
+	queued := time.Now()
+	attrs := metric.WithAttributes(attribute.String("backend", s.backend.Name()))
+	s.batchCalls.Record(b.ctx, int64(len(members)), attrs)
+	s.batchTokens.Record(b.ctx, int64(req.M()), attrs)
+	loaded := b.key.set.loaded
+	res, err := bt.compute(b.ctx, loaded, req)
+	if err != nil {
+		for _, m := range members {
+			m.queued, m.err = queued, err
+			close(m.done)
+		}
+		return
+	}
+	splitResult(res, members, req.M(), req.Hidden.Shape[1]*req.OutDType.Size())
+	for _, m := range members {
+		m.queued = queued
+		close(m.done)
+	}
+}
+
+// await holds b until it may start, and then counts it as started: once
+// its window has passed and no other batch of its key is between start and
+// finish, or at once when it is full or the server drains. A batch that
+// found another of its key running waits for it to finish and then one
+// more window, in which that batch's callers, if they call again at once,
+// join it: without that, closed-loop callers settle into one large and
+// one small batch alternating, and a small batch costs as much per token
+// as no batching on the CPU. It reports false if every caller left first.
+func (bt *batcher) await(b *batch) bool {
+	for {
+		t := time.NewTimer(bt.window)
+		select {
+		case <-t.C:
+		case <-b.start:
+		case <-b.ctx.Done():
+			t.Stop()
+			return false
+		}
+		t.Stop()
+		bt.mu.Lock()
+		st := bt.busy[b.key]
+		if st == nil || b.started {
+			if st == nil {
+				st = &keyState{idle: make(chan struct{})}
+				bt.busy[b.key] = st
+			}
+			st.running++
+			bt.mu.Unlock()
+			return true
+		}
+		idle := st.idle
+		bt.mu.Unlock()
+		select {
+		case <-idle:
+		case <-b.start:
+		case <-b.ctx.Done():
+			return false
+		}
+	}
+}
+
+// finish ends a batch counted as started by await.
+func (bt *batcher) finish(key batchKey) {
+	bt.mu.Lock()
+	defer bt.mu.Unlock()
+	st := bt.busy[key]
+	if st.running--; st.running == 0 {
+		close(st.idle)
+		delete(bt.busy, key)
+	}
+}
+
+// compute is Server.compute for a batch. A panicking backend (already
+// counted as a fault by run) becomes an error for every caller: the
+// daemon's recovery middleware does not see this goroutine, and one bad
+// call must not take the daemon down.
+func (bt *batcher) compute(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (res *kernels.Result, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			bt.s.log.ErrorContext(ctx, "backend panicked in a batched call", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			res, err = nil, fmt.Errorf("backend %s panicked: %v", bt.s.backend.Name(), p)
+		}
+	}()
+	return bt.s.compute(ctx, loaded, req)
+}
+
+// mergeRequests is one request with every member's tokens in member order.
+// The inputs are copied: the merged request must not alias any caller's
+// buffers, since a caller may return (and its buffers be reused) while
+// the backend call runs.
+func mergeRequests(members []*member) *kernels.Request {
+	first := members[0].req
+	var m, scales, hiddenBytes, logitBytes, pairs int
+	for _, x := range members {
+		m += x.req.M()
+		scales += len(x.req.HiddenScale)
+		hiddenBytes += len(x.req.Hidden.Data)
+		logitBytes += len(x.req.Logits.Data)
+		pairs += len(x.req.TopKIDs)
+	}
+	out := &kernels.Request{
+		Hidden:   kernels.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: make([]byte, 0, hiddenBytes)},
+		Routing:  first.Routing,
+		OutDType: first.OutDType,
+	}
+	if first.Routing.CorrectionBias != nil {
+		out.Routing.CorrectionBias = slices.Clone(first.Routing.CorrectionBias)
+	}
+	perRow := first.Hidden.DType == kernels.Float8E4M3FN && !groupScale(first)
+	switch {
+	case perRow:
+		out.HiddenScale = make([]float32, 0, m)
+	case len(first.HiddenScale) > 0:
+		out.HiddenScale = make([]float32, 0, scales)
+	}
+	if first.TopKIDs != nil {
+		out.TopKIDs = make([]int32, 0, pairs)
+		out.TopKWeights = make([]float32, 0, pairs)
+	} else {
+		out.Logits = kernels.Tensor{DType: first.Logits.DType, Shape: []int{m, first.Logits.Shape[1]}, Data: make([]byte, 0, logitBytes)}
+	}
+	for _, x := range members {
+		r := x.req
+		out.Hidden.Data = append(out.Hidden.Data, r.Hidden.Data...)
+		if perRow && len(r.HiddenScale) == 1 {
+			for range r.M() {
+				out.HiddenScale = append(out.HiddenScale, r.HiddenScale[0])
+			}
+		} else {
+			out.HiddenScale = append(out.HiddenScale, r.HiddenScale...)
+		}
+		out.Logits.Data = append(out.Logits.Data, r.Logits.Data...)
+		out.TopKIDs = append(out.TopKIDs, r.TopKIDs...)
+		out.TopKWeights = append(out.TopKWeights, r.TopKWeights...)
+	}
+	return out
+}
+
+// splitResult gives each member its rows of res, a result of m tokens
+// with row bytes of output each. The slices share res's buffers without
+// overlapping.
+func splitResult(res *kernels.Result, members []*member, m, row int) {
+	topK := len(res.TopKIDs) / m
+	t := 0
+	for _, m := range members {
+		n := m.req.M()
+		m.res = &kernels.Result{
+			Output:      res.Output[t*row : (t+n)*row : (t+n)*row],
+			TopKIDs:     res.TopKIDs[t*topK : (t+n)*topK : (t+n)*topK],
+			TopKWeights: res.TopKWeights[t*topK : (t+n)*topK : (t+n)*topK],
+			KernelNanos: res.KernelNanos,
+		}
+		t += n
+	}
+}

@@ -1,0 +1,33 @@
+package service
+
+import (
+	"reflect"
+	"slices"
+	"testing"
+
+	"github.com/expertd/expertd/kernels"
+)
+
+// TestBatchKeyCoversRequest fails when kernels.Request or kernels.Routing
+// gains a field: the batcher must then decide whether calls that differ in
+// it may merge (keyOf) and how to merge it (mergeRequests), or a merged
+// call would silently compute with the first caller's value for everyone.
+func TestBatchKeyCoversRequest(t *testing.T) {
+	tests := []struct {
+		typ  reflect.Type
+		want []string
+	}{
+		{reflect.TypeFor[kernels.Request](), []string{"Hidden", "HiddenScale", "Logits", "Routing", "TopKIDs", "TopKWeights", "OutDType"}},
+		{reflect.TypeFor[kernels.Routing](), []string{"TopK", "Renormalize", "Scoring", "CorrectionBias", "NumGroups", "TopKGroups", "ScalingFactor"}},
+		{reflect.TypeFor[kernels.Tensor](), []string{"DType", "Shape", "Data"}},
+	}
+	for _, tt := range tests {
+		var got []string
+		for f := range tt.typ.Fields() {
+			got = append(got, f.Name)
+		}
+		if !slices.Equal(got, tt.want) {
+			t.Errorf("%v has fields %v; the batcher knows %v: update keyOf, mergeRequests and this list", tt.typ, got, tt.want)
+		}
+	}
+}
