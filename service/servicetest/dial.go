@@ -2,6 +2,7 @@ package servicetest
 
 import (
 	"context"
+	"log/slog"
 	"net"
 	"testing"
 	"time"
@@ -20,32 +21,55 @@ import (
 // connection, closed at cleanup if the test has not closed it.
 func StartServerDial(t testing.TB, cfg service.Config, backend kernels.Backend) (dial func() *grpc.ClientConn, srv *service.Server) {
 	t.Helper()
-	if cfg.MaxMessageBytes == 0 {
-		cfg.MaxMessageBytes = MaxMessageBytes
-	}
-	lis := bufconn.Listen(1 << 20)
-	srv = service.New(cfg, backend, nil)
-	gs := grpc.NewServer(append(srv.ServerOptions(), grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)))...)
-	srv.Register(gs)
-	go gs.Serve(lis) //nolint:errcheck // Serve returns when Stop is called
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		srv.Shutdown(ctx) //nolint:errcheck // best effort in tests
-		gs.Stop()
-	})
+	m := serveMem(cfg, backend, nil)
+	t.Cleanup(m.stop)
 	dial = func() *grpc.ClientConn {
 		t.Helper()
-		conn, err := grpc.NewClient("passthrough:///bufnet",
-			grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
-			grpc.WithTransportCredentials(insecure.NewCredentials()),
-			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxCallSendMsgSize(int(cfg.MaxMessageBytes))),
-		)
+		conn, err := m.dial()
 		if err != nil {
 			t.Fatalf("servicetest: dialing bufconn: %v", err)
 		}
 		t.Cleanup(func() { conn.Close() })
 		return conn
 	}
-	return dial, srv
+	return dial, m.srv
+}
+
+// memServer is a service served over an in-memory listener with the
+// daemon's server options.
+type memServer struct {
+	lis      *bufconn.Listener
+	srv      *service.Server
+	gs       *grpc.Server
+	maxBytes int
+}
+
+// serveMem starts backend's service; MaxMessageBytes defaults to this
+// package's.
+func serveMem(cfg service.Config, backend kernels.Backend, log *slog.Logger) *memServer {
+	if cfg.MaxMessageBytes == 0 {
+		cfg.MaxMessageBytes = MaxMessageBytes
+	}
+	m := &memServer{lis: bufconn.Listen(1 << 20), srv: service.New(cfg, backend, log), maxBytes: int(cfg.MaxMessageBytes)}
+	m.gs = grpc.NewServer(append(m.srv.ServerOptions(), grpc.MaxRecvMsgSize(m.maxBytes), grpc.MaxSendMsgSize(m.maxBytes))...)
+	m.srv.Register(m.gs)
+	go m.gs.Serve(m.lis) //nolint:errcheck // Serve returns when Stop is called
+	return m
+}
+
+// dial opens a client connection with the server's message limits.
+func (m *memServer) dial() (*grpc.ClientConn, error) {
+	return grpc.NewClient("passthrough:///bufnet",
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return m.lis.DialContext(ctx) }),
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(m.maxBytes), grpc.MaxCallSendMsgSize(m.maxBytes)),
+	)
+}
+
+// stop drains the service (best effort, as tests need) and stops serving.
+func (m *memServer) stop() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	m.srv.Shutdown(ctx) //nolint:errcheck // best effort in tests
+	m.gs.Stop()
 }

@@ -5,15 +5,10 @@ package servicetest
 import (
 	"context"
 	"log/slog"
-	"net"
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/test/bufconn"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/expertd/expertd/kernels"
@@ -46,19 +41,8 @@ func StartServerConfig(t testing.TB, cfg service.Config, backend kernels.Backend
 // for tests that check what the server reports.
 func StartServerLogger(t testing.TB, cfg service.Config, backend kernels.Backend, log *slog.Logger) (pb.ExpertServiceClient, *service.Server, func()) {
 	t.Helper()
-	if cfg.MaxMessageBytes == 0 {
-		cfg.MaxMessageBytes = MaxMessageBytes
-	}
-	lis := bufconn.Listen(1 << 20)
-	srv := service.New(cfg, backend, log)
-	gs := grpc.NewServer(append(srv.ServerOptions(), grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)))...)
-	srv.Register(gs)
-	go gs.Serve(lis) //nolint:errcheck // Serve returns when Stop is called
-	conn, err := grpc.NewClient("passthrough:///bufnet",
-		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxCallSendMsgSize(int(cfg.MaxMessageBytes))),
-	)
+	m := serveMem(cfg, backend, log)
+	conn, err := m.dial()
 	if err != nil {
 		t.Fatalf("servicetest: dialing bufconn: %v", err)
 	}
@@ -69,13 +53,10 @@ func StartServerLogger(t testing.TB, cfg service.Config, backend kernels.Backend
 		}
 		stopped = true
 		conn.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		srv.Shutdown(ctx) //nolint:errcheck // best effort in tests
-		gs.Stop()
+		m.stop()
 	}
 	t.Cleanup(cleanup)
-	return pb.NewExpertServiceClient(conn), srv, cleanup
+	return pb.NewExpertServiceClient(conn), m.srv, cleanup
 }
 
 // tensorFields are ExpertWeights' tensors with the names chunks use, in
