@@ -6,9 +6,8 @@
 //   activation epilogue -> [dynamic a2 only: per-row FP8 requant] -> GEMM2
 //   with the router weight -> combine into BF16/FP32.
 //
-// Dynamic a2 (no static a2 scale): GEMM1 writes the activation as FP32 (BF16
-// on the sm90 path until it has the FP32 epilogue) and a small kernel
-// quantizes each pair row with amax/448. That costs one round trip of the
+// Dynamic a2 (no static a2 scale): GEMM1 writes the activation as FP32 and a
+// small kernel quantizes each pair row with amax/448. That costs one round trip of the
 // intermediate (M*top_k*N*4 bytes each way), small next to the weights at
 // decode sizes; BF16 would halve it but moves the FP8 roundings off the
 // reference's (see moe_gemm.h). With a static a2 scale GEMM1 writes FP8
@@ -218,7 +217,7 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.num_blocks = take(4);
   L.a1q = take(R * K);
   L.a1s = take(R * 4);
-  L.act = take(R * N * 4);  // FP32 (or BF16) GEMM1 output, dynamic a2 only
+  L.act = take(R * N * 4);  // FP32 GEMM1 output, dynamic a2 only
   L.a2q = take(R * N);
   L.a2s = take(R * 4);
   L.y = take(P * K * 2);
@@ -333,10 +332,9 @@ int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t 
   g1.a_scale = s.a13_scale > 0 ? clamp_scale_host(s.a13_scale) : 1.f;
   g1.w_scale = s.w13_scale;
   const bool static_a2 = s.a2_scale > 0;
-  // Dynamic a2: FP32 intermediate where the GEMM has that epilogue (see
-  // moe_gemm.h, kAct1F32); the sm90 kernels write BF16 for now.
-  const bool act_f32 = !sm90;
-  g1.epilogue = static_a2 ? GemmEpilogue::kAct1FP8 : act_f32 ? GemmEpilogue::kAct1F32 : GemmEpilogue::kAct1BF16;
+  // Dynamic a2: FP32 intermediate, quantized per row below (moe_gemm.h says
+  // why not BF16).
+  g1.epilogue = static_a2 ? GemmEpilogue::kAct1FP8 : GemmEpilogue::kAct1F32;
   g1.out = static_a2 ? static_cast<void*>(a2q) : act;
   g1.ld_out = s.N;
   g1.out_inv_scale = static_a2 ? 1.0f / clamp_scale_host(s.a2_scale) : 1.f;
@@ -351,13 +349,8 @@ int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t 
   if (err != cudaSuccess) return cuda_fail(err, sm90 ? "gemm1 (sm90)" : "gemm1 (portable)");
 
   if (!static_a2) {
-    if (act_f32) {
-      requant_kernel<float><<<L.max_rows, 128, 0, st>>>(static_cast<const float*>(act), s.N, sorted, num_blocks, BM,
-                                                        a2q, a2s);
-    } else {
-      requant_kernel<__nv_bfloat16><<<L.max_rows, 128, 0, st>>>(static_cast<const __nv_bfloat16*>(act), s.N, sorted,
-                                                                num_blocks, BM, a2q, a2s);
-    }
+    requant_kernel<float><<<L.max_rows, 128, 0, st>>>(static_cast<const float*>(act), s.N, sorted, num_blocks, BM,
+                                                      a2q, a2s);
     CK(cudaGetLastError());
   }
 

@@ -107,9 +107,7 @@ cudaError_t launch_gemm2_portable(const MoeGemmArgs& args, bool use_f16, cudaStr
 int portable_block_rows(int m, int top_k, int num_experts);
 
 #ifdef EXPERTD_HAVE_SM90
-// Hopper path (gemm_sm90.cu, sm_90a): wgmma (QGMMA) fed by TMA. It has
-// kAct1F32, but the pipeline asks it for kAct1BF16 on dynamic a2 until a
-// device run has checked that epilogue in the pipeline. It returns
+// Hopper path (gemm_sm90.cu, sm_90a): wgmma (QGMMA) fed by TMA. It returns
 // cudaErrorInvalidValue for shapes it cannot take, so callers check
 // sm90_supported first and use the portable path otherwise.
 cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream);
