@@ -19,7 +19,8 @@ cuda:
 cuda-test-bin:
 	mkdir -p build
 	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) test -c -o build/cuda.test ./kernels/cuda
-	if [ -d cmd/expertd ]; then CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -o build/expertd ./cmd/expertd; fi
+	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -o build/expertd ./cmd/expertd
+	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -o build/expertbench ./cmd/expertbench
 
 # Run on the device machine (carry build/): see scripts/device-check.sh.
 device-check:

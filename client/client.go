@@ -175,6 +175,11 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(o.maxMsg), grpc.MaxCallSendMsgSize(o.maxMsg), grpc.WaitForReady(o.waitReady),
 			grpc.ForceCodecV2(codec.Codec{})),
 		grpc.WithConnectParams(reconnect),
+		// Windows and buffers sized for tensor messages, as the server's.
+		grpc.WithInitialWindowSize(codec.StreamWindowBytes),
+		grpc.WithInitialConnWindowSize(codec.ConnWindowBytes),
+		grpc.WithReadBufferSize(codec.IOBufferBytes),
+		grpc.WithWriteBufferSize(codec.IOBufferBytes),
 		// The retry policy is the SDK's, not whatever a resolver serves.
 		grpc.WithDisableServiceConfig(),
 		grpc.WithDefaultServiceConfig(retryServiceConfig(o.maxAttempts)),

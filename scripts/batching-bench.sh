@@ -29,10 +29,18 @@ big=${BIG:-256}
 port=${PORT:-50151}
 admin=${ADMIN_PORT:-9191}
 
-bin=$(mktemp -d)
-trap 'kill "$daemon" 2>/dev/null || true; rm -rf "$bin"' EXIT
-go build -o "$bin/expertd" ./cmd/expertd
-go build -o "$bin/expertbench" ./cmd/expertbench
+daemon=""
+# BIN=dir uses prebuilt expertd and expertbench (the device machine has no
+# Go: make cuda-test-bin cross-builds both into build/).
+if [[ -n "${BIN:-}" ]]; then
+	bin=$BIN
+	trap 'kill "$daemon" 2>/dev/null || true' EXIT
+else
+	bin=$(mktemp -d)
+	trap 'kill "$daemon" 2>/dev/null || true; rm -rf "$bin"' EXIT
+	go build -o "$bin/expertd" ./cmd/expertd
+	go build -o "$bin/expertbench" ./cmd/expertbench
+fi
 
 # tokens_per_s prints the tokens/s of an expertbench -json summary.
 tokens_per_s() { sed -n 's/.*"tokens_per_s": \([0-9.]*\).*/\1/p'; }

@@ -14,15 +14,21 @@ import (
 // ServerOptions are the gRPC server options the service is built for:
 // the aliasing codec, so a request's tensor bytes reach validation (and
 // the backend) without being copied out of the receive buffer; a stats
-// handler that times each call's receive for Timings.receive_nanos; and,
-// with Config.SharedMemory, the one that tells the service when a
-// connection ends, since shared-memory regions belong to connections. The
-// codec replaces the protobuf codec for every service on the server
-// (health and reflection included); its wire format is the same.
+// handler that times each call's receive for Timings.receive_nanos;
+// flow-control windows and socket buffers sized for tensors (see
+// codec.StreamWindowBytes); and, with Config.SharedMemory, the stats
+// handler that tells the service when a connection ends, since
+// shared-memory regions belong to connections. The codec replaces the
+// protobuf codec for every service on the server (health and reflection
+// included); its wire format is the same.
 func (s *Server) ServerOptions() []grpc.ServerOption {
 	opts := []grpc.ServerOption{
 		grpc.ForceServerCodecV2(codec.Codec{}),
 		grpc.StatsHandler(receiveTimer{}),
+		grpc.InitialWindowSize(codec.StreamWindowBytes),
+		grpc.InitialConnWindowSize(codec.ConnWindowBytes),
+		grpc.ReadBufferSize(codec.IOBufferBytes),
+		grpc.WriteBufferSize(codec.IOBufferBytes),
 	}
 	if s.shm.enabled {
 		opts = append(opts, grpc.StatsHandler(s.shm))

@@ -186,7 +186,7 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 		rng := rand.New(rand.NewPCG(cfg.seed, uint64(w)+1))
 		reqs := make([]*client.FusedMoERequest, requestsPerWorker)
 		for i := range reqs {
-			reqs[i] = cfg.model.request(rng, cfg.set, cfg.tokens, cfg.out)
+			reqs[i] = cfg.model.request(rng, cfg.set, cfg.tokens, cfg.out, cfg.fp8Hidden)
 		}
 		if cfg.shm {
 			free, err := toSharedMemory(ctx, c, w, reqs, cfg)

@@ -80,9 +80,12 @@ type config struct {
 	keep        bool
 	set         string
 	out         client.DType
-	seed        uint64
-	progress    time.Duration
-	jsonOut     bool
+	// fp8Hidden sends hidden states as FP8 E4M3 with per-token scales,
+	// as the contract's callers do, instead of BF16.
+	fp8Hidden bool
+	seed      uint64
+	progress  time.Duration
+	jsonOut   bool
 	// shm passes tensors and outputs through shared memory (shm.go).
 	shm bool
 	// k and n are the -k and -n flags as given (0: not given), which
@@ -111,6 +114,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&c.keep, "keep", false, "with -load: leave the set loaded")
 	fs.StringVar(&c.set, "set", "expertbench", "expert set name to call (and to load with -load)")
 	out := fs.String("out", "bf16", "output dtype: bf16 or fp32")
+	hidden := fs.String("hidden", "bf16", "hidden-state dtype sent: bf16, or fp8 (E4M3 with one scale per token, half the bytes)")
 	fs.Uint64Var(&c.seed, "seed", uint64(time.Now().UnixNano()), "random seed of weights and tokens")
 	fs.DurationVar(&c.progress, "progress", time.Second, "progress line interval on stderr (0: none)")
 	fs.BoolVar(&c.jsonOut, "json", false, "print the summary as JSON")
@@ -163,6 +167,13 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		c.out = client.Float32
 	default:
 		return c, fmt.Errorf("-out %q: want bf16 or fp32", *out)
+	}
+	switch *hidden {
+	case "bf16":
+	case "fp8":
+		c.fp8Hidden = true
+	default:
+		return c, fmt.Errorf("-hidden %q: want bf16 or fp8", *hidden)
 	}
 	var errs []error
 	if c.tokens < 1 {

@@ -136,9 +136,10 @@ func (m model) randomWeights(seed uint64) *client.ExpertWeights {
 }
 
 // request is a FusedMoE call of tokens random tokens on the loaded set:
-// BF16 hidden states randn/10, FP32 logits randn, and for models that have
-// one the layer's correction bias.
-func (m model) request(rng *rand.Rand, set string, tokens int, out client.DType) *client.FusedMoERequest {
+// hidden states randn/10 (BF16, or with fp8 E4M3 quantized per token),
+// FP32 logits randn, and for models that have one the layer's correction
+// bias.
+func (m model) request(rng *rand.Rand, set string, tokens int, out client.DType, fp8 bool) *client.FusedMoERequest {
 	randn := func(n int, scale float64) []float32 {
 		v := make([]float32, n)
 		for i := range v {
@@ -153,6 +154,22 @@ func (m model) request(rng *rand.Rand, set string, tokens int, out client.DType)
 		Routing: client.Routing{TopK: m.topK, Renormalize: true, Scoring: m.scoring,
 			NumGroups: m.groups, TopKGroups: m.topKGroups, ScalingFactor: m.scalingFactor},
 		OutputDType: out,
+	}
+	if fp8 {
+		// One scale per token, or per token and group of Bk in block mode.
+		group := m.k
+		if m.block[1] > 0 {
+			group = m.block[1]
+		}
+		groups := (m.k + group - 1) / group
+		h := randn(tokens*m.k, 0.1)
+		codes, scales := make([]uint8, len(h)), make([]float32, tokens*groups)
+		scaling.QuantizeDynamic(codes, scales, h, tokens, m.k, group)
+		r.Hidden = client.FromFP8(codes, tokens, m.k)
+		r.HiddenScale = client.FromFloat32(scales, tokens)
+		if m.block[1] > 0 {
+			r.HiddenScale = client.FromFloat32(scales, tokens, groups)
+		}
 	}
 	if m.bias {
 		r.Routing.CorrectionBias = m.correctionBias()

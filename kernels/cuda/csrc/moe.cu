@@ -22,6 +22,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -63,6 +64,27 @@ int cuda_fail(cudaError_t err, const char* what) {
     const cudaError_t err_ = (call);               \
     if (err_ != cudaSuccess) return cuda_fail(err_, #call); \
   } while (0)
+
+// HostTrace prints the host-side stages of one expertd_moe call to stderr
+// when EXPERTD_CUDA_HOST_TRACE is set: staging copies in, enqueue, the wait
+// for the stream, copies out. It is a diagnostic for the host path (the
+// device time is kernel_ms); nothing about the tensors is printed.
+struct HostTrace {
+  bool on = std::getenv("EXPERTD_CUDA_HOST_TRACE") != nullptr;
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  char buf[256];
+  int n = 0;
+  void mark(const char* what) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    const double us = std::chrono::duration<double, std::micro>(now - t).count();
+    t = now;
+    if (n < int(sizeof buf) - 40) n += snprintf(buf + n, sizeof buf - n, " %s=%.1fus", what, us);
+  }
+  void print(int m) {
+    if (on) fprintf(stderr, "expertd_moe host m=%d%s\n", m, buf);
+  }
+};
 
 size_t align_up(size_t n) { return (n + 255) & ~size_t(255); }
 
@@ -584,6 +606,7 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   // region, so one copy moves them all.
   if (int rc = ensure_pinned(&s.pin_in, &s.pin_in_bytes, L.in_end)) return rc;
   if (int rc = ensure_pinned(&s.pin_out, &s.pin_out_bytes, align_up(m * K * 4) + 2 * align_up(P * 4))) return rc;
+  HostTrace tr;
   uint8_t* pin = s.pin_in;
   size_t hi1 = L.hidden + m * K * hsz;  // [L.hidden, hi1): hidden (+ scales)
   std::memcpy(pin + L.hidden, hidden, m * K * hsz);
@@ -606,6 +629,7 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
     lo2 = L.ids;
     hi2 = L.w + P * 4;
   }
+  tr.mark("stage_in");
   cudaStream_t st = s.stream;
   CK(cudaMemcpyAsync(s.ws + L.hidden, pin + L.hidden, hi1 - L.hidden, cudaMemcpyHostToDevice, st));
   CK(cudaMemcpyAsync(s.ws + lo2, pin + lo2, hi2 - lo2, cudaMemcpyHostToDevice, st));
@@ -661,7 +685,9 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   CK(cudaMemcpyAsync(po + o_out, p.out, m * K * osz, cudaMemcpyDeviceToHost, st));
   if (topk_ids_out) CK(cudaMemcpyAsync(po + o_ids, p.ids, P * 4, cudaMemcpyDeviceToHost, st));
   if (topk_w_out) CK(cudaMemcpyAsync(po + o_w, p.w, P * 4, cudaMemcpyDeviceToHost, st));
+  tr.mark("enqueue");
   CK(cudaStreamSynchronize(st));
+  tr.mark("sync");
   std::memcpy(out, po + o_out, m * K * osz);
   if (topk_ids_out) std::memcpy(topk_ids_out, po + o_ids, P * 4);
   if (topk_w_out) std::memcpy(topk_w_out, po + o_w, P * 4);
@@ -670,6 +696,8 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
     CK(cudaEventElapsedTime(&ms, s.ev0, s.ev1));
     *kernel_ms = ms;
   }
+  tr.mark("copy_out");
+  tr.print(c.m);
   return EXPERTD_OK;
 }
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# device-service.sh runs ON the device machine, after device-check.sh, with
+# build/ carried (make cuda cuda-test-bin here first: it cross-builds
+# expertd and expertbench). It starts the real daemon on the GPU and
+# measures the service path on the Nemotron layer with expertbench: one
+# caller at M = 1, 16, 256, 1024 with tensors inline and through POSIX
+# shared memory (end-to-end p50 against the server's kernel time, and the
+# per-stage breakdown), then dynamic batching (64 callers x 4 tokens
+# against one caller x 256) via scripts/batching-bench.sh.
+# DURATION (default 5s) is per measurement. Logs land under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build="${EXPERTD_BUILD:-build}"
+out="${OUT:-$build/device-out}"
+dur="${DURATION:-5s}"
+mkdir -p "$out"
+lib="$PWD/$build/libexpertd_cuda.so"
+port=50161 admin=9291
+"$build/expertd" -listen "127.0.0.1:$port" -admin-addr "127.0.0.1:$admin" -backend cuda -library-path "$lib" \
+	-shared-memory -max-queued 256 -log-level info > "$out/daemon.log" 2>&1 &
+daemon=$!
+trap 'kill "$daemon" 2>/dev/null || true' EXIT
+for _ in $(seq 300); do
+	curl -sf "http://127.0.0.1:$admin/healthz" >/dev/null && break
+	sleep 0.1
+done
+grep -m3 -iE 'backend|cuda|gpu' "$out/daemon.log"
+bench() { "$build/expertbench" -addr "127.0.0.1:$port" -model nemotron -progress 0 "$@"; }
+bench -load -keep -m 1 -c 1 -calls 1 > "$out/load.txt" 2>&1 || { echo "load failed"; cat "$out/load.txt"; exit 1; }
+for m in 1 16 256 1024; do
+	for mode in inline shm; do
+		flag=""; [[ $mode == shm ]] && flag=-shm
+		echo "== nemotron M=$m c=1 $mode"
+		# shellcheck disable=SC2086
+		bench -m "$m" -c 1 -duration "$dur" $flag 2>&1 | tee "$out/svc-$m-$mode.txt" | tail -25
+	done
+done
+kill "$daemon"; wait "$daemon" 2>/dev/null
+echo "== dynamic batching (64 x 4 tokens against 1 x 256)"
+BIN="$build" BACKEND=cuda LIBRARY="$lib" WINDOWS="${WINDOWS:-0 0.2ms 0.5ms}" DURATION="$dur" \
+	scripts/batching-bench.sh 2>&1 | tee "$out/batching.txt"
