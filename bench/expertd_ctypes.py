@@ -2,8 +2,12 @@
 
 Only what the benchmark needs: version check, init, expert-set create/free and
 the device-pointer entry point expertd_moe_device. The constants below must
-equal the header's #defines (ABI_VERSION is checked at load time). Every call's
-return code is checked; a failure raises ExpertdError with expertd_last_error().
+equal the header's #defines. Both ABI versions load: v1, and v2, whose
+expertd_set_create also takes the weight block shape (block_n, block_k; 0, 0:
+no block mode), the only difference between them. A v1 library refuses
+block-scaled layers here with EXPERTD_ERR_UNSUPPORTED, before any call. Every
+call's return code is checked; a failure raises ExpertdError with
+expertd_last_error().
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ import os
 
 import torch
 
-ABI_VERSION = 1
+# The ABI versions this mirror speaks; the newest is the header's.
+ABI_VERSIONS = (1, 2)
+ABI_VERSION = max(ABI_VERSIONS)
 
 OK = 0
+ERR_UNSUPPORTED = 2
 _CODES = {1: "INVALID", 2: "UNSUPPORTED", 3: "OOM", 4: "CUDA", 5: "NO_DEVICE", 6: "NOT_FOUND"}
 
 DTYPE_FLOAT32 = 1
@@ -71,15 +78,24 @@ _p = ctypes.c_void_p
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _f32p = ctypes.POINTER(ctypes.c_float)
 
-# (name, restype, argtypes), in the header's order and spelling of types.
+# expertd_set_create's argtypes per ABI version: v2 adds block_n, block_k
+# after n_w2_scale.
+_SET_CREATE = {
+    1: [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        _p, _p, _p, ctypes.c_int, _p, ctypes.c_int, ctypes.c_float, ctypes.c_float,
+        ctypes.POINTER(ctypes.c_uint64)],
+    2: [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        _p, _p, _p, ctypes.c_int, _p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_float, ctypes.c_float, ctypes.POINTER(ctypes.c_uint64)],
+}
+
+# (name, restype, argtypes), in the header's order and spelling of types;
+# expertd_set_create's argtypes are set once the version is known.
 _SIGNATURES = [
     ("expertd_abi_version", ctypes.c_int, []),
     ("expertd_init", ctypes.c_int, [ctypes.c_int]),
     ("expertd_device_info", ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]),
-    ("expertd_set_create", ctypes.c_int,
-     [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-      _p, _p, _p, ctypes.c_int, _p, ctypes.c_int, ctypes.c_float, ctypes.c_float,
-      ctypes.POINTER(ctypes.c_uint64)]),
+    ("expertd_set_create", ctypes.c_int, None),
     ("expertd_set_free", ctypes.c_int, [ctypes.c_uint64]),
     ("expertd_moe_device", ctypes.c_int,
      [ctypes.c_uint64, _i64p, ctypes.c_int, _f32p, ctypes.c_int,
@@ -98,18 +114,28 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class Library:
-    """A loaded libexpertd_cuda.so whose ABI version matches this mirror."""
+    """A loaded libexpertd_cuda.so whose ABI version this mirror speaks
+    (self.abi: 1 or 2)."""
 
     def __init__(self, path: str = DEFAULT_LIB):
         self.path = os.path.abspath(path)
         self.lib = ctypes.CDLL(self.path)
         for name, res, args in _SIGNATURES:
             fn = getattr(self.lib, name)
-            fn.restype, fn.argtypes = res, args
+            fn.restype = res
+            if args is not None:
+                fn.argtypes = args
         got = self.lib.expertd_abi_version()
-        if got != ABI_VERSION:
+        if got not in ABI_VERSIONS:
             raise ExpertdError("expertd_abi_version", 1,
-                               f"library ABI {got}, this mirror speaks {ABI_VERSION}")
+                               f"library ABI {got}, this mirror speaks {ABI_VERSIONS}")
+        self.abi = got
+        self.lib.expertd_set_create.argtypes = _SET_CREATE[got]
+
+    @property
+    def block_scales(self) -> bool:
+        """Whether expertd_set_create takes block-scaled weights (ABI >= 2)."""
+        return self.abi >= 2
 
     def check(self, func: str, code: int) -> None:
         """Raise ExpertdError with the thread's last error unless code is OK."""
@@ -131,9 +157,18 @@ class ExpertSet:
     """One layer's experts uploaded to expertd, and calls of the op on them."""
 
     def __init__(self, lib: Library, device: int, weights):
-        """Upload bench.peer.MoEWeights (copied to host: the ABI takes host weights)."""
+        """Upload bench.peer.MoEWeights (copied to host: the ABI takes host weights).
+
+        Block-scaled weights (shape.block = [Bn, Bk]) need ABI 2; a v1 library
+        raises ExpertdError(EXPERTD_ERR_UNSUPPORTED) before any call.
+        """
         s = weights.shape
         self.lib, self.shape, self.weights = lib, s, weights
+        self.block = s.block
+        if s.block is not None and not lib.block_scales:
+            raise ExpertdError("expertd_set_create", ERR_UNSUPPORTED,
+                               f"library ABI {lib.abi} has no block-scaled weights "
+                               f"(weight_block_shape {list(s.block)} needs ABI 2)")
         act = ACT_RELU2 if s.activation == "relu2" else ACT_SILU_GATED
         # Host copies live only for the call; the library copies them to the GPU.
         w13 = weights.w13.view(torch.uint8).cpu().contiguous()
@@ -141,30 +176,40 @@ class ExpertSet:
         s13 = weights.w13_scale.float().cpu().contiguous()
         s2 = weights.w2_scale.float().cpu().contiguous()
         handle = ctypes.c_uint64(0)
+        # Block layers: activation scales 0, dynamic per token group of Bk.
+        a13, a2 = float(weights.a13_scale), float(weights.a2_scale)
+        block = [] if lib.abi < 2 else list(s.block or (0, 0))
         lib.check("expertd_set_create", lib.lib.expertd_set_create(
             device, s.E, s.K, s.N, act, w13.data_ptr(), w2.data_ptr(),
-            s13.data_ptr(), s13.numel(), s2.data_ptr(), s2.numel(),
-            float(weights.a13_scale), float(weights.a2_scale), ctypes.byref(handle)))
+            s13.data_ptr(), s13.numel(), s2.data_ptr(), s2.numel(), *block,
+            a13, a2, ctypes.byref(handle)))
         self.handle = handle.value
+        del w13, w2
+        # The static per-tensor hidden scale; block layers pass each call's
+        # per-token-group scales instead.
         self.hidden_scale = weights.a13_scale.float().reshape(1).contiguous()
         self.bias = None
         if weights.correction_bias is not None:
             self.bias = weights.correction_bias.float().contiguous()
 
     def params(self, M: int, gemm: int = GEMM_AUTO):
-        """The iparams / fparams arrays for M tokens of FP8 hidden, FP32 logits, BF16 out."""
+        """The iparams / fparams arrays for M tokens of FP8 hidden, FP32 logits, BF16 out.
+
+        Block layers take M * ceil(K/Bk) hidden scales (per token group) and the
+        shape's expert groups; the others one scale and no grouping.
+        """
         s = self.shape
         ip = (ctypes.c_int64 * NUM_IPARAMS)()
         ip[P_M] = M
         ip[P_HIDDEN_DTYPE] = DTYPE_FLOAT8_E4M3FN
-        ip[P_N_HIDDEN_SCALE] = 1
+        ip[P_N_HIDDEN_SCALE] = 1 if s.block is None else M * -(-s.K // s.block[1])
         ip[P_LOGITS_DTYPE] = DTYPE_FLOAT32
         ip[P_OUT_DTYPE] = DTYPE_BFLOAT16
         ip[P_TOP_K] = s.top_k
         ip[P_RENORMALIZE] = int(s.renormalize)
         ip[P_SCORING] = SCORING_SIGMOID if s.scoring == "sigmoid" else SCORING_SOFTMAX
-        ip[P_NUM_GROUPS] = 0
-        ip[P_TOPK_GROUPS] = 0
+        ip[P_NUM_GROUPS] = s.n_group if s.n_group > 1 else 0
+        ip[P_TOPK_GROUPS] = s.topk_group if s.n_group > 1 else 0
         ip[P_GEMM] = gemm
         ip[P_USE_GRAPH] = 0
         fp = (ctypes.c_float * NUM_FPARAMS)()
@@ -173,14 +218,25 @@ class ExpertSet:
 
     def moe_device(self, x_fp8: torch.Tensor, logits: torch.Tensor, out: torch.Tensor,
                    params=None, topk_ids: torch.Tensor | None = None,
-                   topk_w: torch.Tensor | None = None) -> torch.Tensor:
-        """Enqueue the op on torch's current stream (capturable); returns out."""
+                   topk_w: torch.Tensor | None = None,
+                   hidden_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Enqueue the op on torch's current stream (capturable); returns out.
+
+        hidden_scale: block layers' per-token-group scales [M, ceil(K/Bk)]
+        float32, row-major (required for them, ignored otherwise).
+        """
         M = x_fp8.shape[0]
         ip, fp = params or self.params(M)
+        if self.block is not None:
+            if hidden_scale is None or hidden_scale.numel() != ip[P_N_HIDDEN_SCALE]:
+                raise ValueError(f"block layer: hidden_scale needs {ip[P_N_HIDDEN_SCALE]} floats")
+            hs = hidden_scale
+        else:
+            hs = self.hidden_scale
         stream = torch.cuda.current_stream(x_fp8.device).cuda_stream
         self.lib.check("expertd_moe_device", self.lib.lib.expertd_moe_device(
             self.handle, ip, NUM_IPARAMS, fp, NUM_FPARAMS,
-            _ptr(x_fp8), _ptr(self.hidden_scale), _ptr(logits), _ptr(self.bias),
+            _ptr(x_fp8), _ptr(hs), _ptr(logits), _ptr(self.bias),
             None, None, _ptr(out), _ptr(topk_ids), _ptr(topk_w), stream))
         return out
 

@@ -12,6 +12,14 @@ L2 by themselves; rotation keeps M=1's few experts from staying cached):
   peer          bench/peer.py's TorchPeer, the full op, CUDA-graph replay
   peer-gemm     the peer's two torch._scaled_grouped_mm calls on pre-permuted data
 
+DeepSeek-V3 (--model deepseek-v3; not in the default run, see DEFAULT_MODELS)
+is block-scaled: 128x128 weight blocks, FP8 hidden states in with per-token-group
+(128) scales, the intermediate requantized per token group. Its peer is
+bench/peer.py's BlockPeer, which calls torch._scaled_mm per expert and so syncs
+with the host once per call: its full op is timed eagerly (the timing column says
+so); its GEMMs alone are graph-captured. A v1 library (no block scales) runs the
+peer alone for it and the tables say "unsupported".
+
 Without build/libexpertd_cuda.so it runs the peer alone and says so.
 Results are printed as tables (the last one is the summary) and written to
 $OUT/moe_bench.json and $OUT/moe_bench.md when OUT is set.
@@ -48,6 +56,18 @@ VLLM_QUOTED_MS = {
     ("qwen3-30b-a3b", 256): 0.391, ("qwen3-30b-a3b", 8192): 2.601,
 }
 TOKENS = [1, 16, 64, 256, 1024, 4096, 8192]
+CHECK_M = [1, 64, 256]
+# Per-model token counts and checked M where they differ from the above: the
+# float64 reference of a DeepSeek-V3 layer (256 experts of 44 MB) is slow past M=64.
+MODEL_TOKENS = {"deepseek-v3": [1, 64, 256, 4096, 8192]}
+MODEL_CHECK_M = {"deepseek-v3": [1, 64]}
+# The default run; DeepSeek-V3 adds ~2 min and 23 GB of weights (expertd's and
+# the peer's copies): run it alone with --model deepseek-v3, or with --models all.
+DEFAULT_MODELS = ["nemotron-3-nano", "qwen3-30b-a3b"]
+# Issue 8's targets for DeepSeek-V3: decode (M <= 256) at >= 3.4 TB/s of touched
+# weights, M=8192 at >= 800 TFLOP/s.
+TARGETS = {"deepseek-v3": {"decode_max_m": 256, "decode_tbps": 3.4, "prefill_m": 8192,
+                           "prefill_tflops": 800.0}}
 CHECK_BAR = 2e-2
 
 
@@ -108,16 +128,17 @@ def time_replays(fns, iters: int, warmup: int, graph: bool = True,
 # ---------------------------------------------------------------- checks
 
 
-def check_outputs(w, xset, lib_set, peer_gmm) -> list[dict]:
+def check_outputs(w, xset, lib_set, peer_gmm, block=None) -> list[dict]:
     """expertd and the peer against the float64 reference on the given inputs.
 
     expertd's output is poisoned with NaN first, so an unwritten element fails.
     """
     rows = []
-    for x, logits in xset:
+    for inp in xset:
+        x, logits = inp[:2]
         M = x.shape[0]
-        ref = peer.reference_moe(w, x, logits)
-        got_peer = peer.TorchPeer(w, M, peer_gmm)(x, logits)
+        ref = peer.reference_moe(w, *inp)
+        got_peer = peer.make_peer(w, M, peer_gmm, block)(*inp)
         row = {"M": M, "peer_vs_ref": peer.rel_l2(got_peer, ref)}
         if peer_gmm is peer.grouped_mm_torch:
             try:
@@ -127,7 +148,7 @@ def check_outputs(w, xset, lib_set, peer_gmm) -> list[dict]:
                 log(f"  use_fast_accum=True refused: {str(e)[:200]}")
         if lib_set is not None:
             out = torch.full((M, w.shape.K), float("nan"), dtype=torch.bfloat16, device=x.device)
-            lib_set.moe_device(x, logits, out)
+            run_expertd(lib_set, inp, out)
             torch.cuda.synchronize()
             row["expertd_vs_ref"] = peer.rel_l2(out, ref)
             row["expertd_vs_peer"] = peer.rel_l2(out, got_peer.double())
@@ -141,9 +162,15 @@ def check_outputs(w, xset, lib_set, peer_gmm) -> list[dict]:
 # ---------------------------------------------------------------- one model
 
 
+def run_expertd(lib_set, inp, out, params=None):
+    """expertd_moe_device on one input set: (x, logits) or (x, logits, x_scale)."""
+    return lib_set.moe_device(inp[0], inp[1], out, params,
+                              hidden_scale=inp[2] if len(inp) > 2 else None)
+
+
 def distinct_experts(w, sets) -> float:
     """Mean count of distinct experts the routing hits, over the input sets."""
-    hits = [torch.unique(peer.route(lg, w.shape, w.correction_bias)[0]).numel() for _, lg in sets]
+    hits = [torch.unique(peer.route(inp[1], w.shape, w.correction_bias)[0]).numel() for inp in sets]
     return sum(hits) / len(hits)
 
 
@@ -153,22 +180,42 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
     t0 = time.time()
     w = peer.make_weights(shape, dev, gen)
     peer.calibrate_a2_scale(w, 256, dev, gen)
-    log(f"{shape.name}: weights built ({time.time() - t0:.1f} s), a2_scale={w.a2_scale.item():.3e}")
+    a2 = "dynamic per token group" if shape.block else f"{w.a2_scale.item():.3e}"
+    log(f"{shape.name}: weights built ({time.time() - t0:.1f} s), a2_scale={a2}")
     peer.check_routing(shape, dev, gen)
-    gmm = peer.default_grouped_mm(dev)
-    lib_set = None
+    gmm, block = None, None
+    if shape.block is None:
+        gmm = peer.default_grouped_mm(dev)
+        peer_name = ("torch._scaled_grouped_mm (rowwise FP8, CUTLASS)" if gmm is peer.grouped_mm_torch
+                     else "float32 emulation")
+    else:
+        block = peer.block_mode(dev)
+        peer_name = peer.BLOCK_MODE_NAMES[block]
+    log(f"  peer: {peer_name}")
+    lib_set, lib_note = None, None
     if lib is not None:
         try:
+            t1 = time.time()
             lib_set = expertd_ctypes.ExpertSet(lib, args.device, w)
+            log(f"  expertd set created ({time.time() - t1:.1f} s)")
         except expertd_ctypes.ExpertdError as e:
-            log(f"  expertd set_create failed, peer only for {shape.name}: {e}")
-    inputs = [peer.make_inputs(shape, w, m, dev, gen) for m in args.check_m]
+            unsupported = e.code == expertd_ctypes.ERR_UNSUPPORTED
+            lib_note = f"unsupported: {e}" if unsupported else f"set_create failed: {e}"
+            log(f"  expertd {'does not support' if unsupported else 'set_create failed for'} "
+                f"{shape.name}, peer only: {e}")
+    check_m = args.check_m if args.check_m is not None else MODEL_CHECK_M.get(shape.name, CHECK_M)
+    inputs = [peer.make_inputs(shape, w, m, dev, gen) for m in check_m]
     try:
-        checks = check_outputs(w, inputs, lib_set, gmm)
+        checks = check_outputs(w, inputs, lib_set, gmm, block)
     except expertd_ctypes.ExpertdError as e:
         log(f"  expertd failed its check run, peer only for {shape.name}: {e}")
-        lib_set = None
-        checks = check_outputs(w, inputs, None, gmm)
+        try:
+            lib_set.free()
+        except expertd_ctypes.ExpertdError as e2:
+            log(f"  expertd set_free failed too: {e2}")
+        lib_set, lib_note = None, f"check run failed: {e}"
+        checks = check_outputs(w, inputs, None, gmm, block)
+    del inputs
     for c in checks:
         log(f"  check M={c['M']}: " + ", ".join(
             f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items() if k != "M"))
@@ -178,26 +225,26 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
         hit = distinct_experts(w, sets)
         rec = {"model": shape.name, "M": M, "distinct_experts": hit,
                "flops": shape.flops(M), "weight_bytes": hit * shape.expert_bytes(),
-               "vllm_quoted_ms": VLLM_QUOTED_MS.get((shape.name, M))}
+               "vllm_quoted_ms": VLLM_QUOTED_MS.get((shape.name, M)), "peer_impl": peer_name}
+        if lib_note is not None:
+            rec["expertd_note"] = lib_note
 
-        p = peer.TorchPeer(w, M, gmm)
+        p = peer.make_peer(w, M, gmm, block)
         outs = [None] * len(sets)
 
         def peer_fn(i):
             def f():
                 outs[i] = p(*sets[i])
             return f
+        # BlockPeer's per-expert calls sync with the host: no graph, and the
+        # mode column says "eager (host sync per call)".
         rec["peer_ms"], rec["peer_mode"], _ = time_replays(
-            [peer_fn(i) for i in range(len(sets))], args.iters, args.warmup)
+            [peer_fn(i) for i in range(len(sets))], args.iters, args.warmup, graph=p.capturable)
+        if not p.capturable:
+            rec["peer_mode"] = "eager (host sync per call)"
 
         # GEMM-only inputs: permuted FP8 rows and the requantized intermediate.
-        pre = []
-        for x, logits in sets:
-            ids, _ = peer.route(logits, shape, w.correction_bias)
-            perm = peer.permute(ids, shape)
-            a1 = peer.gather_rows_fp8(x, perm.src_token)
-            h = p.gmm(a1, p.b1, p.sa1, p.sb1, perm.offs)
-            pre.append((a1, p.requant(h), perm.offs))
+        pre = [p.gemm_args(*inp) for inp in sets]
         rec["peer_gemm_ms"], rec["peer_gemm_mode"], _ = time_replays(
             [lambda a=a: p.gemm_only(*a) for a in pre], args.iters, args.warmup)
 
@@ -220,7 +267,7 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
             xo = [torch.empty(M, shape.K, dtype=torch.bfloat16, device=dev) for _ in sets]
             try:
                 rec["expertd_ms"], rec["expertd_mode"], _ = time_replays(
-                    [lambda i=i: lib_set.moe_device(*sets[i], xo[i], params) for i in range(len(sets))],
+                    [lambda i=i: run_expertd(lib_set, sets[i], xo[i], params) for i in range(len(sets))],
                     args.iters, args.warmup)
             except expertd_ctypes.ExpertdError as e:
                 log(f"  expertd failed at M={M}: {e}")
@@ -263,6 +310,22 @@ def fmt(v, spec=".3f", none="—") -> str:
     return none if v is None else format(v, spec)
 
 
+def target(rec: dict, q: dict) -> str:
+    """The issue's target for this model and M, and whether expertd meets it."""
+    t = TARGETS.get(rec["model"])
+    if t is None:
+        return "—"
+    if rec["M"] <= t["decode_max_m"]:
+        want, got, unit = t["decode_tbps"], None if q["gbps"] is None else q["gbps"] / 1e3, "TB/s"
+    elif rec["M"] == t["prefill_m"]:
+        want, got, unit = t["prefill_tflops"], q["tflops"], "TFLOP/s"
+    else:
+        return "—"
+    if got is None:
+        return f"≥ {want:g} {unit}"
+    return f"≥ {want:g} {unit}: {'met' if got >= want else 'missed'}"
+
+
 def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
     """Markdown tables: checks, every implementation's rates, then the summary."""
     lines = ["### Correctness (rel-L2 vs float64 reference; bar 2e-2)", "",
@@ -283,6 +346,8 @@ def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
                       ("peer-fastacc-gemm", "peer_fast_gemm_ms", "peer_fast_gemm_mode")]
         if have_lib:
             impls.insert(0, ("expertd", "expertd_ms", "expertd_mode"))
+            if "expertd_note" in r:
+                impls[0] = ("expertd", "expertd_ms", "expertd_note")
         for name, key, mode in impls:
             ms = r.get(key)
             q = rates(r, ms)
@@ -290,30 +355,41 @@ def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
                          f"{fmt(q['tflops'], '.1f')} | {fmt(q['gbps'], '.0f')} | {fmt(q['pct_bw'], '.1f')} | "
                          f"{fmt(q['pct_fp8'], '.1f')} |")
     who = "expertd" if have_lib else "peer"
-    lines += ["", f"### Summary (rates are {who}'s full op; vLLM column quoted from the issue, not measured)",
+    lines += ["", f"### Summary (rates are {who}'s full op, the peer's where expertd has none; "
+              "vLLM column quoted from the issue, not measured)",
               "", "| model | M | experts hit | expertd ms | peer ms | peer fastacc ms | peer GEMM ms | "
               "vLLM ms (quoted) | speedup vs faster peer | TFLOP/s | weight GB/s | % 4.28 TB/s | "
-              "% 1471 TFLOP/s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "% 1471 TFLOP/s | issue target (expertd) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         e = r.get("expertd_ms")
-        q = rates(r, e if have_lib else r["peer_ms"])
+        q = rates(r, e if have_lib and e is not None else r["peer_ms"])
         best = min(v for v in (r["peer_ms"], r.get("peer_fast_ms")) if v is not None)
         speed = best / e if e else None
-        lines.append(f"| {r['model']} | {r['M']} | {r['distinct_experts']:.1f} | {fmt(e, '.4f')} | "
+        ecell = fmt(e, '.4f') if e is not None or "expertd_note" not in r else "unsupported"
+        tcell = target(r, rates(r, e)) if TARGETS.get(r["model"]) else "—"
+        lines.append(f"| {r['model']} | {r['M']} | {r['distinct_experts']:.1f} | {ecell} | "
                      f"{r['peer_ms']:.4f} | {fmt(r.get('peer_fast_ms'), '.4f')} | {r['peer_gemm_ms']:.4f} | "
                      f"{fmt(r['vllm_quoted_ms'], '.3f')} | "
                      f"{fmt(speed, '.2f')} | {fmt(q['tflops'], '.1f')} | {fmt(q['gbps'], '.0f')} | "
-                     f"{fmt(q['pct_bw'], '.1f')} | {fmt(q['pct_fp8'], '.1f')} |")
+                     f"{fmt(q['pct_bw'], '.1f')} | {fmt(q['pct_fp8'], '.1f')} | {tcell} |")
+    peers = {}
+    for r in results:
+        peers.setdefault(r["peer_impl"], []).append(r["model"])
+    lines += ["", "Peers: " + "; ".join(f"{', '.join(dict.fromkeys(m))}: {impl}"
+                                       for impl, m in peers.items())]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     """Parse flags, check and time every model and M, print and write the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(peer.MODELS), help="comma-separated model names")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated M values")
-    ap.add_argument("--check-m", default="1,64,256", help="M values checked against the reference")
+    ap.add_argument("--models", "--model", default=",".join(DEFAULT_MODELS),
+                    help=f"comma-separated model names, or all ({', '.join(peer.MODELS)})")
+    ap.add_argument("--tokens", default=None,
+                    help=f"comma-separated M values (default {TOKENS}; {MODEL_TOKENS})")
+    ap.add_argument("--check-m", default=None,
+                    help=f"M values checked against the reference (default {CHECK_M}; {MODEL_CHECK_M})")
     ap.add_argument("--iters", type=int, default=100, help="timed replays per measurement (>= 50)")
     ap.add_argument("--warmup", type=int, default=20, help="untimed replays first")
     ap.add_argument("--sets", type=int, default=8, help="input sets rotated (>= 4)")
@@ -323,7 +399,12 @@ def main(argv=None) -> int:
     ap.add_argument("--fast-accum", action="store_true",
                     help="also time the peer with use_fast_accum=True")
     args = ap.parse_args(argv)
-    args.check_m = [int(m) for m in args.check_m.split(",") if m]
+    if args.check_m is not None:
+        args.check_m = [int(m) for m in args.check_m.split(",") if m]
+    names = list(peer.MODELS) if args.models == "all" else [m for m in args.models.split(",") if m]
+    for name in names:
+        if name not in peer.MODELS:
+            ap.error(f"unknown model {name!r}: want one of {', '.join(peer.MODELS)} or all")
     if args.iters < 50 or args.sets < 4:
         ap.error("need --iters >= 50 and --sets >= 4")
     if not torch.cuda.is_available():
@@ -357,8 +438,10 @@ def main(argv=None) -> int:
     log(f"device {props.name}, torch {torch.__version__}, seed {seed}, commit {meta['commit']}")
 
     results, checks = [], []
-    for name in args.models.split(","):
-        r, c = bench_model(peer.MODELS[name], [int(m) for m in args.tokens.split(",")], lib, args, gen)
+    for name in names:
+        Ms = ([int(m) for m in args.tokens.split(",") if m] if args.tokens is not None
+              else MODEL_TOKENS.get(name, TOKENS))
+        r, c = bench_model(peer.MODELS[name], Ms, lib, args, gen)
         results += r
         checks += c
 

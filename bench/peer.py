@@ -9,6 +9,10 @@ Everything after the inputs is static in shape (no host sync), so the whole op
 can be captured in a CUDA graph: rows per expert are padded to GROUP_ALIGN and
 the padded buffer is sized for the worst case (every expert padded).
 
+Block-scaled layers (DeepSeek-V3: 128x128 weight blocks, activations quantized
+per token group of 128) go through BlockPeer instead: see its section for why
+it calls torch._scaled_mm per expert, and which fallbacks it probes for.
+
 `reference_moe` is the same op in float64 (float32 for routing, shared with the
 peer, so a near tie cannot send the two to different experts); it is what the
 peer and expertd are checked against on small M.
@@ -49,6 +53,9 @@ class MoEShape:
     renormalize: bool
     scaling_factor: float = 1.0
     correction_bias: bool = False
+    n_group: int = 0  # expert groups for grouped top-k (0 or 1: none)
+    topk_group: int = 0  # groups kept
+    block: tuple[int, int] | None = None  # weight_block_shape [Bn, Bk]; None: per-expert scales
 
     @property
     def rows1(self) -> int:
@@ -60,8 +67,17 @@ class MoEShape:
         return 2 * M * self.top_k * self.K * (self.rows1 + self.N)
 
     def expert_bytes(self) -> int:
-        """FP8 weight bytes of one expert (w13 and w2)."""
-        return self.K * (self.rows1 + self.N)
+        """Weight bytes of one expert: FP8 w13 and w2, plus float32 block scales."""
+        b = self.K * (self.rows1 + self.N)
+        if self.block is not None:
+            b += 4 * (math.prod(self.block_scale_shape(self.rows1, self.K))
+                      + math.prod(self.block_scale_shape(self.K, self.N)))
+        return b
+
+    def block_scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        """[ceil(rows/Bn), ceil(cols/Bk)]: one weight matrix's block scales."""
+        bn, bk = self.block
+        return -(-rows // bn), -(-cols // bk)
 
 
 NEMOTRON = MoEShape(
@@ -72,16 +88,23 @@ QWEN3 = MoEShape(
     "qwen3-30b-a3b", "silu_gated", E=128, top_k=8, K=2048, N=768,
     scoring="softmax", renormalize=True,
 )
-MODELS = {m.name: m for m in (NEMOTRON, QWEN3)}
+DEEPSEEK_V3 = MoEShape(
+    "deepseek-v3", "silu_gated", E=256, top_k=8, K=7168, N=2048,
+    scoring="sigmoid", renormalize=True, scaling_factor=2.5, correction_bias=True,
+    n_group=8, topk_group=4, block=(128, 128),
+)
+MODELS = {m.name: m for m in (NEMOTRON, QWEN3, DEEPSEEK_V3)}
 
 
 @dataclasses.dataclass
 class MoEWeights:
     """One layer's quantized weights and static scales, all on one device.
 
-    w13 is [E, rows1, K] and w2 is [E, K, N], FP8 E4M3FN, K-contiguous as in vLLM;
-    w13_scale and w2_scale are per expert [E]; a13_scale and a2_scale are static
-    per-tensor scales (0-dim float32).
+    w13 is [E, rows1, K] and w2 is [E, K, N], FP8 E4M3FN, K-contiguous as in vLLM.
+    Per-expert layers: w13_scale and w2_scale are [E]; a13_scale and a2_scale are
+    static per-tensor scales (0-dim float32). Block layers (shape.block = [Bn, Bk]):
+    w13_scale is [E, ceil(rows1/Bn), ceil(K/Bk)], w2_scale [E, ceil(K/Bn),
+    ceil(N/Bk)], and both activation scales are 0 (dynamic per token group of Bk).
     """
 
     shape: MoEShape
@@ -102,22 +125,72 @@ def quantize_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _pad_to(x: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
+    """x zero-padded along dim to a multiple of mult (a view-free copy only if needed)."""
+    n = x.shape[dim]
+    extra = -n % mult
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return torch.nn.functional.pad(x, pad)
+
+
+def expand_blocks(scale: torch.Tensor, rows: int, cols: int, bn: int, bk: int) -> torch.Tensor:
+    """[..., ceil(rows/bn), ceil(cols/bk)] block scales broadcast to [..., rows, cols]."""
+    s = scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
+    return s[..., :rows, :cols]
+
+
+def quantize_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize [E, R, C] float weights to FP8 per bn x bk block (amax/448), as
+    DeepSeek-V3's checkpoints are: scales [E, ceil(R/bn), ceil(C/bk)]."""
+    E, R, C = w.shape
+    p = _pad_to(_pad_to(w, 1, bn), 2, bk)
+    blocks = p.view(E, p.shape[1] // bn, bn, p.shape[2] // bk, bk)
+    scale = (blocks.abs().amax(dim=(2, 4)).float() / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (w / expand_blocks(scale, R, C, bn, bk)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group FP8 quantization (MOE_SPEC.md block mode): each row's
+    columns in groups of `group`, scale = amax/448 (>= MIN_SCALE), computed in
+    float32. Returns FP8 [rows, C] and float32 scales [rows, ceil(C/group)]."""
+    xf = x.float()
+    rows, C = xf.shape
+    p = _pad_to(xf, 1, group)
+    scale = (p.view(rows, -1, group).abs().amax(dim=2) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (xf / scale.repeat_interleave(group, dim=1)[:, :C]).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 values of per-token-group FP8 data."""
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]
+
+
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Quantize to FP8 with a fixed per-tensor scale, saturating at ±448."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def make_weights(shape: MoEShape, device, gen: torch.Generator) -> MoEWeights:
-    """Random weights: randn per expert, quantized with per-expert scales.
+    """Random weights: randn/sqrt(fan-in) per expert, quantized with per-expert
+    scales, or per [Bn, Bk] block for block layers; built on `device`.
 
-    One expert at a time keeps the float32 staging small (the full Nemotron
-    layer is 1.28 GB of FP8). a2_scale is left at 1 for calibrate_a2_scale.
+    A few experts at a time keep the float32 staging small (the full Nemotron
+    layer is 1.28 GB of FP8, DeepSeek-V3's 11.3 GB). a2_scale is left at 1 for
+    calibrate_a2_scale (0, dynamic, for block layers).
     """
     E, K, N, R = shape.E, shape.K, shape.N, shape.rows1
     w13 = torch.empty(E, R, K, dtype=torch.float8_e4m3fn, device=device)
     w2 = torch.empty(E, K, N, dtype=torch.float8_e4m3fn, device=device)
-    s13 = torch.empty(E, dtype=torch.float32, device=device)
-    s2 = torch.empty(E, dtype=torch.float32, device=device)
+    if shape.block is None:
+        s13 = torch.empty(E, dtype=torch.float32, device=device)
+        s2 = torch.empty(E, dtype=torch.float32, device=device)
+    else:
+        s13 = torch.empty(E, *shape.block_scale_shape(R, K), dtype=torch.float32, device=device)
+        s2 = torch.empty(E, *shape.block_scale_shape(K, N), dtype=torch.float32, device=device)
     chunk = 16
     for e0 in range(0, E, chunk):
         e1 = min(E, e0 + chunk)
@@ -125,13 +198,21 @@ def make_weights(shape: MoEShape, device, gen: torch.Generator) -> MoEWeights:
         # over its whole range rather than saturating.
         a = torch.randn(e1 - e0, R, K, generator=gen, device=device) / math.sqrt(K)
         b = torch.randn(e1 - e0, K, N, generator=gen, device=device) / math.sqrt(N)
-        w13[e0:e1], s13[e0:e1] = quantize_per_expert(a)
-        w2[e0:e1], s2[e0:e1] = quantize_per_expert(b)
+        if shape.block is None:
+            w13[e0:e1], s13[e0:e1] = quantize_per_expert(a)
+            w2[e0:e1], s2[e0:e1] = quantize_per_expert(b)
+        else:
+            w13[e0:e1], s13[e0:e1] = quantize_blocks(a, *shape.block)
+            w2[e0:e1], s2[e0:e1] = quantize_blocks(b, *shape.block)
+        del a, b
     bias = None
     if shape.correction_bias:
         # Small: a trained model's bias balances the load, a random one of the
         # scores' size (0.1) leaves ~13 of 128 experts unhit at M=8192.
         bias = torch.randn(E, generator=gen, device=device) * 0.01
+    if shape.block is not None:
+        zero = torch.tensor(0.0, dtype=torch.float32, device=device)
+        return MoEWeights(shape, w13, w2, s13, s2, zero, zero.clone(), bias)
     # randn/10 hidden states: amax of a few thousand draws is about 0.45.
     a13 = torch.tensor(0.5 / FP8_MAX, dtype=torch.float32, device=device)
     a2 = torch.tensor(1.0, dtype=torch.float32, device=device)
@@ -139,10 +220,15 @@ def make_weights(shape: MoEShape, device, gen: torch.Generator) -> MoEWeights:
 
 
 def make_inputs(shape: MoEShape, w: MoEWeights, M: int, device,
-                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random FP8 hidden states (randn/10 at the static a13_scale) and FP32 logits."""
+                gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random FP8 hidden states (randn/10) and FP32 logits: (x, logits) at the
+    static a13_scale, or for block layers (x, logits, x_scale) with x quantized
+    per token group of Bk and x_scale [M, ceil(K/Bk)] float32, row-major."""
     x = torch.randn(M, shape.K, generator=gen, device=device) / 10
     logits = torch.randn(M, shape.E, generator=gen, device=device)
+    if shape.block is not None:
+        q, xs = quantize_groups(x, shape.block[1])
+        return q, logits, xs.contiguous()
     return quantize_static(x, w.a13_scale), logits
 
 
@@ -156,6 +242,9 @@ def route(logits: torch.Tensor, shape: MoEShape,
     Selection uses a stable descending sort, so among equal scores the lower
     expert id wins (torch.topk makes no such promise). Sigmoid scoring selects on
     s + bias but weights with the unbiased s, as DeepSeek-V3 and Nemotron-H do.
+    With n_group > 1, each group's score is the sum of its top-2 selection
+    scores, the best topk_group groups are kept (ties: lower group id) and the
+    top-k is taken among their experts.
     """
     logits = logits.float()
     if shape.scoring == "softmax":
@@ -166,6 +255,14 @@ def route(logits: torch.Tensor, shape: MoEShape,
         select = scores if correction_bias is None else scores + correction_bias.float()
     else:
         raise ValueError(f"scoring {shape.scoring!r}: want softmax or sigmoid")
+    if shape.n_group > 1:
+        M, G = select.shape[0], shape.n_group
+        top2 = torch.sort(select.view(M, G, -1), dim=-1, descending=True, stable=True).values[..., :2]
+        gorder = torch.sort(top2.sum(dim=-1), dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros(M, G, dtype=torch.bool, device=select.device)
+        keep.scatter_(1, gorder[:, : shape.topk_group], True)
+        keep = keep.repeat_interleave(shape.E // G, dim=1)
+        select = select.masked_fill(~keep, -math.inf)
     order = torch.sort(select, dim=-1, descending=True, stable=True).indices
     ids = order[:, : shape.top_k]
     weights = scores.gather(1, ids)
@@ -322,6 +419,18 @@ class TorchPeer:
         h = self.gmm(a1, self.b1, self.sa1, self.sb1, offs)
         return self.gmm(self.requant(h), self.b2, self.sa2 if sa2 is None else sa2, self.sb2, offs)
 
+    # Graph capture works: no host sync anywhere in forward.
+    capturable = True
+
+    def gemm_args(self, x_fp8: torch.Tensor, logits: torch.Tensor) -> tuple:
+        """gemm_only's inputs for these hidden states: permuted FP8 rows, the
+        requantized intermediate and offs (routing and GEMM1 run eagerly here)."""
+        ids, _ = route(logits, self.shape, self.w.correction_bias)
+        perm = permute(ids, self.shape)
+        a1 = gather_rows_fp8(x_fp8, perm.src_token)
+        h = self.gmm(a1, self.b1, self.sa1, self.sb1, perm.offs)
+        return a1, self.requant(h), perm.offs
+
     def gemm_only(self, a1: torch.Tensor, a2: torch.Tensor, offs: torch.Tensor):
         """Just the two grouped GEMMs on pre-permuted, pre-quantized inputs."""
         h = self.gmm(a1, self.b1, self.sa1, self.sb1, offs)
@@ -342,38 +451,330 @@ class TorchPeer:
     __call__ = forward
 
 
+# ---------------------------------------------------------------- block-scaled peer
+#
+# torch._scaled_grouped_mm on SM90 takes rowwise float32 scales only (its
+# blockwise variants are MXFP8/NVFP4 on SM100), so a grouped FP8 GEMM with
+# DeepSeek's 1x128 activation / 128x128 weight scales does not exist in PyTorch
+# for Hopper. torch._scaled_mm does have it (cuBLASLt, CUDA >= 12.9, SM90 only):
+# scale_a [rows, K/128] outer-dim-major, scale_b [K/128, n/128] (the transpose
+# of a row-major [n/128, K/128]). BlockPeer calls it once per expert that has
+# rows, which needs the rows per expert on the host: one sync per call, so the
+# full op cannot be captured in a CUDA graph and is timed eagerly. Its GEMMs
+# alone, on pre-permuted rows whose counts are known, can be captured.
+
+# Modes of BlockPeer, best first; block_mode() probes which one runs here.
+BLOCK_SCALED_MM = "scaled_mm"        # per-expert torch._scaled_mm, 1x128 x 128x128 blockwise
+BLOCK_BF16_GROUPED = "bf16_grouped"  # weights dequantized to BF16 once, torch._grouped_mm
+BLOCK_EMULATED = "emulated"          # per-expert float32 matmul (CPU checks)
+
+BLOCK_MODE_NAMES = {
+    BLOCK_SCALED_MM: "per-expert torch._scaled_mm, FP8 blockwise 1x128 x 128x128 (cuBLASLt)",
+    BLOCK_BF16_GROUPED: "torch._grouped_mm in BF16 on block-dequantized weights (no FP8 GEMM)",
+    BLOCK_EMULATED: "per-expert float32 matmul emulating the block-scaled GEMM",
+}
+
+
+# Whether torch._scaled_mm writes into out= here (block_mode finds out); if not,
+# each call's result is copied into place.
+_SCALED_MM_OUT = True
+
+
+def scaled_mm_block(a, b_t, scale_a, scale_b_t, out):
+    """out = (a * scale_a per 1x128) @ (b_t * scale_b_t per 128x128) through
+    torch._scaled_mm: a [rows, K] FP8 row-major, b_t [K, n] (an expert's
+    K-contiguous [n, K] weight transposed), scale_a [rows, K/128] with strides
+    (1, rows), scale_b_t [K/128, n/128] with strides (1, K/128); BF16 out."""
+    if _SCALED_MM_OUT:
+        return torch._scaled_mm(a, b_t, scale_a, scale_b_t, out_dtype=torch.bfloat16, out=out)
+    return out.copy_(torch._scaled_mm(a, b_t, scale_a, scale_b_t, out_dtype=torch.bfloat16))
+
+
+def emulated_mm_block(a, b_t, scale_a, scale_b_t, out):
+    """What scaled_mm_block computes, in float32."""
+    K, n = b_t.shape
+    af = a.float() * scale_a.repeat_interleave(128, dim=1)[:, :K]
+    bf = b_t.float() * expand_blocks(scale_b_t.t(), n, K, 128, 128).t()
+    out.copy_(af @ bf)
+    return out
+
+
+def block_mode(device) -> str:
+    """The best BlockPeer mode that runs correctly on device, found by trying
+    each on a small problem against the float32 emulation."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return BLOCK_EMULATED
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(1)
+    rows, K, n = 32, 512, 256
+    a, sa = quantize_groups(torch.randn(rows, K, generator=gen, device=dev), 128)
+    b, sb = quantize_blocks(torch.randn(1, n, K, generator=gen, device=dev), 128, 128)
+    want = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
+    emulated_mm_block(a, b[0].t(), sa, sb[0].t(), want)
+    global _SCALED_MM_OUT
+    for use_out in (True, False):
+        _SCALED_MM_OUT = use_out
+        try:
+            got = torch.full((rows, n), math.nan, dtype=torch.bfloat16, device=dev)
+            scaled_mm_block(a, b[0].t(), sa.t().contiguous().t(), sb[0].t(), got)
+            err = rel_l2(got, want)
+            if err < 1e-2:
+                return BLOCK_SCALED_MM
+            print(f"peer: blockwise torch._scaled_mm (out={use_out}) is off by rel-L2 {err:.2e}",
+                  file=sys.stderr)
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            print(f"peer: blockwise torch._scaled_mm (out={use_out}) unavailable "
+                  f"({type(e).__name__}: {str(e)[:160]})", file=sys.stderr)
+    try:
+        offs = torch.tensor([rows], dtype=torch.int32, device=dev)
+        torch._grouped_mm(a.bfloat16(), b.bfloat16().transpose(1, 2), offs=offs,
+                          out_dtype=torch.bfloat16)
+        return BLOCK_BF16_GROUPED
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError) as e:
+        print(f"peer: torch._grouped_mm unavailable ({type(e).__name__}: {str(e)[:160]})",
+              file=sys.stderr)
+    return BLOCK_EMULATED
+
+
+def blocked_colmajor(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-row group scales [cap, G] laid out as each expert's own column-major
+    [rows_e, G] block (what scale_a of a per-expert _scaled_mm must be), flat.
+
+    Expert e's rows [start, end) land at flat[start*G : end*G] as [G, rows_e];
+    rows past offs[-1] keep a row-major tail, so every index is written once.
+    Device-only (searchsorted), so it can run under graph capture.
+    """
+    cap, G = scales.shape
+    r = torch.arange(cap, device=scales.device)
+    offs = offs.long()
+    e = torch.searchsorted(offs, r, right=True)
+    inside = e < offs.numel()
+    e = e.clamp_max(offs.numel() - 1)
+    end = offs[e]
+    start = torch.where(e > 0, offs[(e - 1).clamp_min(0)], torch.zeros_like(end))
+    g = torch.arange(G, device=scales.device)
+    idx = torch.where(inside[:, None],
+                      start[:, None] * G + g[None, :] * (end - start)[:, None] + (r - start)[:, None],
+                      r[:, None] * G + g[None, :])
+    flat = torch.empty(cap * G, dtype=scales.dtype, device=scales.device)
+    flat[idx.reshape(-1)] = scales.reshape(-1)
+    return flat
+
+
+def expert_scale(flat: torch.Tensor, start: int, end: int, G: int) -> torch.Tensor:
+    """Expert rows [start, end)'s view of blocked_colmajor's output: [rows, G],
+    strides (1, rows)."""
+    return flat[start * G: end * G].view(G, end - start).t()
+
+
+class BlockPeer:
+    """The whole op for a block-scaled layer (DeepSeek-V3) and M tokens.
+
+    Same structure as TorchPeer: stable-sort (grouped) routing, argsort
+    permutation padded to GROUP_ALIGN rows per expert, GEMM1, SiLU-gated
+    activation in float32, dynamic per-token-group FP8 requant (amax/448 per 128
+    columns), GEMM2 with the router weight folded into its row scales, gather and
+    sum. Hidden states come in as FP8 with per-token-group scales [M, K/128].
+    """
+
+    def __init__(self, w: MoEWeights, M: int, mode: str | None = None):
+        s = w.shape
+        if s.block is None or s.block[0] != 128 or s.block[1] != 128:
+            raise ValueError(f"{s.name}: BlockPeer needs weight_block_shape [128, 128]")
+        if s.activation != "silu_gated":
+            raise ValueError(f"{s.name}: BlockPeer implements SILU_GATED only")
+        self.w, self.shape, self.M = w, s, M
+        self.mode = mode or block_mode(w.w13.device)
+        self.name = BLOCK_MODE_NAMES[self.mode]
+        # The per-expert modes sync once per call for the rows per expert.
+        self.capturable = self.mode == BLOCK_BF16_GROUPED
+        # The emulation keeps GEMM outputs in float32, like grouped_mm_emulated in
+        # self_check, so a plumbing mistake cannot hide under BF16 rounding.
+        self.out_dtype = torch.float32 if self.mode == BLOCK_EMULATED else torch.bfloat16
+        self.g1 = -(-s.K // 128)  # group scales per row of GEMM1's input
+        self.g2 = -(-s.N // 128)  # and of GEMM2's
+        if self.mode == BLOCK_BF16_GROUPED:
+            # 22.6 GB for DeepSeek-V3: built once per layer, kept on w.
+            if getattr(w, "_bf16_weights", None) is None:
+                w._bf16_weights = (_dequant_weights(w.w13, w.w13_scale).transpose(1, 2),
+                                   _dequant_weights(w.w2, w.w2_scale).transpose(1, 2))
+            self.b1, self.b2 = w._bf16_weights
+
+    # -------- per-expert modes
+
+    def _mm(self, a, b_t, sa, sb_t, out):
+        if self.mode == BLOCK_SCALED_MM:
+            return scaled_mm_block(a, b_t, sa, sb_t, out)
+        return emulated_mm_block(a, b_t, sa, sb_t, out)
+
+    def _gemm(self, a, sa_flat, weight, wscale, bounds, G, out):
+        for e, (start, end) in bounds:
+            self._mm(a[start:end], weight[e].t(), expert_scale(sa_flat, start, end, G),
+                     wscale[e].t(), out[start:end])
+        return out
+
+    def requant(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """silu(gate) * up in float32, quantized per token group of 128."""
+        N = self.shape.N
+        act = torch.nn.functional.silu(h[:, :N].float()).mul_(h[:, N:])
+        return quantize_groups(act, 128)
+
+    def forward(self, x_fp8: torch.Tensor, logits: torch.Tensor,
+                x_scale: torch.Tensor) -> torch.Tensor:
+        """[M, K] FP8 hidden states with [M, K/128] scales and [M, E] logits to [M, K] BF16."""
+        s = self.shape
+        ids, weights = route(logits, s, self.w.correction_bias)
+        p = permute(ids, s)
+        a1 = gather_rows_fp8(x_fp8, p.src_token)
+        sa1 = x_scale.index_select(0, p.src_token)
+        rw = p.scatter_rows(weights, fill=1.0)
+        if self.mode == BLOCK_BF16_GROUPED:
+            y = self._grouped(a1, sa1, rw, p.offs)
+        else:
+            bounds = _bounds(p.offs.tolist())  # the host sync
+            y = self._per_expert(a1, sa1, rw, p.offs, bounds)
+        pairs = y.index_select(0, p.dest).view(self.M, s.top_k, s.K)
+        return pairs.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
+
+    __call__ = forward
+
+    def _per_expert(self, a1, sa1, rw, offs, bounds):
+        s, w = self.shape, self.w
+        cap = a1.shape[0]
+        h = torch.empty(cap, s.rows1, dtype=self.out_dtype, device=a1.device)
+        self._gemm(a1, blocked_colmajor(sa1, offs), w.w13, w.w13_scale, bounds, self.g1, h)
+        a2, sa2 = self.requant(h)
+        # The router weight rides in GEMM2's row scales (exact: a float32 product).
+        sa2 = blocked_colmajor(sa2.mul_(rw[:, None]), offs)
+        y = torch.empty(cap, s.K, dtype=self.out_dtype, device=a1.device)
+        return self._gemm(a2, sa2, w.w2, w.w2_scale, bounds, self.g2, y)
+
+    def _grouped(self, a1, sa1, rw, offs):
+        h = torch._grouped_mm(dequantize_groups(a1, sa1, 128).bfloat16(), self.b1, offs=offs,
+                              out_dtype=torch.bfloat16)
+        a2, sa2 = self.requant(h)
+        a2 = dequantize_groups(a2, sa2.mul_(rw[:, None]), 128).bfloat16()
+        return torch._grouped_mm(a2, self.b2, offs=offs, out_dtype=torch.bfloat16)
+
+    # -------- GEMMs alone
+
+    def gemm_args(self, x_fp8: torch.Tensor, logits: torch.Tensor,
+                  x_scale: torch.Tensor) -> tuple:
+        """gemm_only's inputs: permuted FP8 rows and the requantized intermediate,
+        with their scales in the layout the GEMMs take, and the expert bounds."""
+        s = self.shape
+        ids, _ = route(logits, s, self.w.correction_bias)
+        p = permute(ids, s)
+        a1 = gather_rows_fp8(x_fp8, p.src_token)
+        sa1 = x_scale.index_select(0, p.src_token)
+        if self.mode == BLOCK_BF16_GROUPED:
+            a1b = dequantize_groups(a1, sa1, 128).bfloat16()
+            h = torch._grouped_mm(a1b, self.b1, offs=p.offs, out_dtype=torch.bfloat16)
+            a2, sa2 = self.requant(h)
+            return a1b, dequantize_groups(a2, sa2, 128).bfloat16(), p.offs
+        bounds = _bounds(p.offs.tolist())
+        cap = a1.shape[0]
+        sa1f = blocked_colmajor(sa1, p.offs)
+        h = torch.empty(cap, s.rows1, dtype=self.out_dtype, device=a1.device)
+        self._gemm(a1, sa1f, self.w.w13, self.w.w13_scale, bounds, self.g1, h)
+        a2, sa2 = self.requant(h)
+        y = torch.empty(cap, s.K, dtype=self.out_dtype, device=a1.device)
+        return a1, sa1f, a2, blocked_colmajor(sa2, p.offs), bounds, h, y
+
+    def gemm_only(self, *args):
+        """Just the two GEMMs (per expert, or grouped) on gemm_args' inputs;
+        no host sync, so it can be captured."""
+        if self.mode == BLOCK_BF16_GROUPED:
+            a1, a2, offs = args
+            h = torch._grouped_mm(a1, self.b1, offs=offs, out_dtype=torch.bfloat16)
+            return h, torch._grouped_mm(a2, self.b2, offs=offs, out_dtype=torch.bfloat16)
+        a1, sa1f, a2, sa2f, bounds, h, y = args
+        w = self.w
+        self._gemm(a1, sa1f, w.w13, w.w13_scale, bounds, self.g1, h)
+        return h, self._gemm(a2, sa2f, w.w2, w.w2_scale, bounds, self.g2, y)
+
+
+def _bounds(offs: list[int]) -> list[tuple[int, tuple[int, int]]]:
+    """(expert, (start, end)) for every expert with rows, from cumulative offs."""
+    out, start = [], 0
+    for e, end in enumerate(offs):
+        if end > start:
+            out.append((e, (start, end)))
+        start = end
+    return out
+
+
+def _dequant_weights(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[E, R, C] FP8 block-quantized weights to BF16, a few experts at a time."""
+    E, R, C = wq.shape
+    out = torch.empty(E, R, C, dtype=torch.bfloat16, device=wq.device)
+    for e0 in range(0, E, 16):
+        e1 = min(E, e0 + 16)
+        out[e0:e1] = (wq[e0:e1].float() * expand_blocks(scale[e0:e1], R, C, 128, 128)).bfloat16()
+    return out
+
+
+def make_peer(w: MoEWeights, M: int, grouped_mm=None, block=None):
+    """The peer for w's layer: BlockPeer for block-scaled weights (in mode
+    `block`, probed when None), else TorchPeer (with grouped_mm)."""
+    if w.shape.block is not None:
+        return BlockPeer(w, M, block)
+    return TorchPeer(w, M, grouped_mm)
+
+
 # ---------------------------------------------------------------- reference
 
 
 def reference_moe(w: MoEWeights, x_fp8: torch.Tensor, logits: torch.Tensor,
-                  out_dtype=torch.float64) -> torch.Tensor:
+                  x_scale: torch.Tensor | None = None, out_dtype=torch.float64) -> torch.Tensor:
     """The op in float64, one (token, expert) pair at a time per expert.
 
     Same FP8 quantization of the intermediate as the op (static a2_scale, from a
-    float32 value), same float32 routing. Slow; meant for M of a few hundred.
+    float32 value; for block layers dynamic per token group of Bk, amax/448 in
+    float32, MOE_SPEC.md), same float32 routing. Block layers take x_scale [M,
+    K/Bk] and dequantize weights per [Bn, Bk] block. Slow; meant for M of a few
+    hundred (DeepSeek-V3: M <= 64).
     """
     s = w.shape
     ids, weights = route(logits, s, w.correction_bias)
-    x = x_fp8.double() * w.a13_scale.double()
+    if s.block is not None:
+        bn, bk = s.block
+        x = x_fp8.double() * x_scale.double().repeat_interleave(bk, dim=1)[:, : s.K]
+    else:
+        x = x_fp8.double() * w.a13_scale.double()
     out = torch.zeros(x.shape[0], s.K, dtype=torch.float64, device=x.device)
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        w13 = w.w13[e].double() * w.w13_scale[e].double()
+        if s.block is not None:
+            w13 = w.w13[e].double() * expand_blocks(w.w13_scale[e].double(), s.rows1, s.K, bn, bk)
+            w2 = w.w2[e].double() * expand_blocks(w.w2_scale[e].double(), s.K, s.N, bn, bk)
+        else:
+            w13 = w.w13[e].double() * w.w13_scale[e].double()
+            w2 = w.w2[e].double() * w.w2_scale[e].double()
         h = x[tok] @ w13.T
+        del w13
         if s.activation == "relu2":
             act = torch.relu(h) ** 2
         else:
             act = h[:, : s.N] * torch.sigmoid(h[:, : s.N]) * h[:, s.N:]
-        a2 = quantize_static(act.float(), w.a2_scale).double() * w.a2_scale.double()
-        y = a2 @ (w.w2[e].double() * w.w2_scale[e].double()).T
+        if s.block is not None:
+            q, qs = quantize_groups(act.float(), bk)
+            a2 = q.double() * qs.double().repeat_interleave(bk, dim=1)[:, : s.N]
+        else:
+            a2 = quantize_static(act.float(), w.a2_scale).double() * w.a2_scale.double()
+        y = a2 @ w2.T
         out.index_add_(0, tok, y * weights[tok, slot].double()[:, None])
     return out.to(out_dtype)
 
 
 def calibrate_a2_scale(w: MoEWeights, M: int, device, gen: torch.Generator) -> None:
     """Set the static a2_scale from the intermediate's amax on a calibration batch,
-    the way a static-scale checkpoint is calibrated."""
+    the way a static-scale checkpoint is calibrated. Block layers quantize the
+    intermediate dynamically: nothing to calibrate."""
     s = w.shape
+    if s.block is not None:
+        return
     x, logits = make_inputs(s, w, M, device, gen)
     ids, _ = route(logits, s, w.correction_bias)
     xf = x.float() * w.a13_scale
@@ -411,7 +812,14 @@ def check_routing(shape: MoEShape, device, gen: torch.Generator) -> None:
         row = logits[t].double().cpu()
         p = torch.softmax(row, 0) if shape.scoring == "softmax" else torch.sigmoid(row)
         sel = p + (bias.double().cpu() if bias is not None else 0)
-        want = sorted(range(shape.E), key=lambda e: (-sel[e].item(), e))[: shape.top_k]
+        allowed = range(shape.E)
+        if shape.n_group > 1:
+            size = shape.E // shape.n_group
+            gscore = [sum(sorted(sel[g * size:(g + 1) * size].tolist(), reverse=True)[:2])
+                      for g in range(shape.n_group)]
+            groups = sorted(range(shape.n_group), key=lambda g: (-gscore[g], g))[: shape.topk_group]
+            allowed = [e for e in range(shape.E) if e // size in groups]
+        want = sorted(allowed, key=lambda e: (-sel[e].item(), e))[: shape.top_k]
         got = ids[t].tolist()
         if got != want:
             raise AssertionError(f"{shape.name} row {t}: ids {got}, want {want}")
@@ -427,8 +835,10 @@ def check_routing(shape: MoEShape, device, gen: torch.Generator) -> None:
 
 
 def small_shape(shape: MoEShape) -> MoEShape:
-    """A cut-down layer with the same routing and activation, for CPU checks."""
-    return dataclasses.replace(shape, name=shape.name + "-small", E=16, K=512, N=256)
+    """A cut-down layer with the same routing and activation, for CPU checks
+    (32 experts when grouped, so each of 8 groups keeps a choice)."""
+    E = 32 if shape.n_group > 1 else 16
+    return dataclasses.replace(shape, name=shape.name + "-small", E=E, K=512, N=256)
 
 
 def self_check(device) -> int:
@@ -451,15 +861,19 @@ def self_check(device) -> int:
         s = shape if full else small_shape(shape)
         w = make_weights(s, device, gen)
         calibrate_a2_scale(w, 256, device, gen)
-        for M in (1, 7, 64) if not full else (1, 37, 256):
-            x, logits = make_inputs(s, w, M, device, gen)
-            got = TorchPeer(w, M, gmm)(x, logits)
-            want = reference_moe(w, x, logits)
+        for M in (1, 7, 64) if not full else (1, 37, 256 if s.block is None else 64):
+            inputs = make_inputs(s, w, M, device, gen)
+            p = make_peer(w, M, gmm)
+            got = p(*inputs)
+            want = reference_moe(w, *inputs)
             err = rel_l2(got, want)
-            ok = err <= bar
+            what = "torch._scaled_grouped_mm" if full else "float32 emulation"
+            if isinstance(p, BlockPeer):
+                what = p.name
+            ok = err <= (bar if not isinstance(p, BlockPeer) or p.mode == BLOCK_EMULATED or full
+                         else 2e-2)
             failures += not ok
-            print(f"peer check {s.name:24s} M={M:5d} rel-L2 {err:.2e} "
-                  f"({'torch._scaled_grouped_mm' if full else 'float32 emulation'}, bar {bar:g}) "
+            print(f"peer check {s.name:24s} M={M:5d} rel-L2 {err:.2e} ({what}, bar {bar:g}) "
                   f"{'ok' if ok else 'FAIL'}")
     return failures
 

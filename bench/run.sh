@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the FusedMoE GPU benchmark: expertd (build/libexpertd_cuda.so) against
-# the PyTorch peer, both models, M = 1..8192. Without the library it runs the
+# the PyTorch peer, Nemotron and Qwen3 at M = 1..8192 (--model deepseek-v3 for
+# DeepSeek-V3, --models all for all three). Without the library it runs the
 # peer alone and says so. Extra arguments go to bench/moe_bench.py.
 # With OUT set (the device tool sets it) the log, JSON and markdown land there.
 set -euo pipefail
