@@ -15,6 +15,16 @@
 // [N+c0, N+c0+32) in one 64-row weight tile, so the thread that holds gate
 // accumulator (row, c) also holds up accumulator (row, c) and the SiLU-and-
 // mul epilogue needs no shuffle.
+//
+// Block scales (kBlock): K is walked one scale block of block_k columns at
+// a time, each in 64-byte stages whose bytes past the block's end are
+// zero-filled, so the mma accumulators hold exactly that block's partial
+// product; after its last stage each is added into an FP32 total times
+// a_scale(row, block) * w_scale(row block, block), as kernels/cpu does per
+// segment. A block_k that is not a multiple of 64 wastes the zero-filled
+// part of its last stage; one that is not a multiple of 16 also takes the
+// byte loads. Per-channel scales run as blocks of one weight row by all of
+// K: one K block, so the same single scaling at the end.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -88,7 +98,7 @@ __device__ __forceinline__ void store_out(const MoeGemmArgs& p, size_t idx, floa
   }
 }
 
-template <int TM, bool kGated, GemmEpilogue kEpi, bool kF16, bool kVec>
+template <int TM, bool kGated, GemmEpilogue kEpi, bool kF16, bool kVec, bool kBlock>
 __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGemmArgs p) {
   const int blk = blockIdx.y;
   if (blk >= *p.num_blocks) return;
@@ -120,20 +130,38 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
     return c < p.w_rows ? c : -1;
   };
 
-  auto load_stage = [&](int stage, int k0) {
+  // Stage it covers K columns [k0, k0 + kBK) of its scale block, which ends
+  // at kend (K itself outside block mode).
+  const int bk = kBlock ? p.block_k : k;
+  const int spb = (bk + kBK - 1) / kBK;  // stages per K block
+  const int nkb = kBlock ? (k + bk - 1) / bk : 1;
+  auto stage_cols = [&](int it, int& k0, int& kend) {
+    if (!kBlock) {
+      k0 = it * kBK;
+      kend = k;
+      return;
+    }
+    const int kb = it / spb;
+    k0 = kb * bk + (it - kb * spb) * kBK;
+    kend = min(kb * bk + bk, k);
+  };
+
+  auto load_stage = [&](int stage, int it) {
+    int k0, kend;
+    stage_cols(it, k0, kend);
     if (kVec) {
       // 16-byte chunks: 4 per row.
       for (int i = tid; i < kWRows * 4; i += kThreads) {
         const int r = i / 4, ch = i % 4;
         const int wr = w_row(r);
         const int kk = k0 + ch * 16;
-        const bool ok = wr >= 0 && kk < k;
+        const bool ok = wr >= 0 && kk < kend;
         cp_async16(&w_s[stage][r][ch * 16], ok ? wexp + size_t(wr) * k + kk : p.w, ok);
       }
       for (int i = tid; i < TM * 4; i += kThreads) {
         const int r = i / 4, ch = i % 4;
         const int kk = k0 + ch * 16;
-        const bool ok = kk < k;
+        const bool ok = kk < kend;
         cp_async16(&a_s[stage][r][ch * 16], ok ? arow0 + size_t(r) * k + kk : p.a, ok);
       }
     } else {
@@ -142,12 +170,12 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
         const int r = i / kBK, c = i % kBK;
         const int wr = w_row(r);
         const int kk = k0 + c;
-        w_s[stage][r][c] = (wr >= 0 && kk < k) ? wexp[size_t(wr) * k + kk] : 0;
+        w_s[stage][r][c] = (wr >= 0 && kk < kend) ? wexp[size_t(wr) * k + kk] : 0;
       }
       for (int i = tid; i < TM * kBK; i += kThreads) {
         const int r = i / kBK, c = i % kBK;
         const int kk = k0 + c;
-        a_s[stage][r][c] = kk < k ? arow0[size_t(r) * k + kk] : 0;
+        a_s[stage][r][c] = kk < kend ? arow0[size_t(r) * k + kk] : 0;
       }
     }
   };
@@ -157,21 +185,46 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
   const int o0 = kGated ? 8 * warp : 16 * warp;
   const int o1 = kGated ? 32 + 8 * warp : 16 * warp + 8;
 
+  // acc is the mma accumulator; in block mode it holds one K block's partial
+  // product and tot the scaled sum of the finished blocks.
   float acc[TM / 16][2][4];
+  float tot[TM / 16][2][4];
 #pragma unroll
   for (int mi = 0; mi < TM / 16; ++mi)
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
+      for (int c = 0; c < 4; ++c) acc[mi][j][c] = tot[mi][j][c] = 0.f;
 
-  const int nk = (k + kBK - 1) / kBK;
+  // Block mode: where this thread's four weight rows (j, column pair cc of
+  // the mma tile) find their scales, w_scale[wso[j][cc] + kblock], or -1
+  // past the last channel.
+  int wso[2][2];
+  if (kBlock) {
+    const int nrb = (p.w_rows + p.block_n - 1) / p.block_n;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        int row;
+        if (kGated) {
+          const int ch = c0 + 8 * warp + t * 2 + cc;
+          row = ch < p.n_out ? (j == 0 ? ch : p.n_out + ch) : -1;
+        } else {
+          const int ch = c0 + (j == 0 ? o0 : o1) + t * 2 + cc;
+          row = ch < p.w_rows ? ch : -1;
+        }
+        wso[j][cc] = row < 0 ? -1 : (expert * nrb + row / p.block_n) * nkb;
+      }
+  }
+
+  const int nk = nkb * spb;
   load_stage(0, 0);
   cp_async_commit();
   for (int it = 0; it < nk; ++it) {
     const int s = it & 1;
     if (it + 1 < nk) {
-      load_stage(s ^ 1, (it + 1) * kBK);
+      load_stage(s ^ 1, it + 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -218,12 +271,45 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
         }
       }
     }
+    if (kBlock && (it + 1) % spb == 0) {
+      // The last stage of K block kb: scale its partial product into tot.
+      const int kb = it / spb;
+      float ws[2][2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) ws[j][cc] = wso[j][cc] >= 0 ? p.w_scale[wso[j][cc] + kb] : 0.f;
+#pragma unroll
+      for (int mi = 0; mi < TM / 16; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int srow = blk * TM + mi * 16 + g + 8 * h;
+          const float as = p.a_scale_rows ? p.a_scale_rows[size_t(srow) * p.a_scale_ld + kb] : p.a_scale;
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+              tot[mi][j][2 * h + cc] += acc[mi][j][2 * h + cc] * (as * ws[j][cc]);
+              acc[mi][j][2 * h + cc] = 0.f;
+            }
+        }
+    }
     __syncthreads();
+  }
+  if (kBlock) {
+    // The scales are applied: the epilogue below multiplies by 1 (or the
+    // router weight).
+#pragma unroll
+    for (int mi = 0; mi < TM / 16; ++mi)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[mi][j][c] = tot[mi][j][c];
   }
 
   // Epilogue straight from registers: accumulator c of tile (mi, j) sits at
   // row mi*16 + g + 8*(c/2), column t*2 + c%2 of the tile's 8 channels.
-  const float ws = p.w_scale[expert];
+  const float ws = kBlock ? 1.f : p.w_scale[expert];
 #pragma unroll
   for (int mi = 0; mi < TM / 16; ++mi) {
 #pragma unroll
@@ -231,7 +317,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
       const int srow = blk * TM + mi * 16 + g + 8 * h;
       const int pair = p.sorted_pairs[srow];
       if (pair < 0) continue;
-      float sc = (p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale) * ws;
+      float sc = kBlock ? 1.f : (p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale) * ws;
       if (kEpi == GemmEpilogue::kWeightedBF16) sc *= p.pair_weight[pair];
       const size_t orow = kEpi == GemmEpilogue::kWeightedBF16 ? size_t(pair) : size_t(srow);
 #pragma unroll
@@ -260,42 +346,72 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
   }
 }
 
-template <int TM, bool kGated, GemmEpilogue kEpi>
+template <int TM, bool kGated, GemmEpilogue kEpi, bool kBlock>
 cudaError_t launch_cfg(const MoeGemmArgs& a, bool f16, cudaStream_t stream) {
   constexpr int kOC = kGated ? kWRows / 2 : kWRows;
   const dim3 grid((a.n_out + kOC - 1) / kOC, a.max_blocks);
-  const bool vec = a.k % 16 == 0 && (reinterpret_cast<uintptr_t>(a.w) % 16) == 0 &&
-                   (reinterpret_cast<uintptr_t>(a.a) % 16) == 0;
+  // 16-byte copies need every stage to start and end on 16-byte boundaries:
+  // K and, in block mode, the K blocks.
+  const bool vec = a.k % 16 == 0 && (!kBlock || a.block_k % 16 == 0) &&
+                   (reinterpret_cast<uintptr_t>(a.w) % 16) == 0 && (reinterpret_cast<uintptr_t>(a.a) % 16) == 0;
   if (f16) {
     if (vec) {
-      moe_gemm_portable_kernel<TM, kGated, kEpi, true, true><<<grid, kThreads, 0, stream>>>(a);
+      moe_gemm_portable_kernel<TM, kGated, kEpi, true, true, kBlock><<<grid, kThreads, 0, stream>>>(a);
     } else {
-      moe_gemm_portable_kernel<TM, kGated, kEpi, true, false><<<grid, kThreads, 0, stream>>>(a);
+      moe_gemm_portable_kernel<TM, kGated, kEpi, true, false, kBlock><<<grid, kThreads, 0, stream>>>(a);
     }
   } else {
     if (vec) {
-      moe_gemm_portable_kernel<TM, kGated, kEpi, false, true><<<grid, kThreads, 0, stream>>>(a);
+      moe_gemm_portable_kernel<TM, kGated, kEpi, false, true, kBlock><<<grid, kThreads, 0, stream>>>(a);
     } else {
-      moe_gemm_portable_kernel<TM, kGated, kEpi, false, false><<<grid, kThreads, 0, stream>>>(a);
+      moe_gemm_portable_kernel<TM, kGated, kEpi, false, false, kBlock><<<grid, kThreads, 0, stream>>>(a);
     }
   }
   return cudaGetLastError();
 }
 
-template <bool kGated, GemmEpilogue kEpi>
+template <bool kGated, GemmEpilogue kEpi, bool kBlock>
 cudaError_t launch_tm(const MoeGemmArgs& a, bool f16, cudaStream_t s) {
   switch (a.block_rows) {
     case 16:
-      return launch_cfg<16, kGated, kEpi>(a, f16, s);
+      return launch_cfg<16, kGated, kEpi, kBlock>(a, f16, s);
     case 32:
-      return launch_cfg<32, kGated, kEpi>(a, f16, s);
+      return launch_cfg<32, kGated, kEpi, kBlock>(a, f16, s);
     case 64:
-      return launch_cfg<64, kGated, kEpi>(a, f16, s);
+      return launch_cfg<64, kGated, kEpi, kBlock>(a, f16, s);
   }
   return cudaErrorInvalidValue;
 }
 
+// launch_epi picks the kernel for one epilogue. Per-channel scales run as
+// the block kernel with blocks of one row by all of K. kAct1BF16 (the sm90
+// kernels' dynamic-a2 epilogue) has no block instantiation: the pipeline
+// never asks the portable path for it.
+template <GemmEpilogue kEpi>
+cudaError_t launch_epi(MoeGemmArgs a, bool gated, bool f16, cudaStream_t s) {
+  if (a.w_mode == WScale::kPerChannel) {
+    a.w_mode = WScale::kBlock;
+    a.block_n = 1;
+    a.block_k = a.k;
+    a.a_scale_ld = 1;
+  }
+  if (a.w_mode == WScale::kPerExpert) {
+    return gated ? launch_tm<true, kEpi, false>(a, f16, s) : launch_tm<false, kEpi, false>(a, f16, s);
+  }
+  if constexpr (kEpi == GemmEpilogue::kAct1BF16) {
+    return cudaErrorInvalidValue;
+  } else {
+    return gated ? launch_tm<true, kEpi, true>(a, f16, s) : launch_tm<false, kEpi, true>(a, f16, s);
+  }
+}
+
 bool args_ok(const MoeGemmArgs& a) {
+  if (a.w_mode == WScale::kBlock) {
+    if (a.block_n < 1 || a.block_k < 1) return false;
+    if (a.a_scale_rows && a.a_scale_ld < (a.k + a.block_k - 1) / a.block_k) return false;
+  } else if (a.w_mode != WScale::kPerExpert && a.w_mode != WScale::kPerChannel) {
+    return false;
+  }
   return a.w && a.a && a.out && a.block_expert && a.num_blocks && a.sorted_pairs && a.w_scale &&
          a.k > 0 && a.n_out > 0 && a.max_blocks > 0 && a.num_experts > 0 &&
          a.a_rows >= a.max_blocks * a.block_rows;
@@ -316,14 +432,11 @@ cudaError_t launch_gemm1_portable(const MoeGemmArgs& a, bool use_f16, cudaStream
   if (a.w_rows != (gated ? 2 * a.n_out : a.n_out)) return cudaErrorInvalidValue;
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return gated ? launch_tm<true, GemmEpilogue::kAct1FP8>(a, use_f16, stream)
-                   : launch_tm<false, GemmEpilogue::kAct1FP8>(a, use_f16, stream);
+      return launch_epi<GemmEpilogue::kAct1FP8>(a, gated, use_f16, stream);
     case GemmEpilogue::kAct1BF16:
-      return gated ? launch_tm<true, GemmEpilogue::kAct1BF16>(a, use_f16, stream)
-                   : launch_tm<false, GemmEpilogue::kAct1BF16>(a, use_f16, stream);
+      return launch_epi<GemmEpilogue::kAct1BF16>(a, gated, use_f16, stream);
     case GemmEpilogue::kAct1F32:
-      return gated ? launch_tm<true, GemmEpilogue::kAct1F32>(a, use_f16, stream)
-                   : launch_tm<false, GemmEpilogue::kAct1F32>(a, use_f16, stream);
+      return launch_epi<GemmEpilogue::kAct1F32>(a, gated, use_f16, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -334,7 +447,7 @@ cudaError_t launch_gemm2_portable(const MoeGemmArgs& a, bool use_f16, cudaStream
       a.w_rows != a.n_out) {
     return cudaErrorInvalidValue;
   }
-  return launch_tm<false, GemmEpilogue::kWeightedBF16>(a, use_f16, stream);
+  return launch_epi<GemmEpilogue::kWeightedBF16>(a, false, use_f16, stream);
 }
 
 }  // namespace expertd

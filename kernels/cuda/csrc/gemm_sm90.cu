@@ -457,6 +457,7 @@ cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
 cudaError_t launch(const MoeGemmArgs& a, bool gated, cudaStream_t stream) {
   const int n = gated ? a.w_rows / 2 : a.w_rows;
   if (a.k % 16 != 0 || n % 16 != 0 || a.n_out % 16 != 0 || a.max_blocks <= 0) return cudaErrorInvalidValue;
+  if (a.w_mode != WScale::kPerExpert) return cudaErrorInvalidValue;  // the pipeline routes others to the portable path
   // Few tokens per expert: one consumer warpgroup per CTA doubles the CTAs
   // streaming weights; many tokens: two warpgroups share each token tile.
   switch (a.block_rows) {

@@ -10,9 +10,13 @@
 // read A rows contiguously, which TMA and cp.async want.
 //
 // GEMM1: act[r, :] = epilogue((a1q[r] . W13[e]^T) * a_scale(r) * w_scale[e])
-//   written in sorted order, FP8 (static a2) or BF16 (dynamic a2 runs a
+//   written in sorted order, FP8 (static a2) or FP32/BF16 (dynamic a2 runs a
 //   separate per-row quantize pass, see moe.cu).
 // GEMM2: y[pair, :] = (a2q[r] . W2[e]^T) * a_scale(r) * w_scale[e] * topk_w[pair]
+// With per-channel weight scales w_scale depends on the output channel's
+// weight row; in block mode the product is a sum over K blocks of the
+// block's partial product times a_scale(r, kblock) * w_scale(e, row block,
+// kblock) (see WScale).
 //   written per pair (BF16); the combine kernel sums each token's top_k rows
 //   in slot order, which keeps the result deterministic.
 //
@@ -53,6 +57,18 @@ enum class GemmAct : int {
   kRelu2 = 1,
 };
 
+// WScale is the layout of a GEMM's weight scales.
+enum class WScale : int {
+  // w_scale[expert] (a per-tensor scale is expanded to [E] at upload).
+  kPerExpert = 0,
+  // w_scale[expert * w_rows + weight row]: one per output channel (gated
+  // GEMM1: gate and up rows have their own).
+  kPerChannel = 1,
+  // w_scale[(expert * ceil(w_rows/block_n) + row/block_n) * ceil(k/block_k)
+  // + kcol/block_k]. The activation scale is then per (sorted row, K block).
+  kBlock = 2,
+};
+
 // MoeGemmArgs describes one grouped GEMM launch. All pointers are device
 // pointers; the launch reads num_blocks from device memory, so one capture
 // serves any routing outcome.
@@ -80,12 +96,16 @@ struct MoeGemmArgs {
   // Per sorted row: pair index or -1 (padding; nothing is written for it).
   const int32_t* sorted_pairs;
 
-  // Dequantization: a_scale_rows[sorted row] when non-null (dynamic
-  // per-token), else a_scale; times w_scale[expert] (per-expert; a
-  // per-tensor scale is expanded to [E] at upload).
+  // Dequantization: a_scale_rows[sorted row * a_scale_ld + kblock] when
+  // non-null (dynamic per token, or per token and K group in block mode,
+  // where a_scale_ld = ceil(k/block_k); else a_scale_ld = 1), else a_scale;
+  // times the weight scale laid out as w_mode says.
   const float* a_scale_rows;
+  int a_scale_ld;
   float a_scale;
   const float* w_scale;
+  WScale w_mode;
+  int block_n, block_k;  // kBlock only
 
   // Output.
   GemmEpilogue epilogue;
@@ -98,6 +118,8 @@ struct MoeGemmArgs {
 // Portable path (gemm_portable.cu), all four epilogues: mma.sync m16n8k32 e4m3 on sm_89+, or
 // FP8 decoded to FP16 and mma.sync m16n8k16 on sm_80..sm_88. Any k, n_out;
 // block_rows must be one of PortableBlockRows' answers (16, 32 or 64).
+// Every WScale, any block_n and block_k; per-channel and block scales with
+// the kAct1FP8, kAct1F32 and kWeightedBF16 epilogues only.
 // use_f16 forces the FP16 inner product on sm_89+ too (tests use it to cover
 // the sm_80 code path on a Hopper card).
 cudaError_t launch_gemm1_portable(const MoeGemmArgs& args, bool use_f16, cudaStream_t stream);
@@ -113,7 +135,7 @@ int portable_block_rows(int m, int top_k, int num_experts);
 cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 // sm90_supported says whether the Hopper kernels take this layer shape
-// (k = hidden, n = intermediate).
+// (k = hidden, n = intermediate). They take WScale::kPerExpert only.
 bool sm90_supported(int hidden, int inter);
 // sm90_block_rows picks the Hopper kernels' token tile for a call.
 int sm90_block_rows(int m, int top_k, int num_experts);
