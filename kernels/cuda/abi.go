@@ -4,7 +4,7 @@ package cuda
 // parses the header and checks that every #define there has this value, so
 // the two cannot drift apart silently.
 const (
-	abiVersion = 1
+	abiVersion = 2
 
 	codeOK          = 0
 	codeInvalid     = 1

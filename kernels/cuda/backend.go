@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"os"
 	"runtime"
@@ -141,7 +142,7 @@ func (b *Backend) Name() string { return "cuda" }
 func (b *Backend) Capabilities() kernels.Capabilities {
 	return kernels.Capabilities{
 		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2},
-		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert},
+		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block},
 		Devices:       []string{b.info},
 	}
 }
@@ -238,21 +239,27 @@ func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loa
 		return nil, fmt.Errorf("cuda: activation %v: %w", set.Activation, kernels.ErrUnsupported)
 	}
 	for _, ws := range []scaling.WeightScale{set.W13Scale, set.W2Scale} {
-		if g := ws.Granularity; g != scaling.PerTensor && g != scaling.PerExpert {
-			return nil, fmt.Errorf("cuda: %v weight scales: %w", g, kernels.ErrUnsupported)
+		switch ws.Granularity {
+		case scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block:
+		default:
+			return nil, fmt.Errorf("cuda: %v weight scales: %w", ws.Granularity, kernels.ErrUnsupported)
 		}
 		if len(ws.Values) == 0 {
 			return nil, fmt.Errorf("cuda: empty weight scale")
 		}
-	}
-	if set.Block != [2]int{} {
-		return nil, fmt.Errorf("cuda: block quantization %v: %w", set.Block, kernels.ErrUnsupported)
 	}
 	if set.E > maxExperts {
 		return nil, fmt.Errorf("cuda: %d experts (max %d): %w", set.E, maxExperts, kernels.ErrUnsupported)
 	}
 	if len(set.W13) != set.E*set.Rows1()*set.K || len(set.W2) != set.E*set.K*set.N {
 		return nil, fmt.Errorf("cuda: weight sizes %d/%d do not match E=%d K=%d N=%d", len(set.W13), len(set.W2), set.E, set.K, set.N)
+	}
+	s13, s2, block := set.W13Scale.Values, set.W2Scale.Values, set.Block
+	if block != [2]int{} {
+		s13, s2, block[0] = blockScales(set)
+	}
+	if len(s13) > math.MaxInt32 || len(s2) > math.MaxInt32 {
+		return nil, fmt.Errorf("cuda: %d and %d weight scales: %w", len(s13), len(s2), kernels.ErrUnsupported)
 	}
 	a13, a2 := float32(-1), float32(-1)
 	if set.A13Scale != nil {
@@ -264,10 +271,12 @@ func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loa
 	var h uint64
 	err := b.call("set_create", func() int32 {
 		return b.lib.setCreate(int32(b.device), int32(set.E), int32(set.K), int32(set.N), act,
-			&set.W13[0], &set.W2[0], &set.W13Scale.Values[0], int32(len(set.W13Scale.Values)),
-			&set.W2Scale.Values[0], int32(len(set.W2Scale.Values)), a13, a2, &h)
+			&set.W13[0], &set.W2[0], &s13[0], int32(len(s13)), &s2[0], int32(len(s2)),
+			int32(block[0]), int32(block[1]), a13, a2, &h)
 	})
 	runtime.KeepAlive(set)
+	runtime.KeepAlive(s13)
+	runtime.KeepAlive(s2)
 	if err != nil {
 		return nil, err
 	}
@@ -278,6 +287,41 @@ func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loa
 	b.live[l] = struct{}{}
 	b.mu.Unlock()
 	return l, nil
+}
+
+// blockScales returns the set's weight scales in the library's block layout,
+// [E, ceil(rows/bn), ceil(cols/Bk)], and the bn they use. Block scales pass
+// through. The others are constant over any block (per-tensor, per-expert)
+// or over one row of any K block (per-channel), so they are expanded: with
+// bn = 1 when either scale is per-channel, else the set's Bn. The set's
+// activations are quantized per group of Bk whatever its weight scales, as
+// kernels/cpu does, which is why block mode is kept for them at all.
+func blockScales(set *kernels.ExpertSet) (s13, s2 []float32, bn int) {
+	bn, bk := set.Block[0], set.Block[1]
+	g13, g2 := set.W13Scale.Granularity, set.W2Scale.Granularity
+	if g13 == scaling.Block && g2 == scaling.Block {
+		return set.W13Scale.Values, set.W2Scale.Values, bn
+	}
+	if g13 == scaling.PerChannel || g2 == scaling.PerChannel {
+		bn = 1
+	}
+	return expandBlocks(set.W13Scale, set.E, set.Rows1(), set.K, bn, bk),
+		expandBlocks(set.W2Scale, set.E, set.K, set.N, bn, bk), bn
+}
+
+// expandBlocks samples ws, the scale of [e, rows, cols] weights, at the
+// first element of every [bn, bk] block; ws must be constant on each.
+func expandBlocks(ws scaling.WeightScale, e, rows, cols, bn, bk int) []float32 {
+	nr, nc := (rows+bn-1)/bn, (cols+bk-1)/bk
+	out := make([]float32, 0, e*nr*nc)
+	for ex := range e {
+		for rb := range nr {
+			for kb := range nc {
+				out = append(out, ws.At(ex, rb*bn, kb*bk))
+			}
+		}
+	}
+	return out
 }
 
 // FusedMoE implements kernels.Backend.
@@ -312,8 +356,9 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 		ip[pHiddenDType] = dtypeBFloat16
 	case kernels.Float8E4M3FN:
 		ip[pHiddenDType] = dtypeFloat8
-		if n := len(req.HiddenScale); n != 0 && n != 1 && n != m {
-			return nil, fmt.Errorf("cuda: per-group hidden scales (%d values): %w", n, kernels.ErrUnsupported)
+		n, bk := len(req.HiddenScale), meta.Block[1]
+		if n > 1 && n != m && (bk == 0 || n != m*((meta.K+bk-1)/bk)) {
+			return nil, fmt.Errorf("cuda: %d hidden scales for M=%d, K=%d, block %v", n, m, meta.K, meta.Block)
 		}
 		ip[pNHiddenScale] = int64(len(req.HiddenScale))
 	default:

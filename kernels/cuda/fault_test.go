@@ -5,6 +5,7 @@ package cuda
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -57,7 +58,7 @@ func TestOpenFaults(t *testing.T) {
 		{"missing", func(t *testing.T) string { return filepath.Join(t.TempDir(), "none", libName) }, []string{"library not found"}, true},
 		{"not a library", func(*testing.T) string { return garbage }, []string{"cuda: dlopen"}, false},
 		{"wrong ABI version", func(t *testing.T) string { return fakeLibrary(t, "-DFAKE_ABI=999") },
-			[]string{"speaks ABI 999, this binary speaks 1: rebuild one of them"}, false},
+			[]string{fmt.Sprintf("speaks ABI 999, this binary speaks %d: rebuild one of them", abiVersion)}, false},
 		{"missing symbol", func(t *testing.T) string { return fakeLibrary(t, "-DFAKE_OMIT_MOE") }, []string{"missing symbol expertd_moe"}, false},
 		{"no device", func(t *testing.T) string { return fakeLibrary(t, "-DFAKE_INIT_RC=5") },
 			[]string{"init: ERR_NO_DEVICE: fake: no CUDA device"}, false},

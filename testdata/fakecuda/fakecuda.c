@@ -2,7 +2,7 @@
  * fault tests (kernels/cuda, cmd/expertd) with the system C compiler. Each
  * macro picks one way a real library or device can fail:
  *
- *   FAKE_ABI=n        expertd_abi_version returns n (default 1, the ABI)
+ *   FAKE_ABI=n        expertd_abi_version returns n (default 2, the ABI)
  *   FAKE_INIT_RC=c    expertd_init returns code c (5: ERR_NO_DEVICE)
  *   FAKE_MOE_RC=c     expertd_moe returns c (4: ERR_CUDA); with 0 it
  *                     "succeeds" without writing its output (a kernel that
@@ -13,7 +13,7 @@
 #include <string.h>
 
 #ifndef FAKE_ABI
-#define FAKE_ABI 1
+#define FAKE_ABI 2
 #endif
 #ifndef FAKE_INIT_RC
 #define FAKE_INIT_RC 0
@@ -39,9 +39,10 @@ int expertd_device_info(int device, char* buf, int buflen) {
 }
 
 int expertd_set_create(int device, int e, int k, int n, int act, const uint8_t* w13, const uint8_t* w2,
-                       const float* s13, int n13, const float* s2, int n2, float a13, float a2, uint64_t* out) {
+                       const float* s13, int n13, const float* s2, int n2, int block_n, int block_k, float a13,
+                       float a2, uint64_t* out) {
   (void)device; (void)e; (void)k; (void)n; (void)act; (void)w13; (void)w2;
-  (void)s13; (void)n13; (void)s2; (void)n2; (void)a13; (void)a2;
+  (void)s13; (void)n13; (void)s2; (void)n2; (void)block_n; (void)block_k; (void)a13; (void)a2;
   *out = 42;
   return 0;
 }

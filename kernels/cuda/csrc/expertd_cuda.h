@@ -27,7 +27,7 @@ extern "C" {
 #define EXPERTD_API
 #endif
 
-#define EXPERTD_ABI_VERSION 1
+#define EXPERTD_ABI_VERSION 2
 
 /* Return codes. */
 #define EXPERTD_OK 0
@@ -61,7 +61,8 @@ extern "C" {
 /* Integer parameters of expertd_moe, by index into iparams. */
 #define EXPERTD_P_M 0              /* tokens, >= 1 */
 #define EXPERTD_P_HIDDEN_DTYPE 1   /* EXPERTD_DTYPE_*: FP8, BF16 or FP32 */
-#define EXPERTD_P_N_HIDDEN_SCALE 2 /* FP8 hidden: 1 (per-tensor) or M (per-token) */
+#define EXPERTD_P_N_HIDDEN_SCALE 2 /* FP8 hidden: 1 (per-tensor), M (per-token) or, for block
+                                      sets, M*ceil(K/block_k) (per token and K group) */
 #define EXPERTD_P_LOGITS_DTYPE 3   /* FP32 or BF16; ignored with topk_ids_in */
 #define EXPERTD_P_OUT_DTYPE 4      /* BF16 or FP32 */
 #define EXPERTD_P_TOP_K 5
@@ -95,21 +96,42 @@ EXPERTD_API int expertd_device_info(int device, char* buf, int buflen);
 
 /* expertd_set_create uploads one MoE layer's experts to device memory.
  * w13 is FP8 [E, rows1, K] with rows1 = 2N (SILU_GATED) or N (RELU2); w2 is
- * FP8 [E, K, N]. Weight scales have 1 (per-tensor) or E (per-expert) values;
- * any other count (per-channel, block) is EXPERTD_ERR_UNSUPPORTED.
- * a13_scale and a2_scale are static activation scales; <= 0 means dynamic
- * per-token quantization (amax / 448). On success *out_handle names the set. */
+ * FP8 [E, K, N].
+ *
+ * block_n = block_k = 0: no block mode. n_w13_scale is 1 (per-tensor), E
+ * (per-expert) or E*rows1 (per-channel: one per w13 row, [E, rows1]);
+ * n_w2_scale is 1, E or E*K ([E, K]). Activations are quantized per token
+ * (or with the static scale).
+ *
+ * block_n, block_k > 0: block mode (DeepSeek-V3 style, usually 128, 128).
+ * w13_scale is [E, ceil(rows1/block_n), ceil(K/block_k)] and w2_scale
+ * [E, ceil(K/block_n), ceil(N/block_k)], row-major; n_w13_scale and
+ * n_w2_scale must be those element counts. Activations are quantized per
+ * (token, group of block_k) and the GEMMs apply the scales per K block.
+ * Per-channel scales are block scales with block_n = 1 (repeat each row's
+ * value over its K blocks); per-tensor/per-expert ones are constant blocks.
+ * The portable GEMM takes any block_k (multiples of 16 run its vector
+ * loads); the sm90 GEMM does not run block or per-channel sets, so
+ * EXPERTD_GEMM_SM90 on such a set is EXPERTD_ERR_UNSUPPORTED and AUTO picks
+ * the portable path.
+ *
+ * a13_scale and a2_scale are static activation scales, used for every token
+ * (and every group in block mode); <= 0 means dynamic quantization (amax /
+ * 448 per token, or per token and group of block_k). On success *out_handle
+ * names the set. */
 EXPERTD_API int expertd_set_create(int device, int num_experts, int hidden, int inter, int activation,
                        const uint8_t* w13, const uint8_t* w2, const float* w13_scale,
-                       int n_w13_scale, const float* w2_scale, int n_w2_scale, float a13_scale,
-                       float a2_scale, uint64_t* out_handle);
+                       int n_w13_scale, const float* w2_scale, int n_w2_scale, int block_n,
+                       int block_k, float a13_scale, float a2_scale, uint64_t* out_handle);
 
 /* expertd_set_free releases a set's device memory and cached graphs. */
 EXPERTD_API int expertd_set_free(uint64_t handle);
 
 /* expertd_moe runs one fused MoE layer with host buffers, synchronously.
  * hidden is [M, K] of iparams[EXPERTD_P_HIDDEN_DTYPE]; hidden_scale has
- * iparams[EXPERTD_P_N_HIDDEN_SCALE] floats (FP8 hidden only, else NULL).
+ * iparams[EXPERTD_P_N_HIDDEN_SCALE] floats (FP8 hidden only, else NULL):
+ * [1], [M] or, for block sets, [M, ceil(K/block_k)] row-major. FP8 hidden
+ * with no scale uses the static a13_scale, else 1.
  * Either logits [M, E] (with correction_bias [E] or NULL) or topk_ids_in and
  * topk_w_in [M, top_k] are given. out is [M, K] of the out dtype;
  * topk_ids_out, topk_w_out [M, top_k] and kernel_ms (the device time of the

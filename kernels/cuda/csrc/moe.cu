@@ -7,7 +7,8 @@
 //   with the router weight -> combine into BF16/FP32.
 //
 // Dynamic a2 (no static a2 scale): GEMM1 writes the activation as FP32 and a
-// small kernel quantizes each pair row with amax/448. That costs one round trip of the
+// small kernel quantizes each pair row with amax/448 (per group of block_k in
+// block mode, as the gather kernel does GEMM1's input). That costs one round trip of the
 // intermediate (M*top_k*N*4 bytes each way), small next to the weights at
 // decode sizes; BF16 would halve it but moves the FP8 roundings off the
 // reference's (see moe_gemm.h). With a static a2 scale GEMM1 writes FP8
@@ -119,8 +120,12 @@ struct Set {
   int E, K, N, act;  // act: EXPERTD_ACT_*
   uint8_t* w13 = nullptr;
   uint8_t* w2 = nullptr;
-  float* w13_scale = nullptr;  // [E]
-  float* w2_scale = nullptr;   // [E]
+  // Per-expert scales are [E] (a per-tensor one expanded), per-channel
+  // [E, rows], block [E, row blocks, K blocks]; see WScale.
+  float* w13_scale = nullptr;
+  float* w2_scale = nullptr;
+  WScale w13_mode, w2_mode;
+  int block_n = 0, block_k = 0;  // block mode when > 0 (then both modes are kBlock)
   float a13_scale, a2_scale;   // <= 0: dynamic
   cudaStream_t stream = nullptr;
   cudaEvent_t ev0 = nullptr, ev1 = nullptr;
@@ -181,15 +186,22 @@ int check_device(int device) {
   return EXPERTD_OK;
 }
 
+// groups is the number of activation scale groups in a row of n values:
+// ceil(n/block_k) in block mode, else one.
+int groups(const Set& s, int n) { return s.block_k > 0 ? (n + s.block_k - 1) / s.block_k : 1; }
+
 bool e4m3_mma(const Set& s) {
   // The e4m3 mma.sync lives in the sm_90a cubin only; every other card runs
   // the sm_80 cubin or its PTX, which has the FP16 path.
   return s.cc_major == 9 && s.cc_minor == 0;
 }
 
+// sm90_ok says whether the Hopper kernels can run the set: the card, the
+// shape, and per-expert weight scales (the others run on the portable path).
 bool sm90_ok(const Set& s) {
 #ifdef EXPERTD_HAVE_SM90
-  return s.cc_major == 9 && s.cc_minor == 0 && sm90_supported(s.K, s.N);
+  return s.cc_major == 9 && s.cc_minor == 0 && sm90_supported(s.K, s.N) && s.w13_mode == WScale::kPerExpert &&
+         s.w2_mode == WScale::kPerExpert;
 #else
   (void)s;
   return false;
@@ -217,6 +229,7 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.max_blocks = (L.p + block_rows - 1) / block_rows + (L.p < s.E ? L.p : s.E);
   L.max_rows = L.max_blocks * block_rows;
   const size_t m = c.m, K = s.K, N = s.N, P = L.p, R = L.max_rows;
+  const size_t g1 = groups(s, s.K), g2 = groups(s, s.N);
   size_t off = 0;
   auto take = [&](size_t bytes) {
     const size_t at = off;
@@ -227,7 +240,7 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   // Inputs in the order the host path copies them: hidden states and their
   // scales, then either bias and logits or precomputed ids and weights.
   L.hidden = take(m * K * 4);
-  L.hscale = take(m * 4);
+  L.hscale = take(m * g1 * 4);
   L.bias = take(size_t(s.E) * 4);
   L.logits = take(m * s.E * 4);
   L.ids = take(P * 4);
@@ -238,10 +251,10 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.block_expert = take(size_t(L.max_blocks) * 4);
   L.num_blocks = take(4);
   L.a1q = take(R * K);
-  L.a1s = take(R * 4);
+  L.a1s = take(R * g1 * 4);
   L.act = take(R * N * 4);  // FP32 GEMM1 output, dynamic a2 only
   L.a2q = take(R * N);
-  L.a2s = take(R * 4);
+  L.a2s = take(R * g2 * 4);
   L.y = take(P * K * 2);
   L.total = off;
   return L;
@@ -322,7 +335,9 @@ int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t 
   CK(cudaGetLastError());
 
   GatherParams gp;
+  gp.m = c.m;
   gp.k = s.K;
+  gp.group = s.block_k > 0 ? s.block_k : s.K;
   gp.top_k = c.top_k;
   gp.hidden_dtype = c.hidden_dtype;
   gp.n_hidden_scale = c.n_hidden_scale;
@@ -351,8 +366,12 @@ int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t 
   g1.max_blocks = L.max_blocks;
   g1.sorted_pairs = sorted;
   g1.a_scale_rows = a1_rows ? a1s : nullptr;
+  g1.a_scale_ld = groups(s, s.K);
   g1.a_scale = s.a13_scale > 0 ? clamp_scale_host(s.a13_scale) : 1.f;
   g1.w_scale = s.w13_scale;
+  g1.w_mode = s.w13_mode;
+  g1.block_n = s.block_n;
+  g1.block_k = s.block_k;
   const bool static_a2 = s.a2_scale > 0;
   // Dynamic a2: FP32 intermediate, quantized per row below (moe_gemm.h says
   // why not BF16).
@@ -371,8 +390,9 @@ int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t 
   if (err != cudaSuccess) return cuda_fail(err, sm90 ? "gemm1 (sm90)" : "gemm1 (portable)");
 
   if (!static_a2) {
-    requant_kernel<float><<<L.max_rows, 128, 0, st>>>(static_cast<const float*>(act), s.N, sorted, num_blocks, BM,
-                                                      a2q, a2s);
+    const int group2 = s.block_k > 0 ? s.block_k : s.N;
+    requant_kernel<float><<<L.max_rows, 128, 0, st>>>(static_cast<const float*>(act), s.N, group2, sorted,
+                                                      num_blocks, BM, a2q, a2s);
     CK(cudaGetLastError());
   }
 
@@ -384,8 +404,10 @@ int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t 
   g2.act = GemmAct::kRelu2;  // unused by GEMM2
   g2.a = a2q;
   g2.a_scale_rows = static_a2 ? nullptr : a2s;
+  g2.a_scale_ld = groups(s, s.N);
   g2.a_scale = static_a2 ? clamp_scale_host(s.a2_scale) : 1.f;
   g2.w_scale = s.w2_scale;
+  g2.w_mode = s.w2_mode;
   g2.epilogue = GemmEpilogue::kWeightedBF16;
   g2.out = y;
   g2.ld_out = s.K;
@@ -428,8 +450,15 @@ int parse_call(const Set& s, const int64_t* ip, int nip, const float* fp, int nf
       c->hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN)
     return fail(EXPERTD_ERR_UNSUPPORTED, "hidden dtype %d", c->hidden_dtype);
   if (c->hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN) {
-    if (c->n_hidden_scale != 0 && c->n_hidden_scale != 1 && c->n_hidden_scale != c->m)
-      return fail(EXPERTD_ERR_UNSUPPORTED, "hidden_scale: %d values (per-tensor or per-token only)", c->n_hidden_scale);
+    const int n = c->n_hidden_scale;
+    const bool per_group = s.block_k > 0 && int64_t(n) == int64_t(c->m) * groups(s, s.K);
+    if (n != 0 && n != 1 && n != c->m && !per_group) {
+      if (s.block_k > 0)
+        return fail(EXPERTD_ERR_INVALID, "hidden_scale: %d values, want 1, M=%d or M*ceil(K/block_k)=%lld", n, c->m,
+                    (long long)c->m * groups(s, s.K));
+      return fail(EXPERTD_ERR_INVALID, "hidden_scale: %d values, want 1 or M=%d (per-group scales need a block set)",
+                  n, c->m);
+    }
   } else {
     c->n_hidden_scale = 0;
   }
@@ -439,7 +468,10 @@ int parse_call(const Set& s, const int64_t* ip, int nip, const float* fp, int nf
     return fail(EXPERTD_ERR_INVALID, "top_k=%d with %d experts (max %d)", c->top_k, s.E, EXPERTD_MAX_TOP_K);
   if (c->gemm < EXPERTD_GEMM_AUTO || c->gemm > EXPERTD_GEMM_SM90) return fail(EXPERTD_ERR_INVALID, "gemm=%d", c->gemm);
   if (c->gemm == EXPERTD_GEMM_SM90 && !sm90_ok(s))
-    return fail(EXPERTD_ERR_UNSUPPORTED, "sm90 GEMM unavailable for this card/shape (K=%d N=%d)", s.K, s.N);
+    return fail(EXPERTD_ERR_UNSUPPORTED,
+                "sm90 GEMM unavailable for this card/shape/scales (K=%d N=%d; it takes per-tensor and per-expert "
+                "weight scales only)",
+                s.K, s.N);
   if (!have_logits && !have_topk) return fail(EXPERTD_ERR_INVALID, "need logits or topk ids and weights");
   if (c->have_logits) {
     if (c->logits_dtype != EXPERTD_DTYPE_FLOAT32 && c->logits_dtype != EXPERTD_DTYPE_BFLOAT16)
@@ -505,7 +537,8 @@ int expertd_device_info(int device, char* buf, int buflen) {
 
 int expertd_set_create(int device, int num_experts, int hidden, int inter, int activation, const uint8_t* w13,
                        const uint8_t* w2, const float* w13_scale, int n_w13_scale, const float* w2_scale,
-                       int n_w2_scale, float a13_scale, float a2_scale, uint64_t* out_handle) {
+                       int n_w2_scale, int block_n, int block_k, float a13_scale, float a2_scale,
+                       uint64_t* out_handle) {
   g_last_error.clear();
   if (!out_handle) return fail(EXPERTD_ERR_INVALID, "set_create: out_handle is NULL");
   *out_handle = 0;
@@ -516,10 +549,38 @@ int expertd_set_create(int device, int num_experts, int hidden, int inter, int a
   if (activation != EXPERTD_ACT_SILU_GATED && activation != EXPERTD_ACT_RELU2)
     return fail(EXPERTD_ERR_UNSUPPORTED, "activation %d", activation);
   if (!w13 || !w2 || !w13_scale || !w2_scale) return fail(EXPERTD_ERR_INVALID, "set_create: NULL weights or scales");
-  auto scale_ok = [&](int n) { return n == 1 || n == num_experts; };
-  if (!scale_ok(n_w13_scale) || !scale_ok(n_w2_scale))
-    return fail(EXPERTD_ERR_UNSUPPORTED, "weight scales: %d and %d values (per-tensor or per-expert only)", n_w13_scale,
-                n_w2_scale);
+  const int64_t E = num_experts, rows1 = activation == EXPERTD_ACT_SILU_GATED ? 2 * int64_t(inter) : inter;
+  WScale m13, m2;
+  if (block_n < 0 || block_k < 0 || (block_n > 0) != (block_k > 0))
+    return fail(EXPERTD_ERR_INVALID, "block %d x %d: want both > 0 (block mode) or both 0", block_n, block_k);
+  if (block_n > 0) {
+    auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+    const int64_t want13 = E * cdiv(rows1, block_n) * cdiv(hidden, block_k);
+    const int64_t want2 = E * cdiv(hidden, block_n) * cdiv(inter, block_k);
+    if (n_w13_scale != want13 || n_w2_scale != want2)
+      return fail(EXPERTD_ERR_INVALID,
+                  "block %d x %d: weight scales have %d and %d values, want [E, ceil(rows/%d), ceil(cols/%d)] = %lld "
+                  "and %lld",
+                  block_n, block_k, n_w13_scale, n_w2_scale, block_n, block_k, (long long)want13, (long long)want2);
+    m13 = m2 = WScale::kBlock;
+  } else {
+    // Per-tensor (1) and per-expert (E) scales both become [E]; E*rows is
+    // per-channel (when rows is 1 the two agree).
+    auto mode = [&](int n, int64_t rows, WScale* m) {
+      if (n == 1 || n == E) {
+        *m = WScale::kPerExpert;
+      } else if (n == E * rows) {
+        *m = WScale::kPerChannel;
+      } else {
+        return false;
+      }
+      return true;
+    };
+    if (!mode(n_w13_scale, rows1, &m13) || !mode(n_w2_scale, hidden, &m2))
+      return fail(EXPERTD_ERR_INVALID,
+                  "weight scales: %d and %d values, want 1, E=%lld or E*rows (%lld and %lld) without a block",
+                  n_w13_scale, n_w2_scale, (long long)E, (long long)(E * rows1), (long long)(E * hidden));
+  }
   if (int rc = check_device(device)) return rc;
   CK(cudaSetDevice(device));
 
@@ -534,26 +595,37 @@ int expertd_set_create(int device, int num_experts, int hidden, int inter, int a
   s->K = hidden;
   s->N = inter;
   s->act = activation;
+  s->w13_mode = m13;
+  s->w2_mode = m2;
+  s->block_n = block_n;
+  s->block_k = block_k;
   s->a13_scale = a13_scale;
   s->a2_scale = a2_scale;
   const char* poison = getenv("EXPERTD_CUDA_POISON");
   s->poison = poison && poison[0] == '1';
-  const size_t rows1 = activation == EXPERTD_ACT_SILU_GATED ? 2 * size_t(inter) : size_t(inter);
   const size_t n13 = size_t(num_experts) * rows1 * hidden, n2 = size_t(num_experts) * hidden * inter;
   CK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
   CK(cudaEventCreate(&s->ev0));
   CK(cudaEventCreate(&s->ev1));
   CK(cudaMalloc(&s->w13, n13));
   CK(cudaMalloc(&s->w2, n2));
-  CK(cudaMalloc(&s->w13_scale, num_experts * sizeof(float)));
-  CK(cudaMalloc(&s->w2_scale, num_experts * sizeof(float)));
   CK(cudaMemcpy(s->w13, w13, n13, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(s->w2, w2, n2, cudaMemcpyHostToDevice));
-  std::vector<float> sc(num_experts);
-  for (int e = 0; e < num_experts; ++e) sc[e] = w13_scale[n_w13_scale == 1 ? 0 : e];
-  CK(cudaMemcpy(s->w13_scale, sc.data(), sc.size() * sizeof(float), cudaMemcpyHostToDevice));
-  for (int e = 0; e < num_experts; ++e) sc[e] = w2_scale[n_w2_scale == 1 ? 0 : e];
-  CK(cudaMemcpy(s->w2_scale, sc.data(), sc.size() * sizeof(float), cudaMemcpyHostToDevice));
+  // upload_scale copies a scale to the device, a per-tensor one expanded to
+  // one per expert so the kernels index per-expert scales alike.
+  auto upload_scale = [&](float** dst, const float* src, int n, WScale m) -> int {
+    std::vector<float> sc;
+    if (m == WScale::kPerExpert && n == 1) {
+      sc.assign(num_experts, src[0]);
+    } else {
+      sc.assign(src, src + n);
+    }
+    CK(cudaMalloc(dst, sc.size() * sizeof(float)));
+    CK(cudaMemcpy(*dst, sc.data(), sc.size() * sizeof(float), cudaMemcpyHostToDevice));
+    return EXPERTD_OK;
+  };
+  if (int rc = upload_scale(&s->w13_scale, w13_scale, n_w13_scale, m13)) return rc;
+  if (int rc = upload_scale(&s->w2_scale, w2_scale, n_w2_scale, m2)) return rc;
 
   std::lock_guard<std::mutex> lk(g_sets_mu);
   const uint64_t h = g_next_handle++;

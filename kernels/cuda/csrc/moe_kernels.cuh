@@ -246,15 +246,47 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 
 // GatherParams: how GEMM1's input rows are made.
 struct GatherParams {
-  int k, top_k;
+  int m, k, top_k;
+  int group;  // scale group: block_k in block mode, else k
   int hidden_dtype;  // 1 FP32, 2 BF16, 4 FP8
-  int n_hidden_scale;  // FP8: 0 (use fallback_scale), 1 or M
+  int n_hidden_scale;  // FP8: 0 (use fallback_scale), 1, M or M*ceil(k/group)
   float fallback_scale;  // FP8 with no scale: static a13 or 1
-  float static_scale;  // BF16/FP32: > 0 static a13, else dynamic per token
+  float static_scale;  // BF16/FP32: > 0 static a13, else dynamic per token (group)
 };
 
+// quantize_groups quantizes one row of n values (element i is load(i)) to
+// FP8 with dynamic scales amax/448 per group of `group` values (the last
+// may be short), writing dst[0, n) and scales[0, ceil(n/group)). One group
+// per row is a block-wide reduction; several are a warp each, which keeps
+// every lane busy at DeepSeek-V3's 128-wide groups.
+template <typename Load>
+__device__ __forceinline__ void quantize_groups(Load load, int n, int group, uint8_t* dst, float* scales) {
+  // Divide, not multiply by 1/s: the CPU backend and the reference do x / s,
+  // and the two differ at FP8 rounding boundaries.
+  const int ng = (n + group - 1) / group;
+  if (ng == 1) {
+    __shared__ float red[32];
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) amax = fmaxf(amax, fabsf(load(i)));
+    amax = block_max(amax, red);
+    const float s = clamp_scale(amax / kFP8Max);
+    if (threadIdx.x == 0) scales[0] = s;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = to_e4m3(load(i) / s);
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int gi = warp; gi < ng; gi += warps) {
+    const int lo = gi * group, hi = min(lo + group, n);
+    float amax = 0.f;
+    for (int i = lo + lane; i < hi; i += 32) amax = fmaxf(amax, fabsf(load(i)));
+    const float s = clamp_scale(warp_max(amax) / kFP8Max);
+    if (lane == 0) scales[gi] = s;
+    for (int i = lo + lane; i < hi; i += 32) dst[i] = to_e4m3(load(i) / s);
+  }
+}
+
 // gather_quant_kernel: one block per sorted row; writes a1q[row] (FP8) and,
-// unless the scale is static, a1s[row].
+// unless the scale is static, a1s[row, ceil(k/group)].
 __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const float* hidden_scale,
                                     const int32_t* sorted_pairs, const int32_t* num_blocks,
                                     int block_rows, uint8_t* a1q, float* a1s) {
@@ -264,6 +296,7 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
   if (pair < 0) return;
   const int tok = pair / p.top_k;
   const int K = p.k;
+  const int ng = (K + p.group - 1) / p.group;
   uint8_t* dst = a1q + size_t(row) * K;
   const size_t src0 = size_t(tok) * K;
   if (p.hidden_dtype == 4) {
@@ -277,30 +310,34 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
     } else {
       for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = src[i];
     }
-    if (threadIdx.x == 0) {
+    // As kernels/cpu reads hidden_scale: one value, one per token (checked
+    // first, so M = M*ng means per token), else one per token and group.
+    for (int gi = threadIdx.x; gi < ng; gi += blockDim.x) {
       float s = p.fallback_scale;
-      if (p.n_hidden_scale == 1) s = hidden_scale[0];
-      if (p.n_hidden_scale > 1) s = hidden_scale[tok];
-      a1s[row] = clamp_scale(s);
+      if (p.n_hidden_scale == 1) {
+        s = hidden_scale[0];
+      } else if (p.n_hidden_scale == p.m) {
+        s = hidden_scale[tok];
+      } else if (p.n_hidden_scale > 1) {
+        s = hidden_scale[size_t(tok) * ng + gi];
+      }
+      a1s[size_t(row) * ng + gi] = clamp_scale(s);
     }
     return;
   }
-  float s = p.static_scale;
+  const float s = p.static_scale;
   if (s <= 0.f) {
-    __shared__ float red[32];
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) amax = fmaxf(amax, fabsf(load_float(hidden, src0 + i, p.hidden_dtype)));
-    amax = block_max(amax, red);
-    s = clamp_scale(amax / kFP8Max);
-    if (threadIdx.x == 0) a1s[row] = s;
+    const int dt = p.hidden_dtype;
+    quantize_groups([&](int i) { return load_float(hidden, src0 + i, dt); }, K, p.group, dst, a1s + size_t(row) * ng);
+    return;
   }
-  // Divide, not multiply by 1/s: the CPU backend and the reference do x / s,
-  // and the two differ at FP8 rounding boundaries.
   for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = to_e4m3(load_float(hidden, src0 + i, p.hidden_dtype) / s);
 }
 
-// requant_kernel: dynamic per-row FP8 quantization of GEMM1's output (FP32,
-// or BF16 from a GEMM without the FP32 epilogue), one block per sorted row.
+// requant_kernel: dynamic FP8 quantization of GEMM1's output (FP32, or BF16
+// from a GEMM without the FP32 epilogue) per sorted row and group of
+// `group` columns (block_k in block mode, else n), one block per row; a2s is
+// [row, ceil(n/group)].
 template <typename T>
 __device__ __forceinline__ float to_f(T v);
 template <>
@@ -309,20 +346,14 @@ template <>
 __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 template <typename T>
-__global__ void requant_kernel(const T* act, int n, const int32_t* sorted_pairs, const int32_t* num_blocks,
-                               int block_rows, uint8_t* a2q, float* a2s) {
+__global__ void requant_kernel(const T* act, int n, int group, const int32_t* sorted_pairs,
+                               const int32_t* num_blocks, int block_rows, uint8_t* a2q, float* a2s) {
   const int row = blockIdx.x;
   if (row >= *num_blocks * block_rows) return;
   if (sorted_pairs[row] < 0) return;
   const T* src = act + size_t(row) * n;
-  __shared__ float red[32];
-  float amax = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) amax = fmaxf(amax, fabsf(to_f(src[i])));
-  amax = block_max(amax, red);
-  const float s = clamp_scale(amax / kFP8Max);
-  if (threadIdx.x == 0) a2s[row] = s;
-  uint8_t* dst = a2q + size_t(row) * n;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = to_e4m3(to_f(src[i]) / s);
+  const int ng = (n + group - 1) / group;
+  quantize_groups([&](int i) { return to_f(src[i]); }, n, group, a2q + size_t(row) * n, a2s + size_t(row) * ng);
 }
 
 // combine_kernel: out[t] = sum over slots of y[t*top_k + j] (weights already
