@@ -74,38 +74,36 @@ func TestCodeErrorWrapsSentinels(t *testing.T) {
 	}
 }
 
-// supported says whether this backend should accept the case, mirroring
-// the library's limits.
-func supported(set *kernels.ExpertSet, req *kernels.Request) bool {
+type gemmPath struct {
+	name string
+	gemm int64
+	// unsupported says the library must refuse the set on this path with
+	// ERR_UNSUPPORTED.
+	unsupported bool
+}
+
+// paths lists the GEMM implementations to compare on this card for set
+// (sm90 takes K and N multiples of 16, and per-tensor or per-expert weight
+// scales only; it is listed as unsupported for other scales).
+func paths(b *Backend, set *kernels.ExpertSet) []gemmPath {
+	ps := []gemmPath{{name: "portable", gemm: gemmPortable}, {name: "portable-f16", gemm: gemmPortableF16}}
+	if strings.Contains(b.info, "gemm=sm90") && set.K%16 == 0 && set.N%16 == 0 {
+		ps = append(ps, gemmPath{name: "sm90", gemm: gemmSM90, unsupported: !sm90Scales(set)})
+	}
+	return ps
+}
+
+// sm90Scales says whether the Hopper kernels take set's weight scales.
+func sm90Scales(set *kernels.ExpertSet) bool {
+	if set.Block != [2]int{} {
+		return false
+	}
 	for _, ws := range []scaling.WeightScale{set.W13Scale, set.W2Scale} {
 		if ws.Granularity != scaling.PerTensor && ws.Granularity != scaling.PerExpert {
 			return false
 		}
 	}
-	if set.Block != [2]int{} {
-		return false
-	}
-	if req.Hidden.DType == kernels.Float8E4M3FN {
-		if n := len(req.HiddenScale); n > 1 && n != req.M() {
-			return false
-		}
-	}
 	return true
-}
-
-type gemmPath struct {
-	name string
-	gemm int64
-}
-
-// paths lists the GEMM implementations to compare on this card for a layer
-// of hidden size k and intermediate size n (sm90 takes multiples of 16).
-func paths(b *Backend, k, n int) []gemmPath {
-	ps := []gemmPath{{"portable", gemmPortable}, {"portable-f16", gemmPortableF16}}
-	if strings.Contains(b.info, "gemm=sm90") && k%16 == 0 && n%16 == 0 {
-		ps = append(ps, gemmPath{"sm90", gemmSM90})
-	}
-	return ps
 }
 
 // extraCases add shapes whose K and N are multiples of 16 (the sm90
@@ -136,6 +134,62 @@ func extraCases() []kerneltest.Case {
 	}
 }
 
+// blockCases are block-scaled (DeepSeek-V3 style) and per-channel cases:
+// scaled DeepSeek-V3 layers (sigmoid + bias, 8 groups, top 4 groups,
+// [128, 128] blocks) at K, N multiples of 128; odd shapes whose last K and
+// row blocks are partial (rows1 not a multiple of Bn, K and N not multiples
+// of 128 or 16) and a Bk that is not a multiple of the portable GEMM's
+// 64-byte stage; FP8 hidden states with per-group, per-token and
+// per-tensor scales; static scales in block mode; M=1 and all tokens to one
+// expert.
+func blockCases() []kerneltest.Case {
+	ds := kerneltest.DeepSeekV3.Scaled(512, 256)
+	ds.E = 32 // 8 groups of 4: top-4 groups leave 16 candidates for top-8
+	oddG := kerneltest.Shape{Name: "odd-gated", Activation: kernels.SiluGated, E: 8, TopK: 3, K: 320, N: 200,
+		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 4, TopKGroups: 2, ScalingFactor: 2.5,
+		Block: [2]int{128, 128}}
+	oddR := kerneltest.Shape{Name: "odd-relu2", Activation: kernels.Relu2, E: 6, TopK: 2, K: 333, N: 77,
+		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}
+	pc := kerneltest.Shape{Name: "pc", Activation: kernels.SiluGated, E: 16, TopK: 4, K: 512, N: 256,
+		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	fp8 := kerneltest.WithHidden(kernels.Float8E4M3FN)
+	type opts = []kerneltest.Option
+	return []kerneltest.Case{
+		{Name: "block/DeepSeekV3/K=512,N=256/M=1", Shape: ds, M: 1},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=64", Shape: ds, M: 64},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=130/fp32-out", Shape: ds, M: 130, Opts: opts{kerneltest.WithOutput(kernels.Float32)}},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=40/fp8-in-per-group", Shape: ds, M: 40,
+			Opts: opts{fp8, kerneltest.WithHiddenScale(scaling.Block)}},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=1/fp8-in-per-group", Shape: ds, M: 1,
+			Opts: opts{fp8, kerneltest.WithHiddenScale(scaling.Block)}},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=24/fp8-in-per-token", Shape: ds, M: 24, Opts: opts{fp8}},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=50/all-to-one", Shape: ds, M: 50, Opts: opts{kerneltest.WithAllTokensTo(9)}},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=20/static", Shape: ds, M: 20, Opts: opts{kerneltest.WithStaticScales()}},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=9/precomputed", Shape: ds, M: 9, Opts: opts{kerneltest.WithPrecomputedRouting()}},
+		{Name: "block/odd-gated/K=320,N=200/M=1", Shape: oddG, M: 1},
+		{Name: "block/odd-gated/K=320,N=200/M=37", Shape: oddG, M: 37},
+		{Name: "block/odd-gated/K=320,N=200/M=21/fp8-in-per-group", Shape: oddG, M: 21,
+			Opts: opts{fp8, kerneltest.WithHiddenScale(scaling.Block)}},
+		{Name: "block/odd-gated/K=320,N=200/M=70/all-to-one/static", Shape: oddG, M: 70,
+			Opts: opts{kerneltest.WithAllTokensTo(2), kerneltest.WithStaticScales()}},
+		{Name: "block/odd-gated/K=320,N=200/block-64x96/M=17", Shape: oddG, M: 17, Opts: opts{kerneltest.WithBlock(64, 96)}},
+		{Name: "block/odd-relu2/K=333,N=77/M=15", Shape: oddR, M: 15},
+		{Name: "block/odd-relu2/K=333,N=77/M=6/fp8-in-per-group", Shape: oddR, M: 6,
+			Opts: opts{fp8, kerneltest.WithHiddenScale(scaling.Block)}},
+		{Name: "block/odd-relu2/K=333,N=77/M=12/fp32-in", Shape: oddR, M: 12, Opts: opts{kerneltest.WithHidden(kernels.Float32)}},
+		{Name: "per-channel/K=512,N=256/M=50/fp8-in-per-token", Shape: pc, M: 50,
+			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), fp8}},
+		{Name: "per-channel/K=512,N=256/M=1/fp8-in-per-token", Shape: pc, M: 1,
+			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), fp8}},
+		{Name: "per-channel/K=512,N=256/M=33/static", Shape: pc, M: 33,
+			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), kerneltest.WithStaticScales()}},
+		{Name: "per-channel/K=512,N=256/M=90/all-to-one", Shape: pc, M: 90,
+			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), kerneltest.WithAllTokensTo(4)}},
+		{Name: "per-channel/odd-relu2/K=333,N=77/M=19", Shape: oddR, M: 19,
+			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), kerneltest.WithOutput(kernels.Float32)}},
+	}
+}
+
 func decode64(dt kernels.DType, b []byte) []float64 {
 	f := kerneltest.DecodeOutput(dt, b)
 	out := make([]float64, len(f))
@@ -145,80 +199,102 @@ func decode64(dt kernels.DType, b []byte) []float64 {
 	return out
 }
 
-// TestCases runs the shared table plus extraCases on every GEMM path,
-// three calls each (direct, graph capture, graph replay), with fresh
-// random data: rel-L2 against the float64 reference and the CPU backend,
-// exact routing ids, every output element written (poisoned first), no
-// NaN; unsupported cases must report kernels.ErrUnsupported.
+// TestCases runs the shared table plus extraCases and blockCases through
+// checkCase.
 func TestCases(t *testing.T) {
 	b := gpuBackend(t)
 	t.Logf("device: %s", b.info)
-	ctx := context.Background()
-	cases := append(kerneltest.Cases(), extraCases()...)
+	cases := append(append(kerneltest.Cases(), extraCases()...), blockCases()...)
 	ref := cpu.New(kernels.Config{})
 	for _, c := range cases {
+		// Weights are shared between cases of one shape and granularity
+		// (generated once from a seed derived from them, see Case.New);
+		// hidden states, logits and biases are fresh.
 		seed := rand.Uint64()
-		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 0xc0da)), c.Shape, c.M, c.Opts...)
-		l, err := b.Load(ctx, set)
-		if !supported(set, req) {
-			if err == nil {
-				_, err = b.FusedMoE(ctx, l, req)
-				l.Close()
-			}
-			if !errors.Is(err, kernels.ErrUnsupported) {
-				t.Errorf("%s: got %v, want kernels.ErrUnsupported", c.Name, err)
-			} else {
-				t.Logf("%s: unsupported, as expected (%v)", c.Name, err)
+		set, req := c.New(rand.New(rand.NewPCG(seed, 0xc0da)))
+		checkCase(t, b, ref, fmt.Sprintf("%s (seed %d)", c.Name, seed), set, req)
+	}
+}
+
+// TestCasesMixedBlock runs block sets whose weight scales are not block
+// scales (the service accepts any granularity with a weight_block_shape):
+// activations are still quantized per group of Bk, and the backend expands
+// the weight scales to the library's block layout.
+func TestCasesMixedBlock(t *testing.T) {
+	b := gpuBackend(t)
+	ref := cpu.New(kernels.Config{})
+	shape := kerneltest.Shape{Name: "mixed", Activation: kernels.SiluGated, E: 8, TopK: 2, K: 320, N: 200,
+		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	for _, g := range []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel} {
+		seed := rand.Uint64()
+		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 7)), shape, 23, kerneltest.WithGranularity(g))
+		set.Block = [2]int{128, 128}
+		checkCase(t, b, ref, fmt.Sprintf("mixed/%v-weights/block-128x128 (seed %d)", g, seed), set, req)
+	}
+}
+
+// checkCase runs one case on every GEMM path, three calls each (direct,
+// graph capture, graph replay): rel-L2 against the float64 reference and
+// the CPU backend ref, exact routing ids, every output element written
+// (poisoned first), no NaN; a path that cannot take the set must report
+// kernels.ErrUnsupported.
+func checkCase(t *testing.T, b *Backend, ref kernels.Backend, name string, set *kernels.ExpertSet, req *kernels.Request) {
+	t.Helper()
+	ctx := context.Background()
+	l, err := b.Load(ctx, set)
+	if err != nil {
+		t.Errorf("%s: Load: %v", name, err)
+		return
+	}
+	defer l.Close()
+	want, wantIDs, wantW := kerneltest.Reference(set, req)
+	cres, err := ref.FusedMoE(ctx, mustLoad(t, ref, set), req)
+	if err != nil {
+		t.Fatalf("%s: cpu backend: %v", name, err)
+	}
+	cpuOut := decode64(req.OutDType, cres.Output)
+	w64 := make([]float64, len(wantW))
+	for i, x := range wantW {
+		w64[i] = float64(x)
+	}
+	for _, p := range paths(b, set) {
+		if p.unsupported {
+			out := make([]byte, req.M()*set.K*req.OutDType.Size())
+			if _, err := b.run(ctx, l, req, out, p.gemm, true); !errors.Is(err, kernels.ErrUnsupported) {
+				t.Errorf("%s/%s: got %v, want kernels.ErrUnsupported", name, p.name, err)
 			}
 			continue
 		}
-		if err != nil {
-			t.Errorf("%s (seed %d): Load: %v", c.Name, seed, err)
-			continue
-		}
-		want, wantIDs, wantW := kerneltest.Reference(set, req)
-		cres, err := ref.FusedMoE(ctx, mustLoad(t, ref, set), req)
-		if err != nil {
-			t.Fatalf("%s: cpu backend: %v", c.Name, err)
-		}
-		cpuOut := decode64(req.OutDType, cres.Output)
-		for _, p := range paths(b, set.K, set.N) {
-			for call := range 3 {
-				out := make([]byte, req.M()*set.K*req.OutDType.Size())
-				kerneltest.Poison(out)
-				res, err := b.run(ctx, l, req, out, p.gemm, true)
-				name := fmt.Sprintf("%s/%s/call%d (seed %d)", c.Name, p.name, call, seed)
-				if err != nil {
-					t.Errorf("%s: %v", name, err)
-					break
-				}
-				if n := kerneltest.Unwritten(out, req.OutDType.Size()); n > 0 {
-					t.Errorf("%s: %d output elements left unwritten", name, n)
-				}
-				got := kerneltest.DecodeOutput(req.OutDType, res.Output)
-				if i := slices.IndexFunc(got, func(v float32) bool { return math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) }); i >= 0 {
-					t.Errorf("%s: output[%d] = %v", name, i, got[i])
-				}
-				eRef := kerneltest.RelL2(got, want)
-				eCPU := kerneltest.RelL2(got, cpuOut)
-				if !(eRef <= kerneltest.FP8Tol) || !(eCPU <= kerneltest.FP8Tol) {
-					t.Errorf("%s: rel-L2 %.3g vs reference, %.3g vs cpu; want <= %g", name, eRef, eCPU, kerneltest.FP8Tol)
-				} else if call == 0 {
-					t.Logf("%s: rel-L2 %.3g vs reference, %.3g vs cpu, %.3f ms", name, eRef, eCPU, float64(res.KernelNanos)/1e6)
-				}
-				if !slices.Equal(res.TopKIDs, wantIDs) {
-					t.Errorf("%s: topk ids differ from the reference's", name)
-				}
-				w64 := make([]float64, len(wantW))
-				for i, x := range wantW {
-					w64[i] = float64(x)
-				}
-				if e := kerneltest.RelL2(res.TopKWeights, w64); !(e <= 1e-5) {
-					t.Errorf("%s: topk weights rel-L2 %.3g", name, e)
-				}
+		for call := range 3 {
+			out := make([]byte, req.M()*set.K*req.OutDType.Size())
+			kerneltest.Poison(out)
+			res, err := b.run(ctx, l, req, out, p.gemm, true)
+			name := fmt.Sprintf("%s/%s/call%d", name, p.name, call)
+			if err != nil {
+				t.Errorf("%s: %v", name, err)
+				break
+			}
+			if n := kerneltest.Unwritten(out, req.OutDType.Size()); n > 0 {
+				t.Errorf("%s: %d output elements left unwritten", name, n)
+			}
+			got := kerneltest.DecodeOutput(req.OutDType, res.Output)
+			if i := slices.IndexFunc(got, func(v float32) bool { return math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) }); i >= 0 {
+				t.Errorf("%s: output[%d] = %v", name, i, got[i])
+			}
+			eRef := kerneltest.RelL2(got, want)
+			eCPU := kerneltest.RelL2(got, cpuOut)
+			if !(eRef <= kerneltest.FP8Tol) || !(eCPU <= kerneltest.FP8Tol) {
+				t.Errorf("%s: rel-L2 %.3g vs reference, %.3g vs cpu; want <= %g", name, eRef, eCPU, kerneltest.FP8Tol)
+			} else if call == 0 {
+				t.Logf("%s: rel-L2 %.3g vs reference, %.3g vs cpu, %.3f ms", name, eRef, eCPU, float64(res.KernelNanos)/1e6)
+			}
+			if !slices.Equal(res.TopKIDs, wantIDs) {
+				t.Errorf("%s: topk ids differ from the reference's", name)
+			}
+			if e := kerneltest.RelL2(res.TopKWeights, w64); !(e <= 1e-5) {
+				t.Errorf("%s: topk weights rel-L2 %.3g", name, e)
 			}
 		}
-		l.Close()
 	}
 }
 
@@ -240,12 +316,19 @@ func TestSmall(t *testing.T) {
 		{Name: "odd", Shape: kerneltest.Shape{Name: "odd", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
 			Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}, M: 11},
 		{Name: "x16", Shape: kerneltest.Nemotron.Scaled(256, 128), M: 33},
+		{Name: "block", Shape: kerneltest.Shape{Name: "block", Activation: kernels.SiluGated, E: 8, TopK: 3, K: 320, N: 200,
+			Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 9},
+		{Name: "per-channel", Shape: kerneltest.Shape{Name: "pc", Activation: kernels.Relu2, E: 4, TopK: 2, K: 96, N: 70,
+			Scoring: kernels.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
 	} {
 		seed := rand.Uint64()
-		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 1)), c.Shape, c.M)
+		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 1)), c.Shape, c.M, c.Opts...)
 		l := mustLoad(t, b, set)
 		want, _, _ := kerneltest.Reference(set, req)
-		for _, p := range paths(b, set.K, set.N) {
+		for _, p := range paths(b, set) {
+			if p.unsupported {
+				continue
+			}
 			out := make([]byte, req.M()*set.K*req.OutDType.Size())
 			res, err := b.run(ctx, l, req, out, p.gemm, false)
 			if err != nil {
@@ -315,7 +398,7 @@ func TestTiming(t *testing.T) {
 			binary.LittleEndian.PutUint16(hidden[2*i:], scaling.Float32ToBF16(float32(rng.NormFloat64()*0.1)))
 		}
 		req.Hidden = kernels.Tensor{DType: kernels.BFloat16, Shape: []int{m, s.K}, Data: hidden}
-		for _, p := range append([]gemmPath{{"auto", gemmAuto}}, paths(b, s.K, s.N)...) {
+		for _, p := range append([]gemmPath{{name: "auto", gemm: gemmAuto}}, paths(b, set)...) {
 			if p.name == "portable-f16" || p.name == "sm90" {
 				continue // auto is sm90 where it exists; f16 is the Ampere path
 			}

@@ -1,0 +1,180 @@
+package cuda
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"math/rand/v2"
+	"regexp"
+	"slices"
+	"strconv"
+	"sync"
+	"testing"
+
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/scaling"
+)
+
+// deviceGiB reads the memory size from the library's device description
+// ("NVIDIA H200 (sm_90, 132 SMs, 139 GiB, gemm=sm90)"), 0 if absent.
+func deviceGiB(info string) int {
+	m := regexp.MustCompile(`(\d+) GiB`).FindStringSubmatch(info)
+	if m == nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(m[1])
+	return n
+}
+
+// randomFP8 fills n bytes with random E4M3 codes of |value| < 2 (the
+// exponent's top bit clear, so never NaN), in parallel: a full DeepSeek-V3
+// layer is 11 GB.
+func randomFP8(seed uint64, n int) []byte {
+	buf := make([]byte, n)
+	const chunk = 64 << 20
+	var wg sync.WaitGroup
+	for c := 0; c*chunk < n; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(seed, uint64(c)))
+			part := buf[c*chunk : min((c+1)*chunk, n)]
+			i := 0
+			for ; i+8 <= len(part); i += 8 {
+				binary.LittleEndian.PutUint64(part[i:], rng.Uint64()&0xBFBFBFBFBFBFBFBF)
+			}
+			for ; i < len(part); i++ {
+				part[i] = uint8(rng.Uint32()) & 0xBF
+			}
+		}()
+	}
+	wg.Wait()
+	return buf
+}
+
+// randomBlockSet is shape s's layer with random FP8 weights and random
+// block scales, made without quantizing (which would take minutes at full
+// size).
+func randomBlockSet(rng *rand.Rand, s kerneltest.Shape) *kernels.ExpertSet {
+	bn, bk := s.Block[0], s.Block[1]
+	scale := func(rows, cols int) scaling.WeightScale {
+		v := make([]float32, s.E*((rows+bn-1)/bn)*((cols+bk-1)/bk))
+		for i := range v {
+			v[i] = 0.05 + 0.1*rng.Float32()
+		}
+		return scaling.WeightScale{Granularity: scaling.Block, Values: v, Block: s.Block, E: s.E, Rows: rows, Cols: cols}
+	}
+	return &kernels.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N, Block: s.Block,
+		W13: randomFP8(rng.Uint64(), s.E*s.Rows1()*s.K), W2: randomFP8(rng.Uint64(), s.E*s.K*s.N),
+		W13Scale: scale(s.Rows1(), s.K), W2Scale: scale(s.K, s.N)}
+}
+
+// tokenRequest is req cut down to the tokens toks (logits routing only).
+func tokenRequest(req *kernels.Request, k, e int, toks []int) *kernels.Request {
+	sub := *req
+	hsz := req.Hidden.DType.Size()
+	sub.Hidden = kernels.Tensor{DType: req.Hidden.DType, Shape: []int{len(toks), k}}
+	sub.Logits = kernels.Tensor{DType: req.Logits.DType, Shape: []int{len(toks), e}}
+	lsz := req.Logits.DType.Size()
+	ng := len(req.HiddenScale) / req.M()
+	sub.HiddenScale = nil
+	for _, t := range toks {
+		sub.Hidden.Data = append(sub.Hidden.Data, req.Hidden.Data[t*k*hsz:(t+1)*k*hsz]...)
+		sub.Logits.Data = append(sub.Logits.Data, req.Logits.Data[t*e*lsz:(t+1)*e*lsz]...)
+		sub.HiddenScale = append(sub.HiddenScale, req.HiddenScale[t*ng:(t+1)*ng]...)
+	}
+	return &sub
+}
+
+// TestDeepSeekV3Full runs the full DeepSeek-V3 layer (E=256, top-8 of 8
+// groups / top-4 groups, K=7168, N=2048, [128, 128] blocks: 11.3 GB of FP8
+// weights) at M=64 with BF16 and with per-group FP8 hidden states, on the
+// portable GEMM (AUTO's choice for block sets), three calls each: against
+// the CPU backend on every token and the float64 reference on two. It needs
+// EXPERTD_CUDA_LIB and a GPU with >= 24 GiB, and about a minute, most of it
+// making and uploading the weights and the references.
+func TestDeepSeekV3Full(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short")
+	}
+	b := gpuBackend(t)
+	if gib := deviceGiB(b.info); gib < 24 {
+		t.Skipf("%s: needs a GPU with >= 24 GiB", b.info)
+	}
+	const m = 64
+	s := kerneltest.DeepSeekV3
+	seed := rand.Uint64()
+	rng := rand.New(rand.NewPCG(seed, 11))
+	set := randomBlockSet(rng, s)
+	ctx := context.Background()
+	l, err := b.Load(ctx, set)
+	if err != nil {
+		t.Fatalf("Load: %v", err)
+	}
+	defer l.Close()
+	ref := cpu.New(kernels.Config{})
+	cl := mustLoad(t, ref, set)
+
+	// Routing from a tiny case of the same E, top-k and routing; hidden
+	// states randn/10 at full K.
+	tiny := s
+	tiny.K, tiny.N, tiny.Block = 8, 8, [2]int{}
+	_, req := kerneltest.NewCase(rng, tiny, m)
+	hidden := make([]float32, m*s.K)
+	for i := range hidden {
+		hidden[i] = float32(rng.NormFloat64() * 0.1)
+	}
+	bf16 := kernels.Tensor{DType: kernels.BFloat16, Shape: []int{m, s.K}, Data: make([]byte, 2*len(hidden))}
+	for i, x := range hidden {
+		binary.LittleEndian.PutUint16(bf16.Data[2*i:], scaling.Float32ToBF16(x))
+	}
+	ng := (s.K + s.Block[1] - 1) / s.Block[1]
+	fp8 := kernels.Tensor{DType: kernels.Float8E4M3FN, Shape: []int{m, s.K}, Data: make([]byte, len(hidden))}
+	fp8Scale := make([]float32, m*ng)
+	scaling.QuantizeDynamic(fp8.Data, fp8Scale, hidden, m, s.K, s.Block[1])
+
+	for _, v := range []struct {
+		name   string
+		hidden kernels.Tensor
+		scale  []float32
+	}{{"bf16-in", bf16, nil}, {"fp8-in-per-group", fp8, fp8Scale}} {
+		r := *req
+		r.Hidden, r.HiddenScale = v.hidden, v.scale
+		name := fmt.Sprintf("DeepSeekV3/M=%d/%s (seed %d)", m, v.name, seed)
+		cres, err := ref.FusedMoE(ctx, cl, &r)
+		if err != nil {
+			t.Fatalf("%s: cpu backend: %v", name, err)
+		}
+		cpuOut := decode64(r.OutDType, cres.Output)
+		toks := []int{0, m - 1}
+		sub := tokenRequest(&r, s.K, s.E, toks)
+		want, _, _ := kerneltest.Reference(set, sub)
+		for call := range 3 {
+			out := make([]byte, m*s.K*r.OutDType.Size())
+			kerneltest.Poison(out)
+			res, err := b.run(ctx, l, &r, out, gemmAuto, true)
+			if err != nil {
+				t.Fatalf("%s/call%d: %v", name, call, err)
+			}
+			if n := kerneltest.Unwritten(out, r.OutDType.Size()); n > 0 {
+				t.Errorf("%s/call%d: %d output elements left unwritten", name, call, n)
+			}
+			got := kerneltest.DecodeOutput(r.OutDType, res.Output)
+			var gotSub []float32
+			for _, tk := range toks {
+				gotSub = append(gotSub, got[tk*s.K:(tk+1)*s.K]...)
+			}
+			eCPU, eRef := kerneltest.RelL2(got, cpuOut), kerneltest.RelL2(gotSub, want)
+			if !(eCPU <= kerneltest.FP8Tol) || !(eRef <= kerneltest.FP8Tol) {
+				t.Errorf("%s/call%d: rel-L2 %.3g vs cpu, %.3g vs reference (tokens %v); want <= %g", name, call, eCPU, eRef, toks, kerneltest.FP8Tol)
+			} else {
+				t.Logf("%s/call%d: rel-L2 %.3g vs cpu, %.3g vs reference (tokens %v), %.3f ms", name, call, eCPU, eRef, toks, float64(res.KernelNanos)/1e6)
+			}
+			if !slices.Equal(res.TopKIDs, cres.TopKIDs) {
+				t.Errorf("%s/call%d: topk ids differ from the cpu backend's", name, call)
+			}
+		}
+	}
+}
