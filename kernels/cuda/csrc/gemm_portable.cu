@@ -384,9 +384,9 @@ cudaError_t launch_tm(const MoeGemmArgs& a, bool f16, cudaStream_t s) {
 }
 
 // launch_epi picks the kernel for one epilogue. Per-channel scales run as
-// the block kernel with blocks of one row by all of K. kAct1BF16 (the sm90
-// kernels' dynamic-a2 epilogue) has no block instantiation: the pipeline
-// never asks the portable path for it.
+// the block kernel with blocks of one row by all of K. kAct1BF16 has no
+// block instantiation: the pipeline asks no GEMM for it (dynamic a2 takes
+// kAct1F32).
 template <GemmEpilogue kEpi>
 cudaError_t launch_epi(MoeGemmArgs a, bool gated, bool f16, cudaStream_t s) {
   if (a.w_mode == WScale::kPerChannel) {

@@ -10,7 +10,7 @@
 // read A rows contiguously, which TMA and cp.async want.
 //
 // GEMM1: act[r, :] = epilogue((a1q[r] . W13[e]^T) * a_scale(r) * w_scale[e])
-//   written in sorted order, FP8 (static a2) or FP32/BF16 (dynamic a2 runs a
+//   written in sorted order, FP8 (static a2) or FP32 (dynamic a2 runs a
 //   separate per-row quantize pass, see moe.cu).
 // GEMM2: y[pair, :] = (a2q[r] . W2[e]^T) * a_scale(r) * w_scale[e] * topk_w[pair]
 // With per-channel weight scales w_scale depends on the output channel's
