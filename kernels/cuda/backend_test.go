@@ -83,8 +83,9 @@ type gemmPath struct {
 }
 
 // paths lists the GEMM implementations to compare on this card for set
-// (sm90 takes K and N multiples of 16, and per-tensor or per-expert weight
-// scales only; it is listed as unsupported for other scales).
+// (sm90 takes K and N multiples of 16, and per-tensor, per-expert or
+// per-channel weight scales outside block mode; it is listed as unsupported
+// for block sets).
 func paths(b *Backend, set *kernels.ExpertSet) []gemmPath {
 	ps := []gemmPath{{name: "portable", gemm: gemmPortable}, {name: "portable-f16", gemm: gemmPortableF16}}
 	if strings.Contains(b.info, "gemm=sm90") && set.K%16 == 0 && set.N%16 == 0 {
@@ -99,7 +100,9 @@ func sm90Scales(set *kernels.ExpertSet) bool {
 		return false
 	}
 	for _, ws := range []scaling.WeightScale{set.W13Scale, set.W2Scale} {
-		if ws.Granularity != scaling.PerTensor && ws.Granularity != scaling.PerExpert {
+		switch ws.Granularity {
+		case scaling.PerTensor, scaling.PerExpert, scaling.PerChannel:
+		default:
 			return false
 		}
 	}
@@ -152,6 +155,13 @@ func blockCases() []kerneltest.Case {
 		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}
 	pc := kerneltest.Shape{Name: "pc", Activation: kernels.SiluGated, E: 16, TopK: 4, K: 512, N: 256,
 		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	// K and N multiples of 16 but not of the sm90 tiles' 32/64/128 output
+	// channels or 128-byte K stages: the last channel tile is partial.
+	pcG := kerneltest.Shape{Name: "pc-gated", Activation: kernels.SiluGated, E: 8, TopK: 2, K: 400, N: 208,
+		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	pcR := kerneltest.Shape{Name: "pc-relu2", Activation: kernels.Relu2, E: 8, TopK: 2, K: 400, N: 208,
+		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 1, TopKGroups: 1, ScalingFactor: 2.5}
+	perCh := kerneltest.WithGranularity(scaling.PerChannel)
 	fp8 := kerneltest.WithHidden(kernels.Float8E4M3FN)
 	type opts = []kerneltest.Option
 	return []kerneltest.Case{
@@ -187,6 +197,12 @@ func blockCases() []kerneltest.Case {
 			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), kerneltest.WithAllTokensTo(4)}},
 		{Name: "per-channel/odd-relu2/K=333,N=77/M=19", Shape: oddR, M: 19,
 			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), kerneltest.WithOutput(kernels.Float32)}},
+		{Name: "per-channel/gated/K=400,N=208/M=3", Shape: pcG, M: 3, Opts: opts{perCh}},
+		{Name: "per-channel/gated/K=400,N=208/M=150", Shape: pcG, M: 150, Opts: opts{perCh}},
+		{Name: "per-channel/gated/K=400,N=208/M=600/static", Shape: pcG, M: 600, Opts: opts{perCh, kerneltest.WithStaticScales()}},
+		{Name: "per-channel/relu2/K=400,N=208/M=5/fp8-in", Shape: pcR, M: 5, Opts: opts{perCh, fp8}},
+		{Name: "per-channel/relu2/K=400,N=208/M=150", Shape: pcR, M: 150, Opts: opts{perCh}},
+		{Name: "per-channel/relu2/K=400,N=208/M=40/static", Shape: pcR, M: 40, Opts: opts{perCh, kerneltest.WithStaticScales()}},
 	}
 }
 
@@ -319,6 +335,8 @@ func TestSmall(t *testing.T) {
 		{Name: "block", Shape: kerneltest.Shape{Name: "block", Activation: kernels.SiluGated, E: 8, TopK: 3, K: 320, N: 200,
 			Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 9},
 		{Name: "per-channel", Shape: kerneltest.Shape{Name: "pc", Activation: kernels.Relu2, E: 4, TopK: 2, K: 96, N: 70,
+			Scoring: kernels.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
+		{Name: "per-channel/x16", Shape: kerneltest.Shape{Name: "pc16", Activation: kernels.SiluGated, E: 4, TopK: 2, K: 96, N: 48,
 			Scoring: kernels.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
 	} {
 		seed := rand.Uint64()

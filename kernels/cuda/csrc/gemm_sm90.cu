@@ -10,6 +10,12 @@
 // while the weights, which are the bytes that matter, stream through every
 // SM. Both operands are K-contiguous in memory, which is what FP8 wgmma needs.
 //
+// Weight scales per expert fold into the per-token row scale. Per-channel
+// ones (kPC: one per weight row) are per accumulator row instead: each
+// consumer thread holds two weight rows, whose scales it loads when a tile
+// starts, while the tile's operands stream in; for gated GEMM1 these are the
+// gate and the up row of one channel, scaled before silu(gate) * up.
+//
 // It implements the sm90 half of moe_gemm.h.
 #include "moe_gemm.h"
 
@@ -131,6 +137,7 @@ constexpr int out_size(GemmEpilogue e) {
 struct Params {
   int k;
   int n_out;
+  int w_rows;
   int block_rows;
   int num_k_iters;
   const int32_t* block_expert;
@@ -151,7 +158,7 @@ struct Params {
 // kNWG produces (one thread issues the TMA loads). The producer's ring runs
 // on across tiles, so while the consumers run a tile's epilogue the next
 // tile's operands are already streaming in.
-template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi>
+template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
@@ -242,10 +249,31 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     if (threadIdx.x < BN) {
       const int srow = blk * BN + threadIdx.x;
       const int pair = p.sorted_pairs[srow];
-      float sc = (p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale) * p.w_scale[expert];
+      float sc = p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale;
+      if (!kPC) sc *= p.w_scale[expert];
       if (kEpi == GemmEpilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
       row_scale[threadIdx.x] = sc;
       row_dst[threadIdx.x] = pair < 0 ? -1 : (kEpi == GemmEpilogue::kWeightedBF16 ? pair : srow);
+    }
+
+    // kPC: the scales of this thread's two accumulator rows (see the
+    // epilogue for which weight rows they are); 0 past the last channel,
+    // whose outputs are never stored.
+    const int oc0 = wtile * kOC;  // first output channel of the tile
+    float wsc[2] = {1.f, 1.f};
+    if (kPC) {
+      const float* ws = p.w_scale + size_t(expert) * p.w_rows;
+      if (kGated) {
+        const int ch = oc0 + wg * 32 + 8 * warp + lane / 4;
+        wsc[0] = ch < p.n_out ? ws[ch] : 0.f;
+        wsc[1] = ch < p.n_out ? ws[p.n_out + ch] : 0.f;
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int ch = oc0 + wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+          wsc[h] = ch < p.n_out ? ws[ch] : 0.f;
+        }
+      }
     }
 
     float acc[kRegs];
@@ -270,7 +298,6 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
 
     // Epilogue, kStageRows tokens at a time: registers -> staging tile
     // [token][channel] -> coalesced 16-byte stores.
-    const int oc0 = wtile * kOC;  // first output channel of the tile
 #pragma unroll
     for (int half = 0; half < BN / kStageRows; ++half) {
       asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
@@ -282,15 +309,15 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
           const float sc = row_scale[tr];
           uint8_t* row = stage + (tr - half * kStageRows) * kPitch;
           if (kGated) {
-            const float g = acc[4 * i + c2] * sc;
-            const float u = acc[4 * i + 2 + c2] * sc;
+            const float g = kPC ? acc[4 * i + c2] * sc * wsc[0] : acc[4 * i + c2] * sc;
+            const float u = kPC ? acc[4 * i + 2 + c2] * sc * wsc[1] : acc[4 * i + 2 + c2] * sc;
             const float v = silu(g) * u;
             const int oc = wg * 32 + 8 * warp + lane / 4;
             stage_store<kEpi>(row, oc, v, p.out_inv_scale);
           } else {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              float v = acc[4 * i + 2 * h + c2] * sc;
+              float v = kPC ? acc[4 * i + 2 * h + c2] * sc * wsc[h] : acc[4 * i + 2 * h + c2] * sc;
               if (kEpi != GemmEpilogue::kWeightedBF16) {
                 v = fmaxf(v, 0.f);
                 v = v * v;
@@ -355,7 +382,7 @@ bool persistent_grid() {
   return persistent;
 }
 
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi>
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   constexpr int kWTile = kNWG * kWGRows * kBK;
   constexpr int kATile = BN * kBK;
@@ -393,13 +420,14 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
   Params p;
   p.k = a.k;
   p.n_out = a.n_out;
+  p.w_rows = a.w_rows;
   p.block_rows = BN;
   p.num_k_iters = (a.k + kBK - 1) / kBK;
   p.block_expert = a.block_expert;
@@ -435,44 +463,58 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int BN, int kNWG>
+// launch_epi picks the kernel for one epilogue and weight-scale layout.
+// kAct1BF16, which the pipeline no longer asks for, has no per-channel
+// instantiation.
+template <int BN, int kNWG, bool kPC>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC>(a, s);
     case GemmEpilogue::kAct1BF16:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1BF16>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1BF16>(a, s);
+      if constexpr (kPC) {
+        return cudaErrorInvalidValue;
+      } else {
+        return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1BF16, false>(a, s)
+                     : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1BF16, false>(a, s);
+      }
     case GemmEpilogue::kAct1F32:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC>(a, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16>(a, s);
+      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC>(a, s);
   }
   return cudaErrorInvalidValue;
+}
+
+template <int BN, int kNWG>
+cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
+  return a.w_mode == WScale::kPerChannel ? launch_epi<BN, kNWG, true>(a, gated, s)
+                                         : launch_epi<BN, kNWG, false>(a, gated, s);
 }
 
 // launch runs either GEMM; gated is GEMM1 of a SiLU-gated layer.
 cudaError_t launch(const MoeGemmArgs& a, bool gated, cudaStream_t stream) {
   const int n = gated ? a.w_rows / 2 : a.w_rows;
   if (a.k % 16 != 0 || n % 16 != 0 || a.n_out % 16 != 0 || a.max_blocks <= 0) return cudaErrorInvalidValue;
-  if (a.w_mode != WScale::kPerExpert) return cudaErrorInvalidValue;  // the pipeline routes others to the portable path
+  // Block scales run on the portable path (the pipeline routes them there).
+  if (a.w_mode != WScale::kPerExpert && a.w_mode != WScale::kPerChannel) return cudaErrorInvalidValue;
   // Few tokens per expert: one consumer warpgroup per CTA doubles the CTAs
   // streaming weights; many tokens: two warpgroups share each token tile.
   switch (a.block_rows) {
     case 8:
-      return launch_epi<8, 1>(a, gated, stream);
+      return launch_scales<8, 1>(a, gated, stream);
     case 16:
-      return launch_epi<16, 1>(a, gated, stream);
+      return launch_scales<16, 1>(a, gated, stream);
     case 32:
-      return launch_epi<32, 1>(a, gated, stream);
+      return launch_scales<32, 1>(a, gated, stream);
     case 64:
-      return launch_epi<64, 2>(a, gated, stream);
+      return launch_scales<64, 2>(a, gated, stream);
     case 128:
-      return launch_epi<128, 2>(a, gated, stream);
+      return launch_scales<128, 2>(a, gated, stream);
     case 256:
-      return launch_epi<256, 2>(a, gated, stream);
+      return launch_scales<256, 2>(a, gated, stream);
   }
   return cudaErrorInvalidValue;
 }

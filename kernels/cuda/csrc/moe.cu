@@ -197,11 +197,13 @@ bool e4m3_mma(const Set& s) {
 }
 
 // sm90_ok says whether the Hopper kernels can run the set: the card, the
-// shape, and per-expert weight scales (the others run on the portable path).
+// shape, and per-expert or per-channel weight scales outside block mode
+// (block sets run on the portable path).
 bool sm90_ok(const Set& s) {
 #ifdef EXPERTD_HAVE_SM90
-  return s.cc_major == 9 && s.cc_minor == 0 && sm90_supported(s.K, s.N) && s.w13_mode == WScale::kPerExpert &&
-         s.w2_mode == WScale::kPerExpert;
+  auto takes = [](WScale m) { return m == WScale::kPerExpert || m == WScale::kPerChannel; };
+  return s.cc_major == 9 && s.cc_minor == 0 && sm90_supported(s.K, s.N) && s.block_k == 0 && takes(s.w13_mode) &&
+         takes(s.w2_mode);
 #else
   (void)s;
   return false;

@@ -135,7 +135,8 @@ int portable_block_rows(int m, int top_k, int num_experts);
 cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 // sm90_supported says whether the Hopper kernels take this layer shape
-// (k = hidden, n = intermediate). They take WScale::kPerExpert only.
+// (k = hidden, n = intermediate). They take WScale::kPerExpert and
+// kPerChannel (not kBlock).
 bool sm90_supported(int hidden, int inter);
 // sm90_block_rows picks the Hopper kernels' token tile for a call.
 int sm90_block_rows(int m, int top_k, int num_experts);
