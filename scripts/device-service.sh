@@ -7,7 +7,10 @@
 # shared memory (end-to-end p50 against the server's kernel time, and the
 # per-stage breakdown), then dynamic batching (64 callers x 4 tokens
 # against one caller x 256) via scripts/batching-bench.sh.
-# DURATION (default 5s) is per measurement. Logs land under $OUT.
+# DURATION (default 5s) is per measurement; SIZES (default "1 16 256
+# 1024") and MODES (default "inline inline-fp8 shm": BF16 or FP8 hidden
+# states inline, or BF16 through shared memory) pick the calls; BATCHING=0
+# skips the batching run. Logs land under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build="${EXPERTD_BUILD:-build}"
@@ -27,15 +30,21 @@ done
 grep -m3 -iE 'backend|cuda|gpu' "$out/daemon.log"
 bench() { "$build/expertbench" -addr "127.0.0.1:$port" -model nemotron -progress 0 "$@"; }
 bench -load -keep -m 1 -c 1 -calls 1 > "$out/load.txt" 2>&1 || { echo "load failed"; cat "$out/load.txt"; exit 1; }
-for m in 1 16 256 1024; do
-	for mode in inline shm; do
-		flag=""; [[ $mode == shm ]] && flag=-shm
+for m in ${SIZES:-1 16 256 1024}; do
+	for mode in ${MODES:-inline inline-fp8 shm}; do
+		case $mode in
+		inline) flag="" ;;
+		inline-fp8) flag="-hidden fp8" ;;
+		shm) flag=-shm ;;
+		*) echo "unknown mode $mode"; exit 2 ;;
+		esac
 		echo "== nemotron M=$m c=1 $mode"
 		# shellcheck disable=SC2086
 		bench -m "$m" -c 1 -duration "$dur" $flag 2>&1 | tee "$out/svc-$m-$mode.txt" | tail -25
 	done
 done
 kill "$daemon"; wait "$daemon" 2>/dev/null
+[[ ${BATCHING:-1} == 0 ]] && exit 0
 echo "== dynamic batching (64 x 4 tokens against 1 x 256)"
 BIN="$build" BACKEND=cuda LIBRARY="$lib" WINDOWS="${WINDOWS:-0 0.2ms 0.5ms}" DURATION="$dur" \
 	scripts/batching-bench.sh 2>&1 | tee "$out/batching.txt"
