@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"runtime/debug"
 	"slices"
 	"sync"
@@ -81,6 +82,17 @@ import (
 // the noise of a CPU call (tens of ms) but is 8 times a GPU decode call
 // (0.06 ms at M=1), and batching has not been measured on a GPU yet.
 const SuggestedBatchWindow = 500 * time.Microsecond
+
+// timerResolution is the shortest wait a runtime timer keeps on Linux
+// when the process is otherwise idle: the runtime then sleeps in
+// epoll_pwait, whose timeout is whole milliseconds. On a 2-core host with
+// go1.26 a 0.05, 0.2, 0.5 or 1 ms timer fired after 1.14-1.17 ms (p50 of
+// 200 waits, each after 3 ms idle; time.Sleep alike), which accounts for
+// the 1.2 ms that a 0.2 or a 0.5 ms window added to a lone caller's p50 on
+// the H200. Shorter waits poll instead (pause): the same probe timed a
+// 0.2 ms poll at 0.200 ms (p50; p99 0.255 ms). docs/perf-notes.md
+// ("Dynamic batching") has what that did to batched callers.
+const timerResolution = time.Millisecond
 
 // DefaultBatchMaxTokens bounds the tokens of one merged call when
 // Config.BatchMaxTokens is 0: on the H200 a Nemotron layer takes about
@@ -427,14 +439,29 @@ func (bt *batcher) await(b *batch) bool {
 	}
 }
 
-// pause waits d, or less if b starts or every caller leaves.
+// pause waits d, or less if b starts or every caller leaves. Below
+// timerResolution it polls, yielding to other goroutines between looks,
+// since a timer would take a millisecond or more: at most d of one core
+// per batch that waited for a running one.
 func (bt *batcher) pause(b *batch, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-b.start:
-	case <-b.ctx.Done():
+	if d >= timerResolution {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-b.start:
+		case <-b.ctx.Done():
+		}
+		return
+	}
+	for end := time.Now().Add(d); time.Now().Before(end); runtime.Gosched() {
+		select {
+		case <-b.start:
+			return
+		case <-b.ctx.Done():
+			return
+		default:
+		}
 	}
 }
 

@@ -661,7 +661,7 @@ func TestBatchIdleStartsAtOnce(t *testing.T) {
 // TestBatchWaitsForRunning checks a batch does not start while another of
 // its key runs (unless full): calls arriving meanwhile gather into one
 // batch that starts, one window after the running one ends, as one backend
-// call.
+// call. Windows below a millisecond are polled, longer ones timed.
 func TestBatchWaitsForRunning(t *testing.T) {
 	for _, window := range []time.Duration{200 * time.Microsecond, 2 * time.Millisecond} {
 		t.Run(window.String(), func(t *testing.T) {
