@@ -89,8 +89,8 @@ const SuggestedBatchWindow = 500 * time.Microsecond
 // go1.26 a 0.05, 0.2, 0.5 or 1 ms timer fired after 1.14-1.17 ms (p50 of
 // 200 waits, each after 3 ms idle; time.Sleep alike), which accounts for
 // the 1.2 ms that a 0.2 or a 0.5 ms window added to a lone caller's p50 on
-// the H200. Shorter waits poll instead (pause): the same probe timed a
-// 0.2 ms poll at 0.200 ms (p50; p99 0.255 ms). docs/perf-notes.md
+// the H200. Shorter waits poll instead (pause), which took 0.202 ms for
+// 0.2 ms (mean; BenchmarkIdleWait reproduces both). docs/perf-notes.md
 // ("Dynamic batching") has what that did to batched callers.
 const timerResolution = time.Millisecond
 
