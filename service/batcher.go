@@ -59,10 +59,10 @@ import (
 // window worth having. A batch that opens while one of its key runs
 // gathers calls until that one finishes, then waits BatchWindow more (see
 // await) and starts; it starts at once instead when it fills up to
-// BatchMaxTokens or the server drains. Until its inputs are merged, after
-// it has an execution slot, a batch keeps taking compatible calls, so a
-// burst on an idle key still merges and a busy server batches more, the
-// way continuous batching does. So calls of one key (a FusedMoEStream's
+// BatchMaxTokens or the server drains. A batch not full keeps taking
+// compatible calls until it has an execution slot and merges its inputs,
+// so a burst on an idle key still merges and a busy server batches more,
+// the way continuous batching does. So calls of one key (a FusedMoEStream's
 // included) run one batch at a time unless batches fill up. A waiting
 // batch takes one place of the MaxQueued queue, not one per call. Each
 // call waits for its own result or its context: a call that leaves before
@@ -72,16 +72,15 @@ import (
 // batch is merged, so a caller's request buffers are never read after it
 // has returned.
 
-// SuggestedBatchWindow is the window to turn batching on with. On the CPU
-// backend 0.5, 2 and 5 ms all brought 64 callers × 4 tokens to 94-98% of
-// the tokens per CPU-second of one caller × 256 tokens (75% unbatched), so
-// the shortest is suggested: it is what a caller with nobody to batch with
-// pays, and while a batch runs later calls gather anyway (await).
-// docs/perf-notes.md ("Dynamic batching") has the runs. The daemon does
-// not batch unless asked: a lone caller pays the window, which is lost in
-// the noise of a CPU call (tens of ms) but is 8 times a GPU decode call
-// (0.06 ms at M=1), and batching has not been measured on a GPU yet.
-const SuggestedBatchWindow = 500 * time.Microsecond
+// SuggestedBatchWindow is the daemon's default window (-batch-window).
+// On the H200 (CUDA backend, Nemotron layer; docs/perf-notes.md, "Dynamic
+// batching") 0.2 ms brought 64 callers × 4 tokens to 97% of the tokens/s
+// of one caller × 256 tokens (40% unbatched, 87% at 0.5 ms), and on the
+// CPU backend 0.5, 2 and 5 ms did equally well (94-98% of the tokens per
+// CPU-second). Since a batch on an idle key starts at once, only calls
+// that arrived while a batch of their key ran pay the window, after it
+// finishes, so the shortest window that batches well is best.
+const SuggestedBatchWindow = 200 * time.Microsecond
 
 // timerResolution is the shortest wait a runtime timer keeps on Linux
 // when the process is otherwise idle: the runtime then sleeps in
