@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"runtime/debug"
 	"slices"
 	"sync"
@@ -52,29 +53,45 @@ import (
 // so bit-identity is expected but not promised; results stay within the
 // backend's tolerance against the reference either way.
 //
-// A batch opens with its first call and waits BatchWindow (less if it
-// fills up to BatchMaxTokens), then for any batch of its key still running
-// to finish (and one more window; see await), then for an execution slot,
-// taking compatible calls all along, so a busy server batches more. So
-// calls of one key (a FusedMoEStream's included) run one batch at a time
-// unless batches fill up. A waiting batch takes one place of the
-// MaxQueued queue, not one per call. Each call waits for
-// its own result or its context: a call that leaves before the inputs are
-// merged is dropped from the batch; one that leaves later gets nothing and
-// the others are unaffected. The backend call is cancelled only when every
-// caller has left. Inputs are copied when the batch is merged, so a
-// caller's request buffers are never read after it has returned.
+// A batch that opens while its key is idle (no batch of the key started
+// and unfinished) starts at once: a lone caller pays no window, and on
+// the H200 a decode call's kernel (0.05-0.4 ms) is shorter than any
+// window worth having. A batch that opens while one of its key runs
+// gathers calls until that one finishes, then waits BatchWindow more (see
+// await) and starts; it starts at once instead when it fills up to
+// BatchMaxTokens or the server drains. A batch not full keeps taking
+// compatible calls until it has an execution slot and merges its inputs,
+// so a burst on an idle key still merges and a busy server batches more,
+// the way continuous batching does. So calls of one key (a FusedMoEStream's
+// included) run one batch at a time unless batches fill up. A waiting
+// batch takes one place of the MaxQueued queue, not one per call. Each
+// call waits for its own result or its context: a call that leaves before
+// the inputs are merged is dropped from the batch; one that leaves later
+// gets nothing and the others are unaffected. The backend call is
+// cancelled only when every caller has left. Inputs are copied when the
+// batch is merged, so a caller's request buffers are never read after it
+// has returned.
 
-// SuggestedBatchWindow is the window to turn batching on with. On the CPU
-// backend 0.5, 2 and 5 ms all brought 64 callers × 4 tokens to 94-98% of
-// the tokens per CPU-second of one caller × 256 tokens (75% unbatched), so
-// the shortest is suggested: it is what a caller with nobody to batch with
-// pays, and while a batch runs later calls gather anyway (await).
-// docs/perf-notes.md ("Dynamic batching") has the runs. The daemon does
-// not batch unless asked: a lone caller pays the window, which is lost in
-// the noise of a CPU call (tens of ms) but is 8 times a GPU decode call
-// (0.06 ms at M=1), and batching has not been measured on a GPU yet.
-const SuggestedBatchWindow = 500 * time.Microsecond
+// SuggestedBatchWindow is the daemon's default window (-batch-window).
+// On the H200 (CUDA backend, Nemotron layer; docs/perf-notes.md, "Dynamic
+// batching") 0.2 ms brought 64 callers × 4 tokens to 97% of the tokens/s
+// of one caller × 256 tokens (40% unbatched, 87% at 0.5 ms), and on the
+// CPU backend 0.5, 2 and 5 ms did equally well (94-98% of the tokens per
+// CPU-second). Since a batch on an idle key starts at once, only calls
+// that arrived while a batch of their key ran pay the window, after it
+// finishes, so the shortest window that batches well is best.
+const SuggestedBatchWindow = 200 * time.Microsecond
+
+// timerResolution is the shortest wait a runtime timer keeps on Linux
+// when the process is otherwise idle: the runtime then sleeps in
+// epoll_pwait, whose timeout is whole milliseconds. On a 2-core host with
+// go1.26 a 0.05, 0.2, 0.5 or 1 ms timer fired after 1.14-1.17 ms (p50 of
+// 200 waits, each after 3 ms idle; time.Sleep alike), which accounts for
+// the 1.2 ms that a 0.2 or a 0.5 ms window added to a lone caller's p50 on
+// the H200. Shorter waits poll instead (pause), which took 0.202 ms for
+// 0.2 ms (mean; BenchmarkIdleWait reproduces both). docs/perf-notes.md
+// ("Dynamic batching") has what that did to batched callers.
+const timerResolution = time.Millisecond
 
 // DefaultBatchMaxTokens bounds the tokens of one merged call when
 // Config.BatchMaxTokens is 0: on the H200 a Nemotron layer takes about
@@ -91,7 +108,8 @@ type batcher struct {
 
 	mu   sync.Mutex
 	open map[batchKey]*batch
-	// busy holds the keys with a batch started and not yet finished.
+	// busy holds the keys with a batch started and not yet finished
+	// (see start and finish).
 	busy map[batchKey]*keyState
 	// waiting counts calls in batches whose backend call has not started.
 	waiting int
@@ -171,9 +189,8 @@ type batch struct {
 	// when every caller has left.
 	ctx    context.Context
 	cancel context.CancelFunc
-	// start is closed to end the window early (full, or draining).
-	start   chan struct{}
-	started bool
+	// start is closed when the batch may run (see batcher.start).
+	start chan struct{}
 	// merged is closed once the members' inputs have been copied.
 	merged chan struct{}
 
@@ -182,6 +199,8 @@ type batch struct {
 	tokens  int
 	live    int  // members still waiting for their result
 	closed  bool // members fixed and their inputs taken
+	// started: start was closed and the batch counted in busy.
+	started bool
 }
 
 // member is one call in a batch.
@@ -194,12 +213,23 @@ type member struct {
 	queued time.Time
 }
 
-// startNow ends the batch's window; bt.mu must be held.
-func (b *batch) startNow() {
-	if !b.started {
-		b.started = true
-		close(b.start)
+// start lets b run and counts it as running in its key's busy state
+// until dispatch finishes it; bt.mu must be held. Every caller of start
+// finds b in bt.open (or has just made it), so a batch whose callers all
+// left (leave takes it out of open) or that has been taken is never
+// started.
+func (bt *batcher) start(b *batch) {
+	if b.started {
+		return
 	}
+	b.started = true
+	close(b.start)
+	st := bt.busy[b.key]
+	if st == nil {
+		st = &keyState{idle: make(chan struct{})}
+		bt.busy[b.key] = st
+	}
+	st.running++
 }
 
 // do runs req as part of a batch and returns its share of the result and
@@ -225,7 +255,7 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
 	b := bt.open[key]
 	if b != nil && b.tokens+n > bt.maxTokens {
 		delete(bt.open, key)
-		b.startNow()
+		bt.start(b)
 		b = nil
 	}
 	if b == nil {
@@ -235,6 +265,11 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
 		// while the backend call runs, and the set must outlive it.
 		bt.s.reg.hold(key.set)
 		bt.open[key] = b
+		if bt.busy[key] == nil {
+			// Idle key: nobody's batch to wait for. The batch stays open
+			// until merged, so calls arriving meanwhile still join it.
+			bt.start(b)
+		}
 		go bt.dispatch(b)
 	}
 	b.members = append(b.members, m)
@@ -243,7 +278,7 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
 	bt.waiting++
 	if b.tokens >= bt.maxTokens {
 		delete(bt.open, key)
-		b.startNow()
+		bt.start(b)
 	}
 	return b
 }
@@ -274,8 +309,8 @@ func (bt *batcher) leave(b *batch, m *member) {
 	}
 }
 
-// flush ends the window of every open batch (Shutdown: a drain should not
-// wait out windows).
+// flush starts every open batch (Shutdown: a drain should not wait for
+// running batches and windows).
 func (bt *batcher) flush() {
 	if bt == nil {
 		return
@@ -283,7 +318,7 @@ func (bt *batcher) flush() {
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
 	for _, b := range bt.open {
-		b.startNow()
+		bt.start(b)
 	}
 }
 
@@ -311,15 +346,15 @@ func (s *Server) Batched() int {
 	return bt.waiting
 }
 
-// dispatch runs batch b: window, execution slot, merge, backend call,
-// split.
+// dispatch runs batch b: wait to start, execution slot, merge, backend
+// call, split.
 func (bt *batcher) dispatch(b *batch) {
 	s := bt.s
 	defer s.reg.done(b.key.set)
 	defer b.cancel()
+	defer bt.finish(b)
 	var err error
 	if bt.await(b) {
-		defer bt.finish(b.key)
 		err = s.acquireSlot(b.ctx)
 	} else {
 		err = b.ctx.Err()
@@ -361,55 +396,86 @@ func (bt *batcher) dispatch(b *batch) {
 	}
 }
 
-// await holds b until it may start, and then counts it as started: once
-// its window has passed and no other batch of its key is between start and
-// finish, or at once when it is full or the server drains. A batch that
-// found another of its key running waits for it to finish and then one
-// more window, in which that batch's callers, if they call again at once,
-// join it: without that, closed-loop callers settle into one large and
-// one small batch alternating, and a small batch costs as much per token
-// as no batching on the CPU. It reports false if every caller left first.
+// await holds b until it may start and reports whether it did, false if
+// every caller left first. A batch not started when it opened (its key was
+// busy) waits for its key to go idle and then one more window, in which
+// the callers of the batch that just finished, if they call again at
+// once, join it: without that, closed-loop callers settle into one large
+// and one small batch alternating, and a small batch costs as much per
+// token as no batching on the CPU. Joins, flush, or a full batch may start
+// it sooner.
 func (bt *batcher) await(b *batch) bool {
 	for {
-		t := time.NewTimer(bt.window)
-		select {
-		case <-t.C:
-		case <-b.start:
-		case <-b.ctx.Done():
-			t.Stop()
-			return false
-		}
-		t.Stop()
 		bt.mu.Lock()
-		st := bt.busy[b.key]
-		if st == nil || b.started {
-			if st == nil {
-				st = &keyState{idle: make(chan struct{})}
-				bt.busy[b.key] = st
-			}
-			st.running++
-			bt.mu.Unlock()
+		started, st := b.started, bt.busy[b.key]
+		bt.mu.Unlock()
+		if started {
 			return true
 		}
-		idle := st.idle
-		bt.mu.Unlock()
-		select {
-		case <-idle:
-		case <-b.start:
-		case <-b.ctx.Done():
+		if st != nil {
+			select {
+			case <-st.idle:
+			case <-b.start:
+			case <-b.ctx.Done():
+			}
+		} else {
+			bt.pause(b, bt.window)
+		}
+		bt.mu.Lock()
+		switch {
+		case b.started:
+		case b.ctx.Err() != nil:
+			bt.mu.Unlock()
 			return false
+		case st == nil && bt.busy[b.key] == nil:
+			bt.start(b)
+		}
+		started = b.started
+		bt.mu.Unlock()
+		if started {
+			return true
 		}
 	}
 }
 
-// finish ends a batch counted as started by await.
-func (bt *batcher) finish(key batchKey) {
+// pause waits d, or less if b starts or every caller leaves. Below
+// timerResolution it polls, yielding to other goroutines between looks,
+// since a timer would take a millisecond or more: at most d of one core
+// per batch that waited for a running one.
+func (bt *batcher) pause(b *batch, d time.Duration) {
+	if d >= timerResolution {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-b.start:
+		case <-b.ctx.Done():
+		}
+		return
+	}
+	for end := time.Now().Add(d); time.Now().Before(end); runtime.Gosched() {
+		select {
+		case <-b.start:
+			return
+		case <-b.ctx.Done():
+			return
+		default:
+		}
+	}
+}
+
+// finish ends b's count in its key's busy state, if it was started; by
+// then b has been taken, so it cannot start later.
+func (bt *batcher) finish(b *batch) {
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
-	st := bt.busy[key]
+	if !b.started {
+		return
+	}
+	st := bt.busy[b.key]
 	if st.running--; st.running == 0 {
 		close(st.idle)
-		delete(bt.busy, key)
+		delete(bt.busy, b.key)
 	}
 }
 

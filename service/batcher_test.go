@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -24,14 +25,17 @@ import (
 	"github.com/expertd/expertd/service/servicetest"
 )
 
-// neverEnds is a batching window no test outlives: batches in these tests
-// start because they are full, or on Shutdown, never on a timer, so what
-// merges with what does not depend on timing.
+// neverEnds is a batching window no test outlives. A batch on an idle key
+// starts at once, so these tests first occupy the key with a call held in
+// the backend; batches gathered behind it then start because they are
+// full, or on Shutdown, never on a timer, so what merges with what does
+// not depend on timing.
 const neverEnds = time.Hour
 
 // recordingBackend wraps a backend, recording the token count of every
 // FusedMoE call; with started and release set, each call signals started
-// and then waits for release before computing.
+// and then waits for release (a send releases one call, closing it all)
+// before computing.
 type recordingBackend struct {
 	kernels.Backend
 	started, release chan struct{}
@@ -111,6 +115,35 @@ func callAll(ctx context.Context, c pb.ExpertServiceClient, reqs []*pb.FusedMoER
 	}
 	wg.Wait()
 	return resps, errs
+}
+
+// callsResult is what callAll returns.
+type callsResult struct {
+	resps []*pb.FusedMoEResponse
+	errs  []error
+}
+
+// callAllAsync is callAll in the background.
+func callAllAsync(ctx context.Context, c pb.ExpertServiceClient, reqs []*pb.FusedMoERequest) <-chan callsResult {
+	ch := make(chan callsResult, 1)
+	go func() {
+		resps, errs := callAll(ctx, c, reqs)
+		ch <- callsResult{resps, errs}
+	}()
+	return ch
+}
+
+// waitStarted waits for n backend calls to start on gated backend b.
+func (b *recordingBackend) waitStarted(t *testing.T, n int) {
+	t.Helper()
+	ctx := testContext(t)
+	for range n {
+		select {
+		case <-b.started:
+		case <-ctx.Done():
+			t.Fatalf("waiting for a backend call to start: %v", ctx.Err())
+		}
+	}
 }
 
 // checkCaller checks one caller's response against the float64 reference
@@ -206,21 +239,33 @@ func TestBatchNumbers(t *testing.T) {
 					tt.rescale(rng, i, r)
 				}
 			}
-			b := &recordingBackend{Backend: cpu.New(kernels.Config{Threads: 2})}
+			b := &recordingBackend{Backend: cpu.New(kernels.Config{Threads: 2}), started: make(chan struct{}, 8), release: make(chan struct{})}
 			c, _ := batchServer(t, service.Config{MaxConcurrent: 2, BatchWindow: neverEnds, BatchMaxTokens: total}, b, set)
 			wire := make([]*pb.FusedMoERequest, len(reqs))
 			for i, r := range reqs {
 				wire[i] = requestProto(r, set.E)
 			}
-			resps, errs := callAll(testContext(t), c, wire)
-			for i, r := range reqs {
-				if errs[i] != nil {
-					t.Fatalf("caller %d: %v", i, errs[i])
+			// Caller A's request sent once more first keeps the key busy,
+			// so the callers gather until their batch is full.
+			held := callAllAsync(testContext(t), c, wire[:1])
+			b.waitStarted(t, 1)
+			batched := callAllAsync(testContext(t), c, wire)
+			b.waitStarted(t, 1)
+			close(b.release)
+			r := <-batched
+			for i, req := range reqs {
+				if r.errs[i] != nil {
+					t.Fatalf("caller %d: %v", i, r.errs[i])
 				}
-				checkCaller(t, "caller "+string(rune('A'+i)), set, r, resps[i], kerneltest.FP8Tol)
+				checkCaller(t, "caller "+string(rune('A'+i)), set, req, r.resps[i], kerneltest.FP8Tol)
 			}
-			if got := b.calls(); !slices.Equal(got, []int{total}) {
-				t.Errorf("backend calls of %v tokens, want one of %d", got, total)
+			if h := <-held; h.errs[0] != nil {
+				t.Fatalf("caller A alone: %v", h.errs[0])
+			} else {
+				checkCaller(t, "caller A alone", set, reqs[0], h.resps[0], kerneltest.FP8Tol)
+			}
+			if got, want := b.calls(), []int{sizes[0], total}; !slices.Equal(got, want) {
+				t.Errorf("backend calls of %v tokens, want %v (A alone, then everyone merged)", got, want)
 			}
 		})
 	}
@@ -228,7 +273,9 @@ func TestBatchNumbers(t *testing.T) {
 
 // TestBatchIncompatible sends groups of calls that must not merge with
 // each other (each group fills one batch exactly) and checks every group
-// ran as its own backend call with correct results.
+// ran as its own backend call with correct results. Each group's first
+// request, sent once more beforehand and held in the backend, keeps the
+// group's key busy so its callers gather.
 func TestBatchIncompatible(t *testing.T) {
 	shape := kerneltest.Shape{Name: "odd", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
 		Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
@@ -253,7 +300,7 @@ func TestBatchIncompatible(t *testing.T) {
 		{"no groups", nil, func(r *kernels.Request) { r.Routing.NumGroups, r.Routing.TopKGroups = 0, 0 }},
 	}
 	var set *kernels.ExpertSet
-	var reqs []*kernels.Request
+	var reqs, holders []*kernels.Request
 	var names []string
 	var bias []float32
 	for _, g := range groups {
@@ -276,6 +323,7 @@ func TestBatchIncompatible(t *testing.T) {
 			reqs = append(reqs, r)
 			names = append(names, g.name+"/"+string(rune('A'+i)))
 		}
+		holders = append(holders, reqs[len(reqs)-len(sizes)])
 	}
 	// A different correction bias is another group.
 	_, whole := kerneltest.NewCase(rand.New(rand.NewPCG(rng.Uint64(), rng.Uint64())), shape, total)
@@ -283,24 +331,38 @@ func TestBatchIncompatible(t *testing.T) {
 		reqs = append(reqs, r)
 		names = append(names, "other bias/"+string(rune('A'+i)))
 	}
+	holders = append(holders, reqs[len(reqs)-len(sizes)])
 	ngroups := len(groups) + 1
 
-	b := &recordingBackend{Backend: cpu.New(kernels.Config{Threads: 2})}
-	c, _ := batchServer(t, service.Config{MaxConcurrent: 2, MaxQueued: 2 * ngroups, BatchWindow: neverEnds, BatchMaxTokens: total}, b, set)
-	wire := make([]*pb.FusedMoERequest, len(reqs))
-	for i, r := range reqs {
-		wire[i] = requestProto(r, set.E)
-	}
-	resps, errs := callAll(testContext(t), c, wire)
-	for i, r := range reqs {
-		if errs[i] != nil {
-			t.Fatalf("%s: %v", names[i], errs[i])
+	b := &recordingBackend{Backend: cpu.New(kernels.Config{Threads: 2}), started: make(chan struct{}, 8), release: make(chan struct{})}
+	// A slot for every holder and every group's batch: all are held in the
+	// backend at once.
+	c, _ := batchServer(t, service.Config{MaxConcurrent: 2 * ngroups, BatchWindow: neverEnds, BatchMaxTokens: total}, b, set)
+	toWire := func(reqs []*kernels.Request) []*pb.FusedMoERequest {
+		wire := make([]*pb.FusedMoERequest, len(reqs))
+		for i, r := range reqs {
+			wire[i] = requestProto(r, set.E)
 		}
-		checkCaller(t, names[i], set, r, resps[i], kerneltest.FP8Tol)
+		return wire
 	}
-	want := slices.Repeat([]int{total}, ngroups)
+	held := callAllAsync(testContext(t), c, toWire(holders))
+	b.waitStarted(t, ngroups)
+	batched := callAllAsync(testContext(t), c, toWire(reqs))
+	b.waitStarted(t, ngroups)
+	close(b.release)
+	r := <-batched
+	for i, req := range reqs {
+		if r.errs[i] != nil {
+			t.Fatalf("%s: %v", names[i], r.errs[i])
+		}
+		checkCaller(t, names[i], set, req, r.resps[i], kerneltest.FP8Tol)
+	}
+	if h := <-held; errors.Join(h.errs...) != nil {
+		t.Fatalf("holders: %v", errors.Join(h.errs...))
+	}
+	want := append(slices.Repeat([]int{sizes[0]}, ngroups), slices.Repeat([]int{total}, ngroups)...)
 	if got := b.calls(); !slices.Equal(got, want) {
-		t.Errorf("backend calls of %v tokens, want %v (one per group)", got, want)
+		t.Errorf("backend calls of %v tokens, want %v (each group's holder, then one per group)", got, want)
 	}
 }
 
@@ -357,6 +419,16 @@ func (f *batchFixture) call(ctx context.Context, m int, opts ...kerneltest.Optio
 	return req, ch
 }
 
+// occupy sends a one-token call and waits until it is in the backend
+// (gated fixtures only): until it is released, its key is busy, so later
+// calls of the key gather behind it instead of starting at once.
+func (f *batchFixture) occupy() (*kernels.Request, <-chan callResult) {
+	f.t.Helper()
+	req, ch := f.call(testContext(f.t), 1)
+	f.b.waitStarted(f.t, 1)
+	return req, ch
+}
+
 // check waits for a call and checks its numbers.
 func (f *batchFixture) check(name string, req *kernels.Request, ch <-chan callResult) *pb.FusedMoEResponse {
 	f.t.Helper()
@@ -373,8 +445,9 @@ func (f *batchFixture) check(name string, req *kernels.Request, ch <-chan callRe
 // their results), and all of them (the backend call is abandoned and the
 // next batch is fresh).
 func TestBatchCancel(t *testing.T) {
-	t.Run("in the window", func(t *testing.T) {
-		f := newBatchFixture(t, service.Config{MaxConcurrent: 1, BatchWindow: neverEnds, BatchMaxTokens: 6}, false)
+	t.Run("waiting", func(t *testing.T) {
+		f := newBatchFixture(t, service.Config{MaxConcurrent: 1, BatchWindow: neverEnds, BatchMaxTokens: 6}, true)
+		reqX, x := f.occupy()
 		ctx, cancel := context.WithCancel(testContext(t))
 		_, gone := f.call(ctx, 2)
 		waitFor(t, "the first call in the batcher", func() bool { return f.srv.Batched() == 1 })
@@ -383,8 +456,8 @@ func TestBatchCancel(t *testing.T) {
 			t.Errorf("cancelled call: %v, want Canceled", r.err)
 		}
 		waitFor(t, "the cancelled call to leave", func() bool { return f.srv.Batched() == 0 })
-		// FP32 output keeps the expiring call out of B and C's batch even
-		// if the server sees it only after they arrive.
+		// FP32 output is another key, idle: its batch starts at once and
+		// waits for the one slot, X's, past the call's deadline.
 		dctx, dcancel := context.WithTimeout(testContext(t), 20*time.Millisecond)
 		defer dcancel()
 		if _, r := f.call(dctx, 1, kerneltest.WithOutput(kernels.Float32)); status.Code((<-r).err) != codes.DeadlineExceeded {
@@ -393,33 +466,40 @@ func TestBatchCancel(t *testing.T) {
 		waitFor(t, "the expired call to leave", func() bool { return f.srv.Batched() == 0 })
 		reqB, b := f.call(testContext(t), 2)
 		reqC, c := f.call(testContext(t), 4)
+		waitFor(t, "B and C in the batcher", func() bool { return f.srv.Batched() == 2 })
+		close(f.b.release)
+		f.check("X", reqX, x)
 		f.check("B", reqB, b)
 		f.check("C", reqC, c)
-		if got := f.b.calls(); !slices.Equal(got, []int{6}) {
-			t.Errorf("backend calls of %v tokens, want one of 6 (B and C; the departed calls' tokens dropped)", got)
+		if got := f.b.calls(); !slices.Equal(got, []int{1, 6}) {
+			t.Errorf("backend calls of %v tokens, want [1 6] (X, then B and C; the departed calls' tokens dropped)", got)
 		}
 	})
 	t.Run("while running", func(t *testing.T) {
 		f := newBatchFixture(t, service.Config{MaxConcurrent: 1, BatchWindow: neverEnds, BatchMaxTokens: 6}, true)
+		reqX, x := f.occupy()
 		ctx, cancel := context.WithCancel(testContext(t))
 		_, gone := f.call(ctx, 2)
-		waitFor(t, "the first call in the batcher", func() bool { return f.srv.Batched() == 1 })
 		reqB, b := f.call(testContext(t), 3)
 		reqC, c := f.call(testContext(t), 1)
-		<-f.b.started
+		waitFor(t, "three calls in the batcher", func() bool { return f.srv.Batched() == 3 })
+		f.b.release <- struct{}{} // X
+		f.b.waitStarted(t, 1)
 		cancel()
 		if r := <-gone; status.Code(r.err) != codes.Canceled {
 			t.Errorf("cancelled call: %v, want Canceled", r.err)
 		}
 		close(f.b.release)
+		f.check("X", reqX, x)
 		f.check("B", reqB, b)
 		f.check("C", reqC, c)
-		if got := f.b.calls(); !slices.Equal(got, []int{6}) {
-			t.Errorf("backend calls of %v tokens, want one of 6", got)
+		if got := f.b.calls(); !slices.Equal(got, []int{1, 6}) {
+			t.Errorf("backend calls of %v tokens, want [1 6]", got)
 		}
 	})
 	t.Run("everyone leaves", func(t *testing.T) {
-		f := newBatchFixture(t, service.Config{MaxConcurrent: 1, BatchWindow: neverEnds, BatchMaxTokens: 6}, false)
+		f := newBatchFixture(t, service.Config{MaxConcurrent: 1, BatchWindow: neverEnds, BatchMaxTokens: 6}, true)
+		reqX, x := f.occupy()
 		ctx, cancel := context.WithCancel(testContext(t))
 		_, a := f.call(ctx, 2)
 		_, b := f.call(ctx, 3)
@@ -433,10 +513,13 @@ func TestBatchCancel(t *testing.T) {
 		waitFor(t, "the batcher to empty", func() bool { return f.srv.Batched() == 0 })
 		reqC, c := f.call(testContext(t), 5)
 		reqD, d := f.call(testContext(t), 1)
+		waitFor(t, "C and D in the batcher", func() bool { return f.srv.Batched() == 2 })
+		close(f.b.release)
+		f.check("X", reqX, x)
 		f.check("C", reqC, c)
 		f.check("D", reqD, d)
-		if got := f.b.calls(); !slices.Equal(got, []int{6}) {
-			t.Errorf("backend calls of %v tokens, want one of 6 (the abandoned batch never ran)", got)
+		if got := f.b.calls(); !slices.Equal(got, []int{1, 6}) {
+			t.Errorf("backend calls of %v tokens, want [1 6] (the abandoned batch never ran)", got)
 		}
 	})
 }
@@ -445,31 +528,38 @@ func TestBatchCancel(t *testing.T) {
 // starts the open batch and opens the next, a call of the bound or more
 // runs alone at once, and queue time counts the wait in the batcher.
 func TestBatchMaxTokens(t *testing.T) {
-	f := newBatchFixture(t, service.Config{MaxConcurrent: 1, BatchWindow: neverEnds, BatchMaxTokens: 8}, false)
+	f := newBatchFixture(t, service.Config{MaxConcurrent: 1, BatchWindow: neverEnds, BatchMaxTokens: 8}, true)
+	reqX, x := f.occupy()
 	reqA, a := f.call(testContext(t), 5)
 	waitFor(t, "A in the batcher", func() bool { return f.srv.Batched() == 1 })
 	const held = 20 * time.Millisecond
 	time.Sleep(held) // A waits at least this long, in its batch
 	reqB, b := f.call(testContext(t), 5)
+	// A's batch is started (B did not fit) but waits for X's slot.
+	waitFor(t, "B in the batcher", func() bool { return f.srv.Batched() == 2 })
+	close(f.b.release)
+	f.check("X", reqX, x)
 	respA := f.check("A", reqA, a)
 	if q := time.Duration(respA.GetTimings().GetQueueNanos()); q < held {
 		t.Errorf("A waited in the batcher for at least %v but reports queue time %v", held, q)
 	}
-	waitFor(t, "B in the batcher", func() bool { return f.srv.Batched() == 1 })
+	waitFor(t, "B alone in the batcher", func() bool { return f.srv.Batched() == 1 })
 	reqBig, big := f.call(testContext(t), 8)
 	f.check("alone", reqBig, big)
 	reqC, c := f.call(testContext(t), 3)
 	f.check("B", reqB, b)
 	f.check("C", reqC, c)
-	if got := f.b.calls(); !slices.Equal(got, []int{5, 8, 8}) {
-		t.Errorf("backend calls of %v tokens, want [5 8 8] (A alone, the 8-token call alone, B+C)", got)
+	if got := f.b.calls(); !slices.Equal(got, []int{1, 5, 8, 8}) {
+		t.Errorf("backend calls of %v tokens, want [1 5 8 8] (X, A alone, the 8-token call alone, B+C)", got)
 	}
 }
 
-// TestBatchShutdown checks a drain does not wait out the window: calls in
-// the batcher run at once and succeed, new calls are refused.
+// TestBatchShutdown checks a drain does not wait for the running batch or
+// the window: calls in the batcher run at once and succeed, new calls are
+// refused.
 func TestBatchShutdown(t *testing.T) {
-	f := newBatchFixture(t, service.Config{MaxConcurrent: 1, BatchWindow: neverEnds, BatchMaxTokens: 8}, false)
+	f := newBatchFixture(t, service.Config{MaxConcurrent: 2, BatchWindow: neverEnds, BatchMaxTokens: 8}, true)
+	reqX, x := f.occupy()
 	reqA, a := f.call(testContext(t), 2)
 	reqB, b := f.call(testContext(t), 3)
 	waitFor(t, "two calls in the batcher", func() bool { return f.srv.Batched() == 2 })
@@ -479,13 +569,16 @@ func TestBatchShutdown(t *testing.T) {
 	if _, r := f.call(testContext(t), 1); status.Code((<-r).err) != codes.Unavailable {
 		t.Errorf("call while draining: want Unavailable")
 	}
+	f.b.waitStarted(t, 1) // A and B, while X still runs
+	close(f.b.release)
+	f.check("X", reqX, x)
 	f.check("A", reqA, a)
 	f.check("B", reqB, b)
 	if err := <-drained; err != nil {
 		t.Errorf("Shutdown: %v", err)
 	}
-	if got := f.b.calls(); !slices.Equal(got, []int{5}) {
-		t.Errorf("backend calls of %v tokens, want one of 5", got)
+	if got := f.b.calls(); !slices.Equal(got, []int{1, 5}) {
+		t.Errorf("backend calls of %v tokens, want [1 5]", got)
 	}
 }
 
@@ -495,10 +588,17 @@ func TestBatchMetrics(t *testing.T) {
 	rng := newRand(t)
 	reader := sdkmetric.NewManualReader()
 	meter := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)).Meter("test")
-	c, _ := loadedServer(t, rng, service.Config{Meter: meter, BatchWindow: neverEnds, BatchMaxTokens: 6}, &fakeBackend{})
-	reqs := []*pb.FusedMoERequest{request(rng, 1), request(rng, 2), request(rng, 3)}
-	if _, errs := callAll(testContext(t), c, reqs); errors.Join(errs...) != nil {
-		t.Fatal(errors.Join(errs...))
+	b := &recordingBackend{Backend: &fakeBackend{}, started: make(chan struct{}, 8), release: make(chan struct{})}
+	c, _ := loadedServer(t, rng, service.Config{Meter: meter, MaxConcurrent: 2, BatchWindow: neverEnds, BatchMaxTokens: 6}, b)
+	held := callAllAsync(testContext(t), c, []*pb.FusedMoERequest{request(rng, 1)})
+	b.waitStarted(t, 1)
+	batched := callAllAsync(testContext(t), c, []*pb.FusedMoERequest{request(rng, 1), request(rng, 2), request(rng, 3)})
+	b.waitStarted(t, 1)
+	close(b.release)
+	for _, ch := range []<-chan callsResult{held, batched} {
+		if r := <-ch; errors.Join(r.errs...) != nil {
+			t.Fatal(errors.Join(r.errs...))
+		}
 	}
 	var rm metricdata.ResourceMetrics
 	if err := reader.Collect(context.Background(), &rm); err != nil {
@@ -524,10 +624,11 @@ func TestBatchMetrics(t *testing.T) {
 			}
 		}
 	}
+	// The one-token call that held the key is a batch of its own.
 	want := map[string]int64{
-		"expertd.tokens": 6, "expertd.kernel.duration count": 1,
-		"expertd.batch.calls count": 1, "expertd.batch.calls sum": 3,
-		"expertd.batch.tokens count": 1, "expertd.batch.tokens sum": 6,
+		"expertd.tokens": 1 + 6, "expertd.kernel.duration count": 1 + 1,
+		"expertd.batch.calls count": 1 + 1, "expertd.batch.calls sum": 1 + 3,
+		"expertd.batch.tokens count": 1 + 1, "expertd.batch.tokens sum": 1 + 6,
 	}
 	for name, w := range want {
 		if got[name] != w {
@@ -536,31 +637,91 @@ func TestBatchMetrics(t *testing.T) {
 	}
 }
 
+// TestBatchIdleStartsAtOnce checks a call on an idle key does not wait
+// for the window, however long: one after the other, each runs alone.
+func TestBatchIdleStartsAtOnce(t *testing.T) {
+	f := newBatchFixture(t, service.Config{MaxConcurrent: 1, BatchWindow: neverEnds, BatchMaxTokens: 8}, false)
+	for _, name := range []string{"A", "B", "C"} {
+		ctx, cancel := context.WithTimeout(testContext(t), 10*time.Second)
+		req, ch := f.call(ctx, 2)
+		r := <-ch
+		cancel()
+		if r.err != nil {
+			t.Fatalf("%s alone on an idle key: %v (did it wait for the %v window?)", name, r.err, neverEnds)
+		}
+		checkCaller(t, name, f.set, req, r.resp, kerneltest.FP8Tol)
+		if q := time.Duration(r.resp.GetTimings().GetQueueNanos()); q > 5*time.Second {
+			t.Errorf("%s queued %v alone on an idle key", name, q)
+		}
+	}
+	if got := f.b.calls(); !slices.Equal(got, []int{2, 2, 2}) {
+		t.Errorf("backend calls of %v tokens, want [2 2 2]", got)
+	}
+}
+
 // TestBatchWaitsForRunning checks a batch does not start while another of
 // its key runs (unless full): calls arriving meanwhile gather into one
-// batch that starts when the running one ends.
+// batch that starts, one window after the running one ends, as one backend
+// call. Windows below a millisecond are polled, longer ones timed.
 func TestBatchWaitsForRunning(t *testing.T) {
-	f := newBatchFixture(t, service.Config{MaxConcurrent: 4, BatchWindow: time.Millisecond, BatchMaxTokens: 6}, true)
-	reqA, a := f.call(testContext(t), 2)
-	<-f.b.started // A's window passed: it runs alone
-	reqB, b := f.call(testContext(t), 1)
-	waitFor(t, "B in the batcher", func() bool { return f.srv.Batched() == 1 })
-	select {
-	case <-f.b.started:
-		t.Fatal("a second batch of the key started while the first ran")
-	case <-time.After(20 * time.Millisecond):
+	for _, window := range []time.Duration{200 * time.Microsecond, 2 * time.Millisecond} {
+		t.Run(window.String(), func(t *testing.T) {
+			f := newBatchFixture(t, service.Config{MaxConcurrent: 4, BatchWindow: window, BatchMaxTokens: 6}, true)
+			reqA, a := f.call(testContext(t), 2)
+			f.b.waitStarted(t, 1) // A's key was idle: it runs at once, alone
+			reqB, b := f.call(testContext(t), 1)
+			waitFor(t, "B in the batcher", func() bool { return f.srv.Batched() == 1 })
+			select {
+			case <-f.b.started:
+				t.Fatal("a second batch of the key started while the first ran")
+			case <-time.After(20 * time.Millisecond):
+			}
+			reqC, c := f.call(testContext(t), 2)
+			waitFor(t, "C in the batcher", func() bool { return f.srv.Batched() == 2 })
+			close(f.b.release)
+			for _, x := range []struct {
+				name string
+				req  *kernels.Request
+				ch   <-chan callResult
+			}{{"A", reqA, a}, {"B", reqB, b}, {"C", reqC, c}} {
+				f.check(x.name, x.req, x.ch)
+			}
+			if got := f.b.calls(); !slices.Equal(got, []int{2, 3}) {
+				t.Errorf("backend calls of %v tokens, want [2 3] (B and C together)", got)
+			}
+		})
 	}
-	reqC, c := f.call(testContext(t), 2)
-	waitFor(t, "C in the batcher", func() bool { return f.srv.Batched() == 2 })
-	close(f.b.release)
-	for _, x := range []struct {
-		name string
-		req  *kernels.Request
-		ch   <-chan callResult
-	}{{"A", reqA, a}, {"B", reqB, b}, {"C", reqC, c}} {
-		f.check(x.name, x.req, x.ch)
-	}
-	if got := f.b.calls(); !slices.Equal(got, []int{2, 3}) {
-		t.Errorf("backend calls of %v tokens, want [2 3] (B and C together)", got)
+}
+
+// BenchmarkIdleWait times a wait of d that starts after the process has
+// been idle for 3 ms, by runtime timer and by polling as the batcher's
+// pause does below a millisecond (timerResolution in batcher.go):
+//
+//	go test -run '^$' -bench IdleWait -benchtime 200x ./service/
+func BenchmarkIdleWait(b *testing.B) {
+	for _, d := range []time.Duration{200 * time.Microsecond, 500 * time.Microsecond, time.Millisecond} {
+		waits := []struct {
+			name string
+			wait func()
+		}{
+			{"timer", func() {
+				t := time.NewTimer(d)
+				<-t.C
+			}},
+			{"poll", func() {
+				for end := time.Now().Add(d); time.Now().Before(end); runtime.Gosched() {
+				}
+			}},
+		}
+		for _, w := range waits {
+			b.Run(w.name+"/"+d.String(), func(b *testing.B) {
+				for range b.N {
+					b.StopTimer()
+					time.Sleep(3 * time.Millisecond) // every P parks
+					b.StartTimer()
+					w.wait()
+				}
+			})
+		}
 	}
 }

@@ -50,9 +50,10 @@ type Config struct {
 	// with ResourceExhausted. 0 means 4 × MaxConcurrent (-max-queued,
 	// EXPERTD_MAX_QUEUED).
 	MaxQueued int
-	// BatchWindow is how long a FusedMoE call on a loaded set waits for
-	// compatible calls to merge with into one backend call; 0 disables
-	// dynamic batching (-batch-window, EXPERTD_BATCH_WINDOW).
+	// BatchWindow is how long a batch of FusedMoE calls gathered while
+	// another of their kind ran waits, after it, for more compatible
+	// calls before its backend call; a call on an idle set runs at once.
+	// 0 disables dynamic batching (-batch-window, EXPERTD_BATCH_WINDOW).
 	BatchWindow time.Duration
 	// BatchMaxTokens bounds the tokens of one merged backend call; 0
 	// means service.DefaultBatchMaxTokens (-batch-max-tokens,
@@ -208,7 +209,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 		fs.DurationVar(p, name, def, help+" ($"+env+")")
 	}
 	duration(&c.ShutdownTimeout, "shutdown-timeout", defaultShutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM")
-	duration(&c.BatchWindow, "batch-window", 0, fmt.Sprintf("how long a FusedMoE call waits for compatible calls to merge with into one backend call (dynamic batching), e.g. %v; 0 disables batching", service.SuggestedBatchWindow))
+	duration(&c.BatchWindow, "batch-window", service.SuggestedBatchWindow, "dynamic batching: FusedMoE calls that arrive while a compatible call runs are merged into one backend call, which waits this long after the running one for more; 0 disables batching")
 	integer(&c.BatchMaxTokens, "batch-max-tokens", 0, fmt.Sprintf("most tokens in one merged backend call; 0 means %d", service.DefaultBatchMaxTokens))
 
 	if err := errors.Join(envErrs...); err != nil {
