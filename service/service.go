@@ -49,10 +49,12 @@ type Config struct {
 	// up requests and their memory here. 0 means 4 × MaxConcurrent; a
 	// negative value means no queue.
 	MaxQueued int
-	// BatchWindow is how long a FusedMoE call on a loaded expert set
-	// waits for compatible calls to merge with into one backend call
-	// (dynamic batching, batcher.go); 0 disables batching.
-	// SuggestedBatchWindow is what the CPU measurements suggest.
+	// BatchWindow turns on dynamic batching (batcher.go): compatible
+	// FusedMoE calls on a loaded expert set merge into one backend call.
+	// A call on an idle set starts at once; calls that arrive while a
+	// batch of theirs runs wait for it and then this long for more to
+	// join. 0 disables batching; SuggestedBatchWindow is the daemon's
+	// default, chosen from the GPU measurements.
 	BatchWindow time.Duration
 	// BatchMaxTokens bounds the tokens of one merged backend call; a
 	// call of that many tokens or more runs alone. 0 means
@@ -61,8 +63,8 @@ type Config struct {
 	// Meter records the service's own instruments; nil records nothing.
 	Meter metric.Meter
 	// SharedMemory serves RegisterSharedMemory and tensors in shared
-	// memory (shm.go) to callers on this host. It needs StatsHandler
-	// installed on the grpc.Server, which tracks their connections.
+	// memory (shm.go) to callers on this host. It needs the grpc.Server
+	// built with ServerOptions, whose stats handler tracks connections.
 	SharedMemory bool
 	// OnBackendFault, when set, is called when BackendFault starts
 	// reporting a fault (with it) and when it clears (with nil), so the
