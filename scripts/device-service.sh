@@ -7,7 +7,7 @@
 # shared memory (end-to-end p50 against the server's kernel time, and the
 # per-stage breakdown), then dynamic batching (64 callers x 4 tokens
 # against one caller x 256) via scripts/batching-bench.sh.
-# DURATION (default 5s) is per measurement; SIZES (default "1 16 256
+# DURATION (default 5s) is per measurement; TOKENS (default "1 16 256
 # 1024") and MODES (default "inline inline-fp8 shm": BF16 or FP8 hidden
 # states inline, or BF16 through shared memory) pick the calls; BATCHING=0
 # skips the batching run. Logs land under $OUT.
@@ -30,7 +30,7 @@ done
 grep -m3 -iE 'backend|cuda|gpu' "$out/daemon.log"
 bench() { "$build/expertbench" -addr "127.0.0.1:$port" -model nemotron -progress 0 "$@"; }
 bench -load -keep -m 1 -c 1 -calls 1 > "$out/load.txt" 2>&1 || { echo "load failed"; cat "$out/load.txt"; exit 1; }
-for m in ${SIZES:-1 16 256 1024}; do
+for m in ${TOKENS:-1 16 256 1024}; do
 	for mode in ${MODES:-inline inline-fp8 shm}; do
 		case $mode in
 		inline) flag="" ;;
