@@ -215,7 +215,7 @@ func (w *writer) message(m protoreflect.Message, depth int) error {
 			w.small = protowire.AppendTag(w.small, fd.Number(), protowire.BytesType)
 			w.small = protowire.AppendVarint(w.small, uint64(len(v.Bytes())))
 			w.flush()
-			w.out = append(w.out, mem.SliceBuffer(v.Bytes()))
+			w.out = append(w.out, sendBuffer(v.Bytes()))
 		case singular && fd.Kind() == protoreflect.MessageKind && hasLarge(v.Message(), depth+1):
 			w.small = protowire.AppendTag(w.small, fd.Number(), protowire.BytesType)
 			w.small = protowire.AppendVarint(w.small, uint64(proto.Size(v.Message().Interface())))

@@ -172,6 +172,11 @@ type Request struct {
 	TopKWeights []float32
 	// OutDType is BFloat16 or Float32.
 	OutDType DType
+	// Out, when set, is where the backend writes the output ([M, K] of
+	// OutDType, exactly that long), and Result.Output is Out; nil lets the
+	// backend allocate. The service passes recycled buffers: writing a
+	// fresh allocation faults in every page.
+	Out []byte
 }
 
 // M is the number of tokens.

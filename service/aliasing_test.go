@@ -23,8 +23,9 @@ import (
 // against the backend called directly on the same request, and against
 // the float64 reference. A receive buffer released or reused while its
 // call still read it, or an output shared between calls, would hand a
-// call another call's numbers; -race flags the unsynchronised reuse
-// itself. Responses are checked only after every call has finished, so
+// call another call's numbers, as would a pooled output buffer (codec.Pool)
+// recycled before gRPC finished sending it; -race flags the unsynchronised
+// reuse itself. Responses are checked only after every call has finished, so
 // an output overwritten by a later call is caught too.
 func TestConcurrentCallsOwnTheirBytes(t *testing.T) {
 	shape := kerneltest.Nemotron

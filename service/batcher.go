@@ -507,6 +507,10 @@ func mergeRequests(members []*member) *kernels.Request {
 		logitBytes += len(x.req.Logits.Data)
 		pairs += len(x.req.TopKIDs)
 	}
+	// Out stays nil: the backend allocates the merged output, which
+	// splitResult hands out as views, so no part of it may go back to a
+	// pool (members never set Out; only unbatched calls use pooled
+	// outputs).
 	out := &kernels.Request{
 		Hidden:   kernels.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: make([]byte, 0, hiddenBytes)},
 		Routing:  first.Routing,

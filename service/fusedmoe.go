@@ -20,10 +20,13 @@ import (
 // FusedMoE runs one MoE layer.
 func (s *Server) FusedMoE(ctx context.Context, req *pb.FusedMoERequest) (*pb.FusedMoEResponse, error) {
 	start := time.Now()
-	resp, err := s.fusedMoE(ctx, start, req)
+	resp, out, err := s.fusedMoE(ctx, start, req)
 	if resp.GetTimings() != nil {
 		resp.Timings.ReceiveNanos = receiveNanos(ctx, start)
 	}
+	// gRPC marshals a handler's response whenever it returns one, so the
+	// output buffer goes back to the pool once it is written.
+	s.outputs.Lend(out)
 	return resp, s.toStatus(ctx, "FusedMoE", err)
 }
 
@@ -37,6 +40,7 @@ func (s *Server) FusedMoEStream(stream grpc.BidiStreamingServer[pb.FusedMoEReque
 	defer cancel() // stops the calls still running after a failure
 	type result struct {
 		resp *pb.FusedMoEResponse
+		out  []byte // resp's pooled output buffer, or nil
 		err  error
 	}
 	// pending holds each request's result in arrival order; its capacity
@@ -61,8 +65,8 @@ func (s *Server) FusedMoEStream(stream grpc.BidiStreamingServer[pb.FusedMoEReque
 				return
 			}
 			go func() {
-				resp, err := s.fusedMoE(ctx, start, req)
-				res <- result{resp, err}
+				resp, out, err := s.fusedMoE(ctx, start, req)
+				res <- result{resp, out, err}
 			}()
 		}
 	}()
@@ -71,7 +75,11 @@ func (s *Server) FusedMoEStream(stream grpc.BidiStreamingServer[pb.FusedMoEReque
 		if r.err != nil {
 			return s.toStatus(ctx, "FusedMoEStream", r.err)
 		}
+		// Responses dropped after a failure keep their buffers: the
+		// garbage collector takes them, which is safe.
+		s.outputs.Lend(r.out)
 		if err := stream.Send(r.resp); err != nil {
+			s.outputs.Unlend(r.out) // not marshalled: drop it
 			return err
 		}
 	}
@@ -84,15 +92,17 @@ func (s *Server) FusedMoEStream(stream grpc.BidiStreamingServer[pb.FusedMoEReque
 }
 
 // fusedMoE is one call: resolve the set, validate, wait for a slot, run.
-func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoERequest) (*pb.FusedMoEResponse, error) {
+// out is the response's output buffer when it came from s.outputs (the
+// caller lends it to the send), nil otherwise.
+func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoERequest) (resp *pb.FusedMoEResponse, out []byte, err error) {
 	done, err := s.begin()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer done()
 	sh, err := s.resolveShm(ctx, req)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer sh.release()
 
@@ -110,12 +120,12 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	switch ex := req.GetExperts().(type) {
 	case *pb.FusedMoERequest_ExpertSet:
 		if ent, err = s.reg.acquire(ex.ExpertSet); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		defer s.reg.done(ent)
 		loaded, set = ent.loaded, ent.loaded.Set()
 		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		decoded = time.Now()
 	case *pb.FusedMoERequest_Weights:
@@ -123,19 +133,19 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		// weights to the GPU, which a bad request should never cost.
 		var n int64
 		if set, n, err = inlineSet(ex.Weights); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if err := s.reg.reserve("weights", n); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		defer s.reg.release(n)
 		decoded = time.Now()
 		loaded, err = s.backend.Load(ctx, set)
 		if err = s.backendDone(ctx, "load", err); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		loadNanos = time.Since(decoded).Nanoseconds()
 		defer func() {
@@ -144,7 +154,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 			}
 		}()
 	default:
-		return nil, invalidf("experts", "set expert_set (a loaded set's name) or weights (inline)")
+		return nil, nil, invalidf("experts", "set expert_set (a loaded set's name) or weights (inline)")
 	}
 	// queued is when the backend call started.
 	var (
@@ -154,22 +164,37 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	if ent != nil && s.batch.accepts(kreq) {
 		res, queued, err = s.batch.do(ctx, ent, kreq)
 	} else if err = s.acquireSlot(ctx); err == nil {
+		// The output goes into a recycled buffer: fresh memory costs a
+		// page fault per 4 KiB on first write (codec.Pool). A failed
+		// call's buffer is dropped, never reused: the backend may have
+		// been stopped mid-write.
+		kreq.Out = s.outputs.Get(kreq.M() * set.K * kreq.OutDType.Size())
 		queued = time.Now()
-		res, err = s.compute(ctx, loaded, kreq)
+		if res, err = s.compute(ctx, loaded, kreq); err == nil {
+			out = kreq.Out
+			if len(res.Output) == 0 || len(out) == 0 || &res.Output[0] != &out[0] {
+				out = nil // the backend wrote elsewhere
+			}
+		}
 	}
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	m, k := int64(kreq.M()), int64(set.K)
 	topk := int64(kreq.Routing.TopK)
 	s.tokens.Add(ctx, m, metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String())))
 
-	resp := &pb.FusedMoEResponse{
+	resp = &pb.FusedMoEResponse{
 		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
 		Backend: s.backend.Name(),
 	}
 	if err := sh.writeOutput(resp); err != nil {
-		return nil, err
+		return nil, nil, err
+	}
+	if resp.Output.GetData() == nil && out != nil {
+		// Copied into output_shm: the buffer is free again.
+		s.outputs.Put(out)
+		out = nil
 	}
 	if req.GetReturnRouting() {
 		resp.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: int32Bytes(res.TopKIDs)}}
@@ -182,7 +207,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		KernelNanos: res.KernelNanos,
 		TotalNanos:  time.Since(start).Nanoseconds(),
 	}
-	return resp, nil
+	return resp, out, nil
 }
 
 // compute is one backend call on req, made holding an execution slot,

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/metric/noop"
 	"google.golang.org/grpc"
 
+	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
@@ -89,6 +90,8 @@ type Server struct {
 	shm    *shmTable
 	// batch merges compatible calls; nil when batching is off.
 	batch *batcher
+	// outputs recycles unbatched calls' output buffers (codec.Pool).
+	outputs codec.Pool
 
 	mu       sync.Mutex
 	draining bool

@@ -3,6 +3,7 @@ package cpu
 import (
 	"context"
 	"encoding/binary"
+	"fmt"
 	"math"
 
 	"github.com/expertd/expertd/kernels"
@@ -86,7 +87,13 @@ func (b *Backend) run(ctx context.Context, set *kernels.ExpertSet, req *kernels.
 			Route(ids[t0*topK:t1*topK], weights[t0*topK:t1*topK], logits[t0*e:t1*e], t1-t0, e, req.Routing)
 		})
 	}
-	out := make([]byte, m*set.K*req.OutDType.Size())
+	out := req.Out
+	if n := m * set.K * req.OutDType.Size(); len(out) != n {
+		if out != nil {
+			return nil, fmt.Errorf("cpu: Out has %d bytes, want %d", len(out), n)
+		}
+		out = make([]byte, n)
+	}
 	for t0 := 0; t0 < m; t0 += b.chunk {
 		t1 := min(t0+b.chunk, m)
 		if err := b.pass(ctx, set, req, t0, t1, ids[t0*topK:t1*topK], weights[t0*topK:t1*topK],

@@ -326,7 +326,13 @@ func expandBlocks(ws scaling.WeightScale, e, rows, cols, bn, bk int) []float32 {
 
 // FusedMoE implements kernels.Backend.
 func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
-	out := make([]byte, req.M()*setOf(set).K*req.OutDType.Size())
+	out := req.Out
+	if n := req.M() * setOf(set).K * req.OutDType.Size(); len(out) != n {
+		if out != nil {
+			return nil, fmt.Errorf("cuda: Out has %d bytes, want %d", len(out), n)
+		}
+		out = make([]byte, n)
+	}
 	return b.run(ctx, set, req, out, b.gemm, true)
 }
 
