@@ -11,13 +11,17 @@
 // fields aliasing that buffer, and sends large bytes fields as buffers of
 // their own instead of copying them.
 //
-// Lifetimes: the receive buffer is ordinary Go memory, not one of gRPC's
-// pooled buffers, so it lives exactly as long as something refers to it
-// (the request, a view of it in a batch, the response). A pooled buffer
-// would save the garbage collector some work but not a copy, and would
-// turn any view kept past the handler into a use-after-free; that trade is
-// not worth it. A sent message must not change until gRPC is done with it,
-// which grpc-go already requires of every message passed to SendMsg.
+// Lifetimes: a received message's buffer is ordinary Go memory that lives
+// exactly as long as something refers to it (the request, a view of it in
+// a batch, the response), unless Codec.Recycle picks the message: then the
+// buffer comes from a Pool and goes back when its handler calls Release,
+// which it must do only when nothing refers to the message any more. The
+// server recycles FusedMoE requests only (service.ServerOptions), because
+// fresh multi-megabyte buffers cost a page fault per 4 KiB on first write.
+// A sent message must not change until gRPC is done with it, which
+// grpc-go already requires of every message passed to SendMsg; a buffer
+// lent to Marshal (Pool.Lend) goes back to its pool when gRPC frees the
+// encoded message.
 package codec
 
 import (
@@ -25,6 +29,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 
 	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/mem"
@@ -54,7 +59,13 @@ var errRecursion = errors.New("codec: message nested too deeply")
 
 // Codec is the aliasing protobuf codec; its zero value is ready to use.
 // Pass it with grpc.ForceServerCodecV2 or grpc.ForceCodecV2.
-type Codec struct{}
+type Codec struct {
+	// Recycle, when set, picks received messages whose buffer comes from
+	// a pool instead of a fresh allocation (whose first write faults in
+	// every page; see Pool). Whoever handles such a message must call
+	// Release once nothing refers to it or to its bytes fields.
+	Recycle func(proto.Message) bool
+}
 
 var _ encoding.CodecV2 = Codec{}
 
@@ -82,10 +93,20 @@ func (Codec) Marshal(v any) (mem.BufferSlice, error) {
 
 // Unmarshal implements encoding.CodecV2: data is copied once into a
 // buffer of its own, and v's bytes fields alias that buffer.
-func (Codec) Unmarshal(data mem.BufferSlice, v any) error {
+func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
 	m, ok := v.(proto.Message)
 	if !ok {
 		return fmt.Errorf("codec: cannot unmarshal into %T: not a proto.Message", v)
+	}
+	if n := data.Len(); n >= AliasBytes && c.Recycle != nil && c.Recycle(m) {
+		buf := received.Get(n)
+		data.CopyTo(buf)
+		if err := Unmarshal(buf, m); err != nil {
+			received.Put(buf)
+			return err
+		}
+		held.Store(m, buf)
+		return nil
 	}
 	// bytes.Join allocates without zeroing, which for a large message
 	// costs more than the copy itself (mem.BufferSlice.Materialize zeroes
@@ -95,6 +116,21 @@ func (Codec) Unmarshal(data mem.BufferSlice, v any) error {
 		pieces[i] = b.ReadOnlyData()
 	}
 	return Unmarshal(bytes.Join(pieces, nil), m)
+}
+
+// received recycles the buffers of messages Codec.Recycle picked.
+var received Pool
+
+// held maps each such message to its buffer until Release.
+var held sync.Map
+
+// Release returns the receive buffer of m, a message unmarshalled by a
+// Codec whose Recycle picked it, to the pool; m and every bytes field
+// taken from it must not be used afterwards. Other messages are ignored.
+func Release(m proto.Message) {
+	if b, ok := held.LoadAndDelete(m); ok {
+		received.Put(b.([]byte))
+	}
 }
 
 // Unmarshal parses b into m, as proto.Unmarshal does, except that every

@@ -4,6 +4,8 @@ import (
 	"testing"
 	"unsafe"
 
+	"google.golang.org/protobuf/proto"
+
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -94,5 +96,51 @@ func TestUnlend(t *testing.T) {
 	p.Lend(small) // below AliasBytes: Marshal copies it, nothing to lend
 	if p.Unlend(small) {
 		t.Error("a small buffer was lent")
+	}
+}
+
+// TestRecycleRelease: a picked message's receive buffer goes back to the
+// pool on Release, once; other messages' buffers never do.
+func TestRecycleRelease(t *testing.T) {
+	var returned [][]byte
+	putHook = func(b []byte) { returned = append(returned, b) }
+	defer func() { putHook = nil }()
+	c := Codec{Recycle: func(m proto.Message) bool { _, ok := m.(*pb.FusedMoERequest); return ok }}
+
+	req := &pb.FusedMoERequest{HiddenStates: &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_BFLOAT16, Shape: []int64{2, AliasBytes},
+		Source: &pb.Tensor_Data{Data: make([]byte, 4*AliasBytes)}}}
+	enc, err := Codec{}.Marshal(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got pb.FusedMoERequest
+	if err := c.Unmarshal(enc, &got); err != nil {
+		t.Fatal(err)
+	}
+	if !proto.Equal(&got, req) {
+		t.Fatal("recycled unmarshal differs from the message sent")
+	}
+	data := got.GetHiddenStates().GetData()
+	Release(&got)
+	if len(returned) != 1 || cap(returned[0]) < len(data) {
+		t.Fatalf("after Release: %d buffers returned, want the receive buffer", len(returned))
+	}
+	Release(&got)
+	if len(returned) != 1 {
+		t.Error("a second Release returned the buffer again")
+	}
+
+	// Not picked: never pooled.
+	resp := &pb.FusedMoEResponse{Output: &pb.Tensor{Source: &pb.Tensor_Data{Data: make([]byte, 2*AliasBytes)}}}
+	if enc, err = (Codec{}).Marshal(resp); err != nil {
+		t.Fatal(err)
+	}
+	var gotResp pb.FusedMoEResponse
+	if err := c.Unmarshal(enc, &gotResp); err != nil {
+		t.Fatal(err)
+	}
+	Release(&gotResp)
+	if len(returned) != 1 {
+		t.Error("a message Recycle did not pick was pooled")
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc"
 
+	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
@@ -62,10 +63,12 @@ func (s *Server) FusedMoEStream(stream grpc.BidiStreamingServer[pb.FusedMoEReque
 			select {
 			case pending <- res:
 			case <-ctx.Done():
+				codec.Release(req)
 				return
 			}
 			go func() {
 				resp, out, err := s.fusedMoE(ctx, start, req)
+				codec.Release(req) // the call is over: its buffer is free
 				res <- result{resp, out, err}
 			}()
 		}

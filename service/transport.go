@@ -8,12 +8,17 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/stats"
 
+	"google.golang.org/protobuf/proto"
+
 	"github.com/expertd/expertd/codec"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
 // ServerOptions are the gRPC server options the service is built for:
 // the aliasing codec, so a request's tensor bytes reach validation (and
-// the backend) without being copied out of the receive buffer; a stats
+// the backend) without being copied out of the receive buffer, which for
+// FusedMoE requests is recycled once the call is over (releaseRequest);
+// a stats
 // handler that times each call's receive for Timings.receive_nanos;
 // flow-control windows and socket buffers sized for tensors (see
 // codec.StreamWindowBytes); and, with Config.SharedMemory, the stats
@@ -23,7 +28,10 @@ import (
 // included); its wire format is the same.
 func (s *Server) ServerOptions() []grpc.ServerOption {
 	opts := []grpc.ServerOption{
-		grpc.ForceServerCodecV2(codec.Codec{}),
+		grpc.ForceServerCodecV2(codec.Codec{Recycle: isFusedMoERequest}),
+		// Outermost, so it runs after every other interceptor is done
+		// with the request.
+		grpc.ChainUnaryInterceptor(releaseRequest),
 		grpc.StatsHandler(receiveTimer{}),
 		grpc.InitialWindowSize(codec.StreamWindowBytes),
 		grpc.InitialConnWindowSize(codec.ConnWindowBytes),
@@ -78,4 +86,25 @@ func receiveNanos(ctx context.Context, handlerStart time.Time) int64 {
 		return 0
 	}
 	return max(0, handlerStart.Sub(epoch).Nanoseconds()-begin)
+}
+
+// isFusedMoERequest picks the messages whose receive buffers the codec
+// recycles: FusedMoE requests, the large ones received all the time,
+// whose handlers keep no reference to them after they return (the
+// batcher copies inputs when it merges them; backends read them during
+// the call). LoadExperts chunks are not recycled: a loaded set may keep
+// views of them.
+func isFusedMoERequest(m proto.Message) bool {
+	_, ok := m.(*pb.FusedMoERequest)
+	return ok
+}
+
+// releaseRequest returns a unary FusedMoE call's receive buffer to the
+// codec's pool when the call is over, whatever its outcome.
+func releaseRequest(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	resp, err := handler(ctx, req)
+	if m, ok := req.(*pb.FusedMoERequest); ok {
+		codec.Release(m)
+	}
+	return resp, err
 }
