@@ -373,7 +373,9 @@ int main(int argc, char** argv) {
   std::printf(ok ? "CHECK PASSED\n" : "CHECK FAILED\n");
   if (quick || !ok) return ok ? 0 : 1;
   int ms[] = {1, 16, 64, 256, 1024, 4096, 8192};
-  if (g_block) {
+  // DeepSeek-V3 timings: block scales, or per-expert ones with
+  // DEEPSEEK=1 (the promotion's cost at the same tiles).
+  if (g_block || std::getenv("DEEPSEEK")) {
     for (int m : ms) run({"deepseek-v3", 256, 7168, 2048, m, 8, true, 0}, false, true, rng);
   }
   for (int m : ms) run({"nemotron", 128, 2688, 1856, m, 6, false, 0}, false, true, rng);
