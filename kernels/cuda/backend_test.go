@@ -83,30 +83,20 @@ type gemmPath struct {
 }
 
 // paths lists the GEMM implementations to compare on this card for set
-// (sm90 takes K and N multiples of 16, and per-tensor, per-expert or
-// per-channel weight scales outside block mode; it is listed as unsupported
-// for block sets).
+// (sm90 takes K and N multiples of 16, every weight-scale granularity, and
+// in block mode Bk = 128; it is listed as unsupported for other blocks).
 func paths(b *Backend, set *kernels.ExpertSet) []gemmPath {
 	ps := []gemmPath{{name: "portable", gemm: gemmPortable}, {name: "portable-f16", gemm: gemmPortableF16}}
 	if strings.Contains(b.info, "gemm=sm90") && set.K%16 == 0 && set.N%16 == 0 {
-		ps = append(ps, gemmPath{name: "sm90", gemm: gemmSM90, unsupported: !sm90Scales(set)})
+		ps = append(ps, gemmPath{name: "sm90", gemm: gemmSM90, unsupported: !sm90Block(set)})
 	}
 	return ps
 }
 
-// sm90Scales says whether the Hopper kernels take set's weight scales.
-func sm90Scales(set *kernels.ExpertSet) bool {
-	if set.Block != [2]int{} {
-		return false
-	}
-	for _, ws := range []scaling.WeightScale{set.W13Scale, set.W2Scale} {
-		switch ws.Granularity {
-		case scaling.PerTensor, scaling.PerExpert, scaling.PerChannel:
-		default:
-			return false
-		}
-	}
-	return true
+// sm90Block says whether the Hopper kernels take set's block shape: none,
+// or Bk = 128 (one pipeline stage) with any Bn.
+func sm90Block(set *kernels.ExpertSet) bool {
+	return set.Block == [2]int{} || set.Block[1] == 128
 }
 
 // extraCases add shapes whose K and N are multiples of 16 (the sm90
@@ -161,6 +151,13 @@ func blockCases() []kerneltest.Case {
 		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
 	pcR := kerneltest.Shape{Name: "pc-relu2", Activation: kernels.Relu2, E: 8, TopK: 2, K: 400, N: 208,
 		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 1, TopKGroups: 1, ScalingFactor: 2.5}
+	// Block sets the sm90 path takes (Bk = 128, K and N multiples of 16):
+	// partial last K block, channel tile and row blocks; gate and up rows
+	// of one channel tile in different row blocks (N = 208).
+	x16G := pcG
+	x16G.Name, x16G.Block = "x16-gated", [2]int{128, 128}
+	x16R := pcR
+	x16R.Name, x16R.Block = "x16-relu2", [2]int{128, 128}
 	perCh := kerneltest.WithGranularity(scaling.PerChannel)
 	fp8 := kerneltest.WithHidden(kernels.Float8E4M3FN)
 	type opts = []kerneltest.Option
@@ -183,6 +180,14 @@ func blockCases() []kerneltest.Case {
 		{Name: "block/odd-gated/K=320,N=200/M=70/all-to-one/static", Shape: oddG, M: 70,
 			Opts: opts{kerneltest.WithAllTokensTo(2), kerneltest.WithStaticScales()}},
 		{Name: "block/odd-gated/K=320,N=200/block-64x96/M=17", Shape: oddG, M: 17, Opts: opts{kerneltest.WithBlock(64, 96)}},
+		{Name: "block/x16-gated/K=400,N=208/M=5", Shape: x16G, M: 5},
+		{Name: "block/x16-gated/K=400,N=208/M=150", Shape: x16G, M: 150},
+		{Name: "block/x16-gated/K=400,N=208/M=90/static", Shape: x16G, M: 90, Opts: opts{kerneltest.WithStaticScales()}},
+		{Name: "block/x16-gated/K=400,N=208/block-64x128/M=33/fp8-in-per-group", Shape: x16G, M: 33,
+			Opts: opts{kerneltest.WithBlock(64, 128), fp8, kerneltest.WithHiddenScale(scaling.Block)}},
+		{Name: "block/x16-relu2/K=400,N=208/M=7", Shape: x16R, M: 7},
+		{Name: "block/x16-relu2/K=400,N=208/M=300/fp32-out", Shape: x16R, M: 300, Opts: opts{kerneltest.WithOutput(kernels.Float32)}},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=600", Shape: ds, M: 600},
 		{Name: "block/odd-relu2/K=333,N=77/M=15", Shape: oddR, M: 15},
 		{Name: "block/odd-relu2/K=333,N=77/M=6/fp8-in-per-group", Shape: oddR, M: 6,
 			Opts: opts{fp8, kerneltest.WithHiddenScale(scaling.Block)}},
@@ -239,13 +244,17 @@ func TestCases(t *testing.T) {
 func TestCasesMixedBlock(t *testing.T) {
 	b := gpuBackend(t)
 	ref := cpu.New(kernels.Config{})
-	shape := kerneltest.Shape{Name: "mixed", Activation: kernels.SiluGated, E: 8, TopK: 2, K: 320, N: 200,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
-	for _, g := range []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel} {
-		seed := rand.Uint64()
-		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 7)), shape, 23, kerneltest.WithGranularity(g))
-		set.Block = [2]int{128, 128}
-		checkCase(t, b, ref, fmt.Sprintf("mixed/%v-weights/block-128x128 (seed %d)", g, seed), set, req)
+	// K=400, N=208 (multiples of 16) is on the sm90 path too, whose block
+	// kernel then gets Bn = 1 for per-channel weights.
+	for _, kn := range [][2]int{{320, 200}, {400, 208}} {
+		shape := kerneltest.Shape{Name: "mixed", Activation: kernels.SiluGated, E: 8, TopK: 2, K: kn[0], N: kn[1],
+			Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+		for _, g := range []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel} {
+			seed := rand.Uint64()
+			set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 7)), shape, 23, kerneltest.WithGranularity(g))
+			set.Block = [2]int{128, 128}
+			checkCase(t, b, ref, fmt.Sprintf("mixed/K=%d,N=%d/%v-weights/block-128x128 (seed %d)", kn[0], kn[1], g, seed), set, req)
+		}
 	}
 }
 
@@ -334,6 +343,11 @@ func TestSmall(t *testing.T) {
 		{Name: "x16", Shape: kerneltest.Nemotron.Scaled(256, 128), M: 33},
 		{Name: "block", Shape: kerneltest.Shape{Name: "block", Activation: kernels.SiluGated, E: 8, TopK: 3, K: 320, N: 200,
 			Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 9},
+		{Name: "block/x16", Shape: kerneltest.Shape{Name: "block16", Activation: kernels.SiluGated, E: 8, TopK: 3, K: 400, N: 208,
+			Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 9},
+		{Name: "block/x16-relu2/fp8-in-per-group", Shape: kerneltest.Shape{Name: "block16r", Activation: kernels.Relu2, E: 4, TopK: 2,
+			K: 256, N: 144, Scoring: kernels.Softmax, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 70,
+			Opts: []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.Block)}},
 		{Name: "per-channel", Shape: kerneltest.Shape{Name: "pc", Activation: kernels.Relu2, E: 4, TopK: 2, K: 96, N: 70,
 			Scoring: kernels.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
 		{Name: "per-channel/x16", Shape: kerneltest.Shape{Name: "pc16", Activation: kernels.SiluGated, E: 4, TopK: 2, K: 96, N: 48,

@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 
@@ -90,8 +91,9 @@ func tokenRequest(req *kernels.Request, k, e int, toks []int) *kernels.Request {
 
 // TestDeepSeekV3Full runs the full DeepSeek-V3 layer (E=256, top-8 of 8
 // groups / top-4 groups, K=7168, N=2048, [128, 128] blocks: 11.3 GB of FP8
-// weights) at M=64 with BF16 and with per-group FP8 hidden states, on the
-// portable GEMM (AUTO's choice for block sets), three calls each: against
+// weights) at M=64 with BF16 and with per-group FP8 hidden states, on
+// AUTO's GEMM (portable for block sets unless EXPERTD_SM90_BLOCK=1) and,
+// on a card that has it, the sm90 GEMM, three calls each: against
 // the CPU backend on every token and the float64 reference on two. It needs
 // EXPERTD_CUDA_LIB and a GPU with >= 24 GiB, and about a minute, most of it
 // making and uploading the weights and the references.
@@ -151,30 +153,50 @@ func TestDeepSeekV3Full(t *testing.T) {
 		toks := []int{0, m - 1}
 		sub := tokenRequest(&r, s.K, s.E, toks)
 		want, _, _ := kerneltest.Reference(set, sub)
-		for call := range 3 {
-			out := make([]byte, m*s.K*r.OutDType.Size())
-			kerneltest.Poison(out)
-			res, err := b.run(ctx, l, &r, out, gemmAuto, true)
-			if err != nil {
-				t.Fatalf("%s/call%d: %v", name, call, err)
-			}
-			if n := kerneltest.Unwritten(out, r.OutDType.Size()); n > 0 {
-				t.Errorf("%s/call%d: %d output elements left unwritten", name, call, n)
-			}
-			got := kerneltest.DecodeOutput(r.OutDType, res.Output)
-			var gotSub []float32
-			for _, tk := range toks {
-				gotSub = append(gotSub, got[tk*s.K:(tk+1)*s.K]...)
-			}
-			eCPU, eRef := kerneltest.RelL2(got, cpuOut), kerneltest.RelL2(gotSub, want)
-			if !(eCPU <= kerneltest.FP8Tol) || !(eRef <= kerneltest.FP8Tol) {
-				t.Errorf("%s/call%d: rel-L2 %.3g vs cpu, %.3g vs reference (tokens %v); want <= %g", name, call, eCPU, eRef, toks, kerneltest.FP8Tol)
-			} else {
-				t.Logf("%s/call%d: rel-L2 %.3g vs cpu, %.3g vs reference (tokens %v), %.3f ms", name, call, eCPU, eRef, toks, float64(res.KernelNanos)/1e6)
-			}
-			if !slices.Equal(res.TopKIDs, cres.TopKIDs) {
-				t.Errorf("%s/call%d: topk ids differ from the cpu backend's", name, call)
+		gemms := []gemmPath{{name: "auto", gemm: gemmAuto}}
+		if strings.Contains(b.info, "gemm=sm90") {
+			gemms = append(gemms, gemmPath{name: "sm90", gemm: gemmSM90})
+		}
+		for _, g := range gemms {
+			for call := range 3 {
+				name := name + "/" + g.name
+				if !checkFullCall(t, b, l, &r, g.gemm, name, call, s.K, toks, cpuOut, want, cres.TopKIDs) {
+					break
+				}
 			}
 		}
 	}
+}
+
+// checkFullCall runs one TestDeepSeekV3Full call on gemm and checks it
+// against the CPU backend's output (every token) and the reference (tokens
+// toks); false when the call failed outright.
+func checkFullCall(t *testing.T, b *Backend, l kernels.Loaded, r *kernels.Request, gemm int64, name string, call int,
+	k int, toks []int, cpuOut []float64, want []float64, wantIDs []int32) bool {
+	t.Helper()
+	out := make([]byte, r.M()*k*r.OutDType.Size())
+	kerneltest.Poison(out)
+	res, err := b.run(context.Background(), l, r, out, gemm, true)
+	if err != nil {
+		t.Errorf("%s/call%d: %v", name, call, err)
+		return false
+	}
+	if n := kerneltest.Unwritten(out, r.OutDType.Size()); n > 0 {
+		t.Errorf("%s/call%d: %d output elements left unwritten", name, call, n)
+	}
+	got := kerneltest.DecodeOutput(r.OutDType, res.Output)
+	var gotSub []float32
+	for _, tk := range toks {
+		gotSub = append(gotSub, got[tk*k:(tk+1)*k]...)
+	}
+	eCPU, eRef := kerneltest.RelL2(got, cpuOut), kerneltest.RelL2(gotSub, want)
+	if !(eCPU <= kerneltest.FP8Tol) || !(eRef <= kerneltest.FP8Tol) {
+		t.Errorf("%s/call%d: rel-L2 %.3g vs cpu, %.3g vs reference (tokens %v); want <= %g", name, call, eCPU, eRef, toks, kerneltest.FP8Tol)
+	} else {
+		t.Logf("%s/call%d: rel-L2 %.3g vs cpu, %.3g vs reference (tokens %v), %.3f ms", name, call, eCPU, eRef, toks, float64(res.KernelNanos)/1e6)
+	}
+	if !slices.Equal(res.TopKIDs, wantIDs) {
+		t.Errorf("%s/call%d: topk ids differ from the cpu backend's", name, call)
+	}
+	return true
 }

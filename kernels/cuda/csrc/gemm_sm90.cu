@@ -16,6 +16,19 @@
 // starts, while the tile's operands stream in; for gated GEMM1 these are the
 // gate and the up row of one channel, scaled before silu(gate) * up.
 //
+// Block scales (kBlk: [block_n, 128] weight blocks, activations quantized
+// per token and group of 128 K values) promote DeepGEMM-style: a pipeline
+// stage is one 128-byte K slice, which is one K block, so each stage's
+// wgmma k-steps run into a fresh FP32 partial accumulator, which is then
+// added into the main one times w_scale(row's block, k block) x
+// a_scale(token, k block). The weight scales are per accumulator row (two
+// rows a thread, as with kPC, so any block_n works), read from global
+// memory (L1/L2: [E, row blocks, k blocks] floats); the activation scales
+// are per accumulator column, and a producer warp stages the tile's BN of
+// them for each stage in shared memory with cp.async, which arrive on the
+// stage's full barrier when they land. Tiles of at most 128 tokens: two
+// accumulator sets of BN/2 registers each.
+//
 // It implements the sm90 half of moe_gemm.h.
 #include "moe_gemm.h"
 
@@ -150,6 +163,11 @@ struct Params {
   int ld_out;
   float out_inv_scale;
   const float* pair_weight;
+  // kBlk only.
+  int a_scale_ld;    // activation scales per sorted row (k blocks)
+  int block_n;       // weight rows per scale block
+  int w_row_blocks;  // ceil(w_rows / block_n)
+  int w_k_blocks;    // ceil(k / 128)
 };
 
 // Persistent: each CTA walks tiles t = blockIdx.x, +gridDim.x, ... of the
@@ -158,7 +176,7 @@ struct Params {
 // kNWG produces (one thread issues the TMA loads). The producer's ring runs
 // on across tiles, so while the consumers run a tile's epilogue the next
 // tile's operands are already streaming in.
-template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC>
+template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
@@ -192,12 +210,18 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   // than its mainloop).
   float* row_scale = reinterpret_cast<float*>(empty + kStages);
   int* row_dst = reinterpret_cast<int*>(row_scale + BN);
+  // kBlk: per stage, the activation scales of the tile's BN tokens for the
+  // stage's K block.
+  float* a_sc = reinterpret_cast<float*>(row_dst + BN);
+  static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kNWG);
+      // kBlk: the TMA thread and the 32 lanes of the scale warp arrive on
+      // full; every consumer warp on empty (see the mainloop).
+      mbar_init(&full[s], kBlk ? 1 + 32 : 1);
+      mbar_init(&empty[s], kBlk ? kNWG * 4 : kNWG);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -229,6 +253,37 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
           tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, blk * BN);
         }
       }
+    } else if (kBlk && (threadIdx.x % 128) / 32 == 1) {
+      // Scale warp: the same walk as the TMA thread; for each stage, the
+      // activation scales of the tile's tokens for K block kt, gathered
+      // with 4-byte cp.async, each lane's arrival on full deferred until
+      // its copies land. Lanes without copies (BN < 32, or no per-row
+      // scales: a static activation scale, where the consumers use 1)
+      // just arrive.
+      const int lane = threadIdx.x % 32;
+      int it = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const int blk = t / n_wtiles;
+        const int expert = p.block_expert[blk];
+        if (expert < 0) continue;
+        for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          if (p.a_scale_rows != nullptr && lane < BN) {
+            for (int r = lane; r < BN; r += 32) {
+              const float* src = p.a_scale_rows + size_t(blk * BN + r) * p.a_scale_ld + kt;
+              asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(a_sc + s * BN + r)),
+                           "l"(src)
+                           : "memory");
+            }
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(&full[s]))
+                         : "memory");
+          } else {
+            mbar_arrive(&full[s]);
+          }
+        }
+      }
+      asm volatile("cp.async.wait_all;" ::: "memory");  // no copies in flight at exit
     }
     return;
   }
@@ -249,8 +304,9 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     if (threadIdx.x < BN) {
       const int srow = blk * BN + threadIdx.x;
       const int pair = p.sorted_pairs[srow];
-      float sc = p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale;
-      if (!kPC) sc *= p.w_scale[expert];
+      // kBlk: the activation and weight scales are applied per K block.
+      float sc = kBlk ? (p.a_scale_rows ? 1.f : p.a_scale) : p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale;
+      if (!kPC && !kBlk) sc *= p.w_scale[expert];
       if (kEpi == GemmEpilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
       row_scale[threadIdx.x] = sc;
       row_dst[threadIdx.x] = pair < 0 ? -1 : (kEpi == GemmEpilogue::kWeightedBF16 ? pair : srow);
@@ -279,21 +335,79 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     float acc[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-    for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-      const int s = it % kStages;
-      mbar_wait(&full[s], (it / kStages) & 1);
-      const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
-      const uint64_t da = smem_desc(a_smem + s * kATile);
-      fence_acc<kRegs>(acc);
-      wgmma_fence();
+    if constexpr (kBlk) {
+      // The scale blocks of this thread's two accumulator rows (the same
+      // rows as kPC's), null past the last channel.
+      const float* wsb[2];
 #pragma unroll
-      for (int kk = 0; kk < kBK / 32; ++kk) {
-        Mma::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+      for (int h = 0; h < 2; ++h) {
+        int row, ch;
+        if (kGated) {
+          ch = oc0 + wg * 32 + 8 * warp + lane / 4;
+          row = h == 0 ? ch : p.n_out + ch;
+        } else {
+          ch = oc0 + wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+          row = ch;
+        }
+        wsb[h] = ch < p.n_out
+                     ? p.w_scale + (size_t(expert) * p.w_row_blocks + row / p.block_n) * p.w_k_blocks
+                     : nullptr;
       }
-      wgmma_commit();
-      wgmma_wait0();
-      fence_acc<kRegs>(acc);
-      if (threadIdx.x % 128 == 0) mbar_arrive(&empty[s]);
+      const bool has_as = p.a_scale_rows != nullptr;
+      float part[kRegs];
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
+      for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+        const int s = it % kStages;
+        const float w0 = wsb[0] ? __ldg(wsb[0] + kt) : 0.f;
+        const float w1 = wsb[1] ? __ldg(wsb[1] + kt) : 0.f;
+        mbar_wait(&full[s], (it / kStages) & 1);
+        const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
+        const uint64_t da = smem_desc(a_smem + s * kATile);
+        fence_acc<kRegs>(part);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 32; ++kk) {
+          Mma::mma(part, dw + 2 * kk, da + 2 * kk, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait0();
+        fence_acc<kRegs>(part);
+        // This thread's token columns' activation scales, 8i + 2(lane%4)
+        // + {0, 1}; read before the warp releases the stage.
+        float2 as[BN / 8];
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+          as[i] = has_as ? *reinterpret_cast<const float2*>(a_sc + s * BN + 8 * i + 2 * (lane % 4))
+                         : make_float2(1.f, 1.f);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+          acc[4 * i + 0] += part[4 * i + 0] * (w0 * as[i].x);
+          acc[4 * i + 1] += part[4 * i + 1] * (w0 * as[i].y);
+          acc[4 * i + 2] += part[4 * i + 2] * (w1 * as[i].x);
+          acc[4 * i + 3] += part[4 * i + 3] * (w1 * as[i].y);
+        }
+      }
+    } else {
+      for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&full[s], (it / kStages) & 1);
+        const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
+        const uint64_t da = smem_desc(a_smem + s * kATile);
+        fence_acc<kRegs>(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 32; ++kk) {
+          Mma::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait0();
+        fence_acc<kRegs>(acc);
+        if (threadIdx.x % 128 == 0) mbar_arrive(&empty[s]);
+      }
     }
 
     // Epilogue, kStageRows tokens at a time: registers -> staging tile
@@ -382,11 +496,12 @@ bool persistent_grid() {
   return persistent;
 }
 
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC>
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   constexpr int kWTile = kNWG * kWGRows * kBK;
   constexpr int kATile = BN * kBK;
-  constexpr int kStageBytes = kWTile + kATile;
+  // kBlk: each stage also has BN activation scales.
+  constexpr int kStageBytes = kWTile + kATile + (kBlk ? BN * 4 : 0);
   constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
   constexpr int kESize = out_size(kEpi);
   constexpr int kStaging = (BN < 128 ? BN : 128) * (kOC * kESize + 16);
@@ -420,7 +535,7 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
@@ -440,6 +555,10 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   p.ld_out = a.ld_out;
   p.out_inv_scale = a.out_inv_scale;
   p.pair_weight = a.pair_weight;
+  p.a_scale_ld = a.a_scale_ld;
+  p.block_n = kBlk ? a.block_n : 1;
+  p.w_row_blocks = kBlk ? (a.w_rows + a.block_n - 1) / a.block_n : 0;
+  p.w_k_blocks = kBlk ? (a.k + a.block_k - 1) / a.block_k : 0;
 
   // Persistent grid: as many CTAs as fit on the device at once, never more
   // than the largest possible tile count (the real count is on the device).
@@ -464,42 +583,54 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
 }
 
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
-// kAct1BF16, which the pipeline no longer asks for, has no per-channel
-// instantiation.
-template <int BN, int kNWG, bool kPC>
+// kAct1BF16, which the pipeline no longer asks for, has no per-channel or
+// block instantiation.
+template <int BN, int kNWG, bool kPC, bool kBlk>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk>(a, s);
     case GemmEpilogue::kAct1BF16:
-      if constexpr (kPC) {
+      if constexpr (kPC || kBlk) {
         return cudaErrorInvalidValue;
       } else {
-        return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1BF16, false>(a, s)
-                     : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1BF16, false>(a, s);
+        return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1BF16, false, false>(a, s)
+                     : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1BF16, false, false>(a, s);
       }
     case GemmEpilogue::kAct1F32:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk>(a, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC>(a, s);
+      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk>(a, s);
   }
   return cudaErrorInvalidValue;
 }
 
 template <int BN, int kNWG>
 cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
-  return a.w_mode == WScale::kPerChannel ? launch_epi<BN, kNWG, true>(a, gated, s)
-                                         : launch_epi<BN, kNWG, false>(a, gated, s);
+  switch (a.w_mode) {
+    case WScale::kPerExpert:
+      return launch_epi<BN, kNWG, false, false>(a, gated, s);
+    case WScale::kPerChannel:
+      return launch_epi<BN, kNWG, true, false>(a, gated, s);
+    case WScale::kBlock:
+      // Two accumulator sets: tiles of at most 128 tokens (sm90_block_rows).
+      if constexpr (BN > 128) {
+        return cudaErrorInvalidValue;
+      } else {
+        return launch_epi<BN, kNWG, false, true>(a, gated, s);
+      }
+  }
+  return cudaErrorInvalidValue;
 }
 
 // launch runs either GEMM; gated is GEMM1 of a SiLU-gated layer.
 cudaError_t launch(const MoeGemmArgs& a, bool gated, cudaStream_t stream) {
   const int n = gated ? a.w_rows / 2 : a.w_rows;
   if (a.k % 16 != 0 || n % 16 != 0 || a.n_out % 16 != 0 || a.max_blocks <= 0) return cudaErrorInvalidValue;
-  // Block scales run on the portable path (the pipeline routes them there).
-  if (a.w_mode != WScale::kPerExpert && a.w_mode != WScale::kPerChannel) return cudaErrorInvalidValue;
+  // Block scales: K blocks of one stage (128), any block_n.
+  if (a.w_mode == WScale::kBlock && (a.block_k != kBK || a.block_n <= 0)) return cudaErrorInvalidValue;
   // Few tokens per expert: one consumer warpgroup per CTA doubles the CTAs
   // streaming weights; many tokens: two warpgroups share each token tile.
   switch (a.block_rows) {
@@ -535,8 +666,12 @@ cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
 // whole 8-row channel groups.
 bool sm90_supported(int hidden, int inter) { return hidden % 16 == 0 && inter % 16 == 0; }
 
-int sm90_block_rows(int m, int top_k, int num_experts) {
+bool sm90_block_supported(int block_n, int block_k) { return block_n > 0 && block_k == kBK; }
+
+int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales) {
   const int per_expert = (m * top_k + num_experts - 1) / num_experts;
+  // Block scales hold two accumulator sets: at most 128 tokens a tile.
+  if (block_scales && per_expert > 64) return 128;
   if (per_expert <= 8) return 8;
   if (per_expert <= 16) return 16;
   if (per_expert <= 32) return 32;

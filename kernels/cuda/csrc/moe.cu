@@ -197,28 +197,38 @@ bool e4m3_mma(const Set& s) {
 }
 
 // sm90_ok says whether the Hopper kernels can run the set: the card, the
-// shape, and per-expert or per-channel weight scales outside block mode
-// (block sets run on the portable path).
+// shape, and in block mode the block shape (Bk = 128, any Bn).
 bool sm90_ok(const Set& s) {
 #ifdef EXPERTD_HAVE_SM90
-  auto takes = [](WScale m) { return m == WScale::kPerExpert || m == WScale::kPerChannel; };
-  return s.cc_major == 9 && s.cc_minor == 0 && sm90_supported(s.K, s.N) && s.block_k == 0 && takes(s.w13_mode) &&
-         takes(s.w2_mode);
+  return s.cc_major == 9 && s.cc_minor == 0 && sm90_supported(s.K, s.N) &&
+         (s.block_k == 0 || sm90_block_supported(s.block_n, s.block_k));
 #else
   (void)s;
   return false;
 #endif
 }
 
+// sm90_block_default says whether AUTO runs block sets on the Hopper
+// kernels: only with EXPERTD_SM90_BLOCK=1 until their device check (else
+// the portable path; EXPERTD_GEMM_SM90 takes them either way).
+bool sm90_block_default() {
+  static const bool on = [] {
+    const char* v = std::getenv("EXPERTD_SM90_BLOCK");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
 // use_sm90 is the GEMM path a call takes: the Hopper kernels when asked for,
 // or by default where the card and shape allow them.
 bool use_sm90(const Set& s, const Call& c) {
-  return c.gemm == EXPERTD_GEMM_SM90 || (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s));
+  return c.gemm == EXPERTD_GEMM_SM90 ||
+         (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s) && (s.block_k == 0 || sm90_block_default()));
 }
 
 int block_rows_for(const Set& s, const Call& c, bool sm90) {
 #ifdef EXPERTD_HAVE_SM90
-  if (sm90) return sm90_block_rows(c.m, c.top_k, s.E);
+  if (sm90) return sm90_block_rows(c.m, c.top_k, s.E, s.block_k > 0);
 #endif
   (void)sm90;
   return portable_block_rows(c.m, c.top_k, s.E);
@@ -471,9 +481,9 @@ int parse_call(const Set& s, const int64_t* ip, int nip, const float* fp, int nf
   if (c->gemm < EXPERTD_GEMM_AUTO || c->gemm > EXPERTD_GEMM_SM90) return fail(EXPERTD_ERR_INVALID, "gemm=%d", c->gemm);
   if (c->gemm == EXPERTD_GEMM_SM90 && !sm90_ok(s))
     return fail(EXPERTD_ERR_UNSUPPORTED,
-                "sm90 GEMM unavailable for this card/shape/scales (K=%d N=%d; it takes per-tensor and per-expert "
-                "weight scales only)",
-                s.K, s.N);
+                "sm90 GEMM unavailable for this card/shape/scales (K=%d N=%d block %d x %d; it takes K and N "
+                "multiples of 16 and block scales with Bk = 128)",
+                s.K, s.N, s.block_n, s.block_k);
   if (!have_logits && !have_topk) return fail(EXPERTD_ERR_INVALID, "need logits or topk ids and weights");
   if (c->have_logits) {
     if (c->logits_dtype != EXPERTD_DTYPE_FLOAT32 && c->logits_dtype != EXPERTD_DTYPE_BFLOAT16)

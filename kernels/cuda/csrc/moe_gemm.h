@@ -135,11 +135,15 @@ int portable_block_rows(int m, int top_k, int num_experts);
 cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 // sm90_supported says whether the Hopper kernels take this layer shape
-// (k = hidden, n = intermediate). They take WScale::kPerExpert and
-// kPerChannel (not kBlock).
+// (k = hidden, n = intermediate). They take every WScale; kBlock when
+// sm90_block_supported(block_n, block_k) too.
 bool sm90_supported(int hidden, int inter);
-// sm90_block_rows picks the Hopper kernels' token tile for a call.
-int sm90_block_rows(int m, int top_k, int num_experts);
+// sm90_block_supported says whether the Hopper kernels take block scales
+// of this shape: block_k = 128 (one pipeline stage), any block_n.
+bool sm90_block_supported(int block_n, int block_k);
+// sm90_block_rows picks the Hopper kernels' token tile for a call
+// (block_scales: a set in block mode, whose tiles are at most 128 tokens).
+int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales);
 #endif
 
 }  // namespace expertd

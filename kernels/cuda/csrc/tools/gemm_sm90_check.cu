@@ -4,6 +4,8 @@
 //
 //   gemm_sm90_check            correctness on several shapes, then timing
 //   gemm_sm90_check quick      correctness only
+//   gemm_sm90_check block ...  the same with [128, 128] block scales (and
+//                              DeepSeek-V3 timings)
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -31,6 +33,13 @@
 using expertd::GemmAct;
 using expertd::GemmEpilogue;
 using expertd::MoeGemmArgs;
+using expertd::WScale;
+
+// Block mode: [kBlockN, kBlockK] weight blocks, activation scales per row
+// and K block (gemm_sm90_check block).
+bool g_block = false;
+constexpr int kBlockN = 128, kBlockK = 128;
+int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 __device__ float fp8f(uint8_t b) {
   __nv_fp8_e4m3 v;
@@ -43,7 +52,7 @@ __global__ void ref_gemm(const uint8_t* w, int w_rows, int k, bool gated, int n_
                          int rows, int block_rows, const int32_t* block_expert,
                          const int32_t* sorted_pairs, const float* a_scale_rows, float a_scale,
                          const float* w_scale, int epi, float out_inv_scale, const float* pair_weight,
-                         float* out) {
+                         float* out, bool block) {
   int r = blockIdx.x;
   int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (r >= rows || c >= n_out) return;
@@ -51,9 +60,20 @@ __global__ void ref_gemm(const uint8_t* w, int w_rows, int k, bool gated, int n_
   int pair = sorted_pairs[r];
   if (e < 0 || pair < 0) return;
   const uint8_t* ar = a + size_t(r) * k;
-  float sc = (a_scale_rows ? a_scale_rows[r] : a_scale) * w_scale[e];
   auto dot = [&](int row) {
     const uint8_t* wr = w + (size_t(e) * w_rows + row) * k;
+    if (block) {
+      const int kb_n = (k + kBlockK - 1) / kBlockK, rb_n = (w_rows + kBlockN - 1) / kBlockN;
+      float s = 0;
+      for (int kb = 0; kb < kb_n; ++kb) {
+        float p = 0;
+        for (int i = kb * kBlockK; i < min(k, (kb + 1) * kBlockK); ++i) p += fp8f(ar[i]) * fp8f(wr[i]);
+        const float as = a_scale_rows ? a_scale_rows[size_t(r) * kb_n + kb] : a_scale;
+        s += p * as * w_scale[(size_t(e) * rb_n + row / kBlockN) * kb_n + kb];
+      }
+      return s;
+    }
+    const float sc = (a_scale_rows ? a_scale_rows[r] : a_scale) * w_scale[e];
     float s = 0;
     for (int i = 0; i < k; ++i) s += fp8f(ar[i]) * fp8f(wr[i]);
     return s * sc;
@@ -110,7 +130,7 @@ Layout make_layout(const Case& c, std::mt19937& rng) {
     if (c.skew == 2) e = (e / 2) * 2;  // odd experts get nothing
     counts[e]++;
   }
-  L.block_rows = expertd::sm90_block_rows(c.M, c.topk, c.E);
+  L.block_rows = expertd::sm90_block_rows(c.M, c.topk, c.E, g_block);
   if (const char* bn = std::getenv("BN")) L.block_rows = std::max(L.block_rows, std::atoi(bn));
   int bound = std::min(c.E, L.pairs) + L.pairs / L.block_rows;
   L.max_blocks = bound;
@@ -176,14 +196,20 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
   uint8_t* dw2 = rand_fp8_dev(size_t(c.E) * c.K * c.N, 1.f, rng);
   uint8_t* da = rand_fp8_dev(size_t(L.rows) * c.K, 4.f, rng);
   uint8_t* di = rand_fp8_dev(size_t(L.rows) * c.N, 4.f, rng);
-  std::vector<float> ws1(c.E), ws2(c.E), asr(L.rows), pw(L.pairs);
+  // Block mode: weight scales [E, row blocks, K blocks], activation scales
+  // [rows, K blocks] for both GEMMs; else per expert, and per row for GEMM1.
+  const size_t nws1 = g_block ? size_t(c.E) * cdiv(w1_rows, kBlockN) * cdiv(c.K, kBlockK) : c.E;
+  const size_t nws2 = g_block ? size_t(c.E) * cdiv(c.K, kBlockN) * cdiv(c.N, kBlockK) : c.E;
+  std::vector<float> ws1(nws1), ws2(nws2), asr(size_t(L.rows) * (g_block ? cdiv(c.K, kBlockK) : 1)),
+      asr2(size_t(L.rows) * cdiv(c.N, kBlockK)), pw(L.pairs);
   std::uniform_real_distribution<float> u(0.5f, 1.5f);
   for (auto& x : ws1) x = u(rng) / std::sqrt(float(c.K)) / 8;
   for (auto& x : ws2) x = u(rng) / std::sqrt(float(c.N)) / 8;
   for (auto& x : asr) x = u(rng) * 0.05f;
+  for (auto& x : asr2) x = u(rng) * 0.05f;
   for (auto& x : pw) x = u(rng) / c.topk;
 
-  float *dws1 = to_dev(ws1), *dws2 = to_dev(ws2), *dasr = to_dev(asr), *dpw = to_dev(pw);
+  float *dws1 = to_dev(ws1), *dws2 = to_dev(ws2), *dasr = to_dev(asr), *dasr2 = to_dev(asr2), *dpw = to_dev(pw);
   int32_t *dbe = to_dev(L.block_expert), *dsp = to_dev(L.sorted_pairs);
   std::vector<int32_t> nb{L.num_blocks};
   int32_t* dnb = to_dev(nb);
@@ -197,6 +223,7 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
   bool ok = true;
   // Epilogues 0..3 as in moe_gemm.h: GEMM1 to FP8, GEMM1 to BF16, GEMM2, GEMM1 to FP32.
   for (int epi = 0; epi < 4; ++epi) {
+    if (g_block && epi == 1) continue;  // no BF16 GEMM1 with block scales
     MoeGemmArgs g{};
     const bool second = epi == 2;
     g.w = second ? dw2 : dw1;
@@ -213,9 +240,13 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
     g.num_blocks = dnb;
     g.max_blocks = L.max_blocks;
     g.sorted_pairs = dsp;
-    g.a_scale_rows = second ? nullptr : dasr;
+    g.a_scale_rows = second ? (g_block ? dasr2 : nullptr) : dasr;
+    g.a_scale_ld = g_block ? cdiv(g.k, kBlockK) : 1;
     g.a_scale = 0.02f;
     g.w_scale = second ? dws2 : dws1;
+    g.w_mode = g_block ? WScale::kBlock : WScale::kPerExpert;
+    g.block_n = g_block ? kBlockN : 0;
+    g.block_k = g_block ? kBlockK : 0;
     g.epilogue = GemmEpilogue(epi);
     g.out = dout;
     g.ld_out = g.n_out;
@@ -240,7 +271,7 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
     CK(cudaGetLastError());
     dim3 rg(L.rows, (g.n_out + 127) / 128);
     ref_gemm<<<rg, 128>>>(g.w, g.w_rows, g.k, gated, g.n_out, g.a, L.rows, L.block_rows, dbe, dsp,
-                          g.a_scale_rows, g.a_scale, g.w_scale, epi, g.out_inv_scale, dpw, dref);
+                          g.a_scale_rows, g.a_scale, g.w_scale, epi, g.out_inv_scale, dpw, dref, g_block);
     CK(cudaGetLastError());
     decode_out<<<(nout + 255) / 256, 256>>>(dout, epi, nout, dgot);
     CK(cudaDeviceSynchronize());
@@ -309,14 +340,18 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
     }
   }
   cudaFree(dw1); cudaFree(dw2); cudaFree(da); cudaFree(di); cudaFree(dws1); cudaFree(dws2);
-  cudaFree(dasr); cudaFree(dpw); cudaFree(dbe); cudaFree(dsp); cudaFree(dnb); cudaFree(dout);
+  cudaFree(dasr); cudaFree(dasr2); cudaFree(dpw); cudaFree(dbe); cudaFree(dsp); cudaFree(dnb); cudaFree(dout);
   cudaFree(dref); cudaFree(dgot);
   return ok;
 }
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);
-  bool quick = argc > 1 && std::strcmp(argv[1], "quick") == 0;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    quick = quick || std::strcmp(argv[i], "quick") == 0;
+    g_block = g_block || std::strcmp(argv[i], "block") == 0;
+  }
   std::random_device rd;
   unsigned seed = rd();
   std::printf("seed %u\n", seed);
@@ -334,9 +369,15 @@ int main(int argc, char** argv) {
   };
   bool ok = true;
   for (auto& c : checks) ok = run(c, true, false, rng) && ok;
+  if (g_block) ok = run({"deepseek-v3 M=64", 256, 7168, 2048, 64, 8, true, 0}, true, false, rng) && ok;
   std::printf(ok ? "CHECK PASSED\n" : "CHECK FAILED\n");
   if (quick || !ok) return ok ? 0 : 1;
   int ms[] = {1, 16, 64, 256, 1024, 4096, 8192};
+  // DeepSeek-V3 timings: block scales, or per-expert ones with
+  // DEEPSEEK=1 (the promotion's cost at the same tiles).
+  if (g_block || std::getenv("DEEPSEEK")) {
+    for (int m : ms) run({"deepseek-v3", 256, 7168, 2048, m, 8, true, 0}, false, true, rng);
+  }
   for (int m : ms) run({"nemotron", 128, 2688, 1856, m, 6, false, 0}, false, true, rng);
   for (int m : ms) run({"qwen3", 128, 2048, 768, m, 8, true, 0}, false, true, rng);
   return 0;
