@@ -113,9 +113,10 @@ EXPERTD_API int expertd_device_info(int device, char* buf, int buflen);
  * The portable GEMM takes any block_k (multiples of 16 run its vector
  * loads); the sm90 GEMM takes block_k = 128 (any block_n) with K and N
  * multiples of 16, and EXPERTD_GEMM_SM90 on other block sets is
- * EXPERTD_ERR_UNSUPPORTED. AUTO runs block sets on the portable GEMM unless
- * the environment has EXPERTD_SM90_BLOCK=1 (until the sm90 block path's
- * device check). The sm90 GEMM runs per-channel scales outside block mode.
+ * EXPERTD_ERR_UNSUPPORTED. AUTO runs block sets on the sm90 GEMM where it
+ * takes them (the portable one when the environment has
+ * EXPERTD_SM90_BLOCK=0). The sm90 GEMM runs per-channel scales outside
+ * block mode.
  *
  * a13_scale and a2_scale are static activation scales, used for every token
  * (and every group in block mode); <= 0 means dynamic quantization (amax /
