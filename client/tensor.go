@@ -79,6 +79,27 @@ func FromFP8(codes []byte, shape ...int) Tensor {
 	return Tensor{DType: Float8E4M3FN, Shape: shape, Data: codes}
 }
 
+// QuantizeFP8 quantizes v, rows×cols row-major, to FP8 E4M3FN the way
+// the server quantizes activations itself: dynamically, each group of
+// group consecutive values in a row (the last one may be shorter) scaled
+// by its amax/448. group = cols gives one scale per token (per-token
+// hidden_states_scale, shape [rows]); group = Bk of a block-scaled set
+// gives DeepSeek-style per-token-group scales (shape [rows, ceil(cols/Bk)]).
+// Sending FP8 hidden states halves the request of BF16 ones.
+func QuantizeFP8(v []float32, rows, cols, group int) (codes, scales Tensor, err error) {
+	if rows < 1 || cols < 1 || group < 1 || len(v) != rows*cols {
+		return Tensor{}, Tensor{}, fmt.Errorf("expertd client: QuantizeFP8 of %d values as %d×%d in groups of %d", len(v), rows, cols, group)
+	}
+	groups := (cols + group - 1) / group
+	q, sc := make([]byte, len(v)), make([]float32, rows*groups)
+	scaling.QuantizeDynamic(q, sc, v, rows, cols, group)
+	codes = FromFP8(q, rows, cols)
+	if groups == 1 {
+		return codes, FromFloat32(sc, rows), nil
+	}
+	return codes, FromFloat32(sc, rows, groups), nil
+}
+
 // FromInt32 is an INT32 tensor of the given shape holding v (topk_ids).
 func FromInt32(v []int32, shape ...int) Tensor {
 	b := make([]byte, 4*len(v))

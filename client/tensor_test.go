@@ -132,3 +132,54 @@ func TestIsZero(t *testing.T) {
 		t.Error("zero Tensor: Proto() != nil")
 	}
 }
+
+func TestQuantizeFP8(t *testing.T) {
+	// Row 0 has amax 448 (scale 1, every value exact), row 1 amax 4 in its
+	// first group of 2 and 0.5 in its second.
+	v := []float32{448, -1, 2, 0.5, -4, 1, 0.25, -0.5}
+	tests := []struct {
+		name       string
+		group      int
+		wantShape  []int
+		wantScales []float32
+	}{
+		{"per token", 4, []int{2}, []float32{1, 4.0 / 448}},
+		{"per group of 2", 2, []int{2, 2}, []float32{448.0 / 448, 2.0 / 448, 4.0 / 448, 0.5 / 448}},
+		{"short last group", 3, []int{2, 2}, []float32{1, 0.5 / 448, 4.0 / 448, 0.5 / 448}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			codes, scales, err := client.QuantizeFP8(v, 2, 4, tt.group)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, want := codes.Shape, []int{2, 4}; !slices.Equal(got, want) || codes.DType != client.Float8E4M3FN {
+				t.Errorf("codes: %v %v, want FP8 %v", codes.DType, got, want)
+			}
+			if got := scales.Shape; !slices.Equal(got, tt.wantShape) {
+				t.Errorf("scales shape %v, want %v", got, tt.wantShape)
+			}
+			got, err := scales.Float32s()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, tt.wantScales) {
+				t.Errorf("scales %v, want %v", got, tt.wantScales)
+			}
+			// Dequantized, every value is within FP8's half-ulp (1/16 relative).
+			groups := len(tt.wantScales) / 2
+			for i, x := range v {
+				r, c := i/4, i%4
+				deq := scaling.E4M3ToFloat32(codes.Data[i]) * tt.wantScales[r*groups+c/tt.group]
+				if d := math.Abs(float64(deq - x)); d > math.Abs(float64(x))/16 {
+					t.Errorf("value %d: %g dequantizes to %g", i, x, deq)
+				}
+			}
+		})
+	}
+	for _, bad := range []struct{ rows, cols, group int }{{2, 3, 3}, {0, 8, 8}, {2, 4, 0}} {
+		if _, _, err := client.QuantizeFP8(v, bad.rows, bad.cols, bad.group); err == nil {
+			t.Errorf("QuantizeFP8(%d values, %d, %d, %d): no error", len(v), bad.rows, bad.cols, bad.group)
+		}
+	}
+}

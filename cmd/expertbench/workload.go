@@ -161,14 +161,9 @@ func (m model) request(rng *rand.Rand, set string, tokens int, out client.DType,
 		if m.block[1] > 0 {
 			group = m.block[1]
 		}
-		groups := (m.k + group - 1) / group
-		h := randn(tokens*m.k, 0.1)
-		codes, scales := make([]uint8, len(h)), make([]float32, tokens*groups)
-		scaling.QuantizeDynamic(codes, scales, h, tokens, m.k, group)
-		r.Hidden = client.FromFP8(codes, tokens, m.k)
-		r.HiddenScale = client.FromFloat32(scales, tokens)
-		if m.block[1] > 0 {
-			r.HiddenScale = client.FromFloat32(scales, tokens, groups)
+		var err error
+		if r.Hidden, r.HiddenScale, err = client.QuantizeFP8(randn(tokens*m.k, 0.1), tokens, m.k, group); err != nil {
+			panic(err) // the model's shape is validated at start-up
 		}
 	}
 	if m.bias {
