@@ -115,7 +115,12 @@ func TestSharedMemory(t *testing.T) {
 			t.Fatalf("the daemon still maps /dev/shm/%s %v after the client closed", shm.Key(), defaultTimeout)
 		}
 	}
-	if !strings.Contains(d.logs.String(), "shared memory unregistered: connection closed") {
-		t.Errorf("the daemon did not log the cleanup:\n%s", d.logs.String())
+	// The log line can trail the unmap (the daemon unmaps, then logs, and
+	// its output reaches the test through a pipe), so wait for it too.
+	const cleanup = "shared memory unregistered: connection closed"
+	for deadline := time.Now().Add(defaultTimeout); !strings.Contains(d.logs.String(), cleanup); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the daemon did not log the cleanup within %v:\n%s", defaultTimeout, d.logs.String())
+		}
 	}
 }
