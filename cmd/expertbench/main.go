@@ -80,8 +80,9 @@ type config struct {
 	keep        bool
 	set         string
 	out         client.DType
-	// fp8Hidden sends hidden states as FP8 E4M3 with per-token scales,
-	// as the contract's callers do, instead of BF16.
+	// fp8Hidden sends hidden states as FP8 E4M3 with per-token scales
+	// (per token and group in block mode), as the contract's callers do,
+	// instead of BF16.
 	fp8Hidden bool
 	seed      uint64
 	progress  time.Duration
@@ -114,7 +115,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&c.keep, "keep", false, "with -load: leave the set loaded")
 	fs.StringVar(&c.set, "set", "expertbench", "expert set name to call (and to load with -load)")
 	out := fs.String("out", "bf16", "output dtype: bf16 or fp32")
-	hidden := fs.String("hidden", "bf16", "hidden-state dtype sent: bf16, or fp8 (E4M3 with one scale per token, half the bytes)")
+	hidden := fs.String("hidden", "bf16", "hidden-state dtype sent: bf16, or fp8 (E4M3 with one scale per token, or per token and block group on block-scaled models; half the bytes)")
 	fs.Uint64Var(&c.seed, "seed", uint64(time.Now().UnixNano()), "random seed of weights and tokens")
 	fs.DurationVar(&c.progress, "progress", time.Second, "progress line interval on stderr (0: none)")
 	fs.BoolVar(&c.jsonOut, "json", false, "print the summary as JSON")

@@ -136,7 +136,8 @@ func (m model) randomWeights(seed uint64) *client.ExpertWeights {
 }
 
 // request is a FusedMoE call of tokens random tokens on the loaded set:
-// hidden states randn/10 (BF16, or with fp8 E4M3 quantized per token),
+// hidden states randn/10 (BF16, or with fp8 E4M3 quantized per token, per
+// token and group on block-scaled models),
 // FP32 logits randn, and for models that have one the layer's correction
 // bias.
 func (m model) request(rng *rand.Rand, set string, tokens int, out client.DType, fp8 bool) *client.FusedMoERequest {
