@@ -61,12 +61,30 @@ func (d DType) String() string {
 }
 
 // Tensor is a validated, row-major, little-endian view of tensor bytes.
-// len(Data) == numel(Shape) * DType.Size() always holds. Data may alias a
-// request buffer: backends must not retain it past the call.
+// len(Data) == numel(Shape) * DType.Size() always holds, except for a
+// device tensor. Data may alias a request buffer: backends must not retain
+// it past the call.
 type Tensor struct {
 	DType DType
 	Shape []int
 	Data  []byte
+	// Dev, when non-zero, is the device address of the tensor's bytes
+	// (numel(Shape) * DType.Size() of them) and Data is nil: memory a
+	// same-host caller shared through CUDA IPC, opened with a backend's
+	// OpenIPC. Only backends that open such memory are given device
+	// tensors, and only as Request.Hidden and Request.Logits.
+	Dev uintptr
+}
+
+// DeviceRegion is device memory another process shared through CUDA IPC,
+// opened by a backend.
+type DeviceRegion interface {
+	// Ptr is the device address of the region's first byte.
+	Ptr() uintptr
+	// Size is the region's length in bytes.
+	Size() int64
+	// Close unmaps the region; no call may use its addresses afterwards.
+	Close() error
 }
 
 // Numel is the number of elements.
@@ -177,6 +195,10 @@ type Request struct {
 	// backend allocate. The service passes recycled buffers: writing a
 	// fresh allocation faults in every page.
 	Out []byte
+	// OutDev, when non-zero, is the device address the output goes to
+	// instead (a CUDA IPC region's); Out is then nil and so is
+	// Result.Output.
+	OutDev uintptr
 }
 
 // M is the number of tokens.
