@@ -4,7 +4,7 @@ package cuda
 // parses the header and checks that every #define there has this value, so
 // the two cannot drift apart silently.
 const (
-	abiVersion = 2
+	abiVersion = 3
 
 	codeOK          = 0
 	codeInvalid     = 1
@@ -48,6 +48,9 @@ const (
 
 	maxExperts = 1024
 	maxTopK    = 32
+	maxStreams = 16
+
+	ipcHandleBytes = 64
 )
 
 // codeName is the header's name for a return code, for error messages.

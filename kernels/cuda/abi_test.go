@@ -61,8 +61,10 @@ func TestHeaderMatchesGo(t *testing.T) {
 		"EXPERTD_F_SCALING_FACTOR": fScalingFactor,
 		"EXPERTD_NUM_FPARAMS":      numFParams,
 
-		"EXPERTD_MAX_EXPERTS": maxExperts,
-		"EXPERTD_MAX_TOP_K":   maxTopK,
+		"EXPERTD_MAX_EXPERTS":      maxExperts,
+		"EXPERTD_MAX_TOP_K":        maxTopK,
+		"EXPERTD_MAX_STREAMS":      maxStreams,
+		"EXPERTD_IPC_HANDLE_BYTES": ipcHandleBytes,
 	}
 	re := regexp.MustCompile(`(?m)^#define\s+(EXPERTD_\w+)\s+(-?\d+)\b`)
 	seen := map[string]bool{}

@@ -16,6 +16,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"unsafe"
@@ -55,6 +56,24 @@ var gemmPaths = map[string]int64{
 	"": gemmAuto, "auto": gemmAuto, "portable": gemmPortable, "portable-f16": gemmPortableF16, "sm90": gemmSM90,
 }
 
+// DefaultStreams is how many calls on one expert set run at once unless
+// $EXPERTD_CUDA_STREAMS says otherwise: two let one call's host copies
+// overlap the other's kernels.
+const DefaultStreams = 2
+
+// streams parses $EXPERTD_CUDA_STREAMS.
+func streams() (int, error) {
+	v := os.Getenv("EXPERTD_CUDA_STREAMS")
+	if v == "" {
+		return DefaultStreams, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 || n > maxStreams {
+		return 0, fmt.Errorf("cuda: EXPERTD_CUDA_STREAMS=%q: want 1..%d", v, maxStreams)
+	}
+	return n, nil
+}
+
 // New opens the library named by cfg.LibraryPath (or found by the default
 // search, see findLibrary) on GPU cfg.Device and self-tests it.
 func New(cfg kernels.Config) (*Backend, error) {
@@ -62,14 +81,20 @@ func New(cfg kernels.Config) (*Backend, error) {
 	if !ok {
 		return nil, fmt.Errorf("cuda: EXPERTD_CUDA_GEMM=%q: want auto, portable, portable-f16 or sm90", os.Getenv("EXPERTD_CUDA_GEMM"))
 	}
+	nstreams, err := streams()
+	if err != nil {
+		return nil, err
+	}
 	lib, err := openLibrary(cfg.LibraryPath)
 	if err != nil {
 		return nil, err
 	}
-	b := &Backend{lib: lib, device: cfg.Device, exec: newExecutor(), gemm: gemm, live: map[*loaded]struct{}{}}
+	// Threads: one per stream of a busy set, and two more so calls on
+	// other sets, loads and frees are not stuck behind it.
+	b := &Backend{lib: lib, device: cfg.Device, exec: newExecutor(nstreams + 2), gemm: gemm, live: map[*loaded]struct{}{}}
 	buf := make([]byte, 256)
 	err = b.call("init", func() int32 {
-		if rc := lib.init(int32(cfg.Device)); rc != codeOK {
+		if rc := lib.init(int32(cfg.Device), int32(nstreams)); rc != codeOK {
 			return rc
 		}
 		return lib.deviceInfo(int32(cfg.Device), &buf[0], int32(len(buf)))
@@ -324,16 +349,29 @@ func expandBlocks(ws scaling.WeightScale, e, rows, cols, bn, bk int) []float32 {
 	return out
 }
 
-// FusedMoE implements kernels.Backend.
+// FusedMoE implements kernels.Backend. Hidden and Logits may be device
+// tensors and the output may go to device memory (Request.OutDev).
 func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
 	out := req.Out
-	if n := req.M() * setOf(set).K * req.OutDType.Size(); len(out) != n {
+	if n := req.M() * setOf(set).K * req.OutDType.Size(); len(out) != n && req.OutDev == 0 {
 		if out != nil {
 			return nil, fmt.Errorf("cuda: Out has %d bytes, want %d", len(out), n)
 		}
 		out = make([]byte, n)
 	}
 	return b.run(ctx, set, req, out, b.gemm, true)
+}
+
+// addr is the address of a tensor's bytes: its device address, or that of
+// its host bytes (0 when it has neither).
+func addr(t kernels.Tensor) uintptr {
+	if t.Dev != 0 {
+		return t.Dev
+	}
+	if len(t.Data) == 0 {
+		return 0
+	}
+	return uintptr(unsafe.Pointer(&t.Data[0]))
 }
 
 func setOf(l kernels.Loaded) *kernels.ExpertSet { return l.Set() }
@@ -395,7 +433,7 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 	}
 	fp := []float32{r.ScalingFactor}
 
-	var logits unsafe.Pointer
+	var logits uintptr
 	var bias *float32
 	var idsIn *int32
 	var wIn *float32
@@ -413,10 +451,10 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 		default:
 			return nil, fmt.Errorf("cuda: logits dtype %v: %w", req.Logits.DType, kernels.ErrUnsupported)
 		}
-		if len(req.Logits.Data) != m*meta.E*req.Logits.DType.Size() {
+		if req.Logits.Dev == 0 && len(req.Logits.Data) != m*meta.E*req.Logits.DType.Size() {
 			return nil, fmt.Errorf("cuda: logits have %d bytes, want %d", len(req.Logits.Data), m*meta.E*req.Logits.DType.Size())
 		}
-		logits = unsafe.Pointer(&req.Logits.Data[0])
+		logits = addr(req.Logits)
 		if r.CorrectionBias != nil {
 			bias = &r.CorrectionBias[0]
 		}
@@ -425,8 +463,15 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 	if len(req.HiddenScale) > 0 && req.Hidden.DType == kernels.Float8E4M3FN {
 		hs = &req.HiddenScale[0]
 	}
-	if len(req.Hidden.Data) != m*meta.K*req.Hidden.DType.Size() || len(out) != m*meta.K*req.OutDType.Size() {
+	if (req.Hidden.Dev == 0 && len(req.Hidden.Data) != m*meta.K*req.Hidden.DType.Size()) ||
+		(req.OutDev == 0 && len(out) != m*meta.K*req.OutDType.Size()) {
 		return nil, fmt.Errorf("cuda: hidden/output sizes %d/%d do not match M=%d K=%d", len(req.Hidden.Data), len(out), m, meta.K)
+	}
+	outAddr := req.OutDev
+	if outAddr == 0 {
+		outAddr = uintptr(unsafe.Pointer(&out[0]))
+	} else {
+		out = nil
 	}
 	ids := make([]int32, m*topK)
 	w := make([]float32, m*topK)
@@ -439,8 +484,8 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 	}
 	h := l.handle
 	err := b.call("moe", func() int32 {
-		return b.lib.moe(h, &ip[0], int32(len(ip)), &fp[0], int32(len(fp)), unsafe.Pointer(&req.Hidden.Data[0]), hs,
-			logits, bias, idsIn, wIn, unsafe.Pointer(&out[0]), &ids[0], &w[0], &ms)
+		return b.lib.moe(h, &ip[0], int32(len(ip)), &fp[0], int32(len(fp)), addr(req.Hidden), hs,
+			logits, bias, idsIn, wIn, outAddr, &ids[0], &w[0], &ms)
 	})
 	runtime.KeepAlive(req)
 	runtime.KeepAlive(out)

@@ -2,18 +2,23 @@ package cuda
 
 import "runtime"
 
-// executor runs every library call for one GPU on a single locked OS
-// thread. The library's error string is thread-local and the CUDA current
-// device is per thread, so pinning both to one thread makes them coherent;
-// it also serializes calls, which the library's per-set workspaces need.
+// executor runs library calls on a fixed set of locked OS threads. The
+// library's error string is thread-local, so a call and the read of its
+// error must happen on one thread: each closure passed to do runs whole
+// on one of them. Several threads let calls on different sets, and calls
+// on one set's several streams (expertd_init), overlap; the library
+// makes each call current on its set's device itself.
 type executor struct {
 	calls chan func()
 	quit  chan struct{}
 }
 
-func newExecutor() *executor {
+// newExecutor starts threads workers (at least one).
+func newExecutor(threads int) *executor {
 	x := &executor{calls: make(chan func()), quit: make(chan struct{})}
-	go x.loop()
+	for range max(threads, 1) {
+		go x.loop()
+	}
 	return x
 }
 
@@ -29,8 +34,8 @@ func (x *executor) loop() {
 	}
 }
 
-// do runs f on the executor's thread and waits for it. It reports false,
-// without running f, once the executor is stopped.
+// do runs f on one of the executor's threads and waits for it. It reports
+// false, without running f, once the executor is stopped.
 func (x *executor) do(f func()) bool {
 	done := make(chan struct{})
 	select {
@@ -45,5 +50,5 @@ func (x *executor) do(f func()) bool {
 	}
 }
 
-// stop ends the executor's goroutine; no call may follow.
+// stop ends the executor's goroutines; no call may follow.
 func (x *executor) stop() { close(x.quit) }

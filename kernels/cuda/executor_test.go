@@ -6,33 +6,64 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 )
 
-// TestExecutorOneThread checks that every call runs on the same OS thread
-// (the library's last-error string and CUDA's current device are per
-// thread) and that calls after stop are refused, not hung.
-func TestExecutorOneThread(t *testing.T) {
-	x := newExecutor()
-	var wg sync.WaitGroup
-	tids := make([]int, 16)
-	for i := range tids {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if !x.do(func() { tids[i] = syscall.Gettid() }) {
-				t.Errorf("call %d refused before stop", i)
-			}
-		}()
+// TestExecutorThreads checks that calls run on the executor's threads only
+// (the library's last-error string is per thread, so a call must not hop),
+// that several run at once when there are several threads, and that calls
+// after stop are refused, not hung.
+func TestExecutorThreads(t *testing.T) {
+	tests := []struct {
+		threads, wantAtOnce int
+	}{
+		{1, 1},
+		{3, 3},
 	}
-	wg.Wait()
-	for i, tid := range tids {
-		if tid != tids[0] {
-			t.Errorf("call %d ran on thread %d, call 0 on %d", i, tid, tids[0])
+	for _, tt := range tests {
+		x := newExecutor(tt.threads)
+		var (
+			mu            sync.Mutex
+			tids          = map[int]bool{}
+			now, atOnce   int
+			wg            sync.WaitGroup
+			callsPerRound = 12
+		)
+		for i := 0; i < callsPerRound; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ok := x.do(func() {
+					tid := syscall.Gettid()
+					mu.Lock()
+					tids[tid] = true
+					now++
+					atOnce = max(atOnce, now)
+					mu.Unlock()
+					time.Sleep(20 * time.Millisecond)
+					if syscall.Gettid() != tid {
+						t.Errorf("a call moved from thread %d to %d", tid, syscall.Gettid())
+					}
+					mu.Lock()
+					now--
+					mu.Unlock()
+				})
+				if !ok {
+					t.Errorf("call refused before stop")
+				}
+			}()
 		}
-	}
-	x.stop()
-	ran := false
-	if x.do(func() { ran = true }) || ran {
-		t.Errorf("do after stop: ran=%v, want refused", ran)
+		wg.Wait()
+		if got := len(tids); got > tt.threads {
+			t.Errorf("threads=%d: calls ran on %d threads", tt.threads, got)
+		}
+		if atOnce != tt.wantAtOnce {
+			t.Errorf("threads=%d: %d calls ran at once, want %d", tt.threads, atOnce, tt.wantAtOnce)
+		}
+		x.stop()
+		ran := false
+		if x.do(func() { ran = true }) || ran {
+			t.Errorf("threads=%d: do after stop: ran=%v, want refused", tt.threads, ran)
+		}
 	}
 }

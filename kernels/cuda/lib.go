@@ -23,15 +23,25 @@ type library struct {
 	path string
 
 	abiVersion func() int32
-	init       func(device int32) int32
+	init       func(device, streams int32) int32
 	deviceInfo func(device int32, buf *byte, n int32) int32
 	setCreate  func(device, e, k, n, act int32, w13, w2 *byte, s13 *float32, n13 int32,
 		s2 *float32, n2, blockN, blockK int32, a13, a2 float32, out *uint64) int32
 	setFree func(h uint64) int32
-	moe     func(h uint64, ip *int64, nip int32, fp *float32, nfp int32, hidden unsafe.Pointer,
-		hiddenScale *float32, logits unsafe.Pointer, bias *float32, idsIn *int32, wIn *float32,
-		out unsafe.Pointer, idsOut *int32, wOut *float32, ms *float32) int32
-	lastError func() string
+	// moe's hidden, logits and out are addresses: of Go memory, of a
+	// host mapping, or of device memory (the library tells them apart).
+	moe func(h uint64, ip *int64, nip int32, fp *float32, nfp int32, hidden uintptr,
+		hiddenScale *float32, logits uintptr, bias *float32, idsIn *int32, wIn *float32,
+		out uintptr, idsOut *int32, wOut *float32, ms *float32) int32
+	hostRegister   func(device int32, p unsafe.Pointer, n uint64) int32
+	hostUnregister func(device int32, p unsafe.Pointer) int32
+	ipcOpen        func(device int32, handle *byte, n int32, ptr, bytes *uint64) int32
+	ipcClose       func(ptr uint64) int32
+	devAlloc       func(device int32, n uint64, ptr *uint64) int32
+	devFree        func(device int32, ptr uint64) int32
+	ipcExport      func(device int32, ptr uint64, handle *byte, n int32) int32
+	copyMem        func(device int32, dst, src, n uint64) int32
+	lastError      func() string
 }
 
 var (
@@ -125,6 +135,14 @@ func openLibrary(configured string) (*library, error) {
 		{&l.setCreate, "expertd_set_create"},
 		{&l.setFree, "expertd_set_free"},
 		{&l.moe, "expertd_moe"},
+		{&l.hostRegister, "expertd_host_register"},
+		{&l.hostUnregister, "expertd_host_unregister"},
+		{&l.ipcOpen, "expertd_ipc_open"},
+		{&l.ipcClose, "expertd_ipc_close"},
+		{&l.devAlloc, "expertd_dev_alloc"},
+		{&l.devFree, "expertd_dev_free"},
+		{&l.ipcExport, "expertd_ipc_export"},
+		{&l.copyMem, "expertd_copy"},
 		{&l.lastError, "expertd_last_error"},
 	} {
 		if err := bind(b.fptr, b.name); err != nil {

@@ -2,7 +2,7 @@
  * fault tests (kernels/cuda, cmd/expertd) with the system C compiler. Each
  * macro picks one way a real library or device can fail:
  *
- *   FAKE_ABI=n        expertd_abi_version returns n (default 2, the ABI)
+ *   FAKE_ABI=n        expertd_abi_version returns n (default 3, the ABI)
  *   FAKE_INIT_RC=c    expertd_init returns code c (5: ERR_NO_DEVICE)
  *   FAKE_MOE_RC=c     expertd_moe returns c (4: ERR_CUDA); with 0 it
  *                     "succeeds" without writing its output (a kernel that
@@ -13,7 +13,7 @@
 #include <string.h>
 
 #ifndef FAKE_ABI
-#define FAKE_ABI 2
+#define FAKE_ABI 3
 #endif
 #ifndef FAKE_INIT_RC
 #define FAKE_INIT_RC 0
@@ -26,8 +26,8 @@ static const char* last = "";
 
 int expertd_abi_version(void) { return FAKE_ABI; }
 
-int expertd_init(int device) {
-  (void)device;
+int expertd_init(int device, int streams) {
+  (void)device; (void)streams;
   if (FAKE_INIT_RC != 0) last = "fake: no CUDA device";
   return FAKE_INIT_RC;
 }
@@ -60,5 +60,23 @@ int expertd_moe(uint64_t h, const int64_t* ip, int nip, const float* fp, int nfp
   return FAKE_MOE_RC;
 }
 #endif
+
+/* Shared memory: no GPU, so nothing can be pinned, opened or allocated
+ * (2: ERR_UNSUPPORTED). */
+static int no_gpu(void) {
+  last = "fake: no GPU behind this library";
+  return 2;
+}
+int expertd_host_register(int device, void* p, uint64_t n) { (void)device; (void)p; (void)n; return no_gpu(); }
+int expertd_host_unregister(int device, void* p) { (void)device; (void)p; return no_gpu(); }
+int expertd_ipc_open(int device, const uint8_t* h, int n, uint64_t* ptr, uint64_t* bytes) {
+  (void)device; (void)h; (void)n; (void)ptr; (void)bytes;
+  return no_gpu();
+}
+int expertd_ipc_close(uint64_t ptr) { (void)ptr; return no_gpu(); }
+int expertd_dev_alloc(int device, uint64_t n, uint64_t* ptr) { (void)device; (void)n; (void)ptr; return no_gpu(); }
+int expertd_dev_free(int device, uint64_t ptr) { (void)device; (void)ptr; return no_gpu(); }
+int expertd_ipc_export(int device, uint64_t ptr, uint8_t* h, int n) { (void)device; (void)ptr; (void)h; (void)n; return no_gpu(); }
+int expertd_copy(int device, uint64_t dst, uint64_t src, uint64_t n) { (void)device; (void)dst; (void)src; (void)n; return no_gpu(); }
 
 const char* expertd_last_error(void) { return last; }

@@ -27,7 +27,7 @@ extern "C" {
 #define EXPERTD_API
 #endif
 
-#define EXPERTD_ABI_VERSION 2
+#define EXPERTD_ABI_VERSION 3
 
 /* Return codes. */
 #define EXPERTD_OK 0
@@ -81,13 +81,20 @@ extern "C" {
 /* Limits of this build. */
 #define EXPERTD_MAX_EXPERTS 1024
 #define EXPERTD_MAX_TOP_K 32
+#define EXPERTD_MAX_STREAMS 16 /* expertd_init's streams per set */
+
+/* Bytes in a CUDA IPC handle (cudaIpcMemHandle_t). */
+#define EXPERTD_IPC_HANDLE_BYTES 64
 
 /* expertd_abi_version returns EXPERTD_ABI_VERSION of the built library. */
 EXPERTD_API int expertd_abi_version(void);
 
 /* expertd_init makes device current for the calling thread and creates its
- * context. */
-EXPERTD_API int expertd_init(int device);
+ * context. streams (1..EXPERTD_MAX_STREAMS) is how many expertd_moe calls
+ * on one set run at once, each with its own stream, workspace and pinned
+ * staging, so one call's copies overlap another's kernels; it applies to
+ * every set (the last init wins). Any thread may call the library. */
+EXPERTD_API int expertd_init(int device, int streams);
 
 /* expertd_device_info writes a NUL-terminated description of device into buf
  * (at most buflen bytes, truncated), e.g.
@@ -130,7 +137,12 @@ EXPERTD_API int expertd_set_create(int device, int num_experts, int hidden, int 
 /* expertd_set_free releases a set's device memory and cached graphs. */
 EXPERTD_API int expertd_set_free(uint64_t handle);
 
-/* expertd_moe runs one fused MoE layer with host buffers, synchronously.
+/* expertd_moe runs one fused MoE layer, synchronously, on one of the set's
+ * streams (waiting for one when all are busy).
+ * Each buffer may be pageable host memory (staged through pinned memory),
+ * page-locked host memory (expertd_host_register; copied by DMA with no
+ * staging) or device memory (e.g. from expertd_ipc_open; copied on the
+ * device). The library tells them apart by address.
  * hidden is [M, K] of iparams[EXPERTD_P_HIDDEN_DTYPE]; hidden_scale has
  * iparams[EXPERTD_P_N_HIDDEN_SCALE] floats (FP8 hidden only, else NULL):
  * [1], [M] or, for block sets, [M, ceil(K/block_k)] row-major. FP8 hidden
@@ -138,7 +150,7 @@ EXPERTD_API int expertd_set_free(uint64_t handle);
  * Either logits [M, E] (with correction_bias [E] or NULL) or topk_ids_in and
  * topk_w_in [M, top_k] are given. out is [M, K] of the out dtype;
  * topk_ids_out, topk_w_out [M, top_k] and kernel_ms (the device time of the
- * pipeline, one float) may be NULL. Calls on one set are serialized. */
+ * pipeline, one float) may be NULL. */
 EXPERTD_API int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const float* fparams,
                 int n_fparams, const void* hidden, const float* hidden_scale, const void* logits,
                 const float* correction_bias, const int32_t* topk_ids_in, const float* topk_w_in,
@@ -146,14 +158,40 @@ EXPERTD_API int expertd_moe(uint64_t handle, const int64_t* iparams, int n_ipara
 
 /* expertd_moe_device is expertd_moe with device pointers, enqueued on stream
  * (a cudaStream_t as an integer; 0 is the legacy default stream) with no
- * host synchronization and no graph. The set's workspace is shared, so the
- * caller must not overlap calls on one set across streams. */
+ * host synchronization and no graph, so it may be captured into the
+ * caller's graph. These calls share one workspace per set (apart from
+ * expertd_moe's), so the caller must not overlap them on one set across
+ * streams. */
 EXPERTD_API int expertd_moe_device(uint64_t handle, const int64_t* iparams, int n_iparams,
                        const float* fparams, int n_fparams, const void* hidden,
                        const float* hidden_scale, const void* logits,
                        const float* correction_bias, const int32_t* topk_ids_in,
                        const float* topk_w_in, void* out, int32_t* topk_ids_out,
                        float* topk_w_out, uintptr_t stream);
+
+/* expertd_host_register page-locks [ptr, ptr+bytes) of host memory (e.g. a
+ * POSIX shared-memory mapping) for every device, so expertd_moe copies it
+ * by DMA; expertd_host_unregister undoes it (ptr as registered). */
+EXPERTD_API int expertd_host_register(int device, void* ptr, uint64_t bytes);
+EXPERTD_API int expertd_host_unregister(int device, void* ptr);
+
+/* expertd_ipc_open maps the device allocation another process exported as
+ * the EXPERTD_IPC_HANDLE_BYTES-byte handle (cudaIpcGetMemHandle, or
+ * PyTorch's storage._share_cuda_()) on device, and reports its address and
+ * its size in bytes. Opening a handle again shares the mapping;
+ * expertd_ipc_close(address) undoes one open, and the last unmaps it. */
+EXPERTD_API int expertd_ipc_open(int device, const uint8_t* handle, int handle_len, uint64_t* dev_ptr,
+                     uint64_t* bytes);
+EXPERTD_API int expertd_ipc_close(uint64_t dev_ptr);
+
+/* Device memory for same-host callers that have the library and no CUDA
+ * framework (the Go SDK's tests and expertbench): allocate, free, export
+ * as an IPC handle (handle_len == EXPERTD_IPC_HANDLE_BYTES), and copy
+ * synchronously between any two addresses (host or device). */
+EXPERTD_API int expertd_dev_alloc(int device, uint64_t bytes, uint64_t* dev_ptr);
+EXPERTD_API int expertd_dev_free(int device, uint64_t dev_ptr);
+EXPERTD_API int expertd_ipc_export(int device, uint64_t dev_ptr, uint8_t* handle, int handle_len);
+EXPERTD_API int expertd_copy(int device, uint64_t dst, uint64_t src, uint64_t bytes);
 
 /* expertd_last_error describes the calling thread's last failure ("" if
  * none). The string stays valid until that thread's next call. */

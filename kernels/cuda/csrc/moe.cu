@@ -18,6 +18,7 @@
 // entry captures the pipeline into a CUDA graph per (set, call shape) the
 // second time that shape is seen and replays it afterwards; the workspace
 // only grows, and a regrow drops the set's graphs.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdarg>
@@ -25,6 +26,9 @@
 #include <cstdlib>
 #include <chrono>
 #include <cstring>
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -115,6 +119,45 @@ struct Graph {
   bool failed = false;
 };
 
+// Lane is what one call in flight on a set needs to itself: a stream, its
+// timing events, the device workspace, pinned staging and the graphs that
+// bake the workspace's addresses in. A set has up to g_lanes of them, so
+// calls on one set overlap (one's copies with another's kernels); each
+// call holds one lane from its first copy to its last.
+struct Lane {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
+  uint8_t* ws = nullptr;
+  size_t ws_bytes = 0;
+  uint8_t* pin_in = nullptr;
+  size_t pin_in_bytes = 0;
+  uint8_t* pin_out = nullptr;
+  size_t pin_out_bytes = 0;
+  std::map<Call, Graph> graphs;
+
+  void drop_graphs() {
+    for (auto& kv : graphs) {
+      if (kv.second.exec) cudaGraphExecDestroy(kv.second.exec);
+    }
+    graphs.clear();
+  }
+  ~Lane() {
+    cudaSetDevice(device);
+    if (stream) cudaStreamSynchronize(stream);
+    drop_graphs();
+    cudaFree(ws);
+    if (pin_in) cudaFreeHost(pin_in);
+    if (pin_out) cudaFreeHost(pin_out);
+    if (ev0) cudaEventDestroy(ev0);
+    if (ev1) cudaEventDestroy(ev1);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+// g_lanes is the most calls one set runs at once (expertd_init's streams).
+std::atomic<int> g_lanes{2};
+
 struct Set {
   int device, cc_major, cc_minor;
   int E, K, N, act;  // act: EXPERTD_ACT_*
@@ -127,44 +170,132 @@ struct Set {
   WScale w13_mode, w2_mode;
   int block_n = 0, block_k = 0;  // block mode when > 0 (then both modes are kBlock)
   float a13_scale, a2_scale;   // <= 0: dynamic
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
-  uint8_t* ws = nullptr;
-  size_t ws_bytes = 0;
-  uint8_t* pin_in = nullptr;
-  size_t pin_in_bytes = 0;
-  uint8_t* pin_out = nullptr;
-  size_t pin_out_bytes = 0;
-  std::map<Call, Graph> graphs;
-  std::mutex mu;
   bool poison = false;  // EXPERTD_CUDA_POISON=1: NaN-fill outputs and intermediates before each run
 
-  void drop_graphs() {
-    for (auto& kv : graphs) {
-      if (kv.second.exec) cudaGraphExecDestroy(kv.second.exec);
-    }
-    graphs.clear();
-  }
+  // Lanes, created on first need; idle holds those no call holds.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::unique_ptr<Lane>> lanes;
+  std::vector<Lane*> idle;
+  // expertd_moe_device's lane (its workspace), under dev_mu.
+  std::mutex dev_mu;
+  std::unique_ptr<Lane> dev_lane;
+
   ~Set() {
+    lanes.clear();  // each waits for its stream
+    dev_lane.reset();
     cudaSetDevice(device);
-    if (stream) cudaStreamSynchronize(stream);
-    drop_graphs();
     cudaFree(w13);
     cudaFree(w2);
     cudaFree(w13_scale);
     cudaFree(w2_scale);
-    cudaFree(ws);
-    if (pin_in) cudaFreeHost(pin_in);
-    if (pin_out) cudaFreeHost(pin_out);
-    if (ev0) cudaEventDestroy(ev0);
-    if (ev1) cudaEventDestroy(ev1);
-    if (stream) cudaStreamDestroy(stream);
   }
+};
+
+// LaneLease holds one of a set's lanes for a call and gives it back.
+class LaneLease {
+ public:
+  explicit LaneLease(Set& s) : s_(s) {}
+  LaneLease(const LaneLease&) = delete;
+  LaneLease& operator=(const LaneLease&) = delete;
+  ~LaneLease() {
+    if (!lane_) return;
+    {
+      std::lock_guard<std::mutex> lk(s_.mu);
+      s_.idle.push_back(lane_);
+    }
+    s_.cv.notify_one();
+  }
+  // acquire waits for an idle lane, creating one while the set has fewer
+  // than g_lanes; the caller has made the set's device current.
+  int acquire();
+  Lane& lane() { return *lane_; }
+
+ private:
+  Set& s_;
+  Lane* lane_ = nullptr;
 };
 
 std::mutex g_sets_mu;
 std::map<uint64_t, std::shared_ptr<Set>> g_sets;
 uint64_t g_next_handle = 1;
+
+// Mem is where a pointer the caller passed points.
+enum class Mem { kPageable, kPinned, kDevice };
+
+Mem mem_kind(const void* p) {
+  cudaPointerAttributes a;
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return Mem::kPageable;
+  }
+  switch (a.type) {
+    case cudaMemoryTypeDevice:
+    case cudaMemoryTypeManaged:
+      return Mem::kDevice;
+    case cudaMemoryTypeHost:
+      return Mem::kPinned;
+    default:
+      return Mem::kPageable;
+  }
+}
+
+// IPC mappings by handle bytes: CUDA maps a handle once per process, so
+// repeated opens share the mapping and the last close unmaps it.
+struct IpcMapping {
+  void* ptr;
+  size_t bytes;
+  int device;
+  int refs;
+};
+std::mutex g_ipc_mu;
+std::map<std::string, IpcMapping> g_ipc;
+
+// allocation_size is the size of the allocation starting at base, from the
+// driver's cuMemGetAddressRange (the runtime has no equivalent).
+int allocation_size(void* base, size_t* size) {
+  using Fn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static Fn fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    cudaDriverEntryPointQueryResult q;
+    void* f = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess) {
+      fn = reinterpret_cast<Fn>(f);
+    }
+  });
+  if (!fn) return fail(EXPERTD_ERR_CUDA, "cuMemGetAddressRange is not available from the driver");
+  CUdeviceptr b = 0;
+  size_t n = 0;
+  if (fn(&b, &n, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS)
+    return fail(EXPERTD_ERR_CUDA, "cuMemGetAddressRange failed on an opened IPC handle");
+  if (b != reinterpret_cast<CUdeviceptr>(base))
+    return fail(EXPERTD_ERR_INVALID, "the IPC mapping does not start its allocation");
+  *size = n;
+  return EXPERTD_OK;
+}
+
+int LaneLease::acquire() {
+  std::unique_lock<std::mutex> lk(s_.mu);
+  for (;;) {
+    if (!s_.idle.empty()) {
+      lane_ = s_.idle.back();
+      s_.idle.pop_back();
+      return EXPERTD_OK;
+    }
+    if (int(s_.lanes.size()) < std::max(1, g_lanes.load())) break;
+    s_.cv.wait(lk);
+  }
+  auto l = std::make_unique<Lane>();
+  l->device = s_.device;
+  CK(cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking));
+  CK(cudaEventCreate(&l->ev0));
+  CK(cudaEventCreate(&l->ev1));
+  lane_ = l.get();
+  s_.lanes.push_back(std::move(l));
+  return EXPERTD_OK;
+}
 
 std::shared_ptr<Set> find_set(uint64_t h) {
   std::lock_guard<std::mutex> lk(g_sets_mu);
@@ -274,18 +405,18 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   return L;
 }
 
-int ensure_workspace(Set& s, const Layout& L) {
-  if (L.total <= s.ws_bytes) return EXPERTD_OK;
-  CK(cudaStreamSynchronize(s.stream));
-  s.drop_graphs();
-  cudaFree(s.ws);
-  s.ws = nullptr;
-  s.ws_bytes = 0;
+int ensure_workspace(Lane& l, const Layout& L) {
+  if (L.total <= l.ws_bytes) return EXPERTD_OK;
+  CK(cudaStreamSynchronize(l.stream));
+  l.drop_graphs();
+  cudaFree(l.ws);
+  l.ws = nullptr;
+  l.ws_bytes = 0;
   const size_t want = L.total + L.total / 4;
-  CK(cudaMalloc(&s.ws, want));
+  CK(cudaMalloc(&l.ws, want));
   // Padding rows of the GEMM inputs are read but never used; start them finite.
-  CK(cudaMemsetAsync(s.ws, 0, want, s.stream));
-  s.ws_bytes = want;
+  CK(cudaMemsetAsync(l.ws, 0, want, l.stream));
+  l.ws_bytes = want;
   return EXPERTD_OK;
 }
 
@@ -311,8 +442,7 @@ struct Ptrs {
   void* out;
 };
 
-int enqueue(Set& s, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t st) {
-  uint8_t* ws = s.ws;
+int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, cudaStream_t st) {
   int32_t* sorted = reinterpret_cast<int32_t*>(ws + L.sorted);
   int32_t* block_expert = reinterpret_cast<int32_t*>(ws + L.block_expert);
   int32_t* num_blocks = reinterpret_cast<int32_t*>(ws + L.num_blocks);
@@ -524,8 +654,11 @@ int expertd_abi_version(void) { return EXPERTD_ABI_VERSION; }
 
 const char* expertd_last_error(void) { return g_last_error.c_str(); }
 
-int expertd_init(int device) {
+int expertd_init(int device, int streams) {
   g_last_error.clear();
+  if (streams < 1 || streams > EXPERTD_MAX_STREAMS)
+    return fail(EXPERTD_ERR_INVALID, "init: %d streams per set, want 1..%d", streams, EXPERTD_MAX_STREAMS);
+  g_lanes = streams;
   if (int rc = check_device(device)) return rc;
   CK(cudaSetDevice(device));
   CK(cudaFree(nullptr));  // creates the primary context now, not in the first call
@@ -618,9 +751,6 @@ int expertd_set_create(int device, int num_experts, int hidden, int inter, int a
   const char* poison = getenv("EXPERTD_CUDA_POISON");
   s->poison = poison && poison[0] == '1';
   const size_t n13 = size_t(num_experts) * rows1 * hidden, n2 = size_t(num_experts) * hidden * inter;
-  CK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
-  CK(cudaEventCreate(&s->ev0));
-  CK(cudaEventCreate(&s->ev1));
   CK(cudaMalloc(&s->w13, n13));
   CK(cudaMalloc(&s->w2, n2));
   CK(cudaMemcpy(s->w13, w13, n13, cudaMemcpyHostToDevice));
@@ -658,8 +788,7 @@ int expertd_set_free(uint64_t handle) {
     s = std::move(it->second);
     g_sets.erase(it);
   }
-  std::lock_guard<std::mutex> lk(s->mu);  // a call in flight finishes first
-  return EXPERTD_OK;                      // ~Set frees when the last reference goes
+  return EXPERTD_OK;  // ~Set frees when the last call in flight lets go of it
 }
 
 int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const float* fparams, int n_fparams,
@@ -670,7 +799,6 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   auto sp = find_set(handle);
   if (!sp) return fail(EXPERTD_ERR_NOT_FOUND, "moe: unknown handle %llu", (unsigned long long)handle);
   Set& s = *sp;
-  std::lock_guard<std::mutex> lk(s.mu);
   const bool have_topk = topk_ids_in && topk_w_in;
   Call c;
   if (int rc = parse_call(s, iparams, n_iparams, fparams, n_fparams, logits != nullptr, have_topk,
@@ -679,62 +807,80 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   if (!hidden || !out) return fail(EXPERTD_ERR_INVALID, "moe: NULL hidden or out");
   if (c.n_hidden_scale > 0 && !hidden_scale) return fail(EXPERTD_ERR_INVALID, "moe: NULL hidden_scale");
   CK(cudaSetDevice(s.device));
+  HostTrace tr;
+  LaneLease lease(s);
+  if (int rc = lease.acquire()) return rc;
+  Lane& ln = lease.lane();
+  tr.mark("lane");
 
   const bool sm90 = use_sm90(s, c);
   const Layout L = layout(s, c, block_rows_for(s, c, sm90));
-  if (int rc = ensure_workspace(s, L)) return rc;
+  if (int rc = ensure_workspace(ln, L)) return rc;
 
   const size_t hsz = c.hidden_dtype == EXPERTD_DTYPE_FLOAT32 ? 4 : c.hidden_dtype == EXPERTD_DTYPE_BFLOAT16 ? 2 : 1;
   const size_t osz = c.out_dtype == EXPERTD_DTYPE_FLOAT32 ? 4 : 2;
   const size_t m = c.m, K = s.K, P = L.p;
   const size_t lsz = c.logits_dtype == EXPERTD_DTYPE_BFLOAT16 ? 2 : 4;
-  // Stage inputs in pinned memory laid out like the workspace's input
-  // region, so one copy moves them all.
-  if (int rc = ensure_pinned(&s.pin_in, &s.pin_in_bytes, L.in_end)) return rc;
-  if (int rc = ensure_pinned(&s.pin_out, &s.pin_out_bytes, align_up(m * K * 4) + 2 * align_up(P * 4))) return rc;
-  HostTrace tr;
-  uint8_t* pin = s.pin_in;
-  size_t hi1 = L.hidden + m * K * hsz;  // [L.hidden, hi1): hidden (+ scales)
-  std::memcpy(pin + L.hidden, hidden, m * K * hsz);
-  if (c.n_hidden_scale > 0) {
-    std::memcpy(pin + L.hscale, hidden_scale, size_t(c.n_hidden_scale) * 4);
-    hi1 = L.hscale + size_t(c.n_hidden_scale) * 4;
-  }
-  size_t lo2, hi2;  // routing inputs
+  if (int rc = ensure_pinned(&ln.pin_in, &ln.pin_in_bytes, L.in_end)) return rc;
+  if (int rc = ensure_pinned(&ln.pin_out, &ln.pin_out_bytes, align_up(m * K * 4) + 2 * align_up(P * 4))) return rc;
+  cudaStream_t st = ln.stream;
+
+  // Inputs in workspace order. Device memory (a CUDA IPC region) and
+  // page-locked host memory (a registered shared-memory region) are copied
+  // straight into the workspace; pageable memory goes through the lane's
+  // pinned staging, where consecutive staged inputs share one copy. Copying
+  // even device inputs keeps the workspace addresses the graphs baked in.
+  struct In {
+    size_t off;
+    const void* src;
+    size_t bytes;
+  } ins[4];
+  int nin = 0;
+  ins[nin++] = {L.hidden, hidden, m * K * hsz};
+  if (c.n_hidden_scale > 0) ins[nin++] = {L.hscale, hidden_scale, size_t(c.n_hidden_scale) * 4};
   if (c.have_logits) {
-    std::memcpy(pin + L.logits, logits, m * s.E * lsz);
-    lo2 = L.logits;
-    hi2 = L.logits + m * s.E * lsz;
-    if (c.have_bias) {
-      std::memcpy(pin + L.bias, correction_bias, size_t(s.E) * 4);
-      lo2 = L.bias;
-    }
+    if (c.have_bias) ins[nin++] = {L.bias, correction_bias, size_t(s.E) * 4};
+    ins[nin++] = {L.logits, logits, m * s.E * lsz};
   } else {
-    std::memcpy(pin + L.ids, topk_ids_in, P * 4);
-    std::memcpy(pin + L.w, topk_w_in, P * 4);
-    lo2 = L.ids;
-    hi2 = L.w + P * 4;
+    ins[nin++] = {L.ids, topk_ids_in, P * 4};
+    ins[nin++] = {L.w, topk_w_in, P * 4};
   }
+  uint8_t* pin = ln.pin_in;
+  size_t lo = 0, hi = 0;  // the staged range not yet copied
+  auto flush = [&]() -> int {
+    if (hi > lo) CK(cudaMemcpyAsync(ln.ws + lo, pin + lo, hi - lo, cudaMemcpyHostToDevice, st));
+    lo = hi = 0;
+    return EXPERTD_OK;
+  };
+  for (int i = 0; i < nin; ++i) {
+    const In& x = ins[i];
+    if (mem_kind(x.src) == Mem::kPageable) {
+      std::memcpy(pin + x.off, x.src, x.bytes);
+      if (hi == 0) lo = x.off;
+      hi = x.off + x.bytes;
+    } else {
+      if (int rc = flush()) return rc;
+      CK(cudaMemcpyAsync(ln.ws + x.off, x.src, x.bytes, cudaMemcpyDefault, st));
+    }
+  }
+  if (int rc = flush()) return rc;
   tr.mark("stage_in");
-  cudaStream_t st = s.stream;
-  CK(cudaMemcpyAsync(s.ws + L.hidden, pin + L.hidden, hi1 - L.hidden, cudaMemcpyHostToDevice, st));
-  CK(cudaMemcpyAsync(s.ws + lo2, pin + lo2, hi2 - lo2, cudaMemcpyHostToDevice, st));
 
   Ptrs p;
-  p.hidden = s.ws + L.hidden;
-  p.hidden_scale = reinterpret_cast<const float*>(s.ws + L.hscale);
-  p.logits = s.ws + L.logits;
-  p.bias = c.have_bias ? reinterpret_cast<const float*>(s.ws + L.bias) : nullptr;
-  p.ids = reinterpret_cast<int32_t*>(s.ws + L.ids);
-  p.w = reinterpret_cast<float*>(s.ws + L.w);
-  p.out = s.ws + L.out;
+  p.hidden = ln.ws + L.hidden;
+  p.hidden_scale = reinterpret_cast<const float*>(ln.ws + L.hscale);
+  p.logits = ln.ws + L.logits;
+  p.bias = c.have_bias ? reinterpret_cast<const float*>(ln.ws + L.bias) : nullptr;
+  p.ids = reinterpret_cast<int32_t*>(ln.ws + L.ids);
+  p.w = reinterpret_cast<float*>(ln.ws + L.w);
+  p.out = ln.ws + L.out;
 
   const bool use_graph = iparams[EXPERTD_P_USE_GRAPH] != 0;
-  CK(cudaEventRecord(s.ev0, st));
+  CK(cudaEventRecord(ln.ev0, st));
   Graph* g = nullptr;
   if (use_graph) {
-    if (s.graphs.size() >= 64 && !s.graphs.count(c)) s.drop_graphs();
-    g = &s.graphs[c];
+    if (ln.graphs.size() >= 64 && !ln.graphs.count(c)) ln.drop_graphs();
+    g = &ln.graphs[c];
     g->seen++;
   }
   if (g && g->exec) {
@@ -743,7 +889,7 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
     // Second call of this shape: capture it. The first ran uncaptured, so
     // one-time setup (function attributes, driver entry points) is done.
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    const int rc = enqueue(s, c, L, p, st);
+    const int rc = enqueue(s, ln.ws, c, L, p, st);
     cudaGraph_t graph = nullptr;
     const cudaError_t end = cudaStreamEndCapture(st, &graph);
     if (rc != EXPERTD_OK) {
@@ -757,29 +903,42 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
       cudaGetLastError();
       g->failed = true;
       g->exec = nullptr;
-      if (int rc2 = enqueue(s, c, L, p, st)) return rc2;
+      if (int rc2 = enqueue(s, ln.ws, c, L, p, st)) return rc2;
     } else {
       CK(cudaGraphLaunch(g->exec, st));
     }
   } else {
-    if (int rc = enqueue(s, c, L, p, st)) return rc;
+    if (int rc = enqueue(s, ln.ws, c, L, p, st)) return rc;
   }
-  CK(cudaEventRecord(s.ev1, st));
+  CK(cudaEventRecord(ln.ev1, st));
 
-  uint8_t* po = s.pin_out;
-  const size_t o_out = 0, o_ids = align_up(m * K * osz), o_w = o_ids + align_up(P * 4);
-  CK(cudaMemcpyAsync(po + o_out, p.out, m * K * osz, cudaMemcpyDeviceToHost, st));
-  if (topk_ids_out) CK(cudaMemcpyAsync(po + o_ids, p.ids, P * 4, cudaMemcpyDeviceToHost, st));
-  if (topk_w_out) CK(cudaMemcpyAsync(po + o_w, p.w, P * 4, cudaMemcpyDeviceToHost, st));
+  // Outputs: as the inputs, straight to device or page-locked memory, else
+  // through pinned staging and a host copy after the stream is done.
+  uint8_t* po = ln.pin_out;
+  struct Out {
+    void* dst;
+    const void* src;
+    size_t bytes, pin_off;
+    bool staged;
+  } outs[3];
+  int nout = 0;
+  outs[nout++] = {out, p.out, m * K * osz, 0, false};
+  if (topk_ids_out) outs[nout++] = {topk_ids_out, p.ids, P * 4, align_up(m * K * osz), false};
+  if (topk_w_out) outs[nout++] = {topk_w_out, p.w, P * 4, align_up(m * K * osz) + align_up(P * 4), false};
+  for (int i = 0; i < nout; ++i) {
+    Out& o = outs[i];
+    o.staged = mem_kind(o.dst) == Mem::kPageable;
+    CK(cudaMemcpyAsync(o.staged ? po + o.pin_off : o.dst, o.src, o.bytes, cudaMemcpyDefault, st));
+  }
   tr.mark("enqueue");
   CK(cudaStreamSynchronize(st));
   tr.mark("sync");
-  std::memcpy(out, po + o_out, m * K * osz);
-  if (topk_ids_out) std::memcpy(topk_ids_out, po + o_ids, P * 4);
-  if (topk_w_out) std::memcpy(topk_w_out, po + o_w, P * 4);
+  for (int i = 0; i < nout; ++i) {
+    if (outs[i].staged) std::memcpy(outs[i].dst, po + outs[i].pin_off, outs[i].bytes);
+  }
   if (kernel_ms) {
     float ms = 0;
-    CK(cudaEventElapsedTime(&ms, s.ev0, s.ev1));
+    CK(cudaEventElapsedTime(&ms, ln.ev0, ln.ev1));
     *kernel_ms = ms;
   }
   tr.mark("copy_out");
@@ -795,7 +954,6 @@ int expertd_moe_device(uint64_t handle, const int64_t* iparams, int n_iparams, c
   auto sp = find_set(handle);
   if (!sp) return fail(EXPERTD_ERR_NOT_FOUND, "moe_device: unknown handle %llu", (unsigned long long)handle);
   Set& s = *sp;
-  std::lock_guard<std::mutex> lk(s.mu);
   const bool have_topk = topk_ids_in && topk_w_in;
   Call c;
   if (int rc = parse_call(s, iparams, n_iparams, fparams, n_fparams, logits != nullptr, have_topk,
@@ -804,14 +962,25 @@ int expertd_moe_device(uint64_t handle, const int64_t* iparams, int n_iparams, c
   if (!hidden || !out) return fail(EXPERTD_ERR_INVALID, "moe_device: NULL hidden or out");
   if (c.n_hidden_scale > 0 && !hidden_scale) return fail(EXPERTD_ERR_INVALID, "moe_device: NULL hidden_scale");
   CK(cudaSetDevice(s.device));
+  // Its own lane, apart from the host entry's: the caller orders these
+  // calls (one stream at a time), and the work may be captured into the
+  // caller's graph, so nothing here may wait on or join other streams.
+  std::lock_guard<std::mutex> lk(s.dev_mu);
+  if (!s.dev_lane) {
+    s.dev_lane = std::make_unique<Lane>();
+    s.dev_lane->device = s.device;
+    CK(cudaStreamCreateWithFlags(&s.dev_lane->stream, cudaStreamNonBlocking));
+  }
+  Lane& ln = *s.dev_lane;
   const bool sm90 = use_sm90(s, c);
   const Layout L = layout(s, c, block_rows_for(s, c, sm90));
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  if (L.total > s.ws_bytes) {
-    // Growing synchronizes the set's stream; order it after the caller's.
+  if (L.total > ln.ws_bytes) {
+    // Growing frees the old workspace, which work queued on the caller's
+    // stream may still read.
     CK(cudaStreamSynchronize(st));
-    if (int rc = ensure_workspace(s, L)) return rc;
-    CK(cudaStreamSynchronize(s.stream));
+    if (int rc = ensure_workspace(ln, L)) return rc;
+    CK(cudaStreamSynchronize(ln.stream));
   }
   const size_t P = L.p;
   Ptrs p;
@@ -823,15 +992,120 @@ int expertd_moe_device(uint64_t handle, const int64_t* iparams, int n_iparams, c
     p.ids = const_cast<int32_t*>(topk_ids_in);
     p.w = const_cast<float*>(topk_w_in);
   } else {
-    p.ids = topk_ids_out ? topk_ids_out : reinterpret_cast<int32_t*>(s.ws + L.ids);
-    p.w = topk_w_out ? topk_w_out : reinterpret_cast<float*>(s.ws + L.w);
+    p.ids = topk_ids_out ? topk_ids_out : reinterpret_cast<int32_t*>(ln.ws + L.ids);
+    p.w = topk_w_out ? topk_w_out : reinterpret_cast<float*>(ln.ws + L.w);
   }
   p.out = out;
-  if (int rc = enqueue(s, c, L, p, st)) return rc;
+  if (int rc = enqueue(s, ln.ws, c, L, p, st)) return rc;
   if (have_topk) {
     if (topk_ids_out) CK(cudaMemcpyAsync(topk_ids_out, topk_ids_in, P * 4, cudaMemcpyDeviceToDevice, st));
     if (topk_w_out) CK(cudaMemcpyAsync(topk_w_out, topk_w_in, P * 4, cudaMemcpyDeviceToDevice, st));
   }
+  return EXPERTD_OK;
+}
+
+int expertd_host_register(int device, void* ptr, uint64_t bytes) {
+  g_last_error.clear();
+  if (!ptr || bytes == 0) return fail(EXPERTD_ERR_INVALID, "host_register: NULL or empty range");
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  CK(cudaHostRegister(ptr, size_t(bytes), cudaHostRegisterPortable));
+  return EXPERTD_OK;
+}
+
+int expertd_host_unregister(int device, void* ptr) {
+  g_last_error.clear();
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  CK(cudaHostUnregister(ptr));
+  return EXPERTD_OK;
+}
+
+int expertd_ipc_open(int device, const uint8_t* handle, int handle_len, uint64_t* dev_ptr, uint64_t* bytes) {
+  g_last_error.clear();
+  if (!handle || !dev_ptr || !bytes) return fail(EXPERTD_ERR_INVALID, "ipc_open: NULL argument");
+  if (handle_len != EXPERTD_IPC_HANDLE_BYTES)
+    return fail(EXPERTD_ERR_INVALID, "ipc_open: handle has %d bytes, want %d", handle_len, EXPERTD_IPC_HANDLE_BYTES);
+  *dev_ptr = *bytes = 0;
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  const std::string key(reinterpret_cast<const char*>(handle), size_t(handle_len));
+  std::lock_guard<std::mutex> lk(g_ipc_mu);
+  auto it = g_ipc.find(key);
+  if (it == g_ipc.end()) {
+    // One mapping per handle per process (CUDA refuses to map a handle
+    // twice in one process); later opens share it.
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle, sizeof h);
+    void* p = nullptr;
+    CK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    size_t size = 0;
+    if (int rc = allocation_size(p, &size)) {
+      cudaIpcCloseMemHandle(p);
+      return rc;
+    }
+    it = g_ipc.emplace(key, IpcMapping{p, size, device, 0}).first;
+  }
+  it->second.refs++;
+  *dev_ptr = reinterpret_cast<uint64_t>(it->second.ptr);
+  *bytes = it->second.bytes;
+  return EXPERTD_OK;
+}
+
+int expertd_ipc_close(uint64_t dev_ptr) {
+  g_last_error.clear();
+  std::lock_guard<std::mutex> lk(g_ipc_mu);
+  for (auto it = g_ipc.begin(); it != g_ipc.end(); ++it) {
+    if (reinterpret_cast<uint64_t>(it->second.ptr) != dev_ptr) continue;
+    if (--it->second.refs > 0) return EXPERTD_OK;
+    CK(cudaSetDevice(it->second.device));
+    const cudaError_t err = cudaIpcCloseMemHandle(it->second.ptr);
+    g_ipc.erase(it);
+    if (err != cudaSuccess) return cuda_fail(err, "cudaIpcCloseMemHandle");
+    return EXPERTD_OK;
+  }
+  return fail(EXPERTD_ERR_NOT_FOUND, "ipc_close: 0x%llx is not an opened handle", (unsigned long long)dev_ptr);
+}
+
+int expertd_dev_alloc(int device, uint64_t bytes, uint64_t* dev_ptr) {
+  g_last_error.clear();
+  if (!dev_ptr || bytes == 0) return fail(EXPERTD_ERR_INVALID, "dev_alloc: NULL out or zero bytes");
+  *dev_ptr = 0;
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  void* p = nullptr;
+  CK(cudaMalloc(&p, size_t(bytes)));
+  *dev_ptr = reinterpret_cast<uint64_t>(p);
+  return EXPERTD_OK;
+}
+
+int expertd_dev_free(int device, uint64_t dev_ptr) {
+  g_last_error.clear();
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  CK(cudaFree(reinterpret_cast<void*>(dev_ptr)));
+  return EXPERTD_OK;
+}
+
+int expertd_ipc_export(int device, uint64_t dev_ptr, uint8_t* handle, int handle_len) {
+  g_last_error.clear();
+  if (!handle || handle_len != EXPERTD_IPC_HANDLE_BYTES)
+    return fail(EXPERTD_ERR_INVALID, "ipc_export: want a %d-byte handle buffer", EXPERTD_IPC_HANDLE_BYTES);
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  cudaIpcMemHandle_t h;
+  CK(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(dev_ptr)));
+  std::memcpy(handle, &h, sizeof h);
+  return EXPERTD_OK;
+}
+
+int expertd_copy(int device, uint64_t dst, uint64_t src, uint64_t bytes) {
+  g_last_error.clear();
+  if (bytes == 0) return EXPERTD_OK;
+  if (!dst || !src) return fail(EXPERTD_ERR_INVALID, "copy: NULL pointer");
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  CK(cudaMemcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), size_t(bytes), cudaMemcpyDefault));
   return EXPERTD_OK;
 }
 
