@@ -8,8 +8,9 @@
 # per-stage breakdown), then dynamic batching (64 callers x 4 tokens
 # against one caller x 256) via scripts/batching-bench.sh.
 # DURATION (default 5s) is per measurement; TOKENS (default "1 16 256
-# 1024") and MODES (default "inline inline-fp8 shm": BF16 or FP8 hidden
-# states inline, or BF16 through shared memory) pick the calls; BATCHING=0
+# 1024") and MODES (default "inline inline-fp8 shm cuda-ipc": BF16 or FP8
+# hidden states inline, or BF16 through POSIX shared memory or through GPU
+# memory shared with CUDA IPC) pick the calls; BATCHING=0
 # skips the batching run. Logs land under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +32,12 @@ grep -m3 -iE 'backend|cuda|gpu' "$out/daemon.log"
 bench() { "$build/expertbench" -addr "127.0.0.1:$port" -model nemotron -progress 0 "$@"; }
 bench -load -keep -m 1 -c 1 -calls 1 > "$out/load.txt" 2>&1 || { echo "load failed"; cat "$out/load.txt"; exit 1; }
 for m in ${TOKENS:-1 16 256 1024}; do
-	for mode in ${MODES:-inline inline-fp8 shm}; do
+	for mode in ${MODES:-inline inline-fp8 shm cuda-ipc}; do
 		case $mode in
 		inline) flag="" ;;
 		inline-fp8) flag="-hidden fp8" ;;
 		shm) flag=-shm ;;
+		cuda-ipc) flag="-cuda-ipc -cuda-lib $lib" ;;
 		*) echo "unknown mode $mode"; exit 2 ;;
 		esac
 		echo "== nemotron M=$m c=1 $mode"
