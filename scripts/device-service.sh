@@ -10,8 +10,10 @@
 # DURATION (default 5s) is per measurement; TOKENS (default "1 16 256
 # 1024") and MODES (default "inline inline-fp8 shm cuda-ipc": BF16 or FP8
 # hidden states inline, or BF16 through POSIX shared memory or through GPU
-# memory shared with CUDA IPC) pick the calls; BATCHING=0
-# skips the batching run. Logs land under $OUT.
+# memory shared with CUDA IPC) pick the calls. Between those and the
+# batching run (BATCHING=0 skips it), 4 callers at M=256 with batching off
+# and 1, then 2 streams per set measure the overlap of concurrent calls
+# (OVERLAP=0 skips it). Logs land under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build="${EXPERTD_BUILD:-build}"
@@ -46,6 +48,30 @@ for m in ${TOKENS:-1 16 256 1024}; do
 	done
 done
 kill "$daemon"; wait "$daemon" 2>/dev/null
+
+# Overlap across concurrent calls: 4 callers x M=256 with batching off (so
+# the calls stay separate), the library running 1 or 2 calls per set at
+# once (EXPERTD_CUDA_STREAMS); OVERLAP=0 skips it.
+if [[ ${OVERLAP:-1} != 0 ]]; then
+	for streams in 1 2; do
+		EXPERTD_CUDA_STREAMS=$streams "$build/expertd" -listen "127.0.0.1:$port" -admin-addr "127.0.0.1:$admin" -backend cuda \
+			-library-path "$lib" -shared-memory -batch-window 0 -max-queued 256 -log-level warn > "$out/daemon-streams$streams.log" 2>&1 &
+		daemon=$!
+		for _ in $(seq 300); do
+			curl -sf "http://127.0.0.1:$admin/healthz" >/dev/null && break
+			sleep 0.1
+		done
+		bench -load -keep -m 1 -c 1 -calls 1 > /dev/null 2>&1 || { echo "load failed"; exit 1; }
+		for mode in ${OVERLAP_MODES:-inline shm}; do
+			flag=""
+			[[ $mode == shm ]] && flag=-shm
+			echo "== overlap: streams=$streams nemotron M=256 c=4 $mode"
+			# shellcheck disable=SC2086
+			bench -m 256 -c 4 -duration "$dur" $flag 2>&1 | tee "$out/overlap-$streams-$mode.txt" | grep -E "tokens/s|latency|server "
+		done
+		kill "$daemon"; wait "$daemon" 2>/dev/null
+	done
+fi
 [[ ${BATCHING:-1} == 0 ]] && exit 0
 echo "== dynamic batching (64 x 4 tokens against 1 x 256)"
 BIN="$build" BACKEND=cuda LIBRARY="$lib" WINDOWS="${WINDOWS:-0 0.2ms 0.5ms}" DURATION="$dur" \

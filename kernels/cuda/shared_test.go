@@ -34,6 +34,20 @@ func sharedCase(seed uint64) (*kernels.ExpertSet, *kernels.Request) {
 	return kerneltest.NewCase(rand.New(rand.NewPCG(seed, 7)), kerneltest.Nemotron.Scaled(256, 128), 37)
 }
 
+// sharedCall loads a fresh sharedCase and runs its request from Go memory:
+// the result the other memories must reproduce.
+func sharedCall(t *testing.T) (*Backend, kernels.Loaded, *kernels.Request, *kernels.Result) {
+	t.Helper()
+	b := gpuBackend(t)
+	set, req := sharedCase(rand.Uint64())
+	l := mustLoad(t, b, set)
+	want, err := b.FusedMoE(context.Background(), l, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b, l, req, want
+}
+
 // TestIPCHelperProcess is not a test: TestCUDAIPC runs the test binary
 // again with EXPERTD_IPC_HELPER=bytes to play the other process. It
 // allocates that many device bytes, prints their IPC handle in hex and
@@ -100,14 +114,8 @@ func ipcPeer(t *testing.T, n int64) ([]byte, func()) {
 // TestCUDAIPC runs a call whose hidden states, logits and output all live
 // in device memory another process exported.
 func TestCUDAIPC(t *testing.T) {
-	b := gpuBackend(t)
+	b, l, req, want := sharedCall(t)
 	ctx := context.Background()
-	set, req := sharedCase(rand.Uint64())
-	l := mustLoad(t, b, set)
-	want, err := b.FusedMoE(ctx, l, req)
-	if err != nil {
-		t.Fatal(err)
-	}
 
 	hb, lb := int64(len(req.Hidden.Data)), int64(len(req.Logits.Data))
 	ob := int64(len(want.Output))
@@ -175,14 +183,8 @@ func TestCUDAIPC(t *testing.T) {
 // TestPinnedHost runs calls whose input and output live in page-locked
 // mmap'ed memory, as a registered POSIX shared-memory region does.
 func TestPinnedHost(t *testing.T) {
-	b := gpuBackend(t)
+	b, l, req, want := sharedCall(t)
 	ctx := context.Background()
-	set, req := sharedCase(rand.Uint64())
-	l := mustLoad(t, b, set)
-	want, err := b.FusedMoE(ctx, l, req)
-	if err != nil {
-		t.Fatal(err)
-	}
 	hb, ob := len(req.Hidden.Data), len(want.Output)
 	mem, err := syscall.Mmap(-1, 0, hb+ob, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_SHARED)
 	if err != nil {
