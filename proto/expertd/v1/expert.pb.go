@@ -289,12 +289,28 @@ const (
 	// A POSIX shared-memory object the caller created with
 	// shm_open("/<key>", O_CREAT | O_RDWR, 0600) and sized with ftruncate;
 	// the server opens /dev/shm/<key> read-write and maps it. Host memory:
-	// a GPU backend copies from and to it.
-	//
-	// A CUDA IPC kind (the caller passes a cudaIpcMemHandle_t and the kernel
-	// library opens device memory with no copy at all) will take the next
-	// value; it is not served yet.
+	// a GPU backend copies from and to it (page-locked, when it can, so the
+	// copies are DMA).
 	SharedMemoryKind_SHARED_MEMORY_KIND_POSIX SharedMemoryKind = 1
+	// Device memory of a process on the server's host (e.g. a PyTorch
+	// tensor on the server's GPU), shared through CUDA IPC, so
+	// hidden_states, router_logits and the output stay in the caller's
+	// device memory and are never copied through the host. The caller sends
+	// the cudaIpcMemHandle_t of the allocation (cuda_ipc_handle) and the
+	// server opens it on its GPU with cudaIpcOpenMemHandle; key must be
+	// empty. Served by the cuda backend only (FAILED_PRECONDITION on
+	// others, and when the backend cannot open the handle).
+	//
+	// The caller must have finished writing the inputs (synchronized the
+	// stream that wrote them) before each call, must not write them or read
+	// the output slice while the call runs, and must not free the
+	// allocation while it is registered. The output is complete when the
+	// response arrives. Only hidden_states, router_logits and output_shm may
+	// reference such a region; the server cannot scan device memory, so
+	// router_logits there are not checked for NaN or +Inf. Calls with a
+	// tensor or the output in device memory are never merged with other
+	// calls by dynamic batching.
+	SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC SharedMemoryKind = 2
 )
 
 // Enum value maps for SharedMemoryKind.
@@ -302,10 +318,12 @@ var (
 	SharedMemoryKind_name = map[int32]string{
 		0: "SHARED_MEMORY_KIND_UNSPECIFIED",
 		1: "SHARED_MEMORY_KIND_POSIX",
+		2: "SHARED_MEMORY_KIND_CUDA_IPC",
 	}
 	SharedMemoryKind_value = map[string]int32{
 		"SHARED_MEMORY_KIND_UNSPECIFIED": 0,
 		"SHARED_MEMORY_KIND_POSIX":       1,
+		"SHARED_MEMORY_KIND_CUDA_IPC":    2,
 	}
 )
 
@@ -437,7 +455,9 @@ type Tensor_Data struct {
 type Tensor_Shm struct {
 	// The bytes in a shared-memory region the caller registered with
 	// RegisterSharedMemory (FusedMoE requests only; INVALID_ARGUMENT on a
-	// server without -shared-memory).
+	// server without -shared-memory). Only hidden_states and router_logits
+	// may reference a SHARED_MEMORY_KIND_CUDA_IPC region (INVALID_ARGUMENT
+	// for any other tensor): the server reads the rest on the host.
 	Shm *SharedMemoryRef `protobuf:"bytes,4,opt,name=shm,proto3,oneof"`
 }
 
@@ -768,7 +788,10 @@ type FusedMoERequest struct {
 	// for BF16/FP32 hidden_states.
 	HiddenStatesScale *Tensor `protobuf:"bytes,4,opt,name=hidden_states_scale,json=hiddenStatesScale,proto3" json:"hidden_states_scale,omitempty"`
 	// Router logits, FP32 or BF16 [M, E]. Required unless topk_ids is set.
-	// -Inf masks an expert; NaN and +Inf are refused.
+	// -Inf masks an expert; NaN and +Inf are refused, except in a
+	// SHARED_MEMORY_KIND_CUDA_IPC region, whose device memory the server
+	// does not scan: there a NaN or +Inf leaves that token's routing
+	// unspecified.
 	RouterLogits *Tensor `protobuf:"bytes,5,opt,name=router_logits,json=routerLogits,proto3" json:"router_logits,omitempty"`
 	// Top-k selection; required with router_logits.
 	Routing *Routing `protobuf:"bytes,6,opt,name=routing,proto3" json:"routing,omitempty"`
@@ -787,7 +810,9 @@ type FusedMoERequest struct {
 	// so byte_size must be M * K * itemsize) into this slice of one of the
 	// caller's shared-memory regions, and the response's output carries this
 	// reference instead of data. The bytes are there when the response
-	// arrives; on an error the slice's content is unspecified.
+	// arrives (in a SHARED_MEMORY_KIND_CUDA_IPC region too: the server has
+	// synchronized its writes to the caller's device memory); on an error
+	// the slice's content is unspecified.
 	OutputShm     *SharedMemoryRef `protobuf:"bytes,11,opt,name=output_shm,json=outputShm,proto3" json:"output_shm,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1688,12 +1713,14 @@ func (x *ServerInfo) GetLimits() *ServerInfo_Limits {
 	return nil
 }
 
-// RegisterSharedMemoryRequest names a slice of a shared-memory object.
+// RegisterSharedMemoryRequest names a slice of a shared-memory object or
+// of a CUDA IPC allocation.
 //
-// The server maps [offset, offset + byte_size) of the object, so the object
-// must be at least that large, and keeps the mapping until the region is
-// unregistered or the connection closes. Its bytes are read for inputs and
-// written for outputs; SharedMemoryRef offsets are relative to this slice.
+// The server maps [offset, offset + byte_size) of the object (or
+// allocation), so it must be at least that large, and keeps the mapping
+// until the region is unregistered or the connection closes. Its bytes are
+// read for inputs and written for outputs; SharedMemoryRef offsets are
+// relative to this slice.
 type RegisterSharedMemoryRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Name the caller's tensors will use (SharedMemoryRef.region_name): 1-128
@@ -1705,13 +1732,23 @@ type RegisterSharedMemoryRequest struct {
 	// POSIX: the shm_open name, with or without its leading "/"; 1-255
 	// characters of [A-Za-z0-9._-], not containing "..". The server opens
 	// /dev/shm/<key> and nothing else: no path separators, no symbolic
-	// links, only regular files.
+	// links, only regular files. Must be empty for
+	// SHARED_MEMORY_KIND_CUDA_IPC.
 	Key string `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
-	// Byte offset of the region within the object; >= 0.
+	// Byte offset of the region within the object, or within the
+	// allocation cuda_ipc_handle names; >= 0.
 	Offset int64 `protobuf:"varint,4,opt,name=offset,proto3" json:"offset,omitempty"`
 	// Bytes in the region; >= 1, and offset + byte_size must not exceed the
-	// object's size.
-	ByteSize      int64 `protobuf:"varint,5,opt,name=byte_size,json=byteSize,proto3" json:"byte_size,omitempty"`
+	// object's size (the allocation's, for CUDA IPC; INVALID_ARGUMENT
+	// otherwise).
+	ByteSize int64 `protobuf:"varint,5,opt,name=byte_size,json=byteSize,proto3" json:"byte_size,omitempty"`
+	// SHARED_MEMORY_KIND_CUDA_IPC: the cudaIpcMemHandle_t of the allocation
+	// (cudaIpcGetMemHandle), exactly 64 bytes. PyTorch's
+	// untyped_storage()._share_cuda_() returns it after a version byte and
+	// the type byte 'c' (send its last 64 bytes); a handle of type 'e' (an
+	// expandable segment) is not a cudaIpcMemHandle_t. Must be empty for
+	// POSIX. INVALID_ARGUMENT otherwise, and when the server cannot open it.
+	CudaIpcHandle []byte `protobuf:"bytes,6,opt,name=cuda_ipc_handle,json=cudaIpcHandle,proto3" json:"cuda_ipc_handle,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1781,6 +1818,13 @@ func (x *RegisterSharedMemoryRequest) GetByteSize() int64 {
 	return 0
 }
 
+func (x *RegisterSharedMemoryRequest) GetCudaIpcHandle() []byte {
+	if x != nil {
+		return x.CudaIpcHandle
+	}
+	return nil
+}
+
 // RegisterSharedMemoryResponse describes the region registered.
 type RegisterSharedMemoryResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1834,9 +1878,9 @@ type SharedMemoryRegion struct {
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Its kind.
 	Kind SharedMemoryKind `protobuf:"varint,2,opt,name=kind,proto3,enum=expertd.v1.SharedMemoryKind" json:"kind,omitempty"`
-	// The object's key, without a leading "/".
+	// The object's key, without a leading "/"; empty for CUDA IPC.
 	Key string `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
-	// Byte offset within the object.
+	// Byte offset within the object (or CUDA IPC allocation).
 	Offset int64 `protobuf:"varint,4,opt,name=offset,proto3" json:"offset,omitempty"`
 	// Bytes in the region.
 	ByteSize int64 `protobuf:"varint,5,opt,name=byte_size,json=byteSize,proto3" json:"byte_size,omitempty"`
@@ -2728,13 +2772,14 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\n" +
 	"max_tokens\x18\x02 \x01(\x05R\tmaxTokens\x12(\n" +
 	"\x10max_loaded_bytes\x18\x03 \x01(\x03R\x0emaxLoadedBytes\x12%\n" +
-	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\"\xaa\x01\n" +
+	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\"\xd2\x01\n" +
 	"\x1bRegisterSharedMemoryRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x120\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x1c.expertd.v1.SharedMemoryKindR\x04kind\x12\x10\n" +
 	"\x03key\x18\x03 \x01(\tR\x03key\x12\x16\n" +
 	"\x06offset\x18\x04 \x01(\x03R\x06offset\x12\x1b\n" +
-	"\tbyte_size\x18\x05 \x01(\x03R\bbyteSize\"V\n" +
+	"\tbyte_size\x18\x05 \x01(\x03R\bbyteSize\x12&\n" +
+	"\x0fcuda_ipc_handle\x18\x06 \x01(\fR\rcudaIpcHandle\"V\n" +
 	"\x1cRegisterSharedMemoryResponse\x126\n" +
 	"\x06region\x18\x01 \x01(\v2\x1e.expertd.v1.SharedMemoryRegionR\x06region\"\x8a\x02\n" +
 	"\x12SharedMemoryRegion\x12\x12\n" +
@@ -2774,10 +2819,11 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x19NAMING_PRESET_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18NAMING_PRESET_NEMOTRON_H\x10\x01\x12\x1b\n" +
 	"\x17NAMING_PRESET_QWEN3_MOE\x10\x02\x12\x18\n" +
-	"\x14NAMING_PRESET_CUSTOM\x10\x03*T\n" +
+	"\x14NAMING_PRESET_CUSTOM\x10\x03*u\n" +
 	"\x10SharedMemoryKind\x12\"\n" +
 	"\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x1c\n" +
-	"\x18SHARED_MEMORY_KIND_POSIX\x10\x012\x9f\x06\n" +
+	"\x18SHARED_MEMORY_KIND_POSIX\x10\x01\x12\x1f\n" +
+	"\x1bSHARED_MEMORY_KIND_CUDA_IPC\x10\x022\x9f\x06\n" +
 	"\rExpertService\x12J\n" +
 	"\vLoadExperts\x12\x1e.expertd.v1.LoadExpertsRequest\x1a\x19.expertd.v1.ExpertSetInfo(\x01\x12N\n" +
 	"\vListExperts\x12\x1e.expertd.v1.ListExpertsRequest\x1a\x1f.expertd.v1.ListExpertsResponse\x12T\n" +

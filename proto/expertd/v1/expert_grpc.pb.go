@@ -75,7 +75,8 @@ type ExpertServiceClient interface {
 	FusedMoEStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[FusedMoERequest, FusedMoEResponse], error)
 	// GetServerInfo reports the server version, backends, devices and limits.
 	GetServerInfo(ctx context.Context, in *GetServerInfoRequest, opts ...grpc.CallOption) (*ServerInfo, error)
-	// RegisterSharedMemory maps a shared-memory region the caller created, so
+	// RegisterSharedMemory maps a shared-memory region the caller created (a
+	// POSIX object, or CUDA device memory shared through CUDA IPC), so
 	// tensors (SharedMemoryRef) and outputs (FusedMoERequest.output_shm) can
 	// live in it instead of in messages. For callers on the server's host;
 	// served only when the daemon runs with -shared-memory, else
@@ -227,7 +228,8 @@ type ExpertServiceServer interface {
 	FusedMoEStream(grpc.BidiStreamingServer[FusedMoERequest, FusedMoEResponse]) error
 	// GetServerInfo reports the server version, backends, devices and limits.
 	GetServerInfo(context.Context, *GetServerInfoRequest) (*ServerInfo, error)
-	// RegisterSharedMemory maps a shared-memory region the caller created, so
+	// RegisterSharedMemory maps a shared-memory region the caller created (a
+	// POSIX object, or CUDA device memory shared through CUDA IPC), so
 	// tensors (SharedMemoryRef) and outputs (FusedMoERequest.output_shm) can
 	// live in it instead of in messages. For callers on the server's host;
 	// served only when the daemon runs with -shared-memory, else
