@@ -71,6 +71,13 @@ import (
 // cancelled only when every caller has left. Inputs are copied when the
 // batch is merged, so a caller's request buffers are never read after it
 // has returned.
+//
+// Calls with a tensor or the output in device memory (a CUDA IPC region:
+// kernels.Tensor.Dev, kernels.Request.OutDev) are not batched: merging
+// copies host bytes, and this process cannot copy device memory itself.
+// They run alone, as calls of BatchMaxTokens or more do; a caller that
+// keeps its activations on the GPU is one that already batches its
+// tokens.
 
 // SuggestedBatchWindow is the daemon's default window (-batch-window).
 // On the H200 (CUDA backend, Nemotron layer; docs/perf-notes.md, "Dynamic
@@ -137,10 +144,11 @@ func newBatcher(s *Server, cfg Config) *batcher {
 	return &batcher{s: s, window: cfg.BatchWindow, maxTokens: n, open: map[batchKey]*batch{}, busy: map[batchKey]*keyState{}}
 }
 
-// accepts reports whether req goes through the batcher: batching is on and
-// req leaves room for another call's tokens.
+// accepts reports whether req goes through the batcher: batching is on,
+// req leaves room for another call's tokens, and its tensors and output
+// are in host memory (see the comment above).
 func (bt *batcher) accepts(req *kernels.Request) bool {
-	return bt != nil && req.M() < bt.maxTokens
+	return bt != nil && req.M() < bt.maxTokens && req.Hidden.Dev == 0 && req.Logits.Dev == 0 && req.OutDev == 0
 }
 
 // batchKey is what calls must share to merge.

@@ -12,14 +12,15 @@ import (
 // gains a field: the batcher must then decide whether calls that differ in
 // it may merge (keyOf) and how to merge it (mergeRequests), or a merged
 // call would silently compute with the first caller's value for everyone.
+// (Calls with Dev or OutDev set never reach it: accepts refuses them.)
 func TestBatchKeyCoversRequest(t *testing.T) {
 	tests := []struct {
 		typ  reflect.Type
 		want []string
 	}{
-		{reflect.TypeFor[kernels.Request](), []string{"Hidden", "HiddenScale", "Logits", "Routing", "TopKIDs", "TopKWeights", "OutDType", "Out"}},
+		{reflect.TypeFor[kernels.Request](), []string{"Hidden", "HiddenScale", "Logits", "Routing", "TopKIDs", "TopKWeights", "OutDType", "Out", "OutDev"}},
 		{reflect.TypeFor[kernels.Routing](), []string{"TopK", "Renormalize", "Scoring", "CorrectionBias", "NumGroups", "TopKGroups", "ScalingFactor"}},
-		{reflect.TypeFor[kernels.Tensor](), []string{"DType", "Shape", "Data"}},
+		{reflect.TypeFor[kernels.Tensor](), []string{"DType", "Shape", "Data", "Dev"}},
 	}
 	for _, tt := range tests {
 		var got []string

@@ -127,7 +127,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		}
 		defer s.reg.done(ent)
 		loaded, set = ent.loaded, ent.loaded.Set()
-		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}); err != nil {
+		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}, sh.devices()); err != nil {
 			return nil, nil, err
 		}
 		decoded = time.Now()
@@ -138,7 +138,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		if set, n, err = inlineSet(ex.Weights); err != nil {
 			return nil, nil, err
 		}
-		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}); err != nil {
+		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}, sh.devices()); err != nil {
 			return nil, nil, err
 		}
 		if err := s.reg.reserve("weights", n); err != nil {
@@ -167,15 +167,25 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	if ent != nil && s.batch.accepts(kreq) {
 		res, queued, err = s.batch.do(ctx, ent, kreq)
 	} else if err = s.acquireSlot(ctx); err == nil {
-		// The output goes into a recycled buffer: fresh memory costs a
+		// The backend writes the output where it is going: device memory
+		// (kreq.OutDev, set by validation), a POSIX output_shm (no copy
+		// afterwards), or a recycled buffer, since fresh memory costs a
 		// page fault per 4 KiB on first write (codec.Pool). A failed
 		// call's buffer is dropped, never reused: the backend may have
 		// been stopped mid-write.
-		kreq.Out = s.outputs.Get(kreq.M() * set.K * kreq.OutDType.Size())
+		pooled := false
+		switch {
+		case kreq.OutDev != 0:
+		case sh.outBuffer() != nil:
+			kreq.Out = sh.outBuffer()
+		default:
+			kreq.Out = s.outputs.Get(kreq.M() * set.K * kreq.OutDType.Size())
+			pooled = true
+		}
 		queued = time.Now()
-		if res, err = s.compute(ctx, loaded, kreq); err == nil {
+		if res, err = s.compute(ctx, loaded, kreq); err == nil && pooled {
 			out = kreq.Out
-			if len(res.Output) == 0 || len(out) == 0 || &res.Output[0] != &out[0] {
+			if len(res.Output) == 0 || &res.Output[0] != &out[0] {
 				out = nil // the backend wrote elsewhere
 			}
 		}
@@ -191,13 +201,10 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
 		Backend: s.backend.Name(),
 	}
+	// writeOutput changes only calls with output_shm, which have no pooled
+	// buffer (out is nil): nothing goes back to the pool here.
 	if err := sh.writeOutput(resp); err != nil {
 		return nil, nil, err
-	}
-	if resp.Output.GetData() == nil && out != nil {
-		// Copied into output_shm: the buffer is free again.
-		s.outputs.Put(out)
-		out = nil
 	}
 	if req.GetReturnRouting() {
 		resp.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: int32Bytes(res.TopKIDs)}}
@@ -225,7 +232,11 @@ func (s *Server) compute(ctx context.Context, loaded kernels.Loaded, req *kernel
 	set := loaded.Set()
 	m, k := int64(req.M()), int64(set.K)
 	topk := int64(req.Routing.TopK)
-	if int64(len(res.Output)) != m*k*int64(req.OutDType.Size()) || int64(len(res.TopKIDs)) != m*topk || int64(len(res.TopKWeights)) != m*topk {
+	outBytes := m * k * int64(req.OutDType.Size())
+	if req.OutDev != 0 {
+		outBytes = 0 // written to device memory
+	}
+	if int64(len(res.Output)) != outBytes || int64(len(res.TopKIDs)) != m*topk || int64(len(res.TopKWeights)) != m*topk {
 		return nil, s.backendDone(ctx, "fused_moe", fmt.Errorf("backend %s returned %d output bytes and %d/%d routing values for [%d %d] %v, top-k %d",
 			s.backend.Name(), len(res.Output), len(res.TopKIDs), len(res.TopKWeights), m, k, req.OutDType, topk))
 	}

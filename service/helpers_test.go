@@ -164,8 +164,9 @@ func (b *fakeBackend) Load(_ context.Context, set *kernels.ExpertSet) (kernels.L
 }
 func (b *fakeBackend) Close() error { return nil }
 
-// FusedMoE fills the output with its element index (as FP32 or BF16) so the
-// test can check shape and dtype end to end.
+// FusedMoE fills the output (req.Out when set, as real backends do) with
+// its element index (as FP32 or BF16) so the test can check shape and
+// dtype end to end.
 func (b *fakeBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
 	b.mu.Lock()
 	b.calls = append(b.calls, req)
@@ -192,7 +193,10 @@ func (b *fakeBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kerne
 		}
 	}
 	m, k := req.M(), l.Set().K
-	out := make([]byte, m*k*req.OutDType.Size())
+	out := req.Out
+	if out == nil {
+		out = make([]byte, m*k*req.OutDType.Size())
+	}
 	for i := range m * k {
 		if req.OutDType == kernels.Float32 {
 			binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(float32(i)))

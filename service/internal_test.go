@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"encoding/binary"
 	"math"
+	"strings"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/expertd/expertd/kernels"
@@ -107,7 +109,7 @@ func FuzzCheckRequest(f *testing.F) {
 		if proto.Unmarshal(b, &req) != nil {
 			return
 		}
-		r, err := checkRequest(&req, set, limits{maxTokens: 64})
+		r, err := checkRequest(&req, set, limits{maxTokens: 64}, deviceRefs{})
 		if err != nil {
 			return
 		}
@@ -259,4 +261,64 @@ func FuzzDecodeTensor(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestCheckRequestDevice: tensors in device memory (as resolveShm records
+// them) are checked for dtype, shape and their reference's size, and
+// become device tensors with no host bytes, as does the output.
+func TestCheckRequestDevice(t *testing.T) {
+	set := &kernels.ExpertSet{Activation: kernels.SiluGated, E: 4, K: 8, N: 4}
+	ref := func(dt pb.DataType, n int64, shape ...int64) *pb.Tensor {
+		return &pb.Tensor{Dtype: dt, Shape: shape, Source: &pb.Tensor_Shm{Shm: &pb.SharedMemoryRef{RegionName: "dev", ByteSize: n}}}
+	}
+	req := &pb.FusedMoERequest{
+		HiddenStates: ref(pb.DataType_DATA_TYPE_BFLOAT16, 32, 2, 8),
+		RouterLogits: ref(pb.DataType_DATA_TYPE_FLOAT32, 32, 2, 4),
+		Routing:      &pb.Routing{TopK: 2},
+	}
+	onDevice := deviceRefs{hidden: deviceTensor{0x1000, 32}, logits: deviceTensor{0x2000, 32}, out: 0x3000}
+	tests := []struct {
+		name       string
+		dev        deviceRefs
+		dtype      pb.DataType
+		wantHidden kernels.Tensor
+		wantLogits kernels.Tensor
+		wantOutDev uintptr
+		wantErr    string
+	}{
+		{"on the device", onDevice, pb.DataType_DATA_TYPE_BFLOAT16,
+			kernels.Tensor{DType: kernels.BFloat16, Shape: []int{2, 8}, Dev: 0x1000}, kernels.Tensor{DType: kernels.Float32, Shape: []int{2, 4}, Dev: 0x2000}, 0x3000, ""},
+		{"hidden size", deviceRefs{hidden: deviceTensor{0x1000, 31}, logits: onDevice.logits}, pb.DataType_DATA_TYPE_BFLOAT16,
+			kernels.Tensor{}, kernels.Tensor{}, 0, "hidden_states.shm.byte_size: 31: shape [2 8] of DATA_TYPE_BFLOAT16 needs 32 bytes"},
+		{"logits size", deviceRefs{hidden: onDevice.hidden, logits: deviceTensor{0x2000, 64}}, pb.DataType_DATA_TYPE_BFLOAT16,
+			kernels.Tensor{}, kernels.Tensor{}, 0, "router_logits.shm.byte_size: 64: shape [2 4] of DATA_TYPE_FLOAT32 needs 32 bytes"},
+		{"dtype", onDevice, pb.DataType_DATA_TYPE_INT32, kernels.Tensor{}, kernels.Tensor{}, 0, "hidden_states: dtype DATA_TYPE_INT32"},
+		{"logits not resolved", deviceRefs{hidden: onDevice.hidden}, pb.DataType_DATA_TYPE_BFLOAT16,
+			kernels.Tensor{}, kernels.Tensor{}, 0, "router_logits.shm: shared memory is not supported"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := proto.Clone(req).(*pb.FusedMoERequest)
+			r.HiddenStates.Dtype = tt.dtype
+			got, err := checkRequest(r, set, limits{}, tt.dev)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Errorf("checkRequest = %v, want an error containing %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("checkRequest: %v", err)
+			}
+			if diff := cmp.Diff(tt.wantHidden, got.Hidden); diff != "" {
+				t.Errorf("hidden (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff(tt.wantLogits, got.Logits); diff != "" {
+				t.Errorf("logits (-want +got):\n%s", diff)
+			}
+			if got.OutDev != tt.wantOutDev || got.Out != nil {
+				t.Errorf("output at %#x with %d host bytes, want %#x and none", got.OutDev, len(got.Out), tt.wantOutDev)
+			}
+		})
+	}
 }

@@ -64,8 +64,10 @@ type Config struct {
 	// Meter records the service's own instruments; nil records nothing.
 	Meter metric.Meter
 	// SharedMemory serves RegisterSharedMemory and tensors in shared
-	// memory (shm.go) to callers on this host. It needs the grpc.Server
-	// built with ServerOptions, whose stats handler tracks connections.
+	// memory (shm.go) to callers on this host: POSIX objects, and CUDA
+	// IPC device memory when the backend is an IPCOpener. It needs the
+	// grpc.Server built with ServerOptions, whose stats handler tracks
+	// connections.
 	SharedMemory bool
 	// OnBackendFault, when set, is called when BackendFault starts
 	// reporting a fault (with it) and when it clears (with nil), so the

@@ -20,33 +20,43 @@ import (
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
-// TestSharedMemoryPeers: registration is for callers on this host. A TCP
-// peer that is not loopback is refused before any file is opened (the key
-// does not exist, so getting past the check would be NotFound).
+// TestSharedMemoryPeers: registration, of either kind, is for callers on
+// this host. A TCP peer that is not loopback is refused before any file is
+// opened (the key does not exist, so getting past the check would be
+// NotFound) or the backend asked (the CPU backend cannot open CUDA IPC
+// memory, which would be FailedPrecondition).
 func TestSharedMemoryPeers(t *testing.T) {
 	s := New(Config{SharedMemory: true}, cpu.New(kernels.Config{}), nil)
 	tests := []struct {
-		name string
-		addr net.Addr
-		want codes.Code
+		name           string
+		addr           net.Addr
+		posix, cudaIPC codes.Code
 	}{
-		{"remote v4", &net.TCPAddr{IP: net.IPv4(10, 1, 2, 3), Port: 4000}, codes.PermissionDenied},
-		{"remote v6", &net.TCPAddr{IP: net.ParseIP("2001:db8::1"), Port: 4000}, codes.PermissionDenied},
-		{"loopback v4", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 4000}, codes.NotFound},
-		{"loopback v6", &net.TCPAddr{IP: net.IPv6loopback, Port: 4000}, codes.NotFound},
-		{"unix socket", &net.UnixAddr{Name: "/run/expertd.sock", Net: "unix"}, codes.NotFound},
+		{"remote v4", &net.TCPAddr{IP: net.IPv4(10, 1, 2, 3), Port: 4000}, codes.PermissionDenied, codes.PermissionDenied},
+		{"remote v6", &net.TCPAddr{IP: net.ParseIP("2001:db8::1"), Port: 4000}, codes.PermissionDenied, codes.PermissionDenied},
+		{"loopback v4", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 4000}, codes.NotFound, codes.FailedPrecondition},
+		{"loopback v6", &net.TCPAddr{IP: net.IPv6loopback, Port: 4000}, codes.NotFound, codes.FailedPrecondition},
+		{"unix socket", &net.UnixAddr{Name: "/run/expertd.sock", Net: "unix"}, codes.NotFound, codes.FailedPrecondition},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx := s.shm.TagConn(context.Background(), &stats.ConnTagInfo{RemoteAddr: tt.addr})
 			defer s.shm.HandleConn(ctx, &stats.ConnEnd{})
 			ctx = peer.NewContext(ctx, &peer.Peer{Addr: tt.addr})
-			_, err := s.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: "expertd-test-no-such-object", ByteSize: 1})
-			if got := status.Code(err); got != tt.want {
-				t.Errorf("got %v, want %v", err, tt.want)
-			}
-			if tt.want == codes.PermissionDenied && !strings.Contains(status.Convert(err).Message(), "not loopback") {
-				t.Errorf("message %q does not say why", status.Convert(err).Message())
+			for _, r := range []struct {
+				req  *pb.RegisterSharedMemoryRequest
+				want codes.Code
+			}{
+				{&pb.RegisterSharedMemoryRequest{Name: "r", Key: "expertd-test-no-such-object", ByteSize: 1}, tt.posix},
+				{&pb.RegisterSharedMemoryRequest{Name: "r", Kind: pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC, CudaIpcHandle: make([]byte, 64), ByteSize: 1}, tt.cudaIPC},
+			} {
+				_, err := s.RegisterSharedMemory(ctx, r.req)
+				if got := status.Code(err); got != r.want {
+					t.Errorf("%v: got %v, want %v", r.req.GetKind(), err, r.want)
+				}
+				if r.want == codes.PermissionDenied && !strings.Contains(status.Convert(err).Message(), "not loopback") {
+					t.Errorf("message %q does not say why", status.Convert(err).Message())
+				}
 			}
 		})
 	}

@@ -66,6 +66,10 @@ func mapShm(key string, off, size int64) (*mapping, error) {
 // data is the region's bytes.
 func (m *mapping) data() []byte { return m.mem[m.lo : m.lo+m.size] }
 
+// pages is the whole mapping: the region's bytes and, before them, the
+// rest of the first page (what a backend page-locks).
+func (m *mapping) pages() []byte { return m.mem }
+
 // check fails if the object no longer covers the region: touching the
 // missing pages would fault.
 func (m *mapping) check() error {

@@ -11,6 +11,7 @@ func mapShm(string, int64, int64) (*mapping, error) {
 	return nil, codedf(codes.Unimplemented, "kind", "POSIX shared memory is served on Linux only")
 }
 
-func (*mapping) data() []byte { return nil }
-func (*mapping) check() error { return nil }
-func (*mapping) close() error { return nil }
+func (*mapping) data() []byte  { return nil }
+func (*mapping) pages() []byte { return nil }
+func (*mapping) check() error  { return nil }
+func (*mapping) close() error  { return nil }

@@ -274,7 +274,11 @@ func TestSharedMemoryRegister(t *testing.T) {
 		{"no name", reg(func(r *pb.RegisterSharedMemoryRequest) { r.Name = "" }), codes.InvalidArgument, `name: "": want 1-128 characters`},
 		{"bad name", reg(func(r *pb.RegisterSharedMemoryRequest) { r.Name = "a b" }), codes.InvalidArgument, `name: "a b": character ' '`},
 		{"name taken", reg(func(r *pb.RegisterSharedMemoryRequest) { r.Name = "taken" }), codes.AlreadyExists, `name: "taken": this connection already has`},
-		{"cuda kind", reg(func(r *pb.RegisterSharedMemoryRequest) { r.Kind = 2 }), codes.InvalidArgument, "kind: 2: want SHARED_MEMORY_KIND_POSIX"},
+		{"unknown kind", reg(func(r *pb.RegisterSharedMemoryRequest) { r.Kind = 3 }), codes.InvalidArgument, "kind: 3: want SHARED_MEMORY_KIND_POSIX or SHARED_MEMORY_KIND_CUDA_IPC"},
+		{"cuda kind on a host backend", reg(func(r *pb.RegisterSharedMemoryRequest) {
+			r.Kind, r.Key, r.CudaIpcHandle = pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC, "", make([]byte, 64)
+		}), codes.FailedPrecondition, "kind: the fake backend cannot open CUDA IPC memory; run expertd with -backend cuda"},
+		{"posix with a handle", reg(func(r *pb.RegisterSharedMemoryRequest) { r.CudaIpcHandle = make([]byte, 64) }), codes.InvalidArgument, "cuda_ipc_handle: 64 bytes: must be empty for SHARED_MEMORY_KIND_POSIX"},
 		{"no key", reg(func(r *pb.RegisterSharedMemoryRequest) { r.Key = "" }), codes.InvalidArgument, `key: "": want 1-255 characters`},
 		{"only slash", reg(func(r *pb.RegisterSharedMemoryRequest) { r.Key = "/" }), codes.InvalidArgument, `key: "/": want 1-255`},
 		{"long key", reg(func(r *pb.RegisterSharedMemoryRequest) { r.Key = strings.Repeat("k", 256) }), codes.InvalidArgument, "key: \"kkk"},

@@ -93,12 +93,42 @@ func tensorBytes(field string, t *pb.Tensor, m tensorMeta) ([]byte, error) {
 
 // checkTensor is checkMeta followed by tensorBytes.
 func checkTensor(field string, t *pb.Tensor, allowed ...kernels.DType) (tensorMeta, []byte, error) {
+	return checkTensorOn(field, t, deviceTensor{}, allowed...)
+}
+
+// deviceTensor is a request tensor in a CUDA IPC region, as resolveShm
+// found it: its device address and the byte_size of its reference. The
+// zero value means the tensor is not in device memory.
+type deviceTensor struct {
+	addr  uintptr
+	bytes int64
+}
+
+// deviceRefs are the request's tensors and output in device memory; the
+// zero value has none. Only these fields may be there (resolveShm).
+type deviceRefs struct {
+	hidden, logits deviceTensor
+	// out is output_shm's device address, 0 when the output goes to host
+	// memory.
+	out uintptr
+}
+
+// checkTensorOn is checkTensor for a tensor that may be in device memory
+// (dev set): its declaration is checked against the reference's size and
+// there are no bytes to return, nor to scan.
+func checkTensorOn(field string, t *pb.Tensor, dev deviceTensor, allowed ...kernels.DType) (tensorMeta, []byte, error) {
 	if t == nil {
 		return tensorMeta{}, nil, invalidf(field, "is required")
 	}
 	m, err := checkMeta(field, t, allowed...)
 	if err != nil {
 		return m, nil, err
+	}
+	if dev.addr != 0 {
+		if m.bytes != dev.bytes {
+			return m, nil, invalidf(field+".shm.byte_size", "%d: shape %v of %v needs %d bytes", dev.bytes, t.GetShape(), t.GetDtype(), m.bytes)
+		}
+		return m, nil, nil
 	}
 	b, err := tensorBytes(field, t, m)
 	return m, b, err
@@ -377,10 +407,12 @@ type limits struct {
 }
 
 // checkRequest validates a FusedMoE request against a loaded set and
-// converts it. Tensors alias the request's bytes.
-func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim limits) (*kernels.Request, error) {
+// converts it. Tensors alias the request's bytes; those in dev become
+// device tensors (kernels.Tensor.Dev), checked for dtype, shape and size
+// but not for values, which are in memory this process cannot read.
+func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim limits, dev deviceRefs) (*kernels.Request, error) {
 	fp8, bf16, f32, i32 := kernels.Float8E4M3FN, kernels.BFloat16, kernels.Float32, kernels.Int32
-	hm, hb, err := checkTensor("hidden_states", req.GetHiddenStates(), fp8, bf16, f32)
+	hm, hb, err := checkTensorOn("hidden_states", req.GetHiddenStates(), dev.hidden, fp8, bf16, f32)
 	if err != nil {
 		return nil, err
 	}
@@ -394,7 +426,7 @@ func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim limits) (
 	if lim.maxTokens > 0 && m > lim.maxTokens {
 		return nil, exhaustedf("hidden_states", "M = %d tokens exceeds the server's max tokens per call %d; split the batch", m, lim.maxTokens)
 	}
-	r := &kernels.Request{Hidden: kernels.Tensor{DType: hm.dtype, Shape: hm.shape, Data: hb}}
+	r := &kernels.Request{Hidden: kernels.Tensor{DType: hm.dtype, Shape: hm.shape, Data: hb, Dev: dev.hidden.addr}, OutDev: dev.out}
 
 	if hm.dtype == fp8 {
 		if r.HiddenScale, err = hiddenScale(req.GetHiddenStatesScale(), m, set); err != nil {
@@ -417,17 +449,19 @@ func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim limits) (
 		return r, precomputed(req, r, m, set.E, i32, f32)
 	}
 
-	lm, lb, err := checkTensor("router_logits", req.GetRouterLogits(), f32, bf16)
+	lm, lb, err := checkTensorOn("router_logits", req.GetRouterLogits(), dev.logits, f32, bf16)
 	if err != nil {
 		return nil, err
 	}
 	if err := wantShape("router_logits", lm.shape, m, set.E); err != nil {
 		return nil, err
 	}
+	// Logits in device memory go unscanned (lb is nil): the proto says a
+	// NaN or +Inf there leaves its token's routing unspecified.
 	if i, x, bad := firstBadLogit(lm.dtype, lb); bad {
 		return nil, invalidf("router_logits", "element %d is %v: want finite or -Inf", i, x)
 	}
-	r.Logits = kernels.Tensor{DType: lm.dtype, Shape: lm.shape, Data: lb}
+	r.Logits = kernels.Tensor{DType: lm.dtype, Shape: lm.shape, Data: lb, Dev: dev.logits.addr}
 	r.Routing, err = checkRouting(req.GetRouting(), set.E)
 	return r, err
 }

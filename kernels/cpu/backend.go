@@ -101,8 +101,16 @@ func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loa
 	return &loaded{set: set}, nil
 }
 
+// errDevice refuses device tensors: the service gives them only to
+// backends that open CUDA IPC memory, which this one cannot, so one
+// reaching it is a service bug to report rather than a pointer to follow.
+var errDevice = fmt.Errorf("cpu: %w: a tensor or the output is in device memory (CUDA IPC); the cpu backend computes on host memory only", kernels.ErrUnsupported)
+
 // FusedMoE implements kernels.Backend.
 func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	if req.Hidden.Dev != 0 || req.Logits.Dev != 0 || req.OutDev != 0 {
+		return nil, errDevice
+	}
 	l, ok := set.(*loaded)
 	if !ok {
 		return nil, fmt.Errorf("cpu: expert set %T was not loaded by this backend", set)

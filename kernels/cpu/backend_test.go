@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/expertd/expertd/kernels"
@@ -87,6 +89,41 @@ func TestClosedSet(t *testing.T) {
 	}
 	if _, err := b.FusedMoE(ctx, l, req); !errors.Is(err, errClosed) {
 		t.Errorf("FusedMoE on a closed set: err = %v, want %v", err, errClosed)
+	}
+}
+
+// TestDeviceTensorsRefused: a device tensor or output (which the service
+// never sends this backend) is refused as unsupported, without a look at
+// the host bytes beside it, and a host call on the same set still runs.
+func TestDeviceTensorsRefused(t *testing.T) {
+	ctx := context.Background()
+	b := New(kernels.Config{Threads: 1})
+	set, req := kerneltest.NewCase(rand.New(rand.NewPCG(1, 4)), kerneltest.Mixtral.Scaled(32, 16), 2)
+	l, err := b.Load(ctx, set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const addr = 0x7f0000001000
+	tests := []struct {
+		name string
+		edit func(r *kernels.Request)
+	}{
+		{"hidden", func(r *kernels.Request) { r.Hidden.Dev, r.Hidden.Data = addr, nil }},
+		{"logits", func(r *kernels.Request) { r.Logits.Dev, r.Logits.Data = addr, nil }},
+		{"output", func(r *kernels.Request) { r.OutDev = addr }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := *req
+			tt.edit(&r)
+			res, err := b.FusedMoE(ctx, l, &r)
+			if !errors.Is(err, kernels.ErrUnsupported) || !strings.Contains(fmt.Sprint(err), "device memory") {
+				t.Errorf("FusedMoE = %v, %v; want an error wrapping kernels.ErrUnsupported about device memory", res, err)
+			}
+		})
+	}
+	if _, err := b.FusedMoE(ctx, l, req); err != nil {
+		t.Errorf("FusedMoE on host memory after the refusals: %v", err)
 	}
 }
 
