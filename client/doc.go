@@ -25,9 +25,11 @@
 //	out, err := res.Output.Float32s() // [M, K]
 //
 // FusedMoEStream keeps many calls in flight on one stream, answered in
-// order. On the daemon's host, CreateSharedMemory and
-// RegisterSharedMemory let tensors and outputs stay in POSIX shared memory
-// instead of messages (the daemon needs -shared-memory). ListExperts, UnloadExperts, ServerInfo, Health and
+// order. On the daemon's host (which needs -shared-memory),
+// CreateSharedMemory and RegisterSharedMemory let tensors and outputs stay
+// in POSIX shared memory instead of messages, and
+// RegisterCUDASharedMemory lets them stay in the caller's GPU memory
+// (CUDA IPC). ListExperts, UnloadExperts, ServerInfo, Health and
 // LoadSafetensors cover the rest of the service; RPC exposes the
 // generated stub for anything else. Sharded runs a layer whose experts
 // are spread over several daemons (expert parallelism, docs/sharding.md).

@@ -1,6 +1,7 @@
 package client
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -31,6 +32,12 @@ import (
 //		OutputShm: region.Ref(outOff, int64(M*K*2)),
 //	})
 //	out, err := res.Output.Float32s() // read straight from the region
+//
+// A caller whose tensors are already in GPU memory (a PyTorch process on
+// the daemon's GPU) registers the allocation through CUDA IPC instead, with
+// RegisterCUDASharedMemory: hidden states, router logits and the output
+// then stay in its device memory, never copied through either host (the
+// daemon must run the cuda backend).
 //
 // Regions belong to the client's connection: the server forgets them when
 // it closes. Client.FusedMoE registers them again, once, if the connection
@@ -146,18 +153,55 @@ func (m *SharedMemory) Close() error {
 
 func shmPath(key string) string { return "/dev/shm/" + key }
 
-// Region is a slice of a SharedMemory registered with the server on the
-// client's connection.
+// RegionKind is the memory a region is in. The values mirror
+// expertd.v1.SharedMemoryKind.
+type RegionKind int
+
+const (
+	// POSIXRegion is host memory: a SharedMemory (RegisterSharedMemory).
+	POSIXRegion RegionKind = 1
+	// CUDAIPCRegion is device memory shared through CUDA IPC
+	// (RegisterCUDASharedMemory).
+	CUDAIPCRegion RegionKind = 2
+)
+
+func (k RegionKind) String() string {
+	switch k {
+	case POSIXRegion:
+		return "posix"
+	case CUDAIPCRegion:
+		return "cuda_ipc"
+	}
+	return fmt.Sprintf("RegionKind(%d)", int(k))
+}
+
+// Region is a slice of a SharedMemory, or of a CUDA allocation, registered
+// with the server on the client's connection.
 type Region struct {
 	// Name is the registered name.
 	Name string
-	shm  *SharedMemory
-	// offset and size place the region within shm.
+	// shm is a POSIX region's object; handle a CUDA IPC region's
+	// cudaIpcMemHandle_t. Exactly one is set.
+	shm    *SharedMemory
+	handle []byte
+	// offset and size place the region within shm or the allocation.
 	offset, size int64
 }
 
-// Bytes is the region's bytes in this process.
+// Kind is the memory the region is in.
+func (r *Region) Kind() RegionKind {
+	if r.shm == nil {
+		return CUDAIPCRegion
+	}
+	return POSIXRegion
+}
+
+// Bytes is the region's bytes in this process; nil for a CUDA IPC region,
+// whose bytes are on the device.
 func (r *Region) Bytes() []byte {
+	if r.shm == nil {
+		return nil
+	}
 	b := r.shm.Bytes()
 	if b == nil {
 		return nil
@@ -175,12 +219,17 @@ func (r *Region) Ref(offset, size int64) *SharedMemoryRef {
 }
 
 // Tensor is a tensor of the given dtype and shape whose bytes are at offset
-// in the region: sent as a reference, with Data viewing the region here.
+// in the region: sent as a reference, with Data viewing the region here
+// (nil in a CUDA IPC region).
 func (r *Region) Tensor(dtype DType, offset int64, shape ...int) (Tensor, error) {
 	t := Tensor{DType: dtype, Shape: shape}
 	n := int64(t.Numel() * dtype.Size())
 	if offset < 0 || n < 0 || offset > r.size || n > r.size-offset {
 		return Tensor{}, fmt.Errorf("expertd region %s: %d bytes at offset %d do not fit in its %d bytes", r.Name, n, offset, r.size)
+	}
+	if r.shm == nil {
+		t.Shm = r.Ref(offset, n)
+		return t, t.Validate()
 	}
 	b := r.Bytes()
 	if b == nil {
@@ -192,10 +241,14 @@ func (r *Region) Tensor(dtype DType, offset int64, shape ...int) (Tensor, error)
 }
 
 // Put copies t's bytes into the region at offset and returns the tensor
-// referencing them there.
+// referencing them there. A CUDA IPC region's bytes are written on the
+// device, by the process that owns them; Put refuses it.
 func (r *Region) Put(offset int64, t Tensor) (Tensor, error) {
 	if err := t.Validate(); err != nil {
 		return Tensor{}, err
+	}
+	if r.shm == nil {
+		return Tensor{}, fmt.Errorf("expertd region %s is CUDA device memory: write it on the device and reference it with Region.Tensor", r.Name)
 	}
 	dst, err := r.Tensor(t.DType, offset, t.Shape...)
 	if err != nil {
@@ -234,7 +287,49 @@ func (c *Client) RegisterSharedMemory(ctx context.Context, name string, shm *Sha
 	if offset < 0 || size < 1 || offset > shm.Size() || size > shm.Size()-offset {
 		return nil, invalid("RegisterSharedMemory", fmt.Errorf("%d bytes at offset %d do not fit in %s's %d bytes", size, offset, shm.Key(), shm.Size()))
 	}
-	r := &Region{Name: name, shm: shm, offset: offset, size: size}
+	return c.add(ctx, &Region{Name: name, shm: shm, offset: offset, size: size})
+}
+
+// CUDAIPCHandleSize is the length of a cudaIpcMemHandle_t.
+const CUDAIPCHandleSize = 64
+
+// RegisterCUDASharedMemory registers size bytes at offset of the device
+// allocation handle names (a cudaIpcMemHandle_t from cudaIpcGetMemHandle)
+// with the server under name, for this client's calls. The daemon, on
+// this host and running the cuda backend, opens it on its GPU, and reads
+// hidden states and router logits from it and writes outputs into it
+// there: Region.Tensor and Region.Ref reference it as for a POSIX region,
+// but the bytes never come to this process (Region.Bytes and result
+// Output.Data are nil). Other tensors (scales, top-k ids and weights)
+// must be sent inline or from a POSIX region. Finish writing the inputs
+// (synchronize the stream that wrote them) before each call; keep the
+// allocation alive while it is registered. It is not retried.
+//
+// From PyTorch, a tensor's storage gives the handle and where the storage
+// starts within its allocation (the caching allocator carves storages
+// out of larger allocations). The handle comes after a version byte and a
+// type byte, b"c" for a cudaMalloc block; an expandable segment's (b"e",
+// with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) cannot be
+// registered:
+//
+//	_, h, size, storage_off, *_ = t.untyped_storage()._share_cuda_()
+//	handle = h[-64:]  # len(h) == 66 and h[1:2] == b"c" in torch 2.x
+//	# register (handle, storage_off, size); t's bytes start at
+//	# t.storage_offset() * t.element_size() within the region
+//	torch.cuda.current_stream().synchronize()  # before each call
+func (c *Client) RegisterCUDASharedMemory(ctx context.Context, name string, handle []byte, offset, size int64) (*Region, error) {
+	if len(handle) != CUDAIPCHandleSize {
+		return nil, invalid("RegisterCUDASharedMemory", fmt.Errorf("handle is %d bytes, want the %d of a cudaIpcMemHandle_t (from PyTorch's _share_cuda_(), its last 64 bytes)", len(handle), CUDAIPCHandleSize))
+	}
+	if offset < 0 || size < 1 {
+		return nil, invalid("RegisterCUDASharedMemory", fmt.Errorf("%d bytes at offset %d: want offset >= 0 and size >= 1", size, offset))
+	}
+	// Copied: it is sent again if the connection is re-established.
+	return c.add(ctx, &Region{Name: name, handle: bytes.Clone(handle), offset: offset, size: size})
+}
+
+// add registers r and remembers it.
+func (c *Client) add(ctx context.Context, r *Region) (*Region, error) {
 	if err := c.register(ctx, r); err != nil {
 		return nil, err
 	}
@@ -242,7 +337,7 @@ func (c *Client) RegisterSharedMemory(ctx context.Context, name string, shm *Sha
 	if c.shm.byName == nil {
 		c.shm.byName = map[string]*Region{}
 	}
-	c.shm.byName[name] = r
+	c.shm.byName[r.Name] = r
 	c.shm.mu.Unlock()
 	return r, nil
 }
@@ -250,12 +345,16 @@ func (c *Client) RegisterSharedMemory(ctx context.Context, name string, shm *Sha
 func (c *Client) register(ctx context.Context, r *Region) error {
 	ctx, cancel := c.callContext(ctx)
 	defer cancel()
-	_, err := c.rpc.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{
-		Name: r.Name, Kind: pb.SharedMemoryKind_SHARED_MEMORY_KIND_POSIX,
-		Key: r.shm.Key(), Offset: r.offset, ByteSize: r.size,
-	})
-	if err != nil {
-		return wrap("RegisterSharedMemory", err)
+	req := &pb.RegisterSharedMemoryRequest{Name: r.Name, Offset: r.offset, ByteSize: r.size}
+	method := "RegisterSharedMemory"
+	if r.shm == nil {
+		req.Kind, req.CudaIpcHandle = pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC, r.handle
+		method = "RegisterCUDASharedMemory"
+	} else {
+		req.Kind, req.Key = pb.SharedMemoryKind_SHARED_MEMORY_KIND_POSIX, r.shm.Key()
+	}
+	if _, err := c.rpc.RegisterSharedMemory(ctx, req); err != nil {
+		return wrap(method, err)
 	}
 	return nil
 }
@@ -281,7 +380,10 @@ func (c *Client) UnregisterSharedMemory(ctx context.Context, name string) ([]str
 
 // RegionInfo is a region as the server holds it.
 type RegionInfo struct {
-	Name, Key     string
+	Name string
+	Kind RegionKind
+	// Key is a POSIX region's object name; empty for CUDA IPC.
+	Key           string
 	Offset, Size  int64
 	CallsInFlight int
 	RegisteredAt  time.Time
@@ -298,7 +400,7 @@ func (c *Client) ListSharedMemory(ctx context.Context) ([]RegionInfo, error) {
 	}
 	out := make([]RegionInfo, 0, len(resp.GetRegions()))
 	for _, r := range resp.GetRegions() {
-		out = append(out, RegionInfo{Name: r.GetName(), Key: r.GetKey(), Offset: r.GetOffset(), Size: r.GetByteSize(),
+		out = append(out, RegionInfo{Name: r.GetName(), Kind: RegionKind(r.GetKind()), Key: r.GetKey(), Offset: r.GetOffset(), Size: r.GetByteSize(),
 			CallsInFlight: int(r.GetCallsInFlight()), RegisteredAt: r.GetRegisteredAt().AsTime()})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })

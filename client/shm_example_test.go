@@ -91,3 +91,55 @@ func ExampleClient_RegisterSharedMemory() {
 	// output [3 64] float32 in region "acts" at offset 8192
 	// same as inline: true
 }
+
+// Keep activations in a GPU process's device memory: the daemon, on the
+// same host and running the cuda backend with -shared-memory, reads the
+// hidden states and logits there and writes the output there, with no
+// copy through either host. A PyTorch process exports a tensor's storage
+// with
+//
+//	_, h, size, offset, *_ = t.untyped_storage()._share_cuda_()
+//
+// and hands the handle (h[-64:]: torch puts a version and a type byte
+// before it), offset and size to the caller; the tensor's bytes start
+// t.storage_offset() * t.element_size() into the region. It must
+// synchronize the stream that wrote them before each call. (Not run: it
+// needs a GPU and a daemon.)
+func ExampleClient_RegisterCUDASharedMemory() {
+	ctx := context.Background()
+	c, err := client.Dial(ctx, "localhost:50051")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
+
+	var handle []byte             // from _share_cuda_()
+	var storageOffset, size int64 // from _share_cuda_() too
+	region, err := c.RegisterCUDASharedMemory(ctx, "acts", handle, storageOffset, size)
+	if err != nil {
+		log.Fatal(err)
+	}
+	// One storage holding [M, K] BF16 hidden states, [M, E] FP32 logits
+	// and room for the [M, K] BF16 output, one after the other.
+	const M, K, E = 4, 2688, 128
+	hidden, err := region.Tensor(client.BFloat16, 0, M, K)
+	if err != nil {
+		log.Fatal(err)
+	}
+	logits, err := region.Tensor(client.Float32, M*K*2, M, E)
+	if err != nil {
+		log.Fatal(err)
+	}
+	res, err := c.FusedMoE(ctx, &client.FusedMoERequest{
+		ExpertSet:    "layer0",
+		Hidden:       hidden,
+		RouterLogits: logits,
+		Routing:      client.Routing{TopK: 6},
+		OutputShm:    region.Ref(M*K*2+M*E*4, M*K*2),
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	// The output is in the GPU process's storage when the call returns.
+	fmt.Println("output at byte", res.Output.Shm.Offset, "of region", res.Output.Shm.Region)
+}

@@ -134,7 +134,8 @@ type FusedMoERequest struct {
 	// OutputShm, when set, has the server write the output ([M, K] in
 	// OutputDType) into this slice of a registered shared-memory region
 	// (Region.Ref) instead of sending it; the result's Output then views
-	// those bytes.
+	// those bytes (in a POSIX region; a CUDA IPC region's stay on the
+	// device, and Output.Data is nil).
 	OutputShm *SharedMemoryRef
 }
 

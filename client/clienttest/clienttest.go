@@ -41,6 +41,12 @@ type Server struct {
 // service, on a fresh loopback port. A zero cfg.MaxMessageBytes means
 // MaxMessageBytes; a zero MaxConcurrent means 2.
 func Serve(cfg service.Config) (*Server, error) {
+	return ServeBackend(cfg, cpu.New(kernels.Config{}))
+}
+
+// ServeBackend is Serve on backend (servicetest.FakeDevice, say, to
+// register CUDA IPC memory without a GPU), which Stop closes.
+func ServeBackend(cfg service.Config, backend kernels.Backend) (*Server, error) {
 	if cfg.MaxMessageBytes == 0 {
 		cfg.MaxMessageBytes = MaxMessageBytes
 	}
@@ -51,7 +57,6 @@ func Serve(cfg service.Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("clienttest: listen: %w", err)
 	}
-	backend := cpu.New(kernels.Config{})
 	svc := service.New(cfg, backend, nil)
 	gs := grpc.NewServer(append(svc.ServerOptions(), grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)))...)
 	svc.Register(gs)
