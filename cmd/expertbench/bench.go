@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/kernels/cuda"
 )
 
 // callTimeout bounds one FusedMoE call: far above any sane layer time, so
@@ -182,6 +183,14 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 		issued atomic.Int64
 		wg     sync.WaitGroup
 	)
+	var gpu *cuda.Backend
+	if cfg.cudaIPC {
+		var err error
+		if gpu, err = openGPU(cfg.cudaLib); err != nil {
+			return nil, fmt.Errorf("-cuda-ipc: %w", err)
+		}
+		defer gpu.Close()
+	}
 	for w := range cfg.concurrency {
 		rng := rand.New(rand.NewPCG(cfg.seed, uint64(w)+1))
 		reqs := make([]*client.FusedMoERequest, requestsPerWorker)
@@ -192,6 +201,13 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 			free, err := toSharedMemory(ctx, c, w, reqs, cfg)
 			if err != nil {
 				return nil, fmt.Errorf("-shm: %w", err)
+			}
+			defer free()
+		}
+		if cfg.cudaIPC {
+			free, err := toCUDAIPC(ctx, c, gpu, w, reqs, cfg, stderr)
+			if err != nil {
+				return nil, fmt.Errorf("-cuda-ipc: %w", err)
 			}
 			defer free()
 		}

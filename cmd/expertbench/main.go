@@ -89,6 +89,10 @@ type config struct {
 	jsonOut   bool
 	// shm passes tensors and outputs through shared memory (shm.go).
 	shm bool
+	// cudaIPC passes them through GPU memory (cudaipc.go), allocated
+	// with the kernel library at cudaLib (empty: the default search).
+	cudaIPC bool
+	cudaLib string
 	// k and n are the -k and -n flags as given (0: not given), which
 	// -soak applies to all of its sets.
 	k, n int
@@ -120,6 +124,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.progress, "progress", time.Second, "progress line interval on stderr (0: none)")
 	fs.BoolVar(&c.jsonOut, "json", false, "print the summary as JSON")
 	fs.BoolVar(&c.shm, "shm", false, shmUsage)
+	fs.BoolVar(&c.cudaIPC, "cuda-ipc", false, cudaIPCUsage)
+	fs.StringVar(&c.cudaLib, "cuda-lib", "", "with -cuda-ipc: the kernel library (empty: $EXPERTD_CUDA_LIB, then build/libexpertd_cuda.so)")
 	fs.BoolVar(&c.soak.on, "soak", false, soakUsage)
 	fs.Float64Var(&c.soak.badShare, "bad-share", 0.05, "with -soak: share of calls that are malformed (0..1)")
 	fs.Float64Var(&c.soak.checkShare, "check-share", 1, "with -soak: share of good responses checked against the float64 reference (0..1)")
@@ -177,6 +183,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, fmt.Errorf("-hidden %q: want bf16 or fp8", *hidden)
 	}
 	var errs []error
+	if c.shm && c.cudaIPC {
+		errs = append(errs, errors.New("-shm and -cuda-ipc: pick one"))
+	}
 	if c.tokens < 1 {
 		errs = append(errs, fmt.Errorf("-m %d: want >= 1", c.tokens))
 	}

@@ -18,12 +18,8 @@ const shmUsage = "pass hidden states and logits, and receive outputs, through PO
 // unregisters the region and releases the memory.
 func toSharedMemory(ctx context.Context, c *client.Client, w int, reqs []*client.FusedMoERequest, cfg config) (free func(), err error) {
 	const page = 4096
-	slot := func(n int64) int64 { return (n + page - 1) / page * page }
-	outBytes := int64(cfg.tokens) * int64(cfg.model.k) * int64(cfg.out.Size())
-	var size int64
-	for _, r := range reqs {
-		size += slot(int64(len(r.Hidden.Data))) + slot(int64(len(r.RouterLogits.Data))) + slot(outBytes)
-	}
+	slot := func(n int64) int64 { return alignUp(n, page) }
+	outBytes, size := slots(reqs, cfg, page)
 	shm, err := client.CreateSharedMemory("", size)
 	if err != nil {
 		return nil, err
@@ -55,4 +51,17 @@ func toSharedMemory(ctx context.Context, c *client.Client, w int, reqs []*client
 		c.UnregisterSharedMemory(ctx, name) //nolint:errcheck // the connection's end frees it too
 		shm.Close()
 	}, nil
+}
+
+func alignUp(n, align int64) int64 { return (n + align - 1) / align * align }
+
+// slots sizes a region holding each request's hidden states, logits and
+// output in slots aligned to align bytes: the output's bytes and the
+// region's.
+func slots(reqs []*client.FusedMoERequest, cfg config, align int64) (outBytes, size int64) {
+	outBytes = int64(cfg.tokens) * int64(cfg.model.k) * int64(cfg.out.Size())
+	for _, r := range reqs {
+		size += alignUp(int64(len(r.Hidden.Data)), align) + alignUp(int64(len(r.RouterLogits.Data)), align) + alignUp(outBytes, align)
+	}
+	return outBytes, size
 }

@@ -1,0 +1,98 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cuda"
+)
+
+// cudaIPCUsage documents -cuda-ipc.
+const cudaIPCUsage = "pass hidden states and logits, and receive outputs, in GPU memory shared through CUDA IPC (the daemon must run the cuda backend with -shared-memory on this host; expertbench allocates the memory through the kernel library, see -cuda-lib)"
+
+// openGPU opens the kernel library expertbench allocates device memory
+// with (the daemon's library; lib empty searches as the daemon does).
+func openGPU(lib string) (*cuda.Backend, error) {
+	return cuda.New(kernels.Config{LibraryPath: lib})
+}
+
+// toCUDAIPC moves worker w's requests into one device allocation shared
+// with the daemon through CUDA IPC: each request's hidden states, logits
+// and output get their own 256-byte aligned slots, so calls send
+// references, responses carry none of the output, and no tensor byte
+// crosses the host. Worker 0 first checks that its first request gives
+// the same output bytes both ways (inline, then through the GPU memory).
+// free unregisters the region and frees the memory.
+func toCUDAIPC(ctx context.Context, c *client.Client, gpu *cuda.Backend, w int, reqs []*client.FusedMoERequest, cfg config, stderr io.Writer) (free func(), err error) {
+	const align = 256
+	slot := func(n int64) int64 { return alignUp(n, align) }
+	outBytes, size := slots(reqs, cfg, align)
+	var want []byte
+	if w == 0 {
+		res, err := c.FusedMoE(ctx, reqs[0])
+		if err != nil {
+			return nil, fmt.Errorf("inline reference call: %w", err)
+		}
+		want = res.Output.Data
+	}
+	mem, err := gpu.AllocDevice(size)
+	if err != nil {
+		return nil, err
+	}
+	handle, err := mem.IPCHandle()
+	if err != nil {
+		mem.Free()
+		return nil, err
+	}
+	name := fmt.Sprintf("expertbench-cuda-%d", w)
+	region, err := c.RegisterCUDASharedMemory(ctx, name, handle, 0, size)
+	if err != nil {
+		mem.Free()
+		return nil, err
+	}
+	free = func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		c.UnregisterSharedMemory(ctx, name) //nolint:errcheck // the connection's end frees it too
+		mem.Free()
+	}
+	var off, out0 int64
+	for i, r := range reqs {
+		for _, t := range []*client.Tensor{&r.Hidden, &r.RouterLogits} {
+			n := int64(len(t.Data))
+			if err := mem.CopyIn(off, t.Data); err != nil {
+				free()
+				return nil, err
+			}
+			*t = client.Tensor{DType: t.DType, Shape: t.Shape, Shm: region.Ref(off, n)}
+			off += slot(n)
+		}
+		if i == 0 {
+			out0 = off
+		}
+		r.OutputShm = region.Ref(off, outBytes)
+		off += slot(outBytes)
+	}
+	if want != nil {
+		if _, err := c.FusedMoE(ctx, reqs[0]); err != nil {
+			free()
+			return nil, fmt.Errorf("first call through CUDA IPC: %w", err)
+		}
+		got := make([]byte, outBytes)
+		if err := mem.CopyOut(got, out0); err != nil {
+			free()
+			return nil, err
+		}
+		if !bytes.Equal(got, want) {
+			free()
+			return nil, fmt.Errorf("the output through CUDA IPC differs from the inline call's (%d bytes)", len(got))
+		}
+		fmt.Fprintf(stderr, "expertbench: cuda-ipc output of a %d-token call matches the inline call's, byte for byte\n", cfg.tokens)
+	}
+	return free, nil
+}
