@@ -70,7 +70,9 @@ import (
 // gets nothing and the others are unaffected. The backend call is
 // cancelled only when every caller has left. Inputs are copied when the
 // batch is merged, so a caller's request buffers are never read after it
-// has returned.
+// has returned; a batch of one is not merged (its call's own request runs,
+// output buffer included), and its caller, should it leave, returns once
+// the backend call is over.
 //
 // Calls with a tensor or the output in device memory (a CUDA IPC region:
 // kernels.Tensor.Dev, kernels.Request.OutDev) are not batched: merging
@@ -311,8 +313,9 @@ func (bt *batcher) leave(b *batch, m *member) {
 	}
 	bt.mu.Unlock()
 	if closed {
-		// The dispatcher may be copying m's inputs; its caller's buffers
-		// must not be released before that ends.
+		// The dispatcher may be copying m's inputs (or, in a batch of
+		// one, the backend reading them); its caller's buffers must not
+		// be released before that ends.
 		<-b.merged
 	}
 }
@@ -369,10 +372,21 @@ func (bt *batcher) dispatch(b *batch) {
 	}
 	members := bt.take(b)
 	var req *kernels.Request
-	if err == nil && len(members) > 0 {
+	switch {
+	case err != nil || len(members) == 0:
+		close(b.merged)
+	case len(members) == 1:
+		// A batch of one runs its call's own request: no copy of the
+		// inputs, and the output goes where the handler put it (a
+		// recycled buffer, output_shm). Its caller's buffers are read
+		// until the backend call ends, so a caller that leaves waits
+		// for that (leave) instead of for the merge.
+		req = members[0].req
+		defer close(b.merged)
+	default:
 		req = mergeRequests(members)
+		close(b.merged)
 	}
-	close(b.merged)
 	if err != nil {
 		for _, m := range members {
 			m.err = err
@@ -517,8 +531,8 @@ func mergeRequests(members []*member) *kernels.Request {
 	}
 	// Out stays nil: the backend allocates the merged output, which
 	// splitResult hands out as views, so no part of it may go back to a
-	// pool (members never set Out; only unbatched calls use pooled
-	// outputs).
+	// pool (the members' own Out buffers go unused; their handlers see
+	// that the output is not theirs).
 	out := &kernels.Request{
 		Hidden:   kernels.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: make([]byte, 0, hiddenBytes)},
 		Routing:  first.Routing,

@@ -570,10 +570,10 @@ func TestSharedMemoryPinned(t *testing.T) {
 	}
 }
 
-// TestSharedMemoryOutputInPlace: an unbatched call's backend writes the
-// output straight into output_shm (kernels.Request.Out is the region's
-// bytes, so there is no copy afterwards); a batched call's merged output
-// is copied there instead.
+// TestSharedMemoryOutputInPlace: the backend writes the output straight
+// into output_shm (kernels.Request.Out is the region's bytes, so there is
+// no copy afterwards), unbatched or in a batch of one (a merged batch's
+// output is copied there by shmCall.writeOutput instead).
 func TestSharedMemoryOutputInPlace(t *testing.T) {
 	for _, tt := range []struct {
 		name    string
@@ -581,7 +581,7 @@ func TestSharedMemoryOutputInPlace(t *testing.T) {
 		inPlace bool
 	}{
 		{"unbatched", service.Config{}, true},
-		{"batched", service.Config{BatchWindow: time.Millisecond}, false},
+		{"batch of one", service.Config{BatchWindow: time.Millisecond}, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			rng := newRand(t)

@@ -164,32 +164,37 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		res    *kernels.Result
 		queued time.Time
 	)
+	// The backend writes the output where it is going: device memory
+	// (kreq.OutDev, set by validation), a POSIX output_shm (no copy
+	// afterwards), or a recycled buffer, since fresh memory costs a page
+	// fault per 4 KiB on first write (codec.Pool). A batch of one call
+	// runs that call's own request, so this holds for it too; a merged
+	// batch writes its own output and hands out views of it.
+	pooled := false
+	switch {
+	case kreq.OutDev != 0:
+	case sh.outBuffer() != nil:
+		kreq.Out = sh.outBuffer()
+	default:
+		kreq.Out = s.outputs.Get(kreq.M() * set.K * kreq.OutDType.Size())
+		pooled = true
+	}
 	if ent != nil && s.batch.accepts(kreq) {
 		res, queued, err = s.batch.do(ctx, ent, kreq)
 	} else if err = s.acquireSlot(ctx); err == nil {
-		// The backend writes the output where it is going: device memory
-		// (kreq.OutDev, set by validation), a POSIX output_shm (no copy
-		// afterwards), or a recycled buffer, since fresh memory costs a
-		// page fault per 4 KiB on first write (codec.Pool). A failed
-		// call's buffer is dropped, never reused: the backend may have
-		// been stopped mid-write.
-		pooled := false
-		switch {
-		case kreq.OutDev != 0:
-		case sh.outBuffer() != nil:
-			kreq.Out = sh.outBuffer()
-		default:
-			kreq.Out = s.outputs.Get(kreq.M() * set.K * kreq.OutDType.Size())
-			pooled = true
-		}
 		queued = time.Now()
-		if res, err = s.compute(ctx, loaded, kreq); err == nil && pooled {
-			out = kreq.Out
-			if len(res.Output) == 0 || &res.Output[0] != &out[0] {
-				out = nil // the backend wrote elsewhere
-			}
+		res, err = s.compute(ctx, loaded, kreq)
+	}
+	if pooled && err == nil {
+		out = kreq.Out
+		if len(res.Output) == 0 || &res.Output[0] != &out[0] {
+			// A merged batch's view: the buffer was never written.
+			s.outputs.Put(out)
+			out = nil
 		}
 	}
+	// A failed call's buffer is dropped, never reused: the backend may
+	// have been stopped mid-write.
 	if err != nil {
 		return nil, nil, err
 	}

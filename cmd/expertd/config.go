@@ -196,7 +196,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 		}
 		shm = b
 	}
-	fs.BoolVar(&c.SharedMemory, "shared-memory", shm, "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) ($EXPERTD_SHARED_MEMORY)")
+	fs.BoolVar(&c.SharedMemory, "shared-memory", shm, "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) or, with the cuda backend, in GPU memory shared through CUDA IPC ($EXPERTD_SHARED_MEMORY)")
 	duration := func(p *time.Duration, name string, def time.Duration, help string) {
 		env := envName(name)
 		if v := getenv(env); v != "" {
