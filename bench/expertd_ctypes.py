@@ -2,9 +2,10 @@
 
 Only what the benchmark needs: version check, init, expert-set create/free and
 the device-pointer entry point expertd_moe_device. The constants below must
-equal the header's #defines. Both ABI versions load: v1, and v2, whose
+equal the header's #defines. Three ABI versions load: v1; v2, whose
 expertd_set_create also takes the weight block shape (block_n, block_k; 0, 0:
-no block mode), the only difference between them. A v1 library refuses
+no block mode); and v3, whose expertd_init also takes the streams per set
+(the benchmark's device-pointer calls use none of them: 1). A v1 library refuses
 block-scaled layers here with EXPERTD_ERR_UNSUPPORTED, before any call. Every
 call's return code is checked; a failure raises ExpertdError with
 expertd_last_error().
@@ -18,7 +19,7 @@ import os
 import torch
 
 # The ABI versions this mirror speaks; the newest is the header's.
-ABI_VERSIONS = (1, 2)
+ABI_VERSIONS = (1, 2, 3)
 ABI_VERSION = max(ABI_VERSIONS)
 
 OK = 0
@@ -88,12 +89,17 @@ _SET_CREATE = {
         _p, _p, _p, ctypes.c_int, _p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_float, ctypes.c_float, ctypes.POINTER(ctypes.c_uint64)],
 }
+_SET_CREATE[3] = _SET_CREATE[2]
+
+# expertd_init's argtypes per ABI version: v3 adds streams.
+_INIT = {1: [ctypes.c_int], 2: [ctypes.c_int], 3: [ctypes.c_int, ctypes.c_int]}
 
 # (name, restype, argtypes), in the header's order and spelling of types;
-# expertd_set_create's argtypes are set once the version is known.
+# expertd_init's and expertd_set_create's argtypes are set once the version
+# is known.
 _SIGNATURES = [
     ("expertd_abi_version", ctypes.c_int, []),
-    ("expertd_init", ctypes.c_int, [ctypes.c_int]),
+    ("expertd_init", ctypes.c_int, None),
     ("expertd_device_info", ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]),
     ("expertd_set_create", ctypes.c_int, None),
     ("expertd_set_free", ctypes.c_int, [ctypes.c_uint64]),
@@ -115,7 +121,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class Library:
     """A loaded libexpertd_cuda.so whose ABI version this mirror speaks
-    (self.abi: 1 or 2)."""
+    (self.abi: 1, 2 or 3)."""
 
     def __init__(self, path: str = DEFAULT_LIB):
         self.path = os.path.abspath(path)
@@ -131,6 +137,7 @@ class Library:
                                f"library ABI {got}, this mirror speaks {ABI_VERSIONS}")
         self.abi = got
         self.lib.expertd_set_create.argtypes = _SET_CREATE[got]
+        self.lib.expertd_init.argtypes = _INIT[got]
 
     @property
     def block_scales(self) -> bool:
@@ -144,7 +151,8 @@ class Library:
 
     def init(self, device: int) -> None:
         """expertd_init on device."""
-        self.check("expertd_init", self.lib.expertd_init(device))
+        args = (device, 1) if self.abi >= 3 else (device,)
+        self.check("expertd_init", self.lib.expertd_init(*args))
 
     def device_info(self, device: int) -> str:
         """expertd_device_info as a str."""
