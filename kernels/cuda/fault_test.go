@@ -108,7 +108,7 @@ func TestCallFaults(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			b := &Backend{lib: lib, exec: newExecutor(1), info: "fake device", live: map[*loaded]struct{}{}}
+			b := &Backend{lib: lib, info: "fake device", live: map[*loaded]struct{}{}}
 			defer b.Close()
 			set, req := kerneltest.NewCase(rand.New(rand.NewPCG(rand.Uint64(), 3)), kerneltest.Qwen3.Scaled(64, 32), 4,
 				kerneltest.WithGranularity(scaling.PerExpert))

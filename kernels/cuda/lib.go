@@ -17,8 +17,8 @@ import (
 const libName = "libexpertd_cuda.so"
 
 // library is the loaded libexpertd_cuda.so: one Go function per C entry
-// point, bound with purego (no cgo). Calls that touch a device must come
-// from the executor's locked thread; see executor.
+// point, bound with purego (no cgo). Calls go through Backend.call, which
+// keeps each on one thread (the library's error string is per thread).
 type library struct {
 	path string
 

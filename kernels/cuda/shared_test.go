@@ -273,7 +273,7 @@ func TestSharedMemoryFaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &Backend{lib: lib, exec: newExecutor(1), info: "fake device", live: map[*loaded]struct{}{}}
+	b := &Backend{lib: lib, info: "fake device", live: map[*loaded]struct{}{}}
 	defer b.Close()
 	if _, err := b.OpenIPC(make([]byte, 63), 0, 1); err == nil || !strings.Contains(err.Error(), "63 bytes, want 64") {
 		t.Errorf("OpenIPC(63-byte handle) = %v, want a length error", err)
