@@ -356,6 +356,12 @@ int main(int argc, char** argv) {
   unsigned seed = rd();
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
+  // PROFILE_M=m: only time DeepSeek-V3 at M=m (block scales with "block",
+  // else per-expert ones), for a profiler to pick its kernels.
+  if (const char* pm = std::getenv("PROFILE_M")) {
+    run({"deepseek-v3", 256, 7168, 2048, std::atoi(pm), 8, true, 0}, false, true, rng);
+    return 0;
+  }
   Case checks[] = {
       {"relu2 small", 8, 256, 128, 5, 2, false, 0},
       {"gated small", 8, 256, 128, 5, 2, true, 0},
