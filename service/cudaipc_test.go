@@ -348,6 +348,38 @@ func TestCUDAIPCNotBatched(t *testing.T) {
 		t.Fatalf("RegisterSharedMemory: %v", err)
 	}
 	const m, calls = 2, 3
+	// callHeld sends calls requests (edited by edit): the first is held
+	// in the backend until the others are in, which ready says, then all
+	// finish and must succeed.
+	callHeld := func(t *testing.T, what string, edit func(i int, r *pb.FusedMoERequest), ready func() bool) {
+		t.Helper()
+		release := make(chan struct{})
+		b.mu.Lock()
+		b.release = release
+		b.mu.Unlock()
+		errs := make(chan error, calls)
+		reqs := make([]*pb.FusedMoERequest, calls)
+		for i := range reqs {
+			reqs[i] = request(rng, m)
+			edit(i, reqs[i])
+		}
+		call := func(i int) {
+			_, err := c.FusedMoE(ctx, reqs[i])
+			errs <- err
+		}
+		go call(0)
+		<-b.started
+		for i := 1; i < calls; i++ {
+			go call(i)
+		}
+		waitFor(t, what, ready)
+		close(release)
+		for range calls {
+			if err := <-errs; err != nil {
+				t.Errorf("FusedMoE: %v", err)
+			}
+		}
+	}
 	tests := []struct {
 		name string
 		edit func(i int, r *pb.FusedMoERequest)
@@ -361,38 +393,13 @@ func TestCUDAIPCNotBatched(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			before := len(d.Calls())
-			release := make(chan struct{})
-			b.mu.Lock()
-			b.release = release
-			b.mu.Unlock()
-			errs := make(chan error, calls)
-			reqs := make([]*pb.FusedMoERequest, calls)
-			for i := range reqs {
-				reqs[i] = request(rng, m)
-				tt.edit(i, reqs[i])
-			}
-			call := func(i int) {
-				_, err := c.FusedMoE(ctx, reqs[i])
-				errs <- err
-			}
-			go call(0)
-			<-b.started
-			for i := 1; i < calls; i++ {
-				go call(i)
-			}
 			// Unbatched, both start in the backend; batched, they would
 			// wait for the first call's batch to finish.
-			waitFor(t, "the calls to start or be batched", func() bool {
+			callHeld(t, "the calls to start or be batched", tt.edit, func() bool {
 				b.mu.Lock()
 				defer b.mu.Unlock()
 				return b.inFlight == calls || srv.Batched() > 0
 			})
-			close(release)
-			for range calls {
-				if err := <-errs; err != nil {
-					t.Errorf("FusedMoE: %v", err)
-				}
-			}
 			for len(b.started) > 0 {
 				<-b.started
 			}
@@ -414,31 +421,7 @@ func TestCUDAIPCNotBatched(t *testing.T) {
 	// The same calls in host memory merge on this server, so the checks
 	// above can tell.
 	t.Run("host calls merge", func(t *testing.T) {
-		release := make(chan struct{})
-		b.mu.Lock()
-		b.release = release
-		b.mu.Unlock()
-		errs := make(chan error, calls)
-		reqs := make([]*pb.FusedMoERequest, calls)
-		for i := range reqs {
-			reqs[i] = request(rng, m)
-		}
-		call := func(i int) {
-			_, err := c.FusedMoE(ctx, reqs[i])
-			errs <- err
-		}
-		go call(0)
-		<-b.started
-		for i := 1; i < calls; i++ {
-			go call(i)
-		}
-		waitFor(t, "two calls to be batched", func() bool { return srv.Batched() == calls-1 })
-		close(release)
-		for range calls {
-			if err := <-errs; err != nil {
-				t.Errorf("FusedMoE: %v", err)
-			}
-		}
+		callHeld(t, "two calls to be batched", func(int, *pb.FusedMoERequest) {}, func() bool { return srv.Batched() == calls-1 })
 		<-b.started
 		got := d.Calls()
 		if last := got[len(got)-1].M(); last != (calls-1)*m {
