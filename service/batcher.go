@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
 )
 
@@ -122,6 +123,10 @@ type batcher struct {
 	busy map[batchKey]*keyState
 	// waiting counts calls in batches whose backend call has not started.
 	waiting int
+	// merged recycles merged batches' hidden-state and logit buffers,
+	// which are free again once the backend call returns: fresh ones
+	// would fault in a page per 4 KiB on every batch.
+	merged codec.Pool
 }
 
 // keyState is the started batches of one key.
@@ -384,8 +389,13 @@ func (bt *batcher) dispatch(b *batch) {
 		req = members[0].req
 		defer close(b.merged)
 	default:
-		req = mergeRequests(members)
+		req = mergeRequests(members, &bt.merged)
 		close(b.merged)
+		defer func() {
+			// The backend call has returned (backends keep no input).
+			bt.merged.Put(req.Hidden.Data)
+			bt.merged.Put(req.Logits.Data)
+		}()
 	}
 	if err != nil {
 		for _, m := range members {
@@ -519,7 +529,7 @@ func (bt *batcher) compute(ctx context.Context, loaded kernels.Loaded, req *kern
 // The inputs are copied: the merged request must not alias any caller's
 // buffers, since a caller may return (and its buffers be reused) while
 // the backend call runs.
-func mergeRequests(members []*member) *kernels.Request {
+func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 	first := members[0].req
 	var m, scales, hiddenBytes, logitBytes, pairs int
 	for _, x := range members {
@@ -534,7 +544,7 @@ func mergeRequests(members []*member) *kernels.Request {
 	// pool (the members' own Out buffers go unused; their handlers see
 	// that the output is not theirs).
 	out := &kernels.Request{
-		Hidden:   kernels.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: make([]byte, 0, hiddenBytes)},
+		Hidden:   kernels.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: pool.Get(hiddenBytes)[:0]},
 		Routing:  first.Routing,
 		OutDType: first.OutDType,
 	}
@@ -552,7 +562,7 @@ func mergeRequests(members []*member) *kernels.Request {
 		out.TopKIDs = make([]int32, 0, pairs)
 		out.TopKWeights = make([]float32, 0, pairs)
 	} else {
-		out.Logits = kernels.Tensor{DType: first.Logits.DType, Shape: []int{m, first.Logits.Shape[1]}, Data: make([]byte, 0, logitBytes)}
+		out.Logits = kernels.Tensor{DType: first.Logits.DType, Shape: []int{m, first.Logits.Shape[1]}, Data: pool.Get(logitBytes)[:0]}
 	}
 	for _, x := range members {
 		r := x.req
