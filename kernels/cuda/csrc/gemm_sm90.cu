@@ -197,7 +197,11 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // TMA with 128-byte swizzle needs 1024-byte aligned destinations.
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Offset smem_raw itself rather than round-tripping through an integer:
+  // pointers derived from it then stay in the shared address space, so the
+  // compiler emits ld.shared for the scale and staging reads instead of
+  // generic loads (which wait on the long scoreboard).
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* w_smem = smem;
   uint8_t* a_smem = smem + kStages * kWTile;
   uint8_t* stage = a_smem + kStages * kATile;  // epilogue staging, kStageRows x kPitch
