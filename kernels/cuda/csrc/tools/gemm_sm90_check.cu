@@ -17,6 +17,7 @@
 #include <cstring>
 #include <ctime>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../moe_gemm.h"
@@ -131,7 +132,7 @@ Layout make_layout(const Case& c, std::mt19937& rng) {
     counts[e]++;
   }
   L.block_rows = expertd::sm90_block_rows(c.M, c.topk, c.E, g_block);
-  if (const char* bn = std::getenv("BN")) L.block_rows = std::max(L.block_rows, std::atoi(bn));
+  if (const char* bn = std::getenv("BN")) L.block_rows = std::atoi(bn);  // force a tile, for timing
   int bound = std::min(c.E, L.pairs) + L.pairs / L.block_rows;
   L.max_blocks = bound;
   L.rows = bound * L.block_rows;
@@ -357,9 +358,15 @@ int main(int argc, char** argv) {
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
   // PROFILE_M=m: only time DeepSeek-V3 at M=m (block scales with "block",
-  // else per-expert ones), for a profiler to pick its kernels.
+  // else per-expert ones), for a profiler to pick its kernels;
+  // PROFILE_CASE=nemotron or qwen3 times that layer instead.
   if (const char* pm = std::getenv("PROFILE_M")) {
-    run({"deepseek-v3", 256, 7168, 2048, std::atoi(pm), 8, true, 0}, false, true, rng);
+    const char* pc = std::getenv("PROFILE_CASE");
+    const std::string name = pc ? pc : "deepseek-v3";
+    Case c{"deepseek-v3", 256, 7168, 2048, std::atoi(pm), 8, true, 0};
+    if (name == "nemotron") c = {"nemotron", 128, 2688, 1856, c.M, 6, false, 0};
+    if (name == "qwen3") c = {"qwen3", 128, 2048, 768, c.M, 8, true, 0};
+    run(c, false, true, rng);
     return 0;
   }
   Case checks[] = {
