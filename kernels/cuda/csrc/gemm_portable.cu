@@ -29,6 +29,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "launch.cuh"
 #include "moe_gemm.h"
 
 namespace expertd {
@@ -100,6 +101,8 @@ __device__ __forceinline__ void store_out(const MoeGemmArgs& p, size_t idx, floa
 
 template <int TM, bool kGated, GemmEpilogue kEpi, bool kF16, bool kVec, bool kBlock>
 __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGemmArgs p) {
+  pdl_wait();
+  pdl_trigger();
   const int blk = blockIdx.y;
   if (blk >= *p.num_blocks) return;
   const int expert = p.block_expert[blk];
@@ -354,19 +357,12 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, bool f16, cudaStream_t stream) {
   // K and, in block mode, the K blocks.
   const bool vec = a.k % 16 == 0 && (!kBlock || a.block_k % 16 == 0) &&
                    (reinterpret_cast<uintptr_t>(a.w) % 16) == 0 && (reinterpret_cast<uintptr_t>(a.a) % 16) == 0;
-  if (f16) {
-    if (vec) {
-      moe_gemm_portable_kernel<TM, kGated, kEpi, true, true, kBlock><<<grid, kThreads, 0, stream>>>(a);
-    } else {
-      moe_gemm_portable_kernel<TM, kGated, kEpi, true, false, kBlock><<<grid, kThreads, 0, stream>>>(a);
-    }
-  } else {
-    if (vec) {
-      moe_gemm_portable_kernel<TM, kGated, kEpi, false, true, kBlock><<<grid, kThreads, 0, stream>>>(a);
-    } else {
-      moe_gemm_portable_kernel<TM, kGated, kEpi, false, false, kBlock><<<grid, kThreads, 0, stream>>>(a);
-    }
-  }
+  auto kernel = f16 ? (vec ? moe_gemm_portable_kernel<TM, kGated, kEpi, true, true, kBlock>
+                            : moe_gemm_portable_kernel<TM, kGated, kEpi, true, false, kBlock>)
+                      : (vec ? moe_gemm_portable_kernel<TM, kGated, kEpi, false, true, kBlock>
+                             : moe_gemm_portable_kernel<TM, kGated, kEpi, false, false, kBlock>);
+  const cudaError_t err = launch_kernel(a.pdl, kernel, grid, kThreads, 0, stream, a);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 

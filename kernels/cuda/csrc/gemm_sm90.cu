@@ -41,6 +41,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "launch.cuh"
 #include "wgmma_fp8.cuh"
 
 namespace expertd {
@@ -222,6 +223,8 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   constexpr int kAsStage = 4 * as_pitch<BN>();  // kBlk: floats of activation scales per stage
   using Mma = WgmmaE4M3<BN>;
 
+  pdl_wait();
+  pdl_trigger();
   const int num_blocks = *p.num_blocks;
   const int n_wtiles = (p.n_out + kOC - 1) / kOC;
   const int num_tiles = num_blocks * n_wtiles;
@@ -612,7 +615,8 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   // EXPERTD_SM90_GRID=full gives one CTA per tile instead, for timing the
   // two schedules against each other.
   const int grid = int(tiles < resident || !persistent_grid() ? tiles : resident);
-  kernel<<<grid, (kNWG + 1) * 128, smem, stream>>>(tm_w, tm_a, p);
+  err = launch_kernel(a.pdl, kernel, grid, (kNWG + 1) * 128, smem, stream, tm_w, tm_a, p);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
@@ -708,7 +712,7 @@ int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales) {
   // two tiles and streams its weights twice, so decode tiles hold about
   // twice the mean. Measured against tiles of the mean (perf-notes, "Token
   // tiles"): DeepSeek-V3 block mode 20% faster at M = 256 and 36% at
-  // M = 1024, Qwen3 16-30% at M = 256 and 512, Nemotron 4% at M = 512;
+  // M = 1024, Qwen3 15-28% at M = 256 and 512, Nemotron 4% at M = 512;
   // where the tail is short (DeepSeek-V3 M <= 128) no slower.
   if (per_expert <= 4) return 8;
   if (per_expert <= 8) return 16;

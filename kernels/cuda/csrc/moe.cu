@@ -352,6 +352,17 @@ bool sm90_block_default() {
   return on;
 }
 
+// use_pdl says whether a set's kernels launch with programmatic dependent
+// launch (launch.cuh): on sm_90 and later unless EXPERTD_CUDA_PDL=0, which
+// is there to time the chain both ways.
+bool use_pdl(const Set& s) {
+  static const bool on = [] {
+    const char* v = std::getenv("EXPERTD_CUDA_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on && s.cc_major >= 9;
+}
+
 // use_sm90 is the GEMM path a call takes: the Hopper kernels when asked for,
 // or by default where the card and shape allow them.
 bool use_sm90(const Set& s, const Call& c) {
@@ -453,6 +464,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   void* act = ws + L.act;
   __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(ws + L.y);
   const int BM = L.block_rows;
+  const bool pdl = use_pdl(s);
 
   if (s.poison) {
     // 0xFF is NaN in FP32, BF16 and E4M3: anything a kernel forgets to write
@@ -471,12 +483,11 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
                    c.logits_dtype};
     const int warps = s.E <= 512 ? 4 : 2;
     const size_t smem = size_t(warps) * route_smem_per_warp(s.E);
-    route_kernel<<<(c.m + warps - 1) / warps, warps * 32, smem, st>>>(rp, p.logits, p.bias, p.ids, p.w);
-    CK(cudaGetLastError());
+    CK(launch_kernel(pdl, route_kernel, (c.m + warps - 1) / warps, warps * 32, smem, st, rp, p.logits, p.bias,
+                     p.ids, p.w));
   }
-  align_kernel<<<1, 1024, 2 * s.E * sizeof(int), st>>>(p.ids, L.p, s.E, BM, L.max_blocks, sorted, block_expert,
-                                                        num_blocks);
-  CK(cudaGetLastError());
+  CK(launch_kernel(pdl, align_kernel, 1, 1024, 2 * s.E * sizeof(int), st, p.ids, L.p, s.E, BM, L.max_blocks,
+                   sorted, block_expert, num_blocks));
 
   GatherParams gp;
   gp.m = c.m;
@@ -487,9 +498,8 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   gp.n_hidden_scale = c.n_hidden_scale;
   gp.fallback_scale = s.a13_scale > 0 ? s.a13_scale : 1.0f;
   gp.static_scale = c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN ? 0.f : s.a13_scale;
-  gather_quant_kernel<<<L.max_rows, 128, 0, st>>>(gp, p.hidden, p.hidden_scale, sorted, num_blocks, BM, a1q,
-                                                  a1s);
-  CK(cudaGetLastError());
+  CK(launch_kernel(pdl, gather_quant_kernel, L.max_rows, 128, 0, st, gp, p.hidden, p.hidden_scale, sorted,
+                   num_blocks, BM, a1q, a1s));
   const bool a1_rows = !(c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && s.a13_scale > 0);
 
   const bool sm90 = use_sm90(s, c);
@@ -524,6 +534,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g1.ld_out = s.N;
   g1.out_inv_scale = static_a2 ? 1.0f / clamp_scale_host(s.a2_scale) : 1.f;
   g1.pair_weight = p.w;
+  g1.pdl = pdl;
 
   cudaError_t err;
 #ifdef EXPERTD_HAVE_SM90
@@ -535,9 +546,8 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
 
   if (!static_a2) {
     const int group2 = s.block_k > 0 ? s.block_k : s.N;
-    requant_kernel<float><<<L.max_rows, 128, 0, st>>>(static_cast<const float*>(act), s.N, group2, sorted,
-                                                      num_blocks, BM, a2q, a2s);
-    CK(cudaGetLastError());
+    CK(launch_kernel(pdl, requant_kernel<float>, L.max_rows, 128, 0, st, static_cast<const float*>(act), s.N,
+                     group2, sorted, num_blocks, BM, a2q, a2s));
   }
 
   MoeGemmArgs g2 = g1;
@@ -563,8 +573,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
 #endif
   if (err != cudaSuccess) return cuda_fail(err, sm90 ? "gemm2 (sm90)" : "gemm2 (portable)");
 
-  combine_kernel<<<c.m, 256, 0, st>>>(y, p.ids, c.m, c.top_k, s.K, s.E, c.out_dtype, p.out);
-  CK(cudaGetLastError());
+  CK(launch_kernel(pdl, combine_kernel, c.m, 256, 0, st, y, p.ids, c.m, c.top_k, s.K, s.E, c.out_dtype, p.out));
   return EXPERTD_OK;
 }
 

@@ -113,6 +113,9 @@ struct MoeGemmArgs {
   int ld_out;               // elements between output rows
   float out_inv_scale;      // kAct1FP8
   const float* pair_weight; // kWeightedBF16: router weight per pair
+
+  // Launch with programmatic dependent launch (launch.cuh).
+  bool pdl;
 };
 
 // Portable path (gemm_portable.cu), all four epilogues: mma.sync m16n8k32 e4m3 on sm_89+, or

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "launch.cuh"
+
 namespace expertd {
 
 constexpr float kFP8Max = 448.0f;
@@ -85,6 +87,8 @@ __host__ __device__ inline size_t route_smem_per_warp(int e) { return (size_t(e)
 // group floats [E] each, then taken and keep bytes [E] each.
 __global__ void route_kernel(RouteParams p, const void* logits, const float* bias, int32_t* ids,
                              float* weights) {
+  pdl_wait();
+  pdl_trigger();
   extern __shared__ __align__(16) uint8_t route_smem[];
   const int warps = blockDim.x / 32;
   const int wid = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -195,6 +199,8 @@ __global__ void route_kernel(RouteParams p, const void* logits, const float* bia
 // them).
 __global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_rows, int max_blocks,
                              int32_t* sorted_pairs, int32_t* block_expert, int32_t* num_blocks) {
+  pdl_wait();
+  pdl_trigger();
   extern __shared__ int align_smem[];
   int* count = align_smem;
   int* cursor = align_smem + E;
@@ -290,6 +296,8 @@ __device__ __forceinline__ void quantize_groups(Load load, int n, int group, uin
 __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const float* hidden_scale,
                                     const int32_t* sorted_pairs, const int32_t* num_blocks,
                                     int block_rows, uint8_t* a1q, float* a1s) {
+  pdl_wait();
+  pdl_trigger();
   const int row = blockIdx.x;
   if (row >= *num_blocks * block_rows) return;
   const int pair = sorted_pairs[row];
@@ -348,6 +356,8 @@ __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return _
 template <typename T>
 __global__ void requant_kernel(const T* act, int n, int group, const int32_t* sorted_pairs,
                                const int32_t* num_blocks, int block_rows, uint8_t* a2q, float* a2s) {
+  pdl_wait();
+  pdl_trigger();
   const int row = blockIdx.x;
   if (row >= *num_blocks * block_rows) return;
   if (sorted_pairs[row] < 0) return;
@@ -360,6 +370,8 @@ __global__ void requant_kernel(const T* act, int n, int group, const int32_t* so
 // applied by GEMM2), in slot order; pairs with an out-of-range id add 0.
 __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m, int top_k, int k, int E,
                                int out_dtype, void* out) {
+  pdl_wait();
+  pdl_trigger();
   const int tok = blockIdx.x;
   if (tok >= m) return;
   __shared__ int valid[64];
