@@ -29,6 +29,14 @@
 // stage's full barrier when they land. Tiles of at most 128 tokens: two
 // accumulator sets of BN/2 registers each.
 //
+// At 128-token block-mode tiles the operands swap where the scale blocks
+// allow it (kTokA): the tokens are wgmma's A operand (64 per consumer
+// warpgroup) and the tile's 128 weight rows its B operand. A thread's
+// accumulators then span two token rows and the rows of one weight scale
+// block (gated: one for the gate rows, one for the up rows), so a stage's
+// promotion is four products and one FMA per accumulator instead of an
+// FMUL and an FMA each. Decode tiles keep the weights on the M side.
+//
 // It implements the sm90 half of moe_gemm.h.
 #include "moe_gemm.h"
 
@@ -208,7 +216,7 @@ struct Params {
 // kNWG produces (one thread issues the TMA loads). The producer's ring runs
 // on across tiles, so while the consumers run a tile's epilogue the next
 // tile's operands are already streaming in.
-template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk>
+template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
@@ -253,6 +261,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   // stage's K block.
   float* a_sc = reinterpret_cast<float*>(row_dst + BN);
   static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
+  static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -378,6 +387,14 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       // The scale blocks of this thread's two accumulator rows (the same
       // rows as kPC's), null past the last channel.
       const float* wsb[2];
+      if constexpr (kTokA) {
+        // Tokens on wgmma's M side: the tile's weight rows are the
+        // accumulator's columns and lie in one scale block (the gate's
+        // rows in one, the up's in one; launch checks block_n).
+        const float* base = p.w_scale + size_t(expert) * p.w_row_blocks * p.w_k_blocks;
+        wsb[0] = base + (oc0 / p.block_n) * p.w_k_blocks;
+        wsb[1] = kGated ? base + ((p.n_out + oc0) / p.block_n) * p.w_k_blocks : wsb[0];
+      } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         int row, ch;
@@ -392,6 +409,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
                      ? p.w_scale + (size_t(expert) * p.w_row_blocks + row / p.block_n) * p.w_k_blocks
                      : nullptr;
       }
+      }
       const bool has_as = p.a_scale_rows != nullptr;
       float part[kRegs];
 #pragma unroll
@@ -401,6 +419,40 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
         const float w0 = wsb[0] ? __ldg(wsb[0] + kt) : 0.f;
         const float w1 = wsb[1] ? __ldg(wsb[1] + kt) : 0.f;
         mbar_wait(&full[s], (it / kStages) & 1);
+        if constexpr (kTokA) {
+          // This thread's two token rows' activation scales (read before
+          // the wgmmas are issued, as below), times the gate and the up
+          // block's weight scale: four products a stage, then one FMA per
+          // accumulator (against two when tokens are the columns).
+          const int r0 = wg * kWGRows + 16 * warp + lane / 4;
+          const float* asc = a_sc + s * kAsStage;
+          const float a0 = has_as ? asc[as_slot<BN>(r0)] : 1.f;
+          const float a1 = has_as ? asc[as_slot<BN>(r0 + 8)] : 1.f;
+          const uint64_t da = smem_desc(a_smem + s * kATile + wg * kWGRows * kBK);
+          const uint64_t dw = smem_desc(w_smem + s * kWTile);
+          fence_acc<kRegs>(part);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBK / 32; ++kk) {
+            Mma::mma(part, da + 2 * kk, dw + 2 * kk, kk > 0 ? 1 : 0);
+          }
+          wgmma_commit();
+          wgmma_wait0();
+          fence_acc<kRegs>(part);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[s]);
+          // Gated: column group i holds gate rows (i even) or up rows (odd).
+          const float s0g = a0 * w0, s1g = a1 * w0, s0u = a0 * w1, s1u = a1 * w1;
+#pragma unroll
+          for (int i = 0; i < BN / 8; ++i) {
+            const bool up = kGated && (i & 1);
+            const float sa = up ? s0u : s0g, sb = up ? s1u : s1g;
+            acc[4 * i + 0] += part[4 * i + 0] * sa;
+            acc[4 * i + 1] += part[4 * i + 1] * sa;
+            acc[4 * i + 2] += part[4 * i + 2] * sb;
+            acc[4 * i + 3] += part[4 * i + 3] * sb;
+          }
+        } else {
         // This thread's token columns' activation scales, read before the
         // wgmmas are issued so the loads' latency hides behind them
         // (as[2i + j] is column 8i + 2(lane%4) + j; see as_slot).
@@ -425,6 +477,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
           acc[4 * i + 1] += part[4 * i + 1] * (w0 * as[2 * i + 1]);
           acc[4 * i + 2] += part[4 * i + 2] * (w1 * as[2 * i]);
           acc[4 * i + 3] += part[4 * i + 3] * (w1 * as[2 * i + 1]);
+        }
         }
       }
     } else {
@@ -451,6 +504,37 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
 #pragma unroll
     for (int half = 0; half < BN / kStageRows; ++half) {
       asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+      if constexpr (kTokA) {
+        // Accumulator (token row r0 + 8h, column 8i + 2(lane%4) + j); gated
+        // columns pair gate group 2g with up group 2g + 1 (see the TMA box).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tr = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+          const float sc = row_scale[tr];
+          uint8_t* row = stage + tr * kPitch;
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            if (kGated) {
+#pragma unroll
+              for (int g = 0; g < BN / 16; ++g) {
+                const float gv = acc[4 * (2 * g) + 2 * h + j] * sc;
+                const float uv = acc[4 * (2 * g + 1) + 2 * h + j] * sc;
+                stage_store<kEpi>(row, 8 * g + 2 * (lane % 4) + j, silu(gv) * uv, p.out_inv_scale);
+              }
+            } else {
+#pragma unroll
+              for (int i = 0; i < BN / 8; ++i) {
+                float v = acc[4 * i + 2 * h + j] * sc;
+                if (kEpi != GemmEpilogue::kWeightedBF16) {
+                  v = fmaxf(v, 0.f);
+                  v = v * v;
+                }
+                stage_store<kEpi>(row, 8 * i + 2 * (lane % 4) + j, v, p.out_inv_scale);
+              }
+            }
+          }
+        }
+      } else {
 #pragma unroll
       for (int i = half * (kStageRows / 8); i < (half + 1) * (kStageRows / 8); ++i) {
 #pragma unroll
@@ -477,6 +561,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             }
           }
         }
+      }
       }
       asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
 
@@ -532,7 +617,7 @@ bool persistent_grid() {
   return persistent;
 }
 
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk>
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   constexpr int kWTile = kNWG * kWGRows * kBK;
   constexpr int kATile = BN * kBK;
@@ -572,7 +657,7 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
@@ -623,12 +708,12 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
 // kAct1BF16, which the pipeline no longer asks for, has no per-channel or
 // block instantiation.
-template <int BN, int kNWG, bool kPC, bool kBlk>
+template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA>(a, s);
     case GemmEpilogue::kAct1BF16:
       if constexpr (kPC || kBlk) {
         return cudaErrorInvalidValue;
@@ -637,12 +722,25 @@ cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
                      : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1BF16, false, false>(a, s);
       }
     case GemmEpilogue::kAct1F32:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA>(a, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk>(a, s);
+      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA>(a, s);
   }
   return cudaErrorInvalidValue;
+}
+
+// toka_ok says whether a block-scaled 128-token tile can put the tokens on
+// wgmma's M side (kTokA): each tile's weight rows (128, or 64 gate and 64
+// up channels) must lie in one scale block. EXPERTD_SM90_TOKA=0 turns it
+// off, to time the two layouts against each other.
+bool toka_ok(const MoeGemmArgs& a, bool gated) {
+  static const bool on = [] {
+    const char* v = std::getenv("EXPERTD_SM90_TOKA");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  if (!on) return false;
+  return gated ? a.block_n % 64 == 0 && a.n_out % 64 == 0 : a.block_n % 128 == 0;
 }
 
 template <int BN, int kNWG>
@@ -656,6 +754,9 @@ cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
       // Two accumulator sets: tiles of at most 128 tokens (sm90_block_rows).
       if constexpr (BN > 128) {
         return cudaErrorInvalidValue;
+      } else if constexpr (BN == 128 && kNWG == 2) {
+        return toka_ok(a, gated) ? launch_epi<BN, kNWG, false, true, true>(a, gated, s)
+                                 : launch_epi<BN, kNWG, false, true>(a, gated, s);
       } else {
         return launch_epi<BN, kNWG, false, true>(a, gated, s);
       }

@@ -379,6 +379,11 @@ int main(int argc, char** argv) {
       {"nemotron M=64", 128, 2688, 1856, 64, 6, false, 0},
       {"qwen3 M=256", 128, 2048, 768, 256, 8, true, 0},
       {"nemotron M=2048", 128, 2688, 1856, 2048, 6, false, 0},
+      // 128-token tiles (block mode puts the tokens on wgmma's M side where
+      // the scale blocks allow): gated, and ReLU² with N and K tails.
+      {"gated 128-token tiles", 4, 384, 192, 300, 2, true, 0},
+      {"relu2 128-token tails K=272 N=208", 4, 272, 208, 300, 2, false, 0},
+      {"qwen3 M=2048", 128, 2048, 768, 2048, 8, true, 0},
   };
   bool ok = true;
   for (auto& c : checks) ok = run(c, true, false, rng) && ok;
