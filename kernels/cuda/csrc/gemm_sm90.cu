@@ -396,19 +396,19 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
         wsb[1] = kGated ? base + ((p.n_out + oc0) / p.block_n) * p.w_k_blocks : wsb[0];
       } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int row, ch;
-        if (kGated) {
-          ch = oc0 + wg * 32 + 8 * warp + lane / 4;
-          row = h == 0 ? ch : p.n_out + ch;
-        } else {
-          ch = oc0 + wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
-          row = ch;
+        for (int h = 0; h < 2; ++h) {
+          int row, ch;
+          if (kGated) {
+            ch = oc0 + wg * 32 + 8 * warp + lane / 4;
+            row = h == 0 ? ch : p.n_out + ch;
+          } else {
+            ch = oc0 + wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+            row = ch;
+          }
+          wsb[h] = ch < p.n_out
+                       ? p.w_scale + (size_t(expert) * p.w_row_blocks + row / p.block_n) * p.w_k_blocks
+                       : nullptr;
         }
-        wsb[h] = ch < p.n_out
-                     ? p.w_scale + (size_t(expert) * p.w_row_blocks + row / p.block_n) * p.w_k_blocks
-                     : nullptr;
-      }
       }
       const bool has_as = p.a_scale_rows != nullptr;
       float part[kRegs];
@@ -419,29 +419,41 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
         const float w0 = wsb[0] ? __ldg(wsb[0] + kt) : 0.f;
         const float w1 = wsb[1] ? __ldg(wsb[1] + kt) : 0.f;
         mbar_wait(&full[s], (it / kStages) & 1);
+        // The activation scales this thread needs, read before the wgmmas
+        // are issued so the loads' latency hides behind them. kTokA: its
+        // two token rows' (tokens are wgmma's A operand); else its token
+        // columns' (as[2i + j] is column 8i + 2(lane%4) + j; see as_slot).
+        float a0 = 1.f, a1 = 1.f, as[BN / 4];
+        uint64_t da, db;  // wgmma's A and B operands
         if constexpr (kTokA) {
-          // This thread's two token rows' activation scales (read before
-          // the wgmmas are issued, as below), times the gate and the up
-          // block's weight scale: four products a stage, then one FMA per
-          // accumulator (against two when tokens are the columns).
           const int r0 = wg * kWGRows + 16 * warp + lane / 4;
           const float* asc = a_sc + s * kAsStage;
-          const float a0 = has_as ? asc[as_slot<BN>(r0)] : 1.f;
-          const float a1 = has_as ? asc[as_slot<BN>(r0 + 8)] : 1.f;
-          const uint64_t da = smem_desc(a_smem + s * kATile + wg * kWGRows * kBK);
-          const uint64_t dw = smem_desc(w_smem + s * kWTile);
-          fence_acc<kRegs>(part);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < kBK / 32; ++kk) {
-            Mma::mma(part, da + 2 * kk, dw + 2 * kk, kk > 0 ? 1 : 0);
+          if (has_as) {
+            a0 = asc[as_slot<BN>(r0)];
+            a1 = asc[as_slot<BN>(r0 + 8)];
           }
-          wgmma_commit();
-          wgmma_wait0();
-          fence_acc<kRegs>(part);
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&empty[s]);
-          // Gated: column group i holds gate rows (i even) or up rows (odd).
+          da = smem_desc(a_smem + s * kATile + wg * kWGRows * kBK);
+          db = smem_desc(w_smem + s * kWTile);
+        } else {
+          load_as<BN>(as, a_sc + s * kAsStage, lane % 4, has_as);
+          da = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
+          db = smem_desc(a_smem + s * kATile);
+        }
+        fence_acc<kRegs>(part);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 32; ++kk) {
+          Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait0();
+        fence_acc<kRegs>(part);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+        if constexpr (kTokA) {
+          // Four products a stage, then one FMA per accumulator (against
+          // two when tokens are the columns). Gated: column group i holds
+          // gate rows (i even) or up rows (odd).
           const float s0g = a0 * w0, s1g = a1 * w0, s0u = a0 * w1, s1u = a1 * w1;
 #pragma unroll
           for (int i = 0; i < BN / 8; ++i) {
@@ -453,31 +465,13 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             acc[4 * i + 3] += part[4 * i + 3] * sb;
           }
         } else {
-        // This thread's token columns' activation scales, read before the
-        // wgmmas are issued so the loads' latency hides behind them
-        // (as[2i + j] is column 8i + 2(lane%4) + j; see as_slot).
-        float as[BN / 4];
-        load_as<BN>(as, a_sc + s * kAsStage, lane % 4, has_as);
-        const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
-        const uint64_t da = smem_desc(a_smem + s * kATile);
-        fence_acc<kRegs>(part);
-        wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBK / 32; ++kk) {
-          Mma::mma(part, dw + 2 * kk, da + 2 * kk, kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-        wgmma_wait0();
-        fence_acc<kRegs>(part);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i) {
-          acc[4 * i + 0] += part[4 * i + 0] * (w0 * as[2 * i]);
-          acc[4 * i + 1] += part[4 * i + 1] * (w0 * as[2 * i + 1]);
-          acc[4 * i + 2] += part[4 * i + 2] * (w1 * as[2 * i]);
-          acc[4 * i + 3] += part[4 * i + 3] * (w1 * as[2 * i + 1]);
-        }
+          for (int i = 0; i < BN / 8; ++i) {
+            acc[4 * i + 0] += part[4 * i + 0] * (w0 * as[2 * i]);
+            acc[4 * i + 1] += part[4 * i + 1] * (w0 * as[2 * i + 1]);
+            acc[4 * i + 2] += part[4 * i + 2] * (w1 * as[2 * i]);
+            acc[4 * i + 3] += part[4 * i + 3] * (w1 * as[2 * i + 1]);
+          }
         }
       }
     } else {
@@ -536,32 +530,32 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
         }
       } else {
 #pragma unroll
-      for (int i = half * (kStageRows / 8); i < (half + 1) * (kStageRows / 8); ++i) {
+        for (int i = half * (kStageRows / 8); i < (half + 1) * (kStageRows / 8); ++i) {
 #pragma unroll
-        for (int c2 = 0; c2 < 2; ++c2) {
-          const int tr = 8 * i + 2 * (lane % 4) + c2;  // token row in tile
-          const float sc = row_scale[tr];
-          uint8_t* row = stage + (tr - half * kStageRows) * kPitch;
-          if (kGated) {
-            const float g = kPC ? acc[4 * i + c2] * sc * wsc[0] : acc[4 * i + c2] * sc;
-            const float u = kPC ? acc[4 * i + 2 + c2] * sc * wsc[1] : acc[4 * i + 2 + c2] * sc;
-            const float v = silu(g) * u;
-            const int oc = wg * 32 + 8 * warp + lane / 4;
-            stage_store<kEpi>(row, oc, v, p.out_inv_scale);
-          } else {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float v = kPC ? acc[4 * i + 2 * h + c2] * sc * wsc[h] : acc[4 * i + 2 * h + c2] * sc;
-              if (kEpi != GemmEpilogue::kWeightedBF16) {
-                v = fmaxf(v, 0.f);
-                v = v * v;
-              }
-              const int oc = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+          for (int c2 = 0; c2 < 2; ++c2) {
+            const int tr = 8 * i + 2 * (lane % 4) + c2;  // token row in tile
+            const float sc = row_scale[tr];
+            uint8_t* row = stage + (tr - half * kStageRows) * kPitch;
+            if (kGated) {
+              const float g = kPC ? acc[4 * i + c2] * sc * wsc[0] : acc[4 * i + c2] * sc;
+              const float u = kPC ? acc[4 * i + 2 + c2] * sc * wsc[1] : acc[4 * i + 2 + c2] * sc;
+              const float v = silu(g) * u;
+              const int oc = wg * 32 + 8 * warp + lane / 4;
               stage_store<kEpi>(row, oc, v, p.out_inv_scale);
+            } else {
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                float v = kPC ? acc[4 * i + 2 * h + c2] * sc * wsc[h] : acc[4 * i + 2 * h + c2] * sc;
+                if (kEpi != GemmEpilogue::kWeightedBF16) {
+                  v = fmaxf(v, 0.f);
+                  v = v * v;
+                }
+                const int oc = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+                stage_store<kEpi>(row, oc, v, p.out_inv_scale);
+              }
             }
           }
         }
-      }
       }
       asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
 
