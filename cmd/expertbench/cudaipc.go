@@ -30,7 +30,6 @@ func openGPU(lib string) (*cuda.Backend, error) {
 // free unregisters the region and frees the memory.
 func toCUDAIPC(ctx context.Context, c *client.Client, gpu *cuda.Backend, w int, reqs []*client.FusedMoERequest, cfg config, stderr io.Writer) (free func(), err error) {
 	const align = 256
-	slot := func(n int64) int64 { return alignUp(n, align) }
 	outBytes, size := slots(reqs, cfg, align)
 	var want []byte
 	if w == 0 {
@@ -61,22 +60,17 @@ func toCUDAIPC(ctx context.Context, c *client.Client, gpu *cuda.Backend, w int, 
 		c.UnregisterSharedMemory(ctx, name) //nolint:errcheck // the connection's end frees it too
 		mem.Free()
 	}
-	var off, out0 int64
-	for i, r := range reqs {
-		for _, t := range []*client.Tensor{&r.Hidden, &r.RouterLogits} {
-			n := int64(len(t.Data))
-			if err := mem.CopyIn(off, t.Data); err != nil {
-				free()
-				return nil, err
-			}
-			*t = client.Tensor{DType: t.DType, Shape: t.Shape, Shm: region.Ref(off, n)}
-			off += slot(n)
+	put := func(off int64, t *client.Tensor) error {
+		if err := mem.CopyIn(off, t.Data); err != nil {
+			return err
 		}
-		if i == 0 {
-			out0 = off
-		}
-		r.OutputShm = region.Ref(off, outBytes)
-		off += slot(outBytes)
+		*t = client.Tensor{DType: t.DType, Shape: t.Shape, Shm: region.Ref(off, int64(len(t.Data)))}
+		return nil
+	}
+	out0, err := place(reqs, region, outBytes, align, put)
+	if err != nil {
+		free()
+		return nil, err
 	}
 	if want != nil {
 		if _, err := c.FusedMoE(ctx, reqs[0]); err != nil {

@@ -18,7 +18,6 @@ const shmUsage = "pass hidden states and logits, and receive outputs, through PO
 // unregisters the region and releases the memory.
 func toSharedMemory(ctx context.Context, c *client.Client, w int, reqs []*client.FusedMoERequest, cfg config) (free func(), err error) {
 	const page = 4096
-	slot := func(n int64) int64 { return alignUp(n, page) }
 	outBytes, size := slots(reqs, cfg, page)
 	shm, err := client.CreateSharedMemory("", size)
 	if err != nil {
@@ -33,17 +32,13 @@ func toSharedMemory(ctx context.Context, c *client.Client, w int, reqs []*client
 	// Both processes hold a mapping now; nothing stays in /dev/shm if
 	// either dies.
 	shm.Unlink() //nolint:errcheck // Close unlinks again and reports
-	var off int64
-	for _, r := range reqs {
-		for _, t := range []*client.Tensor{&r.Hidden, &r.RouterLogits} {
-			if *t, err = region.Put(off, *t); err != nil {
-				shm.Close()
-				return nil, err
-			}
-			off += slot(int64(len(t.Data)))
-		}
-		r.OutputShm = region.Ref(off, outBytes)
-		off += slot(outBytes)
+	put := func(off int64, t *client.Tensor) (err error) {
+		*t, err = region.Put(off, *t)
+		return err
+	}
+	if _, err := place(reqs, region, outBytes, page, put); err != nil {
+		shm.Close()
+		return nil, err
 	}
 	return func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -54,6 +49,29 @@ func toSharedMemory(ctx context.Context, c *client.Client, w int, reqs []*client
 }
 
 func alignUp(n, align int64) int64 { return (n + align - 1) / align * align }
+
+// place lays worker requests out in a region as slots sizes it: for each
+// request its hidden states and logits, which put writes at their offsets
+// (and replaces with references), then its output's slot, which the
+// request's OutputShm points at. It returns the first output's offset.
+func place(reqs []*client.FusedMoERequest, region *client.Region, outBytes, align int64, put func(off int64, t *client.Tensor) error) (out0 int64, err error) {
+	var off int64
+	for i, r := range reqs {
+		for _, t := range []*client.Tensor{&r.Hidden, &r.RouterLogits} {
+			n := alignUp(int64(len(t.Data)), align)
+			if err := put(off, t); err != nil {
+				return 0, err
+			}
+			off += n
+		}
+		if i == 0 {
+			out0 = off
+		}
+		r.OutputShm = region.Ref(off, outBytes)
+		off += alignUp(outBytes, align)
+	}
+	return out0, nil
+}
 
 // slots sizes a region holding each request's hidden states, logits and
 // output in slots aligned to align bytes: the output's bytes and the
