@@ -729,10 +729,7 @@ cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
 // up channels) must lie in one scale block. EXPERTD_SM90_TOKA=0 turns it
 // off, to time the two layouts against each other.
 bool toka_ok(const MoeGemmArgs& a, bool gated) {
-  static const bool on = [] {
-    const char* v = std::getenv("EXPERTD_SM90_TOKA");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = switch_on("EXPERTD_SM90_TOKA");
   if (!on) return false;
   return gated ? a.block_n % 64 == 0 && a.n_out % 64 == 0 : a.block_n % 128 == 0;
 }

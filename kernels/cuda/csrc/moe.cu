@@ -345,10 +345,7 @@ bool sm90_ok(const Set& s) {
 // on the full DeepSeek-V3 layer at M=64); EXPERTD_SM90_BLOCK=0 keeps them
 // on the portable path (EXPERTD_GEMM_SM90 takes them either way).
 bool sm90_block_default() {
-  static const bool on = [] {
-    const char* v = std::getenv("EXPERTD_SM90_BLOCK");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = switch_on("EXPERTD_SM90_BLOCK");
   return on;
 }
 
@@ -356,10 +353,7 @@ bool sm90_block_default() {
 // launch (launch.cuh): on sm_90 and later unless EXPERTD_CUDA_PDL=0, which
 // is there to time the chain both ways.
 bool use_pdl(const Set& s) {
-  static const bool on = [] {
-    const char* v = std::getenv("EXPERTD_CUDA_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = switch_on("EXPERTD_CUDA_PDL");
   return on && s.cc_major >= 9;
 }
 

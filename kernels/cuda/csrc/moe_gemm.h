@@ -27,9 +27,18 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <cuda_runtime.h>
 
 namespace expertd {
+
+// switch_on reads a diagnostic switch from the environment: on unless it
+// is set to "0" (callers read it once and keep the answer).
+inline bool switch_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 
 // GemmEpilogue is what a GEMM does with its FP32 accumulators.
 enum class GemmEpilogue : int {
