@@ -3,54 +3,18 @@
 package cuda
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"sync"
-	"unsafe"
 
 	"github.com/ebitengine/purego"
 )
-
-// libName is the shared library scripts/cuda-build.sh produces.
-const libName = "libexpertd_cuda.so"
-
-// library is the loaded libexpertd_cuda.so: one Go function per C entry
-// point, bound with purego (no cgo). Calls go through Backend.call, which
-// keeps each on one thread (the library's error string is per thread).
-type library struct {
-	path string
-
-	abiVersion func() int32
-	init       func(device, streams int32) int32
-	deviceInfo func(device int32, buf *byte, n int32) int32
-	setCreate  func(device, e, k, n, act int32, w13, w2 *byte, s13 *float32, n13 int32,
-		s2 *float32, n2, blockN, blockK int32, a13, a2 float32, out *uint64) int32
-	setFree func(h uint64) int32
-	// moe's hidden, logits and out are addresses: of Go memory, of a
-	// host mapping, or of device memory (the library tells them apart).
-	moe func(h uint64, ip *int64, nip int32, fp *float32, nfp int32, hidden uintptr,
-		hiddenScale *float32, logits uintptr, bias *float32, idsIn *int32, wIn *float32,
-		out uintptr, idsOut *int32, wOut *float32, ms *float32) int32
-	hostRegister   func(device int32, p unsafe.Pointer, n uint64) int32
-	hostUnregister func(device int32, p unsafe.Pointer) int32
-	ipcOpen        func(device int32, handle *byte, n int32, ptr, bytes *uint64) int32
-	ipcClose       func(ptr uint64) int32
-	devAlloc       func(device int32, n uint64, ptr *uint64) int32
-	devFree        func(device int32, ptr uint64) int32
-	ipcExport      func(device int32, ptr uint64, handle *byte, n int32) int32
-	copyMem        func(device int32, dst, src, n uint64) int32
-	lastError      func() string
-}
 
 var (
 	libMu    sync.Mutex
 	libCache = map[string]*library{}
 )
-
-// errNoLibrary marks a library that is not there: backend=auto falls back.
-var errNoLibrary = errors.New("cuda: library not found")
 
 // findLibrary resolves the library path: configured, then
 // $EXPERTD_CUDA_LIB, then build/libexpertd_cuda.so next to the executable
