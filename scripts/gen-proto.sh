@@ -3,11 +3,11 @@
 # and lints the contract, with the buf
 # and protoc plugins pinned in tools/go.mod. Usage: scripts/gen-proto.sh
 set -euo pipefail
-cd "$(dirname "$0")/../proto"
-buf=(go tool -modfile=../tools/go.mod buf)
+cd "$(dirname "$0")/.."
+buf=(go tool -modfile=tools/go.mod buf)
 "${buf[@]}" lint
 "${buf[@]}" format --diff --exit-code
 "${buf[@]}" generate
 # The generated Go descriptors carry no comments; this descriptor set does,
 # so server reflection (grpcurl describe) can show the documentation.
-"${buf[@]}" build --exclude-imports --as-file-descriptor-set -o expertd/v1/expert.binpb
+"${buf[@]}" build --exclude-imports --as-file-descriptor-set -o proto/expertd/v1/expert.binpb
