@@ -47,7 +47,10 @@
 // LoadExperts and UnloadExperts never are, since repeating them is not
 // the same as doing them once. A lost connection is re-established with
 // backoff from 100 ms up to 2 s; WithWaitForReady makes calls wait for it
-// (up to their deadline) instead of failing with Unavailable.
+// (up to their deadline) instead of failing with Unavailable. The client
+// pings a connection quiet for 30 s (DefaultKeepaliveTime), within what
+// the daemon allows by default; WithKeepalive changes that for servers
+// or proxies with another policy.
 //
 // For a daemon with authorization, WithBearerToken sends a token on every
 // call; it needs WithTransportCredentials (TLS, or mutual TLS with a

@@ -260,6 +260,7 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 			recovery.StreamServerInterceptor(rec),
 		),
 	}
+	opts = append(opts, cfg.keepaliveOptions()...)
 	return grpc.NewServer(append(opts, extra...)...)
 }
 
