@@ -257,12 +257,6 @@ func (c *Client) callContext(ctx context.Context) (context.Context, context.Canc
 	return context.WithTimeout(ctx, c.opts.callTimeout)
 }
 
-// wrap names the method in an error while keeping its gRPC status, so
-// status.Code(err) still works on what the SDK returns.
-func wrap(method string, err error) error {
-	return fmt.Errorf("expertd %s: %w", method, err)
-}
-
 // invalid is a request the client refuses before sending: the same code
 // the server would answer with.
 func invalid(method string, err error) error {
@@ -270,7 +264,9 @@ func invalid(method string, err error) error {
 }
 
 // FusedMoE runs one MoE layer on the server. It is retried on Unavailable
-// (it has no side effects); the context's deadline bounds all attempts.
+// (it has no side effects), and on ResourceExhausted when the server says
+// when to retry (google.rpc.RetryInfo: a full queue), up to the client's
+// attempts; the context's deadline bounds all attempts.
 func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoEResult, error) {
 	p, err := req.proto()
 	if err != nil {
@@ -278,9 +274,15 @@ func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoER
 	}
 	ctx, cancel := c.callContext(ctx)
 	defer cancel()
-	resp, err := c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
-	if err != nil && c.reregister(ctx, err) {
+	var resp *pb.FusedMoEResponse
+	for attempt := 1; ; attempt++ {
 		resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+		if err != nil && c.reregister(ctx, err) {
+			resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+		}
+		if err == nil || attempt >= c.opts.maxAttempts || status.Code(err) != codes.ResourceExhausted || !retryAfter(ctx, err) {
+			break
+		}
 	}
 	if err != nil {
 		return nil, wrap("FusedMoE", err)

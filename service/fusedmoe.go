@@ -256,6 +256,8 @@ func (s *Server) compute(ctx context.Context, loaded kernels.Loaded, req *kernel
 // cannot leak it and wedge every later call.
 func (s *Server) run(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
 	defer func() { <-s.slots }()
+	start := time.Now()
+	defer func() { s.noteCall(time.Since(start)) }()
 	defer func() {
 		// A panic counts as a backend fault; the middleware still turns
 		// it into Internal.

@@ -88,8 +88,11 @@ type Server struct {
 	slots chan struct{}
 	// queued counts calls waiting for a slot, bounded by cfg.MaxQueued.
 	queued atomic.Int64
-	faults faults
-	shm    *shmTable
+	// callNanos is a moving average of a backend call's wall time, which
+	// sizes the retry delay of a call refused by a full queue.
+	callNanos atomic.Int64
+	faults    faults
+	shm       *shmTable
 	// batch merges compatible calls; nil when batching is off.
 	batch *batcher
 	// outputs recycles unbatched calls' output buffers (codec.Pool).
@@ -226,7 +229,7 @@ func (s *Server) acquireSlot(ctx context.Context) error {
 	}
 	if n := s.queued.Add(1); n > int64(s.cfg.MaxQueued) {
 		s.queued.Add(-1)
-		return exhaustedf("", "server busy: %d calls running, %d queued (max queued %d); retry with backoff",
+		return limitf("", "max-queued", int64(s.cfg.MaxQueued), s.busyRetry(), "server busy: %d calls running, %d queued (max queued %d); retry with backoff",
 			len(s.slots), n-1, s.cfg.MaxQueued)
 	}
 	defer s.queued.Add(-1)
@@ -236,6 +239,29 @@ func (s *Server) acquireSlot(ctx context.Context) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// Bounds of the retry delay a full queue answers with: below a millisecond
+// a retry would only meet the same queue; beyond a second the caller is
+// better served by another replica.
+const (
+	minBusyRetry = time.Millisecond
+	maxBusyRetry = time.Second
+)
+
+// busyRetry is how long a call refused by a full queue should wait before
+// it is tried again: about one backend call, by when each running call has
+// finished once and the queue has moved by MaxConcurrent places.
+func (s *Server) busyRetry() time.Duration {
+	return min(max(time.Duration(s.callNanos.Load()), minBusyRetry), maxBusyRetry)
+}
+
+// noteCall adds one backend call's wall time to the moving average (weight
+// 1/8: a few calls follow a change of load). Racing updates may lose one
+// sample, which an average tolerates.
+func (s *Server) noteCall(d time.Duration) {
+	old := s.callNanos.Load()
+	s.callNanos.Store(old + (d.Nanoseconds()-old)/8)
 }
 
 // Queued is the number of FusedMoE calls waiting for an execution slot.
