@@ -88,15 +88,16 @@ type Server struct {
 	slots chan struct{}
 	// queued counts calls waiting for a slot, bounded by cfg.MaxQueued.
 	queued atomic.Int64
-	// callNanos is a moving average of a backend call's wall time, which
-	// sizes the retry delay of a call refused by a full queue.
-	callNanos atomic.Int64
-	faults    faults
-	shm       *shmTable
+	faults faults
+	shm    *shmTable
 	// batch merges compatible calls; nil when batching is off.
 	batch *batcher
 	// outputs recycles unbatched calls' output buffers (codec.Pool).
 	outputs codec.Pool
+
+	// callNanos is a moving average of a backend call's wall time, which
+	// sizes the retry delay of a call refused by a full queue.
+	callNanos atomic.Int64
 
 	mu       sync.Mutex
 	draining bool
