@@ -169,19 +169,22 @@ func serviceTracer(tp trace.TracerProvider) trace.Tracer {
 }
 
 // callLevel is the log level of a finished call by its code. A call that
-// succeeded is debug (thousands a second are routine); a caller's own
+// succeeded is debug (thousands a second are routine). A caller's own
 // mistake (a malformed request, an unknown set or method, a cancelled
-// call) is info, visible at the default level without being an alert; a
-// refusal an operator may have to act on (overload, deadlines, denied
-// credentials, draining) is warn; a fault of the server is error.
+// call) and a busy refusal (ResourceExhausted: backpressure that callers
+// retry, which under overload comes at the rate of calls and is counted
+// by code in rpc_server_call_duration_seconds) are info, visible at the
+// default level and silent at warn. What an operator may have to act on
+// (deadlines missed, denied credentials, draining) is warn; a fault of the
+// server is error.
 func callLevel(code codes.Code) logging.Level {
 	switch code {
 	case codes.OK:
 		return logging.LevelDebug
 	case codes.Canceled, codes.InvalidArgument, codes.NotFound, codes.AlreadyExists, codes.FailedPrecondition,
-		codes.OutOfRange, codes.Unimplemented:
+		codes.OutOfRange, codes.Unimplemented, codes.ResourceExhausted:
 		return logging.LevelInfo
-	case codes.DeadlineExceeded, codes.ResourceExhausted, codes.Unavailable, codes.Aborted,
+	case codes.DeadlineExceeded, codes.Unavailable, codes.Aborted,
 		codes.Unauthenticated, codes.PermissionDenied:
 		return logging.LevelWarn
 	default: // Unknown, Internal, DataLoss

@@ -396,15 +396,15 @@ func callLines(t *testing.T, logs string, method string) []string {
 }
 
 // TestCallLogLevels checks calls are logged once, when they finish, at the
-// level of their code: nothing at info for a successful call, the caller's
-// mistakes at info, refusals at warn.
+// level of their code: nothing at info for a successful call; the
+// caller's mistakes and busy refusals at info.
 func TestCallLogLevels(t *testing.T) {
 	tests := []struct {
 		level string
 		want  []string
 	}{
-		{"info", []string{"finished call INFO InvalidArgument", "finished call WARN ResourceExhausted"}},
-		{"debug", []string{"finished call DEBUG OK", "finished call INFO InvalidArgument", "finished call WARN ResourceExhausted"}},
+		{"info", []string{"finished call INFO InvalidArgument", "finished call INFO ResourceExhausted"}},
+		{"debug", []string{"finished call DEBUG OK", "finished call INFO InvalidArgument", "finished call INFO ResourceExhausted"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.level, func(t *testing.T) {
