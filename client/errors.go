@@ -37,10 +37,8 @@ func (e *Error) Code() codes.Code { return status.Code(e.Err) }
 // "weights.w13_scale", Description what is wrong with it.
 func (e *Error) FieldViolations() []*errdetails.BadRequest_FieldViolation {
 	var vs []*errdetails.BadRequest_FieldViolation
-	for _, d := range status.Convert(e.Err).Details() {
-		if br, ok := d.(*errdetails.BadRequest); ok {
-			vs = append(vs, br.GetFieldViolations()...)
-		}
+	for _, br := range detailsOf[*errdetails.BadRequest](e) {
+		vs = append(vs, br.GetFieldViolations()...)
 	}
 	return vs
 }
@@ -59,10 +57,8 @@ func (e *Error) Field() string {
 // "regions-per-connection"), QuotaValue its value.
 func (e *Error) QuotaViolations() []*errdetails.QuotaFailure_Violation {
 	var vs []*errdetails.QuotaFailure_Violation
-	for _, d := range status.Convert(e.Err).Details() {
-		if qf, ok := d.(*errdetails.QuotaFailure); ok {
-			vs = append(vs, qf.GetViolations()...)
-		}
+	for _, qf := range detailsOf[*errdetails.QuotaFailure](e) {
+		vs = append(vs, qf.GetViolations()...)
 	}
 	return vs
 }
@@ -72,12 +68,23 @@ func (e *Error) QuotaViolations() []*errdetails.QuotaFailure_Violation {
 // full queue does; a call over a fixed limit does not, since it would
 // fail again.
 func (e *Error) RetryDelay() (time.Duration, bool) {
-	for _, d := range status.Convert(e.Err).Details() {
-		if ri, ok := d.(*errdetails.RetryInfo); ok && ri.GetRetryDelay() != nil {
+	for _, ri := range detailsOf[*errdetails.RetryInfo](e) {
+		if ri.GetRetryDelay() != nil {
 			return max(ri.GetRetryDelay().AsDuration(), 0), true
 		}
 	}
 	return 0, false
+}
+
+// detailsOf are the details of e's status of type T.
+func detailsOf[T any](e *Error) []T {
+	var out []T
+	for _, d := range status.Convert(e.Err).Details() {
+		if v, ok := d.(T); ok {
+			out = append(out, v)
+		}
+	}
+	return out
 }
 
 // wrap names the method in an error while keeping its gRPC status, so

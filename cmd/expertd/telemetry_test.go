@@ -219,6 +219,27 @@ func scrape(t *testing.T, admin string) map[string]*dto.MetricFamily {
 	return fams
 }
 
+// servedMetrics starts a daemon, loads a set "layer0", makes one call on
+// it (batched) and one with inline weights, and scrapes /metrics.
+func servedMetrics(t *testing.T) map[string]*dto.MetricFamily {
+	t.Helper()
+	addrs, _ := startDaemonAddrs(t, "-admin-addr", "127.0.0.1:0")
+	rng := mrand.New(mrand.NewPCG(uint64(time.Now().UnixNano()), 12))
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+	c := sdkClient(t, addrs.grpc)
+	if _, err := c.LoadExperts(ctx, "layer0", testWeights(rng)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.FusedMoE(ctx, namedRequest(rng, "layer0")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.RPC().FusedMoE(ctx, inlineRequest(rng)); err != nil {
+		t.Fatal(err)
+	}
+	return scrape(t, addrs.admin)
+}
+
 // labels is m's labels as a map.
 func labels(m *dto.Metric) map[string]string {
 	l := map[string]string{}
@@ -257,21 +278,7 @@ func bounds(t *testing.T, fams map[string]*dto.MetricFamily, name string, want m
 // expertd_build_info, the backend fault gauge, and target_info naming the
 // service.
 func TestMetricsExport(t *testing.T) {
-	addrs, _ := startDaemonAddrs(t, "-admin-addr", "127.0.0.1:0")
-	rng := mrand.New(mrand.NewPCG(uint64(time.Now().UnixNano()), 12))
-	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
-	defer cancel()
-	c := sdkClient(t, addrs.grpc)
-	if _, err := c.LoadExperts(ctx, "layer0", testWeights(rng)); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.FusedMoE(ctx, namedRequest(rng, "layer0")); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.RPC().FusedMoE(ctx, inlineRequest(rng)); err != nil {
-		t.Fatal(err)
-	}
-	fams := scrape(t, addrs.admin)
+	fams := servedMetrics(t)
 
 	for _, h := range []struct {
 		name   string
@@ -344,18 +351,7 @@ func TestDashboardMetrics(t *testing.T) {
 		t.Fatalf("dashboard has %d queries, want a panel per concern", len(exprs))
 	}
 
-	addrs, _ := startDaemonAddrs(t, "-admin-addr", "127.0.0.1:0")
-	rng := mrand.New(mrand.NewPCG(uint64(time.Now().UnixNano()), 13))
-	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
-	defer cancel()
-	c := sdkClient(t, addrs.grpc)
-	if _, err := c.LoadExperts(ctx, "layer0", testWeights(rng)); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.FusedMoE(ctx, namedRequest(rng, "layer0")); err != nil {
-		t.Fatal(err)
-	}
-	fams := scrape(t, addrs.admin)
+	fams := servedMetrics(t)
 	// Counters of failures exist once one has happened.
 	onFailure := map[string]bool{"expertd_backend_errors_total": true}
 	name := regexp.MustCompile(`\b(expertd_[a-z0-9_]+|rpc_server_[a-z0-9_]+|target_info)\b`)
