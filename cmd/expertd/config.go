@@ -230,7 +230,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	duration(&c.KeepaliveMinTime, "keepalive-min-time", defaultKeepaliveMinTime, "shortest client ping interval allowed; a client pinging more often gets GOAWAY too_many_pings")
 	duration(&c.KeepaliveTime, "keepalive-time", defaultKeepaliveTime, "ping a connection idle this long")
 	duration(&c.KeepaliveTimeout, "keepalive-timeout", defaultKeepaliveTimeout, "close a connection whose ping is not answered within this")
-	duration(&c.MaxConnectionAge, "max-connection-age", defaultMaxConnectionAge, "send GOAWAY to a connection this old (±10% jitter) so clients rebalance over replicas; 0 never ages connections")
+	duration(&c.MaxConnectionAge, "max-connection-age", defaultMaxConnectionAge, "send GOAWAY to a connection this old (±10% jitter) so clients rebalance over replicas; 0 never ages connections; with -shared-memory the default is 0")
 	duration(&c.MaxConnectionAgeGrace, "max-connection-age-grace", defaultMaxConnectionGrace, "how long calls in flight on an aged connection have to finish; 0 waits for them without limit")
 
 	if err := errors.Join(envErrs...); err != nil {
@@ -250,7 +250,17 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = messageBytesFor(c.MaxTokens)
 	}
+	if c.SharedMemory && !flagSet(fs, "max-connection-age") && getenv(envName("max-connection-age")) == "" {
+		c.MaxConnectionAge = 0 // see defaultMaxConnectionAge
+	}
 	return c, c.validate()
+}
+
+// flagSet reports whether the command line set flag name.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }
 
 // envName is the environment variable of a flag: -max-tokens is

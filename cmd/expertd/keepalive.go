@@ -14,7 +14,10 @@ import (
 // as grpc-go recommends for servers behind an L4 load balancer (a
 // Kubernetes Service): clients reconnect every half hour or so (grpc-go
 // adds ±10% jitter) and so spread over new replicas, and the grace lets
-// calls and streams in flight finish instead of being cut.
+// calls and streams in flight finish instead of being cut. With
+// -shared-memory connections are not aged unless asked: a connection's
+// regions close with it, and a caller that unlinked its object cannot
+// register it again.
 const (
 	defaultKeepaliveMinTime   = 10 * time.Second
 	defaultKeepaliveTime      = time.Minute
