@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/codec"
@@ -36,6 +37,15 @@ const (
 	// gives up after about 2 s (measured in e2e), which covers most of a
 	// restart; WithWaitForReady waits longer.
 	DefaultMaxAttempts = 5
+	// DefaultKeepaliveTime is how long a connection may be quiet before
+	// the client pings it, and DefaultKeepaliveTimeout how long it waits
+	// for the answer before it reconnects. The interval is three times
+	// the daemon's enforcement minimum (-keepalive-min-time, default
+	// 10 s), so the daemon never answers GOAWAY too_many_pings; a dead
+	// server or a middlebox that dropped the flow is found within about
+	// 40 s rather than by the next call.
+	DefaultKeepaliveTime    = 30 * time.Second
+	DefaultKeepaliveTimeout = 10 * time.Second
 	// retryBufferBytes is how much of a FusedMoE request gRPC keeps for a
 	// retry; larger requests are not retried once sent. It covers M = 8192
 	// BF16 hidden states at K = 2048 with logits.
@@ -69,6 +79,7 @@ type options struct {
 	waitReady   bool
 	dialOpts    []grpc.DialOption
 	token       string
+	keepalive   keepalive.ClientParameters
 }
 
 // Option configures Dial.
@@ -115,6 +126,18 @@ var reconnect = grpc.ConnectParams{
 	MinConnectTimeout: 5 * time.Second,
 }
 
+// WithKeepalive replaces the client's keepalive parameters (by default a
+// ping after DefaultKeepaliveTime of quiet, also on idle connections,
+// answered within DefaultKeepaliveTimeout). A server enforces a minimum
+// interval (expertd's -keepalive-min-time; grpc-go's default is 5
+// minutes, without pings on idle connections) and closes the connection
+// of a client pinging more often with GOAWAY too_many_pings, so p.Time
+// must not be below it. A zero Time turns keepalive pings off; grpc-go
+// raises a Time below 10 s to 10 s.
+func WithKeepalive(p keepalive.ClientParameters) Option {
+	return func(o *options) { o.keepalive = p }
+}
+
 // WithDialOptions passes extra options to grpc.NewClient, for example
 // grpc.WithContextDialer for an in-memory listener.
 func WithDialOptions(opts ...grpc.DialOption) Option {
@@ -154,6 +177,7 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
 		maxMsg:      DefaultMaxMessageBytes,
 		chunkBytes:  DefaultChunkBytes,
 		maxAttempts: DefaultMaxAttempts,
+		keepalive:   keepalive.ClientParameters{Time: DefaultKeepaliveTime, Timeout: DefaultKeepaliveTimeout, PermitWithoutStream: true},
 	}
 	for _, opt := range opts {
 		opt(&o)
@@ -184,6 +208,11 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
 		grpc.WithDisableServiceConfig(),
 		grpc.WithDefaultServiceConfig(retryServiceConfig(o.maxAttempts)),
 	}, o.dialOpts...)
+	if o.keepalive.Time > 0 {
+		// grpc-go would raise a zero Time to its 10 s minimum rather than
+		// read it as off.
+		dialOpts = append(dialOpts, grpc.WithKeepaliveParams(o.keepalive))
+	}
 	if o.maxAttempts < 2 {
 		dialOpts = append(dialOpts, grpc.WithDisableRetry())
 	} else {
@@ -228,12 +257,6 @@ func (c *Client) callContext(ctx context.Context) (context.Context, context.Canc
 	return context.WithTimeout(ctx, c.opts.callTimeout)
 }
 
-// wrap names the method in an error while keeping its gRPC status, so
-// status.Code(err) still works on what the SDK returns.
-func wrap(method string, err error) error {
-	return fmt.Errorf("expertd %s: %w", method, err)
-}
-
 // invalid is a request the client refuses before sending: the same code
 // the server would answer with.
 func invalid(method string, err error) error {
@@ -241,7 +264,9 @@ func invalid(method string, err error) error {
 }
 
 // FusedMoE runs one MoE layer on the server. It is retried on Unavailable
-// (it has no side effects); the context's deadline bounds all attempts.
+// (it has no side effects), and on ResourceExhausted when the server says
+// when to retry (google.rpc.RetryInfo: a full queue), up to the client's
+// attempts; the context's deadline bounds all attempts.
 func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoEResult, error) {
 	p, err := req.proto()
 	if err != nil {
@@ -249,9 +274,15 @@ func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoER
 	}
 	ctx, cancel := c.callContext(ctx)
 	defer cancel()
-	resp, err := c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
-	if err != nil && c.reregister(ctx, err) {
+	var resp *pb.FusedMoEResponse
+	for attempt := 1; ; attempt++ {
 		resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+		if err != nil && c.reregister(ctx, err) {
+			resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+		}
+		if err == nil || attempt >= c.opts.maxAttempts || status.Code(err) != codes.ResourceExhausted || !retryAfter(ctx, err) {
+			break
+		}
 	}
 	if err != nil {
 		return nil, wrap("FusedMoE", err)

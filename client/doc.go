@@ -37,7 +37,11 @@
 // Errors carry the server's gRPC status (status.Code(err) is
 // InvalidArgument, NotFound, ResourceExhausted, Unavailable, ...); the
 // client refuses a malformed tensor itself with InvalidArgument before
-// sending it.
+// sending it. A failed call's error is an *Error (errors.As), whose Field,
+// QuotaViolations and RetryDelay read the status's AIP-193 details: the
+// request field an InvalidArgument names, the limit a ResourceExhausted
+// hit, and when to retry a full queue. FusedMoE waits that long and
+// retries, within its attempts and the context's deadline.
 //
 // Defaults: plaintext (the daemon listens on loopback), 1 GiB messages,
 // 2 MiB upload chunks, no call timeout beyond the context's
@@ -47,7 +51,10 @@
 // LoadExperts and UnloadExperts never are, since repeating them is not
 // the same as doing them once. A lost connection is re-established with
 // backoff from 100 ms up to 2 s; WithWaitForReady makes calls wait for it
-// (up to their deadline) instead of failing with Unavailable.
+// (up to their deadline) instead of failing with Unavailable. The client
+// pings a connection quiet for 30 s (DefaultKeepaliveTime), within what
+// the daemon allows by default; WithKeepalive changes that for servers
+// or proxies with another policy.
 //
 // For a daemon with authorization, WithBearerToken sends a token on every
 // call; it needs WithTransportCredentials (TLS, or mutual TLS with a

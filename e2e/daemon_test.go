@@ -110,7 +110,9 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 	t.Helper()
 	bin := daemonBinary(t)
 	args := append([]string{"-listen", "127.0.0.1:0", "-admin-addr", "", "-backend", "cpu",
-		"-log-format", "json", "-max-tokens", "512", "-max-concurrent", "2"}, extra...)
+		// debug: restart_test counts the calls' "finished call" lines,
+		// which successful calls log at debug level.
+		"-log-format", "json", "-log-level", "debug", "-max-tokens", "512", "-max-concurrent", "2"}, extra...)
 	cmd := exec.Command(bin, args...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {

@@ -47,6 +47,12 @@ for m in ${TOKENS:-1 16 256 1024}; do
 		bench -m "$m" -c 1 -duration "$dur" $flag 2>&1 | tee "$out/svc-$m-$mode.txt" | tail -25
 	done
 done
+# What Prometheus would see of those calls: the sub-millisecond buckets of
+# the RPC, kernel and queue histograms, and the build.
+curl -sf "http://127.0.0.1:$admin/metrics" > "$out/metrics.txt" || echo "scraping /metrics failed"
+grep -E '^expertd_build_info|^(rpc_server_call_duration_seconds|expertd_(kernel|queue)_duration_seconds)_bucket.*le="(5e-05|0\.0001|0\.0002|0\.0005|0\.001)"' "$out/metrics.txt" |
+	grep -E 'FusedMoE"|expert_set|build_info' | sed -E 's/otel_scope_[a-z_]+="[^"]*",?//g'
+echo "per-call log lines at -log-level info: $(grep -c 'finished call' "$out/daemon.log")"
 kill "$daemon"; wait "$daemon" 2>/dev/null
 
 # Overlap across concurrent calls: 4 callers x M=256 with batching off (so

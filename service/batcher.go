@@ -226,6 +226,8 @@ type member struct {
 	err  error
 	// queued is when the backend call started.
 	queued time.Time
+	// calls and tokens are the size of the backend call it ran in.
+	calls, tokens int
 }
 
 // start lets b run and counts it as running in its key's busy state
@@ -249,11 +251,19 @@ func (bt *batcher) start(b *batch) {
 
 // do runs req as part of a batch and returns its share of the result and
 // when the backend call started. e must stay acquired until do returns.
+//
+// The batch's own queue and kernel spans are children of the batch span of
+// the call that opened it.
 func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*kernels.Result, time.Time, error) {
+	ctx, span := bt.s.startSpan(ctx, spanBatch)
+	defer span.End()
 	m := &member{req: req, done: make(chan struct{})}
 	b := bt.join(ctx, keyOf(e, req), m)
 	select {
 	case <-m.done:
+		setAttrs(span, func() []attribute.KeyValue {
+			return []attribute.KeyValue{attribute.Int("expertd.batch.calls", m.calls), attribute.Int("expertd.batch.tokens", m.tokens)}
+		})
 		return m.res, m.queued, m.err
 	case <-ctx.Done():
 		bt.leave(b, m)
@@ -371,7 +381,9 @@ func (bt *batcher) dispatch(b *batch) {
 	defer bt.finish(b)
 	var err error
 	if bt.await(b) {
+		_, span := s.startSpan(b.ctx, spanQueue)
 		err = s.acquireSlot(b.ctx)
+		span.End()
 	} else {
 		err = b.ctx.Err()
 	}
@@ -413,10 +425,11 @@ func (bt *batcher) dispatch(b *batch) {
 	s.batchCalls.Record(b.ctx, int64(len(members)), attrs)
 	s.batchTokens.Record(b.ctx, int64(req.M()), attrs)
 	loaded := b.key.set.loaded
-	res, err := bt.compute(b.ctx, loaded, req)
+	res, err := bt.compute(b.ctx, b.key.set.info.GetName(), loaded, req)
 	if err != nil {
 		for _, m := range members {
 			m.queued, m.err = queued, err
+			m.calls, m.tokens = len(members), req.M()
 			close(m.done)
 		}
 		return
@@ -424,6 +437,7 @@ func (bt *batcher) dispatch(b *batch) {
 	splitResult(res, members, req.M(), req.Hidden.Shape[1]*req.OutDType.Size())
 	for _, m := range members {
 		m.queued = queued
+		m.calls, m.tokens = len(members), req.M()
 		close(m.done)
 	}
 }
@@ -515,14 +529,14 @@ func (bt *batcher) finish(b *batch) {
 // counted as a fault by run) becomes an error for every caller: the
 // daemon's recovery middleware does not see this goroutine, and one bad
 // call must not take the daemon down.
-func (bt *batcher) compute(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (res *kernels.Result, err error) {
+func (bt *batcher) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (res *kernels.Result, err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			bt.s.log.ErrorContext(ctx, "backend panicked in a batched call", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
 			res, err = nil, fmt.Errorf("backend %s panicked: %v", bt.s.backend.Name(), p)
 		}
 	}()
-	return bt.s.compute(ctx, loaded, req)
+	return bt.s.compute(ctx, setLabel, loaded, req)
 }
 
 // mergeRequests is one request with every member's tokens in member order.

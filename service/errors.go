@@ -5,9 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/protoadapt"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/expertd/expertd/kernels"
 )
@@ -19,6 +23,13 @@ type requestError struct {
 	code  codes.Code
 	field string
 	msg   string
+	// quota names the daemon flag of the limit a ResourceExhausted error
+	// hit, and limit is its value; empty for none.
+	quota string
+	limit int64
+	// retry > 0 is how long the caller should wait before the same call
+	// may succeed; 0 means retrying it will not help.
+	retry time.Duration
 }
 
 func (e *requestError) Error() string {
@@ -36,6 +47,47 @@ func invalidf(field, format string, args ...any) error {
 // exhaustedf reports a request over a configured limit.
 func exhaustedf(field, format string, args ...any) error {
 	return &requestError{code: codes.ResourceExhausted, field: field, msg: fmt.Sprintf(format, args...)}
+}
+
+// limitf reports a request over the limit set by the daemon's flag quota
+// (of value limit). retry > 0 says the same call may succeed after that
+// delay; 0 says it will not until the caller changes it or something
+// else changes on the server.
+func limitf(field, quota string, limit int64, retry time.Duration, format string, args ...any) error {
+	return &requestError{code: codes.ResourceExhausted, field: field, msg: fmt.Sprintf(format, args...), quota: quota, limit: limit, retry: retry}
+}
+
+// status is e as a gRPC status with AIP-193 details, so callers act on it
+// without parsing the message: google.rpc.BadRequest naming the field of
+// an InvalidArgument, google.rpc.QuotaFailure naming the limit and
+// google.rpc.RetryInfo with the delay of a ResourceExhausted.
+func (e *requestError) status() error {
+	st := status.New(e.code, e.Error())
+	var details []protoadapt.MessageV1
+	if e.code == codes.InvalidArgument && e.field != "" {
+		details = append(details, &errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{
+			Field: e.field, Description: e.msg,
+		}}})
+	}
+	if e.quota != "" {
+		subject := e.field
+		if subject == "" {
+			subject = "server"
+		}
+		details = append(details, &errdetails.QuotaFailure{Violations: []*errdetails.QuotaFailure_Violation{{
+			Subject: subject, Description: e.msg, QuotaId: e.quota, QuotaValue: e.limit,
+		}}})
+	}
+	if e.retry > 0 {
+		details = append(details, &errdetails.RetryInfo{RetryDelay: durationpb.New(e.retry)})
+	}
+	if len(details) == 0 {
+		return st.Err()
+	}
+	if wd, err := st.WithDetails(details...); err == nil {
+		st = wd
+	}
+	return st.Err()
 }
 
 // codedf reports any other caller-visible condition (NotFound,
@@ -57,7 +109,7 @@ func (s *Server) toStatus(ctx context.Context, method string, err error) error {
 	var re *requestError
 	switch {
 	case errors.As(err, &re):
-		return status.Error(re.code, re.Error())
+		return re.status()
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return status.FromContextError(err).Err()
 	case errors.Is(err, kernels.ErrUnsupported):

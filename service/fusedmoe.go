@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc"
 
@@ -110,11 +111,13 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	defer sh.release()
 
 	var (
-		// ent is the named set's registry entry, nil for inline weights.
-		ent    *entry
-		loaded kernels.Loaded
-		set    *kernels.ExpertSet
-		kreq   *kernels.Request
+		// ent is the named set's registry entry, nil for inline weights;
+		// setLabel is the set's expert_set label.
+		ent      *entry
+		setLabel = inlineLabel
+		loaded   kernels.Loaded
+		set      *kernels.ExpertSet
+		kreq     *kernels.Request
 		// decoded is when validation ended; loadNanos is an inline set's
 		// Load, reported as host-to-device time.
 		decoded   time.Time
@@ -126,6 +129,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 			return nil, nil, err
 		}
 		defer s.reg.done(ent)
+		setLabel = ex.ExpertSet
 		loaded, set = ent.loaded, ent.loaded.Set()
 		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}, sh.devices()); err != nil {
 			return nil, nil, err
@@ -181,9 +185,14 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	}
 	if ent != nil && s.batch.accepts(kreq) {
 		res, queued, err = s.batch.do(ctx, ent, kreq)
-	} else if err = s.acquireSlot(ctx); err == nil {
-		queued = time.Now()
-		res, err = s.compute(ctx, loaded, kreq)
+	} else {
+		_, span := s.startSpan(ctx, spanQueue)
+		err = s.acquireSlot(ctx)
+		span.End()
+		if err == nil {
+			queued = time.Now()
+			res, err = s.compute(ctx, setLabel, loaded, kreq)
+		}
 	}
 	if pooled && err == nil {
 		out = kreq.Out
@@ -200,7 +209,8 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	}
 	m, k := int64(kreq.M()), int64(set.K)
 	topk := int64(kreq.Routing.TopK)
-	s.tokens.Add(ctx, m, metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String())))
+	s.tokens.Add(ctx, m, metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String()),
+		attribute.String("expert_set", setLabel)))
 
 	resp = &pb.FusedMoEResponse{
 		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
@@ -222,16 +232,25 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		KernelNanos: res.KernelNanos,
 		TotalNanos:  time.Since(start).Nanoseconds(),
 	}
+	s.queueTime.Record(ctx, float64(resp.Timings.QueueNanos)/1e9, metric.WithAttributes(
+		attribute.String("backend", s.backend.Name()), attribute.String("expert_set", setLabel)))
 	return resp, out, nil
 }
 
 // compute is one backend call on req, made holding an execution slot,
 // which it releases. It checks the result's sizes and records the call's
-// outcome and kernel time, once per backend call however many FusedMoE
-// calls a batch merged into it.
-func (s *Server) compute(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+// outcome and kernel time (labelled with setLabel), once per backend call
+// however many FusedMoE calls a batch merged into it.
+func (s *Server) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	ctx, span := s.startSpan(ctx, spanKernel)
+	defer span.End()
+	setAttrs(span, func() []attribute.KeyValue {
+		return []attribute.KeyValue{attribute.String("expertd.backend", s.backend.Name()), attribute.String("expertd.expert_set", setLabel),
+			attribute.Int("expertd.tokens", req.M())}
+	})
 	res, err := s.run(ctx, loaded, req)
 	if err != nil {
+		span.SetStatus(codes.Error, err.Error())
 		return nil, s.backendDone(ctx, "fused_moe", err)
 	}
 	set := loaded.Set()
@@ -247,7 +266,8 @@ func (s *Server) compute(ctx context.Context, loaded kernels.Loaded, req *kernel
 	}
 	s.backendDone(ctx, "fused_moe", nil) //nolint:errcheck // nil in, nil out
 	s.kernelTime.Record(ctx, float64(res.KernelNanos)/1e9, metric.WithAttributes(
-		attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String())))
+		attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String()),
+		attribute.String("expert_set", setLabel)))
 	return res, nil
 }
 
@@ -256,6 +276,8 @@ func (s *Server) compute(ctx context.Context, loaded kernels.Loaded, req *kernel
 // cannot leak it and wedge every later call.
 func (s *Server) run(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
 	defer func() { <-s.slots }()
+	start := time.Now()
+	defer func() { s.noteCall(time.Since(start)) }()
 	defer func() {
 		// A panic counts as a backend fault; the middleware still turns
 		// it into Internal.

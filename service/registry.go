@@ -47,7 +47,7 @@ func (r *registry) reserve(field string, n int64) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.limit > 0 && r.used+n > r.limit {
-		return exhaustedf(field, "%d bytes would exceed the server's max loaded bytes (%d of %d in use); unload a set first", n, r.used, r.limit)
+		return limitf(field, "max-loaded-bytes", r.limit, 0, "%d bytes would exceed the server's max loaded bytes (%d of %d in use); unload a set first", n, r.used, r.limit)
 	}
 	r.used += n
 	return nil

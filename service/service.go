@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/metric/noop"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 
 	"github.com/expertd/expertd/codec"
@@ -63,6 +64,11 @@ type Config struct {
 	BatchMaxTokens int
 	// Meter records the service's own instruments; nil records nothing.
 	Meter metric.Meter
+	// Tracer, when set, records child spans of each FusedMoE call's RPC
+	// span: the wait for an execution slot (expertd.queue), a merged
+	// batch (expertd.batch) and the backend call (expertd.kernel). nil
+	// records none at no cost.
+	Tracer trace.Tracer
 	// SharedMemory serves RegisterSharedMemory and tensors in shared
 	// memory (shm.go) to callers on this host: POSIX objects, and CUDA
 	// IPC device memory when the backend is an IPCOpener. It needs the
@@ -95,6 +101,10 @@ type Server struct {
 	// outputs recycles unbatched calls' output buffers (codec.Pool).
 	outputs codec.Pool
 
+	// callNanos is a moving average of a backend call's wall time, which
+	// sizes the retry delay of a call refused by a full queue.
+	callNanos atomic.Int64
+
 	mu       sync.Mutex
 	draining bool
 	inflight sync.WaitGroup
@@ -102,6 +112,7 @@ type Server struct {
 	tokens      metric.Int64Counter
 	queuedCalls metric.Int64ObservableGauge
 	kernelTime  metric.Float64Histogram
+	queueTime   metric.Float64Histogram
 	loadedBytes metric.Int64ObservableGauge
 	batchCalls  metric.Int64Histogram
 	batchTokens metric.Int64Histogram
@@ -163,9 +174,16 @@ func (s *Server) initMetrics(m metric.Meter) {
 	if s.kernelTime, err = m.Float64Histogram("expertd.kernel.duration",
 		metric.WithDescription("Backend compute time of one FusedMoE call."),
 		metric.WithUnit("s"),
-		metric.WithExplicitBucketBoundaries(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10)); err != nil {
+		metric.WithExplicitBucketBoundaries(LatencyBuckets...)); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.kernel.duration"), slog.Any("err", err))
 		s.kernelTime, _ = noop.NewMeterProvider().Meter("").Float64Histogram("")
+	}
+	if s.queueTime, err = m.Float64Histogram("expertd.queue.duration",
+		metric.WithDescription("Time a FusedMoE call waits, after validation, for an execution slot or for its merged batch to start."),
+		metric.WithUnit("s"),
+		metric.WithExplicitBucketBoundaries(LatencyBuckets...)); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.queue.duration"), slog.Any("err", err))
+		s.queueTime, _ = noop.NewMeterProvider().Meter("").Float64Histogram("")
 	}
 	sizes := metric.WithExplicitBucketBoundaries(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 	if s.batchCalls, err = m.Int64Histogram("expertd.batch.calls",
@@ -198,6 +216,18 @@ func (s *Server) initMetrics(m metric.Meter) {
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.queued_calls"), slog.Any("err", err))
 	}
+	if _, err = m.Int64ObservableGauge("expertd.backend.faulty",
+		metric.WithDescription("1 while the backend keeps failing (health NOT_SERVING until a call succeeds), else 0."),
+		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+			var v int64
+			if s.BackendFault() != nil {
+				v = 1
+			}
+			o.Observe(v, metric.WithAttributes(attribute.String("backend", s.backend.Name())))
+			return nil
+		})); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.backend.faulty"), slog.Any("err", err))
+	}
 	s.initShmMetrics(m)
 }
 
@@ -226,7 +256,7 @@ func (s *Server) acquireSlot(ctx context.Context) error {
 	}
 	if n := s.queued.Add(1); n > int64(s.cfg.MaxQueued) {
 		s.queued.Add(-1)
-		return exhaustedf("", "server busy: %d calls running, %d queued (max queued %d); retry with backoff",
+		return limitf("", "max-queued", int64(s.cfg.MaxQueued), s.busyRetry(), "server busy: %d calls running, %d queued (max queued %d); retry with backoff",
 			len(s.slots), n-1, s.cfg.MaxQueued)
 	}
 	defer s.queued.Add(-1)
@@ -236,6 +266,29 @@ func (s *Server) acquireSlot(ctx context.Context) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// Bounds of the retry delay a full queue answers with: below a millisecond
+// a retry would only meet the same queue; beyond a second the caller is
+// better served by another replica.
+const (
+	minBusyRetry = time.Millisecond
+	maxBusyRetry = time.Second
+)
+
+// busyRetry is how long a call refused by a full queue should wait before
+// it is tried again: about one backend call, by when each running call has
+// finished once and the queue has moved by MaxConcurrent places.
+func (s *Server) busyRetry() time.Duration {
+	return min(max(time.Duration(s.callNanos.Load()), minBusyRetry), maxBusyRetry)
+}
+
+// noteCall adds one backend call's wall time to the moving average (weight
+// 1/8: a few calls follow a change of load). Racing updates may lose one
+// sample, which an average tolerates.
+func (s *Server) noteCall(d time.Duration) {
+	old := s.callNanos.Load()
+	s.callNanos.Store(old + (d.Nanoseconds()-old)/8)
 }
 
 // Queued is the number of FusedMoE calls waiting for an execution slot.

@@ -441,7 +441,7 @@ func checkFree(regs map[string]*region, name string) error {
 		return codedf(codes.AlreadyExists, "name", "%q: this connection already has a region of that name; unregister it first", name)
 	}
 	if len(regs) >= maxRegionsPerConn {
-		return exhaustedf("name", "this connection has %d regions, the most it may have; unregister one first", len(regs))
+		return limitf("name", "regions-per-connection", maxRegionsPerConn, 0, "this connection has %d regions, the most it may have; unregister one first", len(regs))
 	}
 	return nil
 }

@@ -424,7 +424,7 @@ func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim limits, d
 		return nil, invalidf("hidden_states", "shape %v: want M >= 1 tokens", hm.shape)
 	}
 	if lim.maxTokens > 0 && m > lim.maxTokens {
-		return nil, exhaustedf("hidden_states", "M = %d tokens exceeds the server's max tokens per call %d; split the batch", m, lim.maxTokens)
+		return nil, limitf("hidden_states", "max-tokens", int64(lim.maxTokens), 0, "M = %d tokens exceeds the server's max tokens per call %d; split the batch", m, lim.maxTokens)
 	}
 	r := &kernels.Request{Hidden: kernels.Tensor{DType: hm.dtype, Shape: hm.shape, Data: hb, Dev: dev.hidden.addr}, OutDev: dev.out}
 

@@ -93,6 +93,22 @@ type Config struct {
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
+	// KeepaliveMinTime is the shortest interval at which a client may
+	// ping; one pinging more often is sent GOAWAY too_many_pings
+	// (-keepalive-min-time, EXPERTD_KEEPALIVE_MIN_TIME).
+	KeepaliveMinTime time.Duration
+	// KeepaliveTime and KeepaliveTimeout: the server pings a connection
+	// idle for KeepaliveTime and closes it when no answer comes within
+	// KeepaliveTimeout (-keepalive-time, -keepalive-timeout,
+	// EXPERTD_KEEPALIVE_TIME, EXPERTD_KEEPALIVE_TIMEOUT).
+	KeepaliveTime, KeepaliveTimeout time.Duration
+	// MaxConnectionAge is how long a connection lives (±10% jitter) before
+	// the server sends GOAWAY, so clients behind a load balancer spread
+	// over new replicas; MaxConnectionAgeGrace is how long calls in
+	// flight then have to finish. 0 means never (-max-connection-age,
+	// -max-connection-age-grace, EXPERTD_MAX_CONNECTION_AGE,
+	// EXPERTD_MAX_CONNECTION_AGE_GRACE).
+	MaxConnectionAge, MaxConnectionAgeGrace time.Duration
 }
 
 // Defaults. Both addresses are loopback: exposing the daemon is a choice.
@@ -211,6 +227,11 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	duration(&c.ShutdownTimeout, "shutdown-timeout", defaultShutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM")
 	duration(&c.BatchWindow, "batch-window", service.SuggestedBatchWindow, "dynamic batching: FusedMoE calls that arrive while a compatible call runs are merged into one backend call, which waits this long after the running one for more; 0 disables batching")
 	integer(&c.BatchMaxTokens, "batch-max-tokens", 0, fmt.Sprintf("most tokens in one merged backend call; 0 means %d", service.DefaultBatchMaxTokens))
+	duration(&c.KeepaliveMinTime, "keepalive-min-time", defaultKeepaliveMinTime, "shortest client ping interval allowed; a client pinging more often gets GOAWAY too_many_pings")
+	duration(&c.KeepaliveTime, "keepalive-time", defaultKeepaliveTime, "ping a connection idle this long")
+	duration(&c.KeepaliveTimeout, "keepalive-timeout", defaultKeepaliveTimeout, "close a connection whose ping is not answered within this")
+	duration(&c.MaxConnectionAge, "max-connection-age", defaultMaxConnectionAge, "send GOAWAY to a connection this old (±10% jitter) so clients rebalance over replicas; 0 never ages connections; with -shared-memory the default is 0")
+	duration(&c.MaxConnectionAgeGrace, "max-connection-age-grace", defaultMaxConnectionGrace, "how long calls in flight on an aged connection have to finish; 0 waits for them without limit")
 
 	if err := errors.Join(envErrs...); err != nil {
 		return c, err
@@ -229,7 +250,17 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = messageBytesFor(c.MaxTokens)
 	}
+	if c.SharedMemory && !flagSet(fs, "max-connection-age") && getenv(envName("max-connection-age")) == "" {
+		c.MaxConnectionAge = 0 // see defaultMaxConnectionAge
+	}
 	return c, c.validate()
+}
+
+// flagSet reports whether the command line set flag name.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }
 
 // envName is the environment variable of a flag: -max-tokens is
@@ -303,6 +334,7 @@ func (c Config) validate() error {
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))
 	}
+	errs = append(errs, c.validateKeepalive()...)
 	return errors.Join(errs...)
 }
 

@@ -16,7 +16,9 @@ func defaults() Config {
 		Listen: "127.0.0.1:50051", Backend: "auto", MaxTokens: 8192,
 		MaxMessageBytes: messageBytesFor(8192), MaxLoadedBytes: 32 << 30, MaxConcurrent: 4,
 		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
-		BatchWindow: service.SuggestedBatchWindow,
+		BatchWindow:      service.SuggestedBatchWindow,
+		KeepaliveMinTime: 10 * time.Second, KeepaliveTime: time.Minute, KeepaliveTimeout: 20 * time.Second,
+		MaxConnectionAge: 30 * time.Minute, MaxConnectionAgeGrace: 5 * time.Minute,
 	}
 }
 
@@ -46,13 +48,27 @@ func TestParseConfig(t *testing.T) {
 			func(c *Config) { c.MaxTokens, c.MaxMessageBytes = 32, messageBytesFor(32) }},
 		{"queue flag", []string{"-max-queued", "12"}, nil, func(c *Config) { c.MaxQueued = 12 }},
 		{"queue env", nil, map[string]string{"EXPERTD_MAX_QUEUED": "3"}, func(c *Config) { c.MaxQueued = 3 }},
-		{"shared memory flag", []string{"-shared-memory"}, nil, func(c *Config) { c.SharedMemory = true }},
-		{"shared memory env", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "true"}, func(c *Config) { c.SharedMemory = true }},
+		{"shared memory flag", []string{"-shared-memory"}, nil, func(c *Config) { c.SharedMemory, c.MaxConnectionAge = true, 0 }},
+		{"shared memory env", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "true"}, func(c *Config) { c.SharedMemory, c.MaxConnectionAge = true, 0 }},
+		{"shared memory with age flag", []string{"-shared-memory", "-max-connection-age", "1h"}, nil,
+			func(c *Config) { c.SharedMemory, c.MaxConnectionAge = true, time.Hour }},
+		{"shared memory with age env", []string{"-shared-memory"}, map[string]string{"EXPERTD_MAX_CONNECTION_AGE": "2h"},
+			func(c *Config) { c.SharedMemory, c.MaxConnectionAge = true, 2*time.Hour }},
 		{"shared memory flag beats env", []string{"-shared-memory=false"}, map[string]string{"EXPERTD_SHARED_MEMORY": "1"}, func(c *Config) {}},
 		{"batching flags", []string{"-batch-window", "500us", "-batch-max-tokens", "1024"}, nil,
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 500*time.Microsecond, 1024 }},
 		{"batching env", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "0", "EXPERTD_BATCH_MAX_TOKENS": "64"},
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 0, 64 }},
+		{"keepalive flags", []string{"-keepalive-min-time", "1s", "-keepalive-time", "2m", "-keepalive-timeout", "3s",
+			"-max-connection-age", "0", "-max-connection-age-grace", "1m"}, nil,
+			func(c *Config) {
+				c.KeepaliveMinTime, c.KeepaliveTime, c.KeepaliveTimeout = time.Second, 2*time.Minute, 3*time.Second
+				c.MaxConnectionAge, c.MaxConnectionAgeGrace = 0, time.Minute
+			}},
+		{"keepalive env", nil, map[string]string{"EXPERTD_MAX_CONNECTION_AGE": "1h", "EXPERTD_MAX_CONNECTION_AGE_GRACE": "30s", "EXPERTD_KEEPALIVE_MIN_TIME": "5s"},
+			func(c *Config) {
+				c.MaxConnectionAge, c.MaxConnectionAgeGrace, c.KeepaliveMinTime = time.Hour, 30*time.Second, 5*time.Second
+			}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -92,6 +108,10 @@ func TestParseConfigErrors(t *testing.T) {
 		{"bad env window", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "2"}, "$EXPERTD_BATCH_WINDOW"},
 		{"negative window", []string{"-batch-window", "-1ms"}, nil, "-batch-window -1ms: want 0 (off) to 1s"},
 		{"window too long", []string{"-batch-window", "2s"}, nil, "-batch-window 2s"},
+		{"negative age", []string{"-max-connection-age", "-1s"}, nil, "-max-connection-age -1s, -max-connection-age-grace 5m0s: want >= 0"},
+		{"zero ping minimum", []string{"-keepalive-min-time", "0"}, nil, "-keepalive-min-time 0s: want > 0"},
+		{"ping interval too short", []string{"-keepalive-time", "100ms"}, nil, "-keepalive-time 100ms: want >= 1s"},
+		{"zero ping timeout", []string{"-keepalive-timeout", "0"}, nil, "-keepalive-timeout 0s: want > 0"},
 		{"otlp without scheme", []string{"-otlp-endpoint", "localhost:4317"}, nil, `-otlp-endpoint "localhost:4317": want an http:// or https:// URL`},
 	}
 	for _, tt := range tests {

@@ -31,7 +31,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
-	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
+	"go.opentelemetry.io/otel"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
@@ -96,15 +96,20 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 	// Metrics: OpenTelemetry instruments exported through a Prometheus
 	// registry, with the Go runtime and process collectors beside them.
+	// Metrics and spans share one resource (service.name, version).
+	res := newResource(ctx, log)
 	promReg := prometheus.NewRegistry()
 	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	exporter, err := otelprom.New(otelprom.WithRegisterer(promReg))
+	meters, err := newMeterProvider(promReg, res)
 	if err != nil {
-		return fmt.Errorf("prometheus exporter: %w", err)
+		return err
 	}
-	meters := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
 	defer meters.Shutdown(context.Background()) //nolint:errcheck // exit path
-	tracer, flushTraces, err := newTracerProvider(ctx, cfg)
+	if err := registerBuildInfo(meters.Meter("github.com/expertd/expertd/cmd/expertd"), backend.Name()); err != nil {
+		log.Warn("metric not recorded", slog.String("metric", "expertd.build_info"), slog.Any("err", err))
+	}
+	otel.SetTextMapPropagator(propagator())
+	tracer, flushTraces, err := newTracerProvider(ctx, cfg, getenv, res, log)
 	if err != nil {
 		return err
 	}
@@ -131,6 +136,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		BatchWindow:     cfg.BatchWindow,
 		BatchMaxTokens:  cfg.BatchMaxTokens,
 		Meter:           meters.Meter("github.com/expertd/expertd/service"),
+		Tracer:          serviceTracer(tracer),
 		OnBackendFault:  backendHealth(hs),
 		SharedMemory:    cfg.SharedMemory,
 	}, backend, log)
@@ -183,7 +189,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
 		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent), slog.Int("max_queued", cfg.MaxQueued),
 		slog.Duration("batch_window", cfg.BatchWindow), slog.Int("batch_max_tokens", cfg.BatchMaxTokens),
-		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory))
+		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory),
+		slog.Duration("max_connection_age", cfg.MaxConnectionAge), slog.Bool("tracing", serviceTracer(tracer) != nil))
 	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {
 		ready <- addrs
@@ -229,7 +236,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 // newGRPCServer builds the server with message limits, panic recovery,
 // call logging (not for health checks and reflection, which would drown
-// the log) and OpenTelemetry RPC metrics. extra (the service's own
+// the log), OpenTelemetry RPC metrics and spans, and keepalive. extra (the service's own
 // options, TLS credentials, the authorization interceptors) follows; its
 // interceptors run after logging, so refused calls are logged with their
 // code.
@@ -241,14 +248,18 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 	logger := logging.LoggerFunc(func(ctx context.Context, lvl logging.Level, msg string, fields ...any) {
 		log.Log(ctx, slog.Level(lvl), msg, fields...)
 	})
-	logOpts := []logging.Option{logging.WithLogOnEvents(logging.StartCall, logging.FinishCall)}
+	// One line per call, when it finishes, at the level callLevel gives
+	// its code: a healthy daemon at the default info level logs no line
+	// per call.
+	logOpts := []logging.Option{logging.WithLogOnEvents(logging.FinishCall), logging.WithLevels(callLevel)}
 	logged := selector.MatchFunc(func(_ context.Context, c interceptors.CallMeta) bool {
 		return c.Service != healthpb.Health_ServiceDesc.ServiceName && !strings.HasPrefix(c.Service, "grpc.reflection.")
 	})
 	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)),
 		grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
-		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters), otelgrpc.WithTracerProvider(tracer))),
+		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters), otelgrpc.WithTracerProvider(tracer),
+			otelgrpc.WithPropagators(propagator()))),
 		// Recovery runs innermost so a panic is logged as the Internal it
 		// becomes.
 		grpc.ChainUnaryInterceptor(
@@ -260,6 +271,7 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 			recovery.StreamServerInterceptor(rec),
 		),
 	}
+	opts = append(opts, cfg.keepaliveOptions()...)
 	return grpc.NewServer(append(opts, extra...)...)
 }
 

@@ -31,7 +31,8 @@ func TestDaemon(t *testing.T) {
 	var logs servicetest.LogBuffer
 	ready := make(chan listening, 1)
 	done := make(chan error, 1)
-	args := []string{"-listen", "127.0.0.1:0", "-admin-addr", "127.0.0.1:0", "-log-format", "json", "-threads", "2"}
+	// Debug: successful calls are logged at debug level.
+	args := []string{"-listen", "127.0.0.1:0", "-admin-addr", "127.0.0.1:0", "-log-format", "json", "-threads", "2", "-log-level", "debug"}
 	go func() { done <- run(ctx, args, func(string) string { return "" }, &logs, ready) }()
 	var addrs listening
 	select {

@@ -146,6 +146,14 @@ func (ca *testCA) pool() *x509.CertPool {
 // stops it when the test ends.
 func startDaemon(t *testing.T, args ...string) (string, *servicetest.LogBuffer) {
 	t.Helper()
+	addrs, logs := startDaemonAddrs(t, args...)
+	return addrs.grpc, logs
+}
+
+// startDaemonAddrs is startDaemon returning both addresses (pass
+// -admin-addr 127.0.0.1:0 to serve /metrics).
+func startDaemonAddrs(t *testing.T, args ...string) (listening, *servicetest.LogBuffer) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	logs := &servicetest.LogBuffer{}
 	ready := make(chan listening, 1)
@@ -162,13 +170,13 @@ func startDaemon(t *testing.T, args ...string) (string, *servicetest.LogBuffer) 
 	})
 	select {
 	case a := <-ready:
-		return a.grpc, logs
+		return a, logs
 	case err := <-done:
 		t.Fatalf("run exited early: %v\n%s", err, logs.String())
 	case <-time.After(defaultTestTimeout):
 		t.Fatal("daemon not ready")
 	}
-	return "", nil
+	return listening{}, nil
 }
 
 // dial connects with creds; calls fail, not Dial, when the handshake does.
