@@ -293,11 +293,11 @@ func (r *Ring) Release(i int) { atomic.StoreUint32(r.slotWord(i, slotState), Fre
 // --- the daemon's side ---
 
 // Take claims slot i if it is Posted (Posted -> Running) and returns a
-// copy of its request, its sequence number and its timeout. ok is false
-// when the slot was not Posted. A request length beyond the payload is
-// reported as err with the slot Running: the daemon must still Complete
-// it (with that error).
-func (r *Ring) Take(i int, buf []byte) (req []byte, seq uint64, timeout time.Duration, ok bool, err error) {
+// copy of its request, in a buffer from alloc (nil means make), with its
+// sequence number and timeout. ok is false when the slot was not Posted.
+// A request length beyond the payload is reported as err with the slot
+// Running: the daemon must still Complete it (with that error).
+func (r *Ring) Take(i int, alloc func(n int) []byte) (req []byte, seq uint64, timeout time.Duration, ok bool, err error) {
 	if !atomic.CompareAndSwapUint32(r.slotWord(i, slotState), Posted, Running) {
 		return nil, 0, 0, false, nil
 	}
@@ -310,8 +310,12 @@ func (r *Ring) Take(i int, buf []byte) (req []byte, seq uint64, timeout time.Dur
 	if int64(n) > int64(r.payload) {
 		return nil, seq, timeout, true, fmt.Errorf("request length %d exceeds the slot payload of %d bytes", n, r.payload)
 	}
+	if alloc == nil {
+		alloc = func(n int) []byte { return make([]byte, n) }
+	}
 	// A copy: the caller may write the slot while the call runs.
-	req = append(buf[:0], r.payloadOf(i)[:n]...)
+	req = alloc(int(n))[:n]
+	copy(req, r.payloadOf(i)[:n])
 	return req, seq, timeout, true, nil
 }
 
