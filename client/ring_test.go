@@ -92,7 +92,9 @@ func newRingFixture(t *testing.T, cfg service.Config, m int) *ringFixture {
 	return &ringFixture{srv: srv, c: c, backend: g, shm: shm, region: region, set: set, req: req}
 }
 
-func (f *ringFixture) request() *client.FusedMoERequest { return clienttest.Request(ringLayer, f.set, f.req) }
+func (f *ringFixture) request() *client.FusedMoERequest {
+	return clienttest.Request(ringLayer, f.set, f.req)
+}
 
 // mappings counts this process's mappings of the fixture's object: the
 // client's and, while it holds the region, the in-process server's.
