@@ -17,6 +17,8 @@ func defaults() Config {
 		MaxMessageBytes: messageBytesFor(8192), MaxLoadedBytes: 32 << 30, MaxConcurrent: 4,
 		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
 		BatchWindow: service.SuggestedBatchWindow,
+		RingSpin:    service.DefaultRingSpin, RingMaxPerConn: service.DefaultRingMaxPerConn, RingMax: service.DefaultRingMax,
+		RingMaxSlotBytes: service.DefaultRingMaxSlotBytes,
 	}
 }
 
@@ -51,6 +53,14 @@ func TestParseConfig(t *testing.T) {
 		{"shared memory flag beats env", []string{"-shared-memory=false"}, map[string]string{"EXPERTD_SHARED_MEMORY": "1"}, func(c *Config) {}},
 		{"batching flags", []string{"-batch-window", "500us", "-batch-max-tokens", "1024"}, nil,
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 500*time.Microsecond, 1024 }},
+		{"ring flags", []string{"-shared-memory", "-ring", "-ring-spin", "0", "-ring-max", "3", "-ring-max-slot-bytes", "1MiB"}, nil,
+			func(c *Config) {
+				c.SharedMemory, c.Ring, c.RingSpin, c.RingMax, c.RingMaxSlotBytes = true, true, 0, 3, 1<<20
+			}},
+		{"ring env", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "1", "EXPERTD_RING": "true", "EXPERTD_RING_SPIN": "50us", "EXPERTD_RING_MAX_PER_CONN": "2"},
+			func(c *Config) {
+				c.SharedMemory, c.Ring, c.RingSpin, c.RingMaxPerConn = true, true, 50*time.Microsecond, 2
+			}},
 		{"batching env", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "0", "EXPERTD_BATCH_MAX_TOKENS": "64"},
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 0, 64 }},
 	}
@@ -92,6 +102,10 @@ func TestParseConfigErrors(t *testing.T) {
 		{"bad env window", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "2"}, "$EXPERTD_BATCH_WINDOW"},
 		{"negative window", []string{"-batch-window", "-1ms"}, nil, "-batch-window -1ms: want 0 (off) to 1s"},
 		{"window too long", []string{"-batch-window", "2s"}, nil, "-batch-window 2s"},
+		{"ring without shared memory", []string{"-ring"}, nil, "-ring: needs -shared-memory"},
+		{"bad env ring", nil, map[string]string{"EXPERTD_RING": "on"}, `$EXPERTD_RING: "on" is not true or false`},
+		{"ring spin too long", []string{"-ring-spin", "1s"}, nil, "-ring-spin 1s"},
+		{"no rings", []string{"-ring-max", "0"}, nil, "-ring-max 0"},
 		{"otlp without scheme", []string{"-otlp-endpoint", "localhost:4317"}, nil, `-otlp-endpoint "localhost:4317": want an http:// or https:// URL`},
 	}
 	for _, tt := range tests {
