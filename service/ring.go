@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"runtime"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
@@ -34,9 +33,9 @@ import (
 // takes exactly fusedMoE's path (validation, limits, shared-memory
 // resolution in the ring's connection, batching, metrics), so a caller
 // gains nothing over an RPC by writing garbage: it gets an error
-// completion. The poller runs a lone call on its own locked thread and
-// hands further calls found at once to goroutines; a call posted while the
-// poller runs one waits for it to end.
+// completion. The poller runs a lone call itself (no goroutine hand-off)
+// and hands further calls found at once to goroutines; a call posted while
+// the poller runs one waits for it to end.
 //
 // A ring lives as long as its AttachRing stream, which carries the
 // connection's context: the caller cancelling it, the connection closing
@@ -273,12 +272,17 @@ func (sr *servedRing) halt() {
 	guard(sr.r.Ring) //nolint:errcheck // a broken ring's poller stops anyway
 }
 
-// poll runs the poller on a locked thread until halt: it takes the posted
+// poll runs the poller until halt: it takes the posted
 // slots, runs them, and polls Config.RingSpin after the last before it
 // sleeps on the doorbell.
+//
+// The poller is an ordinary goroutine, not one locked to its thread: a
+// call blocks here and there (the execution slot, the batcher, a backend's
+// worker goroutines), and each time a locked goroutine blocks and wakes,
+// the runtime must hand its thread over and back, a wake-up per block
+// (docs/perf-notes.md, "Call rings"). A spinning goroutine keeps its
+// thread anyway.
 func (sr *servedRing) poll() {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
 	r, spin := sr.r, sr.s.cfg.RingSpin
 	last := time.Now()
 	jobs := make([]slotCall, 0, r.Slots())
