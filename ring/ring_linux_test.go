@@ -38,17 +38,24 @@ func twoMappings(t *testing.T, size int) (a, b []byte) {
 	return m(), m()
 }
 
-func TestRoundTripAcrossMappings(t *testing.T) {
-	const slots, slotSize = 4, 256
+// pair lays a ring out in one mapping (the caller's) and attaches it in
+// the other (the daemon's).
+func pair(t *testing.T, slots, slotSize int) (caller, daemon *Ring) {
+	t.Helper()
 	a, b := twoMappings(t, int(Size(slots, slotSize)))
 	caller, err := Init(a, slots, slotSize)
 	if err != nil {
 		t.Fatal(err)
 	}
-	daemon, err := Attach(b, slots, slotSize)
-	if err != nil {
+	if daemon, err = Attach(b, slots, slotSize); err != nil {
 		t.Fatal(err)
 	}
+	return caller, daemon
+}
+
+func TestRoundTripAcrossMappings(t *testing.T) {
+	const slots, slotSize = 4, 256
+	caller, daemon := pair(t, slots, slotSize)
 	req := []byte("request bytes")
 	if err := caller.Post(2, 7, req, time.Second); err != nil {
 		t.Fatal(err)
@@ -91,15 +98,7 @@ func TestRoundTripAcrossMappings(t *testing.T) {
 
 func TestSleepingPollerIsWoken(t *testing.T) {
 	const slots, slotSize = 1, MinSlotSize
-	a, b := twoMappings(t, int(Size(slots, slotSize)))
-	caller, err := Init(a, slots, slotSize)
-	if err != nil {
-		t.Fatal(err)
-	}
-	daemon, err := Attach(b, slots, slotSize)
-	if err != nil {
-		t.Fatal(err)
-	}
+	caller, daemon := pair(t, slots, slotSize)
 	seen := daemon.Doorbell()
 	woke := make(chan uint32)
 	go func() { woke <- daemon.Sleep(seen, defaultTestTimeout) }()
@@ -123,9 +122,7 @@ func TestSleepingPollerIsWoken(t *testing.T) {
 
 func TestCloseWakesWaiters(t *testing.T) {
 	const slots, slotSize = 2, MinSlotSize
-	a, b := twoMappings(t, int(Size(slots, slotSize)))
-	caller, _ := Init(a, slots, slotSize)
-	daemon, _ := Attach(b, slots, slotSize)
+	caller, daemon := pair(t, slots, slotSize)
 	caller.Post(1, 1, nil, 0) //nolint:errcheck // fits
 	done := make(chan bool)
 	go func() { done <- caller.WaitDone(1, 0, defaultTestTimeout, func() bool { return false }) }()
@@ -185,9 +182,7 @@ func TestAttachChecks(t *testing.T) {
 
 func TestTakeBoundsLength(t *testing.T) {
 	const slots, slotSize = 1, MinSlotSize
-	a, b := twoMappings(t, int(Size(slots, slotSize)))
-	caller, _ := Init(a, slots, slotSize)
-	daemon, _ := Attach(b, slots, slotSize)
+	caller, daemon := pair(t, slots, slotSize)
 	caller.Post(0, 3, []byte("x"), 0) //nolint:errcheck // fits
 	// The caller scribbles a length past the slot.
 	*caller.slotWord(0, slotReqLen) = 1 << 30
