@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -97,6 +98,11 @@ type Ring struct {
 	ended chan struct{}
 	err   error
 	gone  atomic.Bool
+	// use is held shared by everything that touches the ring's memory
+	// (calls, reclaims) and exclusively by Close once the ring is gone,
+	// so that nothing touches the memory after Close returns and the
+	// caller unmaps it.
+	use sync.RWMutex
 }
 
 // OpenRing lays a ring out at offset of region (a POSIX region registered
@@ -164,11 +170,14 @@ func (r *Ring) watch(stream grpc.ServerStreamingClient[pb.AttachRingResponse]) {
 	close(r.ended)
 }
 
-// Close detaches the ring; calls in flight fail with Unavailable. Its
-// bytes in the region may be reused once Close returns.
+// Close detaches the ring; calls in flight fail with Unavailable. It
+// returns once no call touches the ring's memory, which may then be
+// reused or unmapped.
 func (r *Ring) Close() error {
 	r.cancel()
 	<-r.ended
+	r.use.Lock()
+	defer r.use.Unlock()
 	return nil
 }
 
@@ -194,6 +203,8 @@ func (r *Ring) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoERes
 	if len(b) > r.r.Payload() {
 		return nil, wrap("Ring.FusedMoE", status.Errorf(codes.ResourceExhausted, "the request takes %d bytes, a slot's payload %d; put tensors in shared memory or open a ring with larger slots", len(b), r.r.Payload()))
 	}
+	r.use.RLock()
+	defer r.use.RUnlock()
 	var i int
 	select {
 	case i = <-r.free:
@@ -266,8 +277,10 @@ func (r *Ring) result(i int, seq uint64) (*FusedMoEResult, error) {
 // reclaim frees slot i of an abandoned call once the server completes it,
 // or when the ring ends (then nothing will use the slot again).
 func (r *Ring) reclaim(i int) {
-	if r.r.WaitDone(i, 0, 50*time.Millisecond, r.gone.Load) {
+	defer func() { r.free <- i }()
+	r.use.RLock()
+	defer r.use.RUnlock()
+	if !r.gone.Load() && r.r.WaitDone(i, 0, 50*time.Millisecond, r.gone.Load) {
 		r.r.Release(i)
 	}
-	r.free <- i
 }

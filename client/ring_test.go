@@ -411,6 +411,11 @@ func TestRingDetach(t *testing.T) {
 			switch how {
 			case "close":
 				r.Close()
+				// Nothing may touch the ring's memory once Close returns:
+				// not the call in flight, not the reclaim of its slot.
+				if err := f.shm.Close(); err != nil {
+					t.Fatal(err)
+				}
 			case "connection":
 				f.c.Close() // a caller that dies
 			case "drain":
