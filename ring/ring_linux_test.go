@@ -141,13 +141,7 @@ func TestCloseWakesWaiters(t *testing.T) {
 func TestAttachChecks(t *testing.T) {
 	const slots, slotSize = 2, 128
 	good := func() []byte {
-		mem := make([]byte, Size(slots, slotSize)+Align)
-		// Heap slices are 8-aligned at least; find a 64-byte boundary.
-		off := 0
-		for !aligned(mem[off:]) {
-			off++
-		}
-		mem = mem[off : off+int(Size(slots, slotSize))]
+		mem := alignedMem(int(Size(slots, slotSize)))
 		if _, err := Init(mem, slots, slotSize); err != nil {
 			t.Fatal(err)
 		}
