@@ -143,12 +143,14 @@ func TestRingFusedMoE(t *testing.T) {
 			cfg := ringConfig
 			cfg.RingSpin = spin
 			f := newRingFixture(t, cfg, 5)
-			info, err := f.c.RPC().GetServerInfo(ctx, &pb.GetServerInfoRequest{})
+			info, err := f.c.ServerInfo(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if ri := info.GetRing(); !ri.GetEnabled() || ri.GetSpinNanos() != spin.Nanoseconds() || ri.GetVersion() != ring.Version {
-				t.Errorf("ServerInfo.ring = %v, want enabled, spin %v, version %d", ri, spin, ring.Version)
+			wantInfo := client.RingInfo{Enabled: true, Version: ring.Version, Spin: spin, MaxPerConn: service.DefaultRingMaxPerConn,
+				MaxRings: service.DefaultRingMax, MaxSlotBytes: service.DefaultRingMaxSlotBytes}
+			if info.Ring != wantInfo {
+				t.Errorf("ServerInfo().Ring = %+v, want %+v", info.Ring, wantInfo)
 			}
 			r, err := f.c.OpenRing(ctx, f.region, 0, client.RingOptions{Spin: -1})
 			if err != nil {
