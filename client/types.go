@@ -291,6 +291,21 @@ type ServerInfo struct {
 	Backends []BackendInfo
 	Devices  []string
 	Limits   Limits
+	// Ring is the call-ring service (OpenRing) as the server runs it.
+	Ring RingInfo
+}
+
+// RingInfo is a server's call-ring settings.
+type RingInfo struct {
+	// Enabled: the server attaches rings (-shared-memory -ring).
+	Enabled bool
+	// Version is the ring layout version it reads.
+	Version uint32
+	// Spin is how long its poller polls after a ring's last call.
+	Spin time.Duration
+	// MaxPerConn, MaxRings and MaxSlotBytes are its ring limits.
+	MaxPerConn, MaxRings int
+	MaxSlotBytes         int64
 }
 
 // BackendInfo is one backend's capabilities.
@@ -327,5 +342,8 @@ func serverInfoFromProto(p *pb.ServerInfo) *ServerInfo {
 	l := p.GetLimits()
 	info.Limits = Limits{MaxMessageBytes: l.GetMaxMessageBytes(), MaxTokens: int(l.GetMaxTokens()),
 		MaxLoadedBytes: l.GetMaxLoadedBytes(), MaxConcurrent: int(l.GetMaxConcurrent())}
+	r := p.GetRing()
+	info.Ring = RingInfo{Enabled: r.GetEnabled(), Version: r.GetVersion(), Spin: time.Duration(r.GetSpinNanos()),
+		MaxPerConn: int(r.GetMaxPerConn()), MaxRings: int(r.GetMaxRings()), MaxSlotBytes: r.GetMaxSlotBytes()}
 	return info
 }

@@ -8,9 +8,10 @@
 # per-stage breakdown), then dynamic batching (64 callers x 4 tokens
 # against one caller x 256) via scripts/batching-bench.sh.
 # DURATION (default 5s) is per measurement; TOKENS (default "1 16 256
-# 1024") and MODES (default "inline inline-fp8 shm cuda-ipc": BF16 or FP8
-# hidden states inline, or BF16 through POSIX shared memory or through GPU
-# memory shared with CUDA IPC) pick the calls. Between those and the
+# 1024") and MODES (default "inline inline-fp8 shm cuda-ipc ring-shm
+# ring-cuda-ipc": BF16 or FP8 hidden states inline, or BF16 through POSIX
+# shared memory or through GPU memory shared with CUDA IPC, by RPC or, for
+# ring-*, through a call ring, docs/ring.md) pick the calls. Between those and the
 # batching run (BATCHING=0 skips it), 4 callers at M=256 with batching off
 # and 1, then 2 streams per set measure the overlap of concurrent calls
 # (OVERLAP=0 skips it). Logs land under $OUT.
@@ -23,7 +24,7 @@ mkdir -p "$out"
 lib="$PWD/$build/libexpertd_cuda.so"
 port=50161 admin=9291
 "$build/expertd" -listen "127.0.0.1:$port" -admin-addr "127.0.0.1:$admin" -backend cuda -library-path "$lib" \
-	-shared-memory -max-queued 256 -log-level info > "$out/daemon.log" 2>&1 &
+	-shared-memory -ring -max-queued 256 -log-level info > "$out/daemon.log" 2>&1 &
 daemon=$!
 trap 'kill "$daemon" 2>/dev/null || true' EXIT
 for _ in $(seq 300); do
@@ -34,12 +35,14 @@ grep -m3 -iE 'backend|cuda|gpu' "$out/daemon.log"
 bench() { "$build/expertbench" -addr "127.0.0.1:$port" -model nemotron -progress 0 "$@"; }
 bench -load -keep -m 1 -c 1 -calls 1 > "$out/load.txt" 2>&1 || { echo "load failed"; cat "$out/load.txt"; exit 1; }
 for m in ${TOKENS:-1 16 256 1024}; do
-	for mode in ${MODES:-inline inline-fp8 shm cuda-ipc}; do
+	for mode in ${MODES:-inline inline-fp8 shm cuda-ipc ring-shm ring-cuda-ipc}; do
 		case $mode in
 		inline) flag="" ;;
 		inline-fp8) flag="-hidden fp8" ;;
 		shm) flag=-shm ;;
 		cuda-ipc) flag="-cuda-ipc -cuda-lib $lib" ;;
+		ring-shm) flag="-ring -shm" ;;
+		ring-cuda-ipc) flag="-ring -cuda-ipc -cuda-lib $lib" ;;
 		*) echo "unknown mode $mode"; exit 2 ;;
 		esac
 		echo "== nemotron M=$m c=1 $mode"

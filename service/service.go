@@ -75,6 +75,19 @@ type Config struct {
 	// grpc.Server built with ServerOptions, whose stats handler tracks
 	// connections.
 	SharedMemory bool
+	// Ring serves AttachRing (ring.go): FusedMoE calls posted through a
+	// call ring in a POSIX region; it needs SharedMemory.
+	Ring bool
+	// RingSpin is how long a ring's poller polls after its last call
+	// before it sleeps on the doorbell; 0 sleeps at once. While it polls
+	// the poller keeps one core busy. The daemon's default is
+	// DefaultRingSpin.
+	RingSpin time.Duration
+	// RingMaxPerConn and RingMax bound the rings of one connection and of
+	// the server; RingMaxSlotBytes bounds a ring's slot. 0 means
+	// DefaultRingMaxPerConn, DefaultRingMax and DefaultRingMaxSlotBytes.
+	RingMaxPerConn, RingMax int
+	RingMaxSlotBytes        int64
 	// OnBackendFault, when set, is called when BackendFault starts
 	// reporting a fault (with it) and when it clears (with nil), so the
 	// daemon can take the replica out of health checks; it must not block.
@@ -96,6 +109,7 @@ type Server struct {
 	queued atomic.Int64
 	faults faults
 	shm    *shmTable
+	rings  *rings
 	// batch merges compatible calls; nil when batching is off.
 	batch *batcher
 	// outputs recycles unbatched calls' output buffers (codec.Pool).
@@ -145,6 +159,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 		reg:     newRegistry(cfg.MaxLoadedBytes),
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
 		shm:     newShmTable(cfg.SharedMemory, logger),
+		rings:   newRings(),
 	}
 	s.reg.closeFn = s.free
 	s.batch = newBatcher(s, cfg)
@@ -229,6 +244,7 @@ func (s *Server) initMetrics(m metric.Meter) {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.backend.faulty"), slog.Any("err", err))
 	}
 	s.initShmMetrics(m)
+	s.initRingMetrics(m)
 }
 
 // Register attaches the service to a gRPC server.
@@ -314,6 +330,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	s.draining = true
 	s.mu.Unlock()
+	s.rings.closeAll()
 	s.batch.flush()
 	idle := make(chan struct{})
 	go func() {
@@ -382,6 +399,7 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 			MaxLoadedBytes:  s.cfg.MaxLoadedBytes,
 			MaxConcurrent:   int32(s.cfg.MaxConcurrent),
 		},
+		Ring: s.ringInfo(),
 	}, nil
 }
 

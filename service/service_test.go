@@ -33,6 +33,8 @@ func TestGetServerInfo(t *testing.T) {
 		}},
 		Devices: []string{"fake device"},
 		Limits:  &pb.ServerInfo_Limits{MaxMessageBytes: 1 << 26, MaxTokens: 8192, MaxLoadedBytes: 1 << 30, MaxConcurrent: 3},
+		Ring: &pb.ServerInfo_RingInfo{Version: 1, MaxPerConn: service.DefaultRingMaxPerConn, MaxRings: service.DefaultRingMax,
+			MaxSlotBytes: service.DefaultRingMaxSlotBytes},
 	}
 	if diff := cmp.Diff(want, got, protocmp.Transform()); diff != "" {
 		t.Errorf("GetServerInfo (-want +got):\n%s", diff)

@@ -211,6 +211,15 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 			}
 			defer free()
 		}
+		call := c.FusedMoE
+		if cfg.ring {
+			r, free, err := openRing(ctx, c, w, reqs, cfg)
+			if err != nil {
+				return nil, fmt.Errorf("-ring: %w", err)
+			}
+			defer free()
+			call = r.FusedMoE
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -224,7 +233,7 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 				callCtx, callCancel := context.WithTimeout(ctx, callTimeout)
 				callCtx, ct := withTrace(callCtx)
 				t0 := time.Now()
-				res, err := c.FusedMoE(callCtx, reqs[i%len(reqs)])
+				res, err := call(callCtx, reqs[i%len(reqs)])
 				d := time.Since(t0)
 				callCancel()
 				if err != nil {

@@ -93,6 +93,10 @@ type config struct {
 	// with the kernel library at cudaLib (empty: the default search).
 	cudaIPC bool
 	cudaLib string
+	// ring posts calls through a call ring (ring.go), whose calls poll
+	// ringSpin for their completion.
+	ring     bool
+	ringSpin time.Duration
 	// k and n are the -k and -n flags as given (0: not given), which
 	// -soak applies to all of its sets.
 	k, n int
@@ -125,6 +129,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&c.jsonOut, "json", false, "print the summary as JSON")
 	fs.BoolVar(&c.shm, "shm", false, shmUsage)
 	fs.BoolVar(&c.cudaIPC, "cuda-ipc", false, cudaIPCUsage)
+	fs.BoolVar(&c.ring, "ring", false, ringUsage)
+	fs.DurationVar(&c.ringSpin, "ring-spin", client.DefaultRingSpin, "with -ring: how long a call polls for its completion before it sleeps (negative: sleep at once)")
 	fs.StringVar(&c.cudaLib, "cuda-lib", "", "with -cuda-ipc: the kernel library (empty: $EXPERTD_CUDA_LIB, then build/libexpertd_cuda.so)")
 	fs.BoolVar(&c.soak.on, "soak", false, soakUsage)
 	fs.Float64Var(&c.soak.badShare, "bad-share", 0.05, "with -soak: share of calls that are malformed (0..1)")

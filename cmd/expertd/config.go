@@ -90,6 +90,16 @@ type Config struct {
 	// memory to callers on this host (-shared-memory,
 	// EXPERTD_SHARED_MEMORY=true).
 	SharedMemory bool
+	// Ring serves call rings (AttachRing) to shared-memory callers (-ring,
+	// EXPERTD_RING=true); it needs SharedMemory. RingSpin is how long a
+	// ring's poller polls after its last call before sleeping
+	// (-ring-spin); the Ring* limits are -ring-max-per-conn, -ring-max and
+	// -ring-max-slot-bytes.
+	Ring             bool
+	RingSpin         time.Duration
+	RingMaxPerConn   int
+	RingMax          int
+	RingMaxSlotBytes int64
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
@@ -124,6 +134,9 @@ const (
 	// maxBatchWindow bounds -batch-window: a window is a few
 	// milliseconds; a second is a typo that would stall every call.
 	maxBatchWindow = time.Second
+	// maxRingSpin bounds -ring-spin: each ring's poller holds a core for
+	// that long after every call.
+	maxRingSpin = 100 * time.Millisecond
 )
 
 // Largest layer dimensions the default message limit is sized for: every
@@ -204,15 +217,22 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	str(&c.AuthTokensFile, "auth-tokens-file", "", "file of \"token role\" lines (role user or admin); set, calls other than health checks need a bearer token")
 	var admins string
 	str(&admins, "admin-identities", "", "comma-separated client-certificate names (subject CN or SAN) granted the admin role; needs -tls-client-ca")
-	shm := false
-	if v := getenv("EXPERTD_SHARED_MEMORY"); v != "" {
-		b, err := strconv.ParseBool(v)
-		if err != nil {
-			envErrs = append(envErrs, fmt.Errorf("$EXPERTD_SHARED_MEMORY: %q is not true or false", v))
+	boolean := func(p *bool, name, help string) {
+		env, def := envName(name), false
+		if v := getenv(env); v != "" {
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				envErrs = append(envErrs, fmt.Errorf("$%s: %q is not true or false", env, v))
+			}
+			def = b
 		}
-		shm = b
+		fs.BoolVar(p, name, def, help+" ($"+env+")")
 	}
-	fs.BoolVar(&c.SharedMemory, "shared-memory", shm, "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) or, with the cuda backend, in GPU memory shared through CUDA IPC ($EXPERTD_SHARED_MEMORY)")
+	boolean(&c.SharedMemory, "shared-memory", "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) or, with the cuda backend, in GPU memory shared through CUDA IPC")
+	boolean(&c.Ring, "ring", "serve AttachRing: shared-memory callers may post FusedMoE calls through a call ring in a POSIX region (docs/ring.md), each ring polled by one thread; needs -shared-memory")
+	integer(&c.RingMaxPerConn, "ring-max-per-conn", service.DefaultRingMaxPerConn, "call rings one connection may attach")
+	integer(&c.RingMax, "ring-max", service.DefaultRingMax, "call rings served at once")
+	i64(&c.RingMaxSlotBytes, "ring-max-slot-bytes", service.DefaultRingMaxSlotBytes, "largest call-ring slot in bytes (suffixes KiB, MiB, GiB)")
 	duration := func(p *time.Duration, name string, def time.Duration, help string) {
 		env := envName(name)
 		if v := getenv(env); v != "" {
@@ -226,6 +246,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	}
 	duration(&c.ShutdownTimeout, "shutdown-timeout", defaultShutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM")
 	duration(&c.BatchWindow, "batch-window", service.SuggestedBatchWindow, "dynamic batching: FusedMoE calls that arrive while a compatible call runs are merged into one backend call, which waits this long after the running one for more; 0 disables batching")
+	duration(&c.RingSpin, "ring-spin", service.DefaultRingSpin, "how long a call ring's poller polls (one core busy) after its last call before it sleeps on the doorbell; 0 sleeps at once")
 	integer(&c.BatchMaxTokens, "batch-max-tokens", 0, fmt.Sprintf("most tokens in one merged backend call; 0 means %d", service.DefaultBatchMaxTokens))
 	duration(&c.KeepaliveMinTime, "keepalive-min-time", defaultKeepaliveMinTime, "shortest client ping interval allowed; a client pinging more often gets GOAWAY too_many_pings")
 	duration(&c.KeepaliveTime, "keepalive-time", defaultKeepaliveTime, "ping a connection idle this long")
@@ -330,6 +351,15 @@ func (c Config) validate() error {
 	errs = append(errs, c.validateSecurity()...)
 	if c.BatchWindow < 0 || c.BatchWindow > maxBatchWindow {
 		errs = append(errs, fmt.Errorf("-batch-window %v: want 0 (off) to %v", c.BatchWindow, maxBatchWindow))
+	}
+	if c.Ring && !c.SharedMemory {
+		errs = append(errs, errors.New("-ring: needs -shared-memory (rings live in shared-memory regions)"))
+	}
+	if c.RingSpin < 0 || c.RingSpin > maxRingSpin {
+		errs = append(errs, fmt.Errorf("-ring-spin %v: want 0 (sleep at once) to %v", c.RingSpin, maxRingSpin))
+	}
+	if c.RingMaxPerConn < 1 || c.RingMax < 1 || c.RingMaxSlotBytes < 128 || c.RingMaxSlotBytes > 1<<30 {
+		errs = append(errs, fmt.Errorf("-ring-max-per-conn %d, -ring-max %d, -ring-max-slot-bytes %d: want >= 1, >= 1 and 128 B to 1 GiB", c.RingMaxPerConn, c.RingMax, c.RingMaxSlotBytes))
 	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))

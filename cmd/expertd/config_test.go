@@ -19,6 +19,8 @@ func defaults() Config {
 		BatchWindow:      service.SuggestedBatchWindow,
 		KeepaliveMinTime: 10 * time.Second, KeepaliveTime: time.Minute, KeepaliveTimeout: 20 * time.Second,
 		MaxConnectionAge: 30 * time.Minute, MaxConnectionAgeGrace: 5 * time.Minute,
+		RingSpin: service.DefaultRingSpin, RingMaxPerConn: service.DefaultRingMaxPerConn, RingMax: service.DefaultRingMax,
+		RingMaxSlotBytes: service.DefaultRingMaxSlotBytes,
 	}
 }
 
@@ -57,6 +59,14 @@ func TestParseConfig(t *testing.T) {
 		{"shared memory flag beats env", []string{"-shared-memory=false"}, map[string]string{"EXPERTD_SHARED_MEMORY": "1"}, func(c *Config) {}},
 		{"batching flags", []string{"-batch-window", "500us", "-batch-max-tokens", "1024"}, nil,
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 500*time.Microsecond, 1024 }},
+		{"ring flags", []string{"-shared-memory", "-ring", "-ring-spin", "0", "-ring-max", "3", "-ring-max-slot-bytes", "1MiB"}, nil,
+			func(c *Config) {
+				c.SharedMemory, c.Ring, c.RingSpin, c.RingMax, c.RingMaxSlotBytes = true, true, 0, 3, 1<<20
+			}},
+		{"ring env", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "1", "EXPERTD_RING": "true", "EXPERTD_RING_SPIN": "50us", "EXPERTD_RING_MAX_PER_CONN": "2"},
+			func(c *Config) {
+				c.SharedMemory, c.Ring, c.RingSpin, c.RingMaxPerConn = true, true, 50*time.Microsecond, 2
+			}},
 		{"batching env", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "0", "EXPERTD_BATCH_MAX_TOKENS": "64"},
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 0, 64 }},
 		{"keepalive flags", []string{"-keepalive-min-time", "1s", "-keepalive-time", "2m", "-keepalive-timeout", "3s",
@@ -112,6 +122,10 @@ func TestParseConfigErrors(t *testing.T) {
 		{"zero ping minimum", []string{"-keepalive-min-time", "0"}, nil, "-keepalive-min-time 0s: want > 0"},
 		{"ping interval too short", []string{"-keepalive-time", "100ms"}, nil, "-keepalive-time 100ms: want >= 1s"},
 		{"zero ping timeout", []string{"-keepalive-timeout", "0"}, nil, "-keepalive-timeout 0s: want > 0"},
+		{"ring without shared memory", []string{"-ring"}, nil, "-ring: needs -shared-memory"},
+		{"bad env ring", nil, map[string]string{"EXPERTD_RING": "on"}, `$EXPERTD_RING: "on" is not true or false`},
+		{"ring spin too long", []string{"-ring-spin", "1s"}, nil, "-ring-spin 1s"},
+		{"no rings", []string{"-ring-max", "0"}, nil, "-ring-max 0"},
 		{"otlp without scheme", []string{"-otlp-endpoint", "localhost:4317"}, nil, `-otlp-endpoint "localhost:4317": want an http:// or https:// URL`},
 	}
 	for _, tt := range tests {

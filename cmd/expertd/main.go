@@ -126,19 +126,24 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	// replica out of rotation until a call succeeds again.
 	hs := health.NewServer()
 	svc := service.New(service.Config{
-		Version:         version(),
-		WeightsDir:      cfg.WeightsDir,
-		MaxMessageBytes: cfg.MaxMessageBytes,
-		MaxTokens:       cfg.MaxTokens,
-		MaxLoadedBytes:  cfg.MaxLoadedBytes,
-		MaxConcurrent:   cfg.MaxConcurrent,
-		MaxQueued:       cfg.MaxQueued,
-		BatchWindow:     cfg.BatchWindow,
-		BatchMaxTokens:  cfg.BatchMaxTokens,
-		Meter:           meters.Meter("github.com/expertd/expertd/service"),
-		Tracer:          serviceTracer(tracer),
-		OnBackendFault:  backendHealth(hs),
-		SharedMemory:    cfg.SharedMemory,
+		Version:          version(),
+		WeightsDir:       cfg.WeightsDir,
+		MaxMessageBytes:  cfg.MaxMessageBytes,
+		MaxTokens:        cfg.MaxTokens,
+		MaxLoadedBytes:   cfg.MaxLoadedBytes,
+		MaxConcurrent:    cfg.MaxConcurrent,
+		MaxQueued:        cfg.MaxQueued,
+		BatchWindow:      cfg.BatchWindow,
+		BatchMaxTokens:   cfg.BatchMaxTokens,
+		Meter:            meters.Meter("github.com/expertd/expertd/service"),
+		Tracer:           serviceTracer(tracer),
+		OnBackendFault:   backendHealth(hs),
+		SharedMemory:     cfg.SharedMemory,
+		Ring:             cfg.Ring,
+		RingSpin:         cfg.RingSpin,
+		RingMaxPerConn:   cfg.RingMaxPerConn,
+		RingMax:          cfg.RingMax,
+		RingMaxSlotBytes: cfg.RingMaxSlotBytes,
 	}, backend, log)
 
 	gs := newGRPCServer(cfg, log, meters, tracer, append(svc.ServerOptions(), sec.serverOptions()...)...)
@@ -190,6 +195,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent), slog.Int("max_queued", cfg.MaxQueued),
 		slog.Duration("batch_window", cfg.BatchWindow), slog.Int("batch_max_tokens", cfg.BatchMaxTokens),
 		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory),
+		slog.Bool("ring", cfg.Ring), slog.Duration("ring_spin", cfg.RingSpin),
 		slog.Duration("max_connection_age", cfg.MaxConnectionAge), slog.Bool("tracing", serviceTracer(tracer) != nil))
 	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {

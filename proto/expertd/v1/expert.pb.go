@@ -1650,7 +1650,9 @@ type ServerInfo struct {
 	// Hardware, e.g. "NVIDIA H200 (sm_90, 132 SMs)" or "cpu: 16 threads".
 	Devices []string `protobuf:"bytes,3,rep,name=devices,proto3" json:"devices,omitempty"`
 	// The server's limits.
-	Limits        *ServerInfo_Limits `protobuf:"bytes,4,opt,name=limits,proto3" json:"limits,omitempty"`
+	Limits *ServerInfo_Limits `protobuf:"bytes,4,opt,name=limits,proto3" json:"limits,omitempty"`
+	// Call rings (AttachRing) as served.
+	Ring          *ServerInfo_RingInfo `protobuf:"bytes,5,opt,name=ring,proto3" json:"ring,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1709,6 +1711,13 @@ func (x *ServerInfo) GetDevices() []string {
 func (x *ServerInfo) GetLimits() *ServerInfo_Limits {
 	if x != nil {
 		return x.Limits
+	}
+	return nil
+}
+
+func (x *ServerInfo) GetRing() *ServerInfo_RingInfo {
+	if x != nil {
+		return x.Ring
 	}
 	return nil
 }
@@ -2157,6 +2166,143 @@ func (x *ListSharedMemoryResponse) GetRegions() []*SharedMemoryRegion {
 	return nil
 }
 
+// AttachRingRequest names the call ring to serve. The caller lays the ring
+// out (docs/ring.md: header, then slot_count slots of slot_size bytes)
+// before attaching it; the server checks the header against this request
+// and afterwards trusts only its own copy of the geometry.
+type AttachRingRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A SHARED_MEMORY_KIND_POSIX region registered on this connection
+	// (NOT_FOUND otherwise); it stays mapped while the ring is served, even
+	// if unregistered meanwhile.
+	RegionName string `protobuf:"bytes,1,opt,name=region_name,json=regionName,proto3" json:"region_name,omitempty"`
+	// Where the ring starts within the region; the region's offset plus this
+	// must be a multiple of 64 (INVALID_ARGUMENT otherwise).
+	Offset int64 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
+	// Slots in the ring: 1 to 1024, and calls in flight at once.
+	SlotCount uint32 `protobuf:"varint,3,opt,name=slot_count,json=slotCount,proto3" json:"slot_count,omitempty"`
+	// Bytes of one slot, its 64-byte header included: a multiple of 64, at
+	// least 128, at most the server's -ring-max-slot-bytes. A posted request
+	// and its completion each take at most slot_size - 64 bytes.
+	SlotSize      uint32 `protobuf:"varint,4,opt,name=slot_size,json=slotSize,proto3" json:"slot_size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AttachRingRequest) Reset() {
+	*x = AttachRingRequest{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttachRingRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttachRingRequest) ProtoMessage() {}
+
+func (x *AttachRingRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttachRingRequest.ProtoReflect.Descriptor instead.
+func (*AttachRingRequest) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *AttachRingRequest) GetRegionName() string {
+	if x != nil {
+		return x.RegionName
+	}
+	return ""
+}
+
+func (x *AttachRingRequest) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *AttachRingRequest) GetSlotCount() uint32 {
+	if x != nil {
+		return x.SlotCount
+	}
+	return 0
+}
+
+func (x *AttachRingRequest) GetSlotSize() uint32 {
+	if x != nil {
+		return x.SlotSize
+	}
+	return 0
+}
+
+// AttachRingResponse says the ring is served.
+type AttachRingResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The layout version the server reads the ring with.
+	Version uint32 `protobuf:"varint,1,opt,name=version,proto3" json:"version,omitempty"`
+	// The server's poll time after a ring's last call (-ring-spin), in
+	// nanoseconds: a call posted within it is seen without a wake-up.
+	SpinNanos     int64 `protobuf:"varint,2,opt,name=spin_nanos,json=spinNanos,proto3" json:"spin_nanos,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AttachRingResponse) Reset() {
+	*x = AttachRingResponse{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttachRingResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttachRingResponse) ProtoMessage() {}
+
+func (x *AttachRingResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttachRingResponse.ProtoReflect.Descriptor instead.
+func (*AttachRingResponse) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *AttachRingResponse) GetVersion() uint32 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *AttachRingResponse) GetSpinNanos() int64 {
+	if x != nil {
+		return x.SpinNanos
+	}
+	return 0
+}
+
 // Header names the set and declares its tensors.
 type LoadExpertsRequest_Header struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2181,7 +2327,7 @@ type LoadExpertsRequest_Header struct {
 
 func (x *LoadExpertsRequest_Header) Reset() {
 	*x = LoadExpertsRequest_Header{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[22]
+	mi := &file_expertd_v1_expert_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2193,7 +2339,7 @@ func (x *LoadExpertsRequest_Header) String() string {
 func (*LoadExpertsRequest_Header) ProtoMessage() {}
 
 func (x *LoadExpertsRequest_Header) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[22]
+	mi := &file_expertd_v1_expert_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2261,7 +2407,7 @@ type LoadExpertsRequest_Chunk struct {
 
 func (x *LoadExpertsRequest_Chunk) Reset() {
 	*x = LoadExpertsRequest_Chunk{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[23]
+	mi := &file_expertd_v1_expert_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2273,7 +2419,7 @@ func (x *LoadExpertsRequest_Chunk) String() string {
 func (*LoadExpertsRequest_Chunk) ProtoMessage() {}
 
 func (x *LoadExpertsRequest_Chunk) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[23]
+	mi := &file_expertd_v1_expert_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2350,7 +2496,7 @@ type LoadExpertsRequest_SafetensorsSource struct {
 
 func (x *LoadExpertsRequest_SafetensorsSource) Reset() {
 	*x = LoadExpertsRequest_SafetensorsSource{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[24]
+	mi := &file_expertd_v1_expert_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2362,7 +2508,7 @@ func (x *LoadExpertsRequest_SafetensorsSource) String() string {
 func (*LoadExpertsRequest_SafetensorsSource) ProtoMessage() {}
 
 func (x *LoadExpertsRequest_SafetensorsSource) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[24]
+	mi := &file_expertd_v1_expert_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2482,7 +2628,7 @@ type ServerInfo_BackendInfo struct {
 
 func (x *ServerInfo_BackendInfo) Reset() {
 	*x = ServerInfo_BackendInfo{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[25]
+	mi := &file_expertd_v1_expert_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2494,7 +2640,7 @@ func (x *ServerInfo_BackendInfo) String() string {
 func (*ServerInfo_BackendInfo) ProtoMessage() {}
 
 func (x *ServerInfo_BackendInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[25]
+	mi := &file_expertd_v1_expert_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2563,7 +2709,7 @@ type ServerInfo_Limits struct {
 
 func (x *ServerInfo_Limits) Reset() {
 	*x = ServerInfo_Limits{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[26]
+	mi := &file_expertd_v1_expert_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2575,7 +2721,7 @@ func (x *ServerInfo_Limits) String() string {
 func (*ServerInfo_Limits) ProtoMessage() {}
 
 func (x *ServerInfo_Limits) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[26]
+	mi := &file_expertd_v1_expert_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2615,6 +2761,98 @@ func (x *ServerInfo_Limits) GetMaxLoadedBytes() int64 {
 func (x *ServerInfo_Limits) GetMaxConcurrent() int32 {
 	if x != nil {
 		return x.MaxConcurrent
+	}
+	return 0
+}
+
+// RingInfo is the call-ring service's settings.
+type ServerInfo_RingInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// AttachRing is served (-shared-memory and -ring).
+	Enabled bool `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"`
+	// The ring layout version the server reads (docs/ring.md).
+	Version uint32 `protobuf:"varint,2,opt,name=version,proto3" json:"version,omitempty"`
+	// How long a ring's poller polls after its last call before it sleeps
+	// on the doorbell (-ring-spin), in nanoseconds; 0 sleeps at once.
+	SpinNanos int64 `protobuf:"varint,3,opt,name=spin_nanos,json=spinNanos,proto3" json:"spin_nanos,omitempty"`
+	// Rings one connection may attach (-ring-max-per-conn).
+	MaxPerConn int32 `protobuf:"varint,4,opt,name=max_per_conn,json=maxPerConn,proto3" json:"max_per_conn,omitempty"`
+	// Rings attached at once on the server (-ring-max).
+	MaxRings int32 `protobuf:"varint,5,opt,name=max_rings,json=maxRings,proto3" json:"max_rings,omitempty"`
+	// Largest slot_size (-ring-max-slot-bytes).
+	MaxSlotBytes  int64 `protobuf:"varint,6,opt,name=max_slot_bytes,json=maxSlotBytes,proto3" json:"max_slot_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ServerInfo_RingInfo) Reset() {
+	*x = ServerInfo_RingInfo{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ServerInfo_RingInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ServerInfo_RingInfo) ProtoMessage() {}
+
+func (x *ServerInfo_RingInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ServerInfo_RingInfo.ProtoReflect.Descriptor instead.
+func (*ServerInfo_RingInfo) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{14, 2}
+}
+
+func (x *ServerInfo_RingInfo) GetEnabled() bool {
+	if x != nil {
+		return x.Enabled
+	}
+	return false
+}
+
+func (x *ServerInfo_RingInfo) GetVersion() uint32 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *ServerInfo_RingInfo) GetSpinNanos() int64 {
+	if x != nil {
+		return x.SpinNanos
+	}
+	return 0
+}
+
+func (x *ServerInfo_RingInfo) GetMaxPerConn() int32 {
+	if x != nil {
+		return x.MaxPerConn
+	}
+	return 0
+}
+
+func (x *ServerInfo_RingInfo) GetMaxRings() int32 {
+	if x != nil {
+		return x.MaxRings
+	}
+	return 0
+}
+
+func (x *ServerInfo_RingInfo) GetMaxSlotBytes() int64 {
+	if x != nil {
+		return x.MaxSlotBytes
 	}
 	return 0
 }
@@ -2753,13 +2991,14 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x15UnloadExpertsResponse\x12\x1f\n" +
 	"\vfreed_bytes\x18\x01 \x01(\x03R\n" +
 	"freedBytes\"\x16\n" +
-	"\x14GetServerInfoRequest\"\x9b\x04\n" +
+	"\x14GetServerInfoRequest\"\x95\x06\n" +
 	"\n" +
 	"ServerInfo\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12>\n" +
 	"\bbackends\x18\x02 \x03(\v2\".expertd.v1.ServerInfo.BackendInfoR\bbackends\x12\x18\n" +
 	"\adevices\x18\x03 \x03(\tR\adevices\x125\n" +
-	"\x06limits\x18\x04 \x01(\v2\x1d.expertd.v1.ServerInfo.LimitsR\x06limits\x1a\xba\x01\n" +
+	"\x06limits\x18\x04 \x01(\v2\x1d.expertd.v1.ServerInfo.LimitsR\x06limits\x123\n" +
+	"\x04ring\x18\x05 \x01(\v2\x1f.expertd.v1.ServerInfo.RingInfoR\x04ring\x1a\xba\x01\n" +
 	"\vBackendInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x128\n" +
 	"\vactivations\x18\x02 \x03(\x0e2\x16.expertd.v1.ActivationR\vactivations\x12$\n" +
@@ -2772,7 +3011,16 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\n" +
 	"max_tokens\x18\x02 \x01(\x05R\tmaxTokens\x12(\n" +
 	"\x10max_loaded_bytes\x18\x03 \x01(\x03R\x0emaxLoadedBytes\x12%\n" +
-	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\"\xd2\x01\n" +
+	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\x1a\xc2\x01\n" +
+	"\bRingInfo\x12\x18\n" +
+	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x18\n" +
+	"\aversion\x18\x02 \x01(\rR\aversion\x12\x1d\n" +
+	"\n" +
+	"spin_nanos\x18\x03 \x01(\x03R\tspinNanos\x12 \n" +
+	"\fmax_per_conn\x18\x04 \x01(\x05R\n" +
+	"maxPerConn\x12\x1b\n" +
+	"\tmax_rings\x18\x05 \x01(\x05R\bmaxRings\x12$\n" +
+	"\x0emax_slot_bytes\x18\x06 \x01(\x03R\fmaxSlotBytes\"\xd2\x01\n" +
 	"\x1bRegisterSharedMemoryRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x120\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x1c.expertd.v1.SharedMemoryKindR\x04kind\x12\x10\n" +
@@ -2797,7 +3045,18 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x17ListSharedMemoryRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"T\n" +
 	"\x18ListSharedMemoryResponse\x128\n" +
-	"\aregions\x18\x01 \x03(\v2\x1e.expertd.v1.SharedMemoryRegionR\aregions*\xb8\x01\n" +
+	"\aregions\x18\x01 \x03(\v2\x1e.expertd.v1.SharedMemoryRegionR\aregions\"\x88\x01\n" +
+	"\x11AttachRingRequest\x12\x1f\n" +
+	"\vregion_name\x18\x01 \x01(\tR\n" +
+	"regionName\x12\x16\n" +
+	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x1d\n" +
+	"\n" +
+	"slot_count\x18\x03 \x01(\rR\tslotCount\x12\x1b\n" +
+	"\tslot_size\x18\x04 \x01(\rR\bslotSize\"M\n" +
+	"\x12AttachRingResponse\x12\x18\n" +
+	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1d\n" +
+	"\n" +
+	"spin_nanos\x18\x02 \x01(\x03R\tspinNanos*\xb8\x01\n" +
 	"\bDataType\x12\x19\n" +
 	"\x15DATA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11DATA_TYPE_FLOAT32\x10\x01\x12\x16\n" +
@@ -2823,7 +3082,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x10SharedMemoryKind\x12\"\n" +
 	"\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18SHARED_MEMORY_KIND_POSIX\x10\x01\x12\x1f\n" +
-	"\x1bSHARED_MEMORY_KIND_CUDA_IPC\x10\x022\x9f\x06\n" +
+	"\x1bSHARED_MEMORY_KIND_CUDA_IPC\x10\x022\xee\x06\n" +
 	"\rExpertService\x12J\n" +
 	"\vLoadExperts\x12\x1e.expertd.v1.LoadExpertsRequest\x1a\x19.expertd.v1.ExpertSetInfo(\x01\x12N\n" +
 	"\vListExperts\x12\x1e.expertd.v1.ListExpertsRequest\x1a\x1f.expertd.v1.ListExpertsResponse\x12T\n" +
@@ -2833,7 +3092,9 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\rGetServerInfo\x12 .expertd.v1.GetServerInfoRequest\x1a\x16.expertd.v1.ServerInfo\x12i\n" +
 	"\x14RegisterSharedMemory\x12'.expertd.v1.RegisterSharedMemoryRequest\x1a(.expertd.v1.RegisterSharedMemoryResponse\x12o\n" +
 	"\x16UnregisterSharedMemory\x12).expertd.v1.UnregisterSharedMemoryRequest\x1a*.expertd.v1.UnregisterSharedMemoryResponse\x12]\n" +
-	"\x10ListSharedMemory\x12#.expertd.v1.ListSharedMemoryRequest\x1a$.expertd.v1.ListSharedMemoryResponseB7Z5github.com/expertd/expertd/proto/expertd/v1;expertdv1b\x06proto3"
+	"\x10ListSharedMemory\x12#.expertd.v1.ListSharedMemoryRequest\x1a$.expertd.v1.ListSharedMemoryResponse\x12M\n" +
+	"\n" +
+	"AttachRing\x12\x1d.expertd.v1.AttachRingRequest\x1a\x1e.expertd.v1.AttachRingResponse0\x01B7Z5github.com/expertd/expertd/proto/expertd/v1;expertdv1b\x06proto3"
 
 var (
 	file_expertd_v1_expert_proto_rawDescOnce sync.Once
@@ -2848,7 +3109,7 @@ func file_expertd_v1_expert_proto_rawDescGZIP() []byte {
 }
 
 var file_expertd_v1_expert_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_expertd_v1_expert_proto_goTypes = []any{
 	(DataType)(0),                                // 0: expertd.v1.DataType
 	(Activation)(0),                              // 1: expertd.v1.Activation
@@ -2877,12 +3138,15 @@ var file_expertd_v1_expert_proto_goTypes = []any{
 	(*UnregisterSharedMemoryResponse)(nil),       // 24: expertd.v1.UnregisterSharedMemoryResponse
 	(*ListSharedMemoryRequest)(nil),              // 25: expertd.v1.ListSharedMemoryRequest
 	(*ListSharedMemoryResponse)(nil),             // 26: expertd.v1.ListSharedMemoryResponse
-	(*LoadExpertsRequest_Header)(nil),            // 27: expertd.v1.LoadExpertsRequest.Header
-	(*LoadExpertsRequest_Chunk)(nil),             // 28: expertd.v1.LoadExpertsRequest.Chunk
-	(*LoadExpertsRequest_SafetensorsSource)(nil), // 29: expertd.v1.LoadExpertsRequest.SafetensorsSource
-	(*ServerInfo_BackendInfo)(nil),               // 30: expertd.v1.ServerInfo.BackendInfo
-	(*ServerInfo_Limits)(nil),                    // 31: expertd.v1.ServerInfo.Limits
-	(*timestamppb.Timestamp)(nil),                // 32: google.protobuf.Timestamp
+	(*AttachRingRequest)(nil),                    // 27: expertd.v1.AttachRingRequest
+	(*AttachRingResponse)(nil),                   // 28: expertd.v1.AttachRingResponse
+	(*LoadExpertsRequest_Header)(nil),            // 29: expertd.v1.LoadExpertsRequest.Header
+	(*LoadExpertsRequest_Chunk)(nil),             // 30: expertd.v1.LoadExpertsRequest.Chunk
+	(*LoadExpertsRequest_SafetensorsSource)(nil), // 31: expertd.v1.LoadExpertsRequest.SafetensorsSource
+	(*ServerInfo_BackendInfo)(nil),               // 32: expertd.v1.ServerInfo.BackendInfo
+	(*ServerInfo_Limits)(nil),                    // 33: expertd.v1.ServerInfo.Limits
+	(*ServerInfo_RingInfo)(nil),                  // 34: expertd.v1.ServerInfo.RingInfo
+	(*timestamppb.Timestamp)(nil),                // 35: google.protobuf.Timestamp
 }
 var file_expertd_v1_expert_proto_depIdxs = []int32{
 	0,  // 0: expertd.v1.Tensor.dtype:type_name -> expertd.v1.DataType
@@ -2909,46 +3173,49 @@ var file_expertd_v1_expert_proto_depIdxs = []int32{
 	5,  // 21: expertd.v1.FusedMoEResponse.topk_ids:type_name -> expertd.v1.Tensor
 	5,  // 22: expertd.v1.FusedMoEResponse.topk_weights:type_name -> expertd.v1.Tensor
 	11, // 23: expertd.v1.FusedMoEResponse.timings:type_name -> expertd.v1.Timings
-	27, // 24: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
-	28, // 25: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
-	29, // 26: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
+	29, // 24: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
+	30, // 25: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
+	31, // 26: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
 	1,  // 27: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
-	32, // 28: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
+	35, // 28: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
 	13, // 29: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
-	30, // 30: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
-	31, // 31: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
-	4,  // 32: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
-	22, // 33: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
-	4,  // 34: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
-	32, // 35: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
-	22, // 36: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
-	7,  // 37: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
-	3,  // 38: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
-	1,  // 39: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
-	1,  // 40: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
-	12, // 41: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
-	14, // 42: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
-	16, // 43: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
-	9,  // 44: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
-	9,  // 45: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
-	18, // 46: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
-	20, // 47: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
-	23, // 48: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
-	25, // 49: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
-	13, // 50: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
-	15, // 51: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
-	17, // 52: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
-	10, // 53: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
-	10, // 54: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
-	19, // 55: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
-	21, // 56: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
-	24, // 57: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
-	26, // 58: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
-	50, // [50:59] is the sub-list for method output_type
-	41, // [41:50] is the sub-list for method input_type
-	41, // [41:41] is the sub-list for extension type_name
-	41, // [41:41] is the sub-list for extension extendee
-	0,  // [0:41] is the sub-list for field type_name
+	32, // 30: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
+	33, // 31: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
+	34, // 32: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
+	4,  // 33: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
+	22, // 34: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
+	4,  // 35: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
+	35, // 36: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
+	22, // 37: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
+	7,  // 38: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
+	3,  // 39: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
+	1,  // 40: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
+	1,  // 41: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
+	12, // 42: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
+	14, // 43: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
+	16, // 44: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
+	9,  // 45: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
+	9,  // 46: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
+	18, // 47: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
+	20, // 48: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
+	23, // 49: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
+	25, // 50: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
+	27, // 51: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
+	13, // 52: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
+	15, // 53: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
+	17, // 54: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
+	10, // 55: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
+	10, // 56: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
+	19, // 57: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
+	21, // 58: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
+	24, // 59: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
+	26, // 60: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
+	28, // 61: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
+	52, // [52:62] is the sub-list for method output_type
+	42, // [42:52] is the sub-list for method input_type
+	42, // [42:42] is the sub-list for extension type_name
+	42, // [42:42] is the sub-list for extension extendee
+	0,  // [0:42] is the sub-list for field type_name
 }
 
 func init() { file_expertd_v1_expert_proto_init() }
@@ -2975,7 +3242,7 @@ func file_expertd_v1_expert_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_expertd_v1_expert_proto_rawDesc), len(file_expertd_v1_expert_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   27,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

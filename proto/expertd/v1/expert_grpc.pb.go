@@ -45,6 +45,7 @@ const (
 	ExpertService_RegisterSharedMemory_FullMethodName   = "/expertd.v1.ExpertService/RegisterSharedMemory"
 	ExpertService_UnregisterSharedMemory_FullMethodName = "/expertd.v1.ExpertService/UnregisterSharedMemory"
 	ExpertService_ListSharedMemory_FullMethodName       = "/expertd.v1.ExpertService/ListSharedMemory"
+	ExpertService_AttachRing_FullMethodName             = "/expertd.v1.ExpertService/AttachRing"
 )
 
 // ExpertServiceClient is the client API for ExpertService service.
@@ -94,6 +95,17 @@ type ExpertServiceClient interface {
 	// ListSharedMemory reports the caller's regions (those of its
 	// connection), sorted by name.
 	ListSharedMemory(ctx context.Context, in *ListSharedMemoryRequest, opts ...grpc.CallOption) (*ListSharedMemoryResponse, error)
+	// AttachRing serves FusedMoE calls through a call ring (docs/ring.md) in
+	// a POSIX region the caller registered on this connection: calls posted
+	// into the ring's slots are validated and run exactly as FusedMoE
+	// requests, and completed in place, without messages. The server sends
+	// one AttachRingResponse once it polls the ring, then nothing; the ring
+	// is served until the caller cancels this call or its connection closes
+	// (CANCELLED), or the server drains (UNAVAILABLE). Served with
+	// -shared-memory and -ring only (FAILED_PRECONDITION otherwise);
+	// RESOURCE_EXHAUSTED beyond -ring-max-per-conn or -ring-max rings, or
+	// for slots larger than -ring-max-slot-bytes.
+	AttachRing(ctx context.Context, in *AttachRingRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[AttachRingResponse], error)
 }
 
 type expertServiceClient struct {
@@ -200,6 +212,25 @@ func (c *expertServiceClient) ListSharedMemory(ctx context.Context, in *ListShar
 	return out, nil
 }
 
+func (c *expertServiceClient) AttachRing(ctx context.Context, in *AttachRingRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[AttachRingResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &ExpertService_ServiceDesc.Streams[2], ExpertService_AttachRing_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[AttachRingRequest, AttachRingResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ExpertService_AttachRingClient = grpc.ServerStreamingClient[AttachRingResponse]
+
 // ExpertServiceServer is the server API for ExpertService service.
 // All implementations must embed UnimplementedExpertServiceServer
 // for forward compatibility.
@@ -247,6 +278,17 @@ type ExpertServiceServer interface {
 	// ListSharedMemory reports the caller's regions (those of its
 	// connection), sorted by name.
 	ListSharedMemory(context.Context, *ListSharedMemoryRequest) (*ListSharedMemoryResponse, error)
+	// AttachRing serves FusedMoE calls through a call ring (docs/ring.md) in
+	// a POSIX region the caller registered on this connection: calls posted
+	// into the ring's slots are validated and run exactly as FusedMoE
+	// requests, and completed in place, without messages. The server sends
+	// one AttachRingResponse once it polls the ring, then nothing; the ring
+	// is served until the caller cancels this call or its connection closes
+	// (CANCELLED), or the server drains (UNAVAILABLE). Served with
+	// -shared-memory and -ring only (FAILED_PRECONDITION otherwise);
+	// RESOURCE_EXHAUSTED beyond -ring-max-per-conn or -ring-max rings, or
+	// for slots larger than -ring-max-slot-bytes.
+	AttachRing(*AttachRingRequest, grpc.ServerStreamingServer[AttachRingResponse]) error
 	mustEmbedUnimplementedExpertServiceServer()
 }
 
@@ -283,6 +325,9 @@ func (UnimplementedExpertServiceServer) UnregisterSharedMemory(context.Context, 
 }
 func (UnimplementedExpertServiceServer) ListSharedMemory(context.Context, *ListSharedMemoryRequest) (*ListSharedMemoryResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListSharedMemory not implemented")
+}
+func (UnimplementedExpertServiceServer) AttachRing(*AttachRingRequest, grpc.ServerStreamingServer[AttachRingResponse]) error {
+	return status.Error(codes.Unimplemented, "method AttachRing not implemented")
 }
 func (UnimplementedExpertServiceServer) mustEmbedUnimplementedExpertServiceServer() {}
 func (UnimplementedExpertServiceServer) testEmbeddedByValue()                       {}
@@ -445,6 +490,17 @@ func _ExpertService_ListSharedMemory_Handler(srv interface{}, ctx context.Contex
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ExpertService_AttachRing_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(AttachRingRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(ExpertServiceServer).AttachRing(m, &grpc.GenericServerStream[AttachRingRequest, AttachRingResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ExpertService_AttachRingServer = grpc.ServerStreamingServer[AttachRingResponse]
+
 // ExpertService_ServiceDesc is the grpc.ServiceDesc for ExpertService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -492,6 +548,11 @@ var ExpertService_ServiceDesc = grpc.ServiceDesc{
 			Handler:       _ExpertService_FusedMoEStream_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
+		},
+		{
+			StreamName:    "AttachRing",
+			Handler:       _ExpertService_AttachRing_Handler,
+			ServerStreams: true,
 		},
 	},
 	Metadata: "expertd/v1/expert.proto",

@@ -1,0 +1,6 @@
+package client
+
+import pb "github.com/expertd/expertd/proto/expertd/v1"
+
+// RequestProto is a request's wire form, for tests that post it by hand.
+func RequestProto(r *FusedMoERequest) (*pb.FusedMoERequest, error) { return r.proto() }

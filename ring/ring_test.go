@@ -1,0 +1,59 @@
+package ring
+
+import "testing"
+
+// alignedMem is n bytes starting on an Align boundary.
+func alignedMem(n int) []byte {
+	mem := make([]byte, n+Align)
+	off := 0
+	for !aligned(mem[off:]) {
+		off++
+	}
+	return mem[off : off+n : off+n]
+}
+
+// FuzzSlot fills a slot with arbitrary bytes, as a caller may, and checks
+// that the daemon's side stays within the slot: Take copies at most the
+// payload or reports the length, and a completion reads back as written.
+func FuzzSlot(f *testing.F) {
+	f.Add([]byte{1, 0, 0, 0}, uint32(10))
+	f.Add(make([]byte, SlotHeaderSize+64), uint32(1<<31))
+	f.Fuzz(func(t *testing.T, slot []byte, respLen uint32) {
+		const slots, slotSize = 2, MinSlotSize
+		mem := alignedMem(int(Size(slots, slotSize)))
+		caller, err := Init(mem, slots, slotSize)
+		if err != nil {
+			t.Fatal(err)
+		}
+		daemon, err := Attach(mem, slots, slotSize)
+		if err != nil {
+			t.Fatal(err)
+		}
+		copy(mem[HeaderSize:HeaderSize+slotSize], slot)
+		state := daemon.State(0)
+		req, seq, timeout, ok, err := daemon.Take(0, nil)
+		if ok != (state == Posted) {
+			t.Fatalf("Take ok = %v for state %d", ok, state)
+		}
+		if !ok {
+			if daemon.State(0) != state {
+				t.Fatalf("Take changed a slot in state %d", state)
+			}
+			return
+		}
+		if len(req) > daemon.Payload() || timeout < 0 || (err != nil && req != nil) {
+			t.Fatalf("Take = %d bytes, timeout %v, err %v", len(req), timeout, err)
+		}
+		n := int(respLen % uint32(daemon.Payload()+1))
+		copy(daemon.CompletionBuffer(0)[:n], slot)
+		daemon.Complete(0, seq, KindStatus, n)
+		kind, got, payload, err := caller.Response(0)
+		if kind != KindStatus || got != seq || len(payload) != n || err != nil || caller.State(0) != Done {
+			t.Fatalf("Response = %d, %d, %d bytes, %v", kind, got, len(payload), err)
+		}
+		// The other slot is untouched.
+		if caller.State(1) != Free {
+			t.Fatal("slot 1 changed")
+		}
+	})
+}
