@@ -62,10 +62,12 @@ func TestParseConfig(t *testing.T) {
 		{"ring flags", []string{"-shared-memory", "-ring", "-ring-spin", "0", "-ring-max", "3", "-ring-max-slot-bytes", "1MiB"}, nil,
 			func(c *Config) {
 				c.SharedMemory, c.Ring, c.RingSpin, c.RingMax, c.RingMaxSlotBytes = true, true, 0, 3, 1<<20
+				c.MaxConnectionAge = 0 // regions and rings live with their connection
 			}},
 		{"ring env", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "1", "EXPERTD_RING": "true", "EXPERTD_RING_SPIN": "50us", "EXPERTD_RING_MAX_PER_CONN": "2"},
 			func(c *Config) {
 				c.SharedMemory, c.Ring, c.RingSpin, c.RingMaxPerConn = true, true, 50*time.Microsecond, 2
+				c.MaxConnectionAge = 0
 			}},
 		{"batching env", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "0", "EXPERTD_BATCH_MAX_TOKENS": "64"},
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 0, 64 }},
