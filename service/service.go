@@ -297,6 +297,9 @@ func (s *Server) UnloadExperts(ctx context.Context, req *pb.UnloadExpertsRequest
 		return nil, s.toStatus(ctx, "UnloadExperts", err)
 	}
 	defer done()
+	if err := checkLen("name", req.GetName(), maxNameBytes); err != nil {
+		return nil, s.toStatus(ctx, "UnloadExperts", err)
+	}
 	e, err := s.reg.remove(req.GetName())
 	if err != nil {
 		return nil, s.toStatus(ctx, "UnloadExperts", err)
