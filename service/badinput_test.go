@@ -2,6 +2,7 @@ package service_test
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -18,6 +19,7 @@ import (
 	"google.golang.org/protobuf/testing/protocmp"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
 )
@@ -208,6 +210,21 @@ func fusedMoEBadInput(rng *rand.Rand) []fusedBad {
 			v[4] = float32(math.Inf(1))
 			r.RouterLogits.Source = &pb.Tensor_Data{Data: f32Bytes(v)}
 		}, service.Config{}, codes.InvalidArgument, "router_logits: element 4 is +Inf: want finite or -Inf"},
+		{"logits row all -Inf", func(r *pb.FusedMoERequest) {
+			v := bytesF32(r.RouterLogits.GetData())
+			for i := range testE {
+				v[testE+i] = float32(math.Inf(-1))
+			}
+			r.RouterLogits.Source = &pb.Tensor_Data{Data: f32Bytes(v)}
+		}, service.Config{}, codes.InvalidArgument, "router_logits: row 1 is all -Inf; softmax routing needs at least one finite logit"},
+		{"bf16 logits row all -Inf, renormalized", func(r *pb.FusedMoERequest) {
+			b := make([]byte, 2*m*testE)
+			for i := range testE {
+				binary.LittleEndian.PutUint16(b[2*i:], scaling.Float32ToBF16(float32(math.Inf(-1))))
+			}
+			r.RouterLogits = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_BFLOAT16, Shape: []int64{m, testE}, Source: &pb.Tensor_Data{Data: b}}
+			r.Routing.Renormalize = true
+		}, service.Config{}, codes.InvalidArgument, "router_logits: row 0 is all -Inf"},
 		{"no routing", func(r *pb.FusedMoERequest) { r.Routing = nil }, service.Config{}, codes.InvalidArgument, "routing: is required"},
 		{"top_k 0", func(r *pb.FusedMoERequest) { r.Routing.TopK = 0 }, service.Config{}, codes.InvalidArgument, "routing.top_k: 0: want in [1, 6]"},
 		{"top_k > E", func(r *pb.FusedMoERequest) { r.Routing.TopK = 7 }, service.Config{}, codes.InvalidArgument, "routing.top_k: 7"},

@@ -788,10 +788,13 @@ type FusedMoERequest struct {
 	// for BF16/FP32 hidden_states.
 	HiddenStatesScale *Tensor `protobuf:"bytes,4,opt,name=hidden_states_scale,json=hiddenStatesScale,proto3" json:"hidden_states_scale,omitempty"`
 	// Router logits, FP32 or BF16 [M, E]. Required unless topk_ids is set.
-	// -Inf masks an expert; NaN and +Inf are refused, except in a
+	// -Inf masks an expert: it scores 0 and gets weight 0 when chosen (only
+	// when fewer than top_k experts are unmasked). NaN and +Inf are refused,
+	// and so is a row of -Inf with SCORING_SOFTMAX (INVALID_ARGUMENT naming
+	// the row; softmax needs one finite logit), except in a
 	// SHARED_MEMORY_KIND_CUDA_IPC region, whose device memory the server
 	// does not scan: there a NaN or +Inf leaves that token's routing
-	// unspecified.
+	// unspecified, and a softmax row of -Inf gets weights 0.
 	RouterLogits *Tensor `protobuf:"bytes,5,opt,name=router_logits,json=routerLogits,proto3" json:"router_logits,omitempty"`
 	// Top-k selection; required with router_logits.
 	Routing *Routing `protobuf:"bytes,6,opt,name=routing,proto3" json:"routing,omitempty"`
