@@ -95,25 +95,32 @@ func Quote(s string) string {
 
 // Clip is Quote without the quotes, for log attributes, which the log
 // handler quotes itself.
-func Clip(s string) string {
-	head, n := cut(s)
-	if n < 0 {
+func Clip(s string) string { return ClipTo(s, maxQuoted) }
+
+// ClipTo is Clip keeping up to n bytes, for text that is mostly the
+// server's own (an error chain, say) but may carry a client's string.
+func ClipTo(s string, n int) string {
+	head, l := cutTo(s, n)
+	if l < 0 {
 		return s
 	}
-	return head + "... (" + strconv.Itoa(n) + " bytes)"
+	return head + "... (" + strconv.Itoa(l) + " bytes)"
 }
 
-// cut returns s's first maxQuoted bytes, ending on a UTF-8 boundary, and
-// len(s); or s and -1 when s is short enough to keep whole.
-func cut(s string) (string, int) {
-	if len(s) <= maxQuoted {
+// cut is cutTo at maxQuoted.
+func cut(s string) (string, int) { return cutTo(s, maxQuoted) }
+
+// cutTo returns s's first n bytes, ending on a UTF-8 boundary, and len(s);
+// or s and -1 when s is short enough to keep whole.
+func cutTo(s string, n int) (string, int) {
+	if len(s) <= n {
 		return s, -1
 	}
-	n := maxQuoted
-	for n > 0 && !utf8.RuneStart(s[n]) {
-		n--
+	i := n
+	for i > 0 && !utf8.RuneStart(s[i]) {
+		i--
 	}
-	return s[:n], len(s)
+	return s[:i], len(s)
 }
 
 // maxNameBytes bounds every name a request looks up (expert sets,

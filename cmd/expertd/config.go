@@ -319,7 +319,7 @@ func (c Config) logger(w io.Writer) *slog.Logger {
 	l, _ := c.level()
 	opts := &slog.HandlerOptions{Level: l}
 	if c.LogFormat == "json" {
-		return slog.New(slog.NewJSONHandler(w, opts))
+		return slog.New(clipHandler{slog.NewJSONHandler(w, opts)})
 	}
-	return slog.New(slog.NewTextHandler(w, opts))
+	return slog.New(clipHandler{slog.NewTextHandler(w, opts)})
 }

@@ -141,6 +141,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(gs, hs)
 	registerReflection(gs, log)
+	sec.authz.learnMethods(gs)
 
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
@@ -248,6 +249,10 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)),
 		grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
+		// Unknown methods go through the interceptors (authorization,
+		// logging) like the others, instead of grpc-go's Unimplemented
+		// answered before them.
+		grpc.UnknownServiceHandler(unknownMethod),
 		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters), otelgrpc.WithTracerProvider(tracer))),
 		// Recovery runs innermost so a panic is logged as the Internal it
 		// becomes.
