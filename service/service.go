@@ -69,6 +69,15 @@ type Config struct {
 	// grpc.Server built with ServerOptions, whose stats handler tracks
 	// connections.
 	SharedMemory bool
+	// MaxShmRegions bounds the shared-memory regions mapped at once over
+	// all connections (registered, or unregistered but still used by a
+	// call): the per-connection bound alone lets many connections hold
+	// any number. 0 means DefaultMaxShmRegions. The daemon's flag is
+	// -max-shm-regions, which refusals name.
+	MaxShmRegions int
+	// MaxShmBytes bounds the bytes of those regions (the daemon's
+	// -max-shm-bytes); 0 means DefaultMaxShmBytes.
+	MaxShmBytes int64
 	// OnBackendFault, when set, is called when BackendFault starts
 	// reporting a fault (with it) and when it clears (with nil), so the
 	// daemon can take the replica out of health checks; it must not block.
@@ -133,7 +142,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 		log:     logger,
 		reg:     newRegistry(cfg.MaxLoadedBytes),
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
-		shm:     newShmTable(cfg.SharedMemory, logger),
+		shm:     newShmTable(cfg, logger),
 	}
 	s.reg.closeFn = s.free
 	s.batch = newBatcher(s, cfg)
@@ -331,6 +340,8 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 			MaxTokens:       int32(s.cfg.MaxTokens),
 			MaxLoadedBytes:  s.cfg.MaxLoadedBytes,
 			MaxConcurrent:   int32(s.cfg.MaxConcurrent),
+			MaxShmRegions:   int32(s.shm.limitRegions()),
+			MaxShmBytes:     s.shm.limitBytes(),
 		},
 	}, nil
 }

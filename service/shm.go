@@ -73,6 +73,16 @@ const cudaIPCHandleSize = 64
 // descriptor and a mapping, or a mapping of device memory.
 const maxRegionsPerConn = 64
 
+// Defaults of Config.MaxShmRegions and MaxShmBytes. A region holds a
+// mapping, no file descriptor; 4096 mappings are far inside vm.max_map_count
+// (65530), and 64 GiB is more than one host's callers share in practice
+// (a 64-client bench uses 4 GiB) while bounding what the CUDA backend
+// page-locks.
+const (
+	DefaultMaxShmRegions       = 4096
+	DefaultMaxShmBytes   int64 = 64 << 30
+)
+
 // maxShmKey is NAME_MAX, the longest file name /dev/shm takes.
 const maxShmKey = 255
 
@@ -127,12 +137,51 @@ type shmTable struct {
 	conns  map[uint64]map[string]*region
 	closed bool
 	// mapped counts the regions mapped (registered, or unregistered but
-	// still used by a call) and their bytes, for the gauges.
-	mapped, mappedBytes int64
+	// still used by a call) and their bytes, for the gauges and the
+	// daemon-wide caps maxRegions and maxBytes.
+	mapped, mappedBytes  int64
+	maxRegions, maxBytes int64
 }
 
-func newShmTable(enabled bool, log *slog.Logger) *shmTable {
-	return &shmTable{log: log, enabled: enabled, conns: map[uint64]map[string]*region{}}
+func newShmTable(cfg Config, log *slog.Logger) *shmTable {
+	t := &shmTable{log: log, enabled: cfg.SharedMemory, conns: map[uint64]map[string]*region{},
+		maxRegions: int64(cfg.MaxShmRegions), maxBytes: cfg.MaxShmBytes}
+	if t.maxRegions <= 0 {
+		t.maxRegions = DefaultMaxShmRegions
+	}
+	if t.maxBytes <= 0 {
+		t.maxBytes = DefaultMaxShmBytes
+	}
+	return t
+}
+
+// limitRegions and limitBytes are the caps GetServerInfo reports: 0 with
+// shared memory off.
+func (t *shmTable) limitRegions() int64 {
+	if !t.enabled {
+		return 0
+	}
+	return t.maxRegions
+}
+
+func (t *shmTable) limitBytes() int64 {
+	if !t.enabled {
+		return 0
+	}
+	return t.maxBytes
+}
+
+// checkCapsLocked refuses a region of size bytes that would take the
+// server past its daemon-wide caps; t.mu must be held.
+func (t *shmTable) checkCapsLocked(size int64) error {
+	if t.mapped >= t.maxRegions {
+		return exhaustedf("name", "the server has %d shared-memory regions mapped, the most it may (expertd -max-shm-regions); unregister regions or retry later", t.mapped)
+	}
+	if size > t.maxBytes-t.mappedBytes {
+		return exhaustedf("byte_size", "%d bytes would take the server's shared-memory regions past %d bytes (%d mapped; expertd -max-shm-bytes); unregister regions or register less",
+			size, t.maxBytes, t.mappedBytes)
+	}
+	return nil
 }
 
 // connKey carries a connection's id in contexts derived from TagConn's.
@@ -355,6 +404,9 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 	if err == nil {
 		err = checkFree(regs, req.GetName())
 	}
+	if err == nil {
+		err = t.checkCapsLocked(size)
+	}
 	t.mu.Unlock()
 	if err != nil {
 		return nil, err
@@ -373,6 +425,9 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 	id, regs, err := t.connRegions(ctx)
 	if err == nil {
 		err = checkFree(regs, r.name)
+	}
+	if err == nil {
+		err = t.checkCapsLocked(r.size) // registrations may have raced
 	}
 	if err != nil {
 		t.mu.Unlock()
@@ -838,13 +893,19 @@ func (c *shmCall) writeOutput(resp *pb.FusedMoEResponse) error {
 
 // copyGuarded copies, turning a fault (a mapping whose object was shrunk
 // after the per-call check) into an error instead of a crash.
-func copyGuarded(dst, src []byte) (err error) {
+func copyGuarded(dst, src []byte) error {
+	return guard(func() { copy(dst, src) })
+}
+
+// guard runs f, turning a memory fault in it (touching a shared mapping
+// past its object's end) into an error instead of a crash.
+func guard(f func()) (err error) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if p := recover(); p != nil {
 			err = fmt.Errorf("memory fault: %v", p)
 		}
 	}()
-	copy(dst, src)
+	f()
 	return nil
 }

@@ -90,6 +90,12 @@ type Config struct {
 	// memory to callers on this host (-shared-memory,
 	// EXPERTD_SHARED_MEMORY=true).
 	SharedMemory bool
+	// MaxShmRegions bounds the shared-memory regions mapped at once over
+	// all connections (-max-shm-regions, EXPERTD_MAX_SHM_REGIONS).
+	MaxShmRegions int
+	// MaxShmBytes bounds their bytes (-max-shm-bytes,
+	// EXPERTD_MAX_SHM_BYTES).
+	MaxShmBytes int64
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
@@ -197,6 +203,8 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 		shm = b
 	}
 	fs.BoolVar(&c.SharedMemory, "shared-memory", shm, "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) or, with the cuda backend, in GPU memory shared through CUDA IPC ($EXPERTD_SHARED_MEMORY)")
+	integer(&c.MaxShmRegions, "max-shm-regions", service.DefaultMaxShmRegions, "shared-memory regions mapped at once over all connections (each connection has at most 64); more are refused with RESOURCE_EXHAUSTED")
+	i64(&c.MaxShmBytes, "max-shm-bytes", service.DefaultMaxShmBytes, "bytes of the shared-memory regions mapped at once over all connections (suffixes KiB, MiB, GiB); more are refused with RESOURCE_EXHAUSTED")
 	duration := func(p *time.Duration, name string, def time.Duration, help string) {
 		env := envName(name)
 		if v := getenv(env); v != "" {
@@ -299,6 +307,9 @@ func (c Config) validate() error {
 	errs = append(errs, c.validateSecurity()...)
 	if c.BatchWindow < 0 || c.BatchWindow > maxBatchWindow {
 		errs = append(errs, fmt.Errorf("-batch-window %v: want 0 (off) to %v", c.BatchWindow, maxBatchWindow))
+	}
+	if c.MaxShmRegions < 1 || c.MaxShmBytes < 1 {
+		errs = append(errs, fmt.Errorf("-max-shm-regions %d, -max-shm-bytes %d: want >= 1", c.MaxShmRegions, c.MaxShmBytes))
 	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))

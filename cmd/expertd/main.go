@@ -133,6 +133,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		Meter:           meters.Meter("github.com/expertd/expertd/service"),
 		OnBackendFault:  backendHealth(hs),
 		SharedMemory:    cfg.SharedMemory,
+		MaxShmRegions:   cfg.MaxShmRegions,
+		MaxShmBytes:     cfg.MaxShmBytes,
 	}, backend, log)
 
 	gs := newGRPCServer(cfg, log, meters, tracer, append(svc.ServerOptions(), sec.serverOptions()...)...)
@@ -184,7 +186,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
 		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent), slog.Int("max_queued", cfg.MaxQueued),
 		slog.Duration("batch_window", cfg.BatchWindow), slog.Int("batch_max_tokens", cfg.BatchMaxTokens),
-		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory))
+		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory),
+		slog.Int("max_shm_regions", cfg.MaxShmRegions), slog.Int64("max_shm_bytes", cfg.MaxShmBytes))
 	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {
 		ready <- addrs

@@ -2560,6 +2560,11 @@ type ServerInfo_Limits struct {
 	MaxLoadedBytes int64 `protobuf:"varint,3,opt,name=max_loaded_bytes,json=maxLoadedBytes,proto3" json:"max_loaded_bytes,omitempty"`
 	// Calls executed at once; more wait in the queue.
 	MaxConcurrent int32 `protobuf:"varint,4,opt,name=max_concurrent,json=maxConcurrent,proto3" json:"max_concurrent,omitempty"`
+	// Shared-memory regions mapped at once over all connections (each
+	// connection may have 64), and their total bytes; 0 when shared
+	// memory is off. RESOURCE_EXHAUSTED beyond either.
+	MaxShmRegions int32 `protobuf:"varint,5,opt,name=max_shm_regions,json=maxShmRegions,proto3" json:"max_shm_regions,omitempty"`
+	MaxShmBytes   int64 `protobuf:"varint,6,opt,name=max_shm_bytes,json=maxShmBytes,proto3" json:"max_shm_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2618,6 +2623,20 @@ func (x *ServerInfo_Limits) GetMaxLoadedBytes() int64 {
 func (x *ServerInfo_Limits) GetMaxConcurrent() int32 {
 	if x != nil {
 		return x.MaxConcurrent
+	}
+	return 0
+}
+
+func (x *ServerInfo_Limits) GetMaxShmRegions() int32 {
+	if x != nil {
+		return x.MaxShmRegions
+	}
+	return 0
+}
+
+func (x *ServerInfo_Limits) GetMaxShmBytes() int64 {
+	if x != nil {
+		return x.MaxShmBytes
 	}
 	return 0
 }
@@ -2756,7 +2775,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x15UnloadExpertsResponse\x12\x1f\n" +
 	"\vfreed_bytes\x18\x01 \x01(\x03R\n" +
 	"freedBytes\"\x16\n" +
-	"\x14GetServerInfoRequest\"\x9b\x04\n" +
+	"\x14GetServerInfoRequest\"\xe7\x04\n" +
 	"\n" +
 	"ServerInfo\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12>\n" +
@@ -2769,13 +2788,15 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\rgranularities\x18\x03 \x03(\tR\rgranularities\x12\x18\n" +
 	"\adevices\x18\x04 \x03(\tR\adevices\x12\x1d\n" +
 	"\n" +
-	"max_tokens\x18\x05 \x01(\x05R\tmaxTokens\x1a\xa4\x01\n" +
+	"max_tokens\x18\x05 \x01(\x05R\tmaxTokens\x1a\xf0\x01\n" +
 	"\x06Limits\x12*\n" +
 	"\x11max_message_bytes\x18\x01 \x01(\x03R\x0fmaxMessageBytes\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x02 \x01(\x05R\tmaxTokens\x12(\n" +
 	"\x10max_loaded_bytes\x18\x03 \x01(\x03R\x0emaxLoadedBytes\x12%\n" +
-	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\"\xd2\x01\n" +
+	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\x12&\n" +
+	"\x0fmax_shm_regions\x18\x05 \x01(\x05R\rmaxShmRegions\x12\"\n" +
+	"\rmax_shm_bytes\x18\x06 \x01(\x03R\vmaxShmBytes\"\xd2\x01\n" +
 	"\x1bRegisterSharedMemoryRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x120\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x1c.expertd.v1.SharedMemoryKindR\x04kind\x12\x10\n" +
