@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -231,8 +232,18 @@ func (c *Client) callContext(ctx context.Context) (context.Context, context.Canc
 // wrap names the method in an error while keeping its gRPC status, so
 // status.Code(err) still works on what the SDK returns.
 func wrap(method string, err error) error {
+	// grpc-go refuses a request over the server's message limit before
+	// any of the daemon's code runs, with a status that says only the
+	// sizes: say what bounds it and what to do instead.
+	if status.Code(err) == codes.ResourceExhausted && strings.Contains(err.Error(), "received message larger than max") {
+		return fmt.Errorf("expertd %s: %w (%s)", method, err, oversizedHint)
+	}
 	return fmt.Errorf("expertd %s: %w", method, err)
 }
+
+// oversizedHint follows a server's "received message larger than max".
+const oversizedHint = "the server's -max-message-bytes bounds every message, see ServerInfo().Limits.MaxMessageBytes: " +
+	"split the batch, pass tensors in shared memory, or load weights with LoadExperts, which sends them in chunks"
 
 // invalid is a request the client refuses before sending: the same code
 // the server would answer with.

@@ -483,3 +483,29 @@ func TestLogLinesBounded(t *testing.T) {
 		t.Errorf("the refused calls are not logged with their codes")
 	}
 }
+
+// TestOversizedLogged: a unary request over -max-message-bytes is refused
+// by grpc-go before any interceptor, so the call log cannot see it; the
+// daemon still logs it, with the method and what to do.
+func TestOversizedLogged(t *testing.T) {
+	addr, logs := startDaemon(t, "-max-message-bytes", "1MiB")
+	conn := dial(t, addr, insecure.NewCredentials(), grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(64<<20)))
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+	req := inlineRequest(mrand.New(mrand.NewPCG(uint64(time.Now().UnixNano()), 6)))
+	req.HiddenStates.Source = &pb.Tensor_Data{Data: make([]byte, 2<<20)}
+	_, err := pb.NewExpertServiceClient(conn).FusedMoE(ctx, req)
+	if status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a 2 MiB FusedMoE: %v, want ResourceExhausted", err)
+	}
+	deadline := time.Now().Add(defaultTestTimeout)
+	for !strings.Contains(logs.String(), "call refused before its handler") && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond) // the stats handler runs after the status is sent
+	}
+	out := logs.String()
+	for _, want := range []string{`"msg":"call refused before its handler"`, `"grpc.method":"/expertd.v1.ExpertService/FusedMoE"`, `"grpc.code":"ResourceExhausted"`, "-max-message-bytes"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the log lacks %s:\n%s", want, out)
+		}
+	}
+}

@@ -257,13 +257,16 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 		// answered before them.
 		grpc.UnknownServiceHandler(unknownMethod),
 		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters), otelgrpc.WithTracerProvider(tracer))),
+		grpc.StatsHandler(refusedLog{log}),
 		// Recovery runs innermost so a panic is logged as the Internal it
 		// becomes.
 		grpc.ChainUnaryInterceptor(
+			reachedUnary,
 			selector.UnaryServerInterceptor(logging.UnaryServerInterceptor(logger, logOpts...), logged),
 			recovery.UnaryServerInterceptor(rec),
 		),
 		grpc.ChainStreamInterceptor(
+			reachedStream,
 			selector.StreamServerInterceptor(logging.StreamServerInterceptor(logger, logOpts...), logged),
 			recovery.StreamServerInterceptor(rec),
 		),
