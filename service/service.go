@@ -107,6 +107,9 @@ type Server struct {
 	mu       sync.Mutex
 	draining bool
 	inflight sync.WaitGroup
+	// calls counts calls admitted by begin, running those not yet done,
+	// for Activity.
+	calls, running atomic.Int64
 
 	tokens      metric.Int64Counter
 	queuedCalls metric.Int64ObservableGauge
@@ -222,7 +225,20 @@ func (s *Server) begin() (func(), error) {
 		return nil, errDraining
 	}
 	s.inflight.Add(1)
-	return s.inflight.Done, nil
+	s.calls.Add(1)
+	s.running.Add(1)
+	return func() {
+		s.running.Add(-1)
+		s.inflight.Done()
+	}, nil
+}
+
+// Activity reports the calls admitted so far (FusedMoE, each request of a
+// FusedMoEStream, LoadExperts, UnloadExperts, RegisterSharedMemory) and
+// those still running: admitted unchanged between two looks, and none
+// running, means the server was idle in between.
+func (s *Server) Activity() (admitted, running int64) {
+	return s.calls.Load(), s.running.Load()
 }
 
 // acquireSlot takes an execution slot, waiting in the bounded queue if

@@ -96,6 +96,10 @@ type Config struct {
 	// MaxShmBytes bounds their bytes (-max-shm-bytes,
 	// EXPERTD_MAX_SHM_BYTES).
 	MaxShmBytes int64
+	// IdleFreeMemory is how long the daemon must admit no call before it
+	// returns the memory a burst left behind to the OS; 0 leaves that to
+	// the Go runtime (-idle-free-memory, EXPERTD_IDLE_FREE_MEMORY).
+	IdleFreeMemory time.Duration
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
@@ -111,6 +115,10 @@ const (
 	defaultMaxLoadedBytes = 32 << 30
 	defaultMaxConcurrent  = 4
 	defaultShutdown       = 30 * time.Second
+	// defaultIdleFreeMemory is long enough that a caller pausing between
+	// bursts keeps its warm buffers (codec.Pool saves a page fault per
+	// 4 KiB of output), short enough that an idle replica gives memory back.
+	defaultIdleFreeMemory = 30 * time.Second
 	// maxBatchWindow bounds -batch-window: a window is a few
 	// milliseconds; a second is a typo that would stall every call.
 	maxBatchWindow = time.Second
@@ -216,6 +224,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 		}
 		fs.DurationVar(p, name, def, help+" ($"+env+")")
 	}
+	duration(&c.IdleFreeMemory, "idle-free-memory", defaultIdleFreeMemory, "after this long without a call, return the memory a burst left behind to the OS; 0 leaves it to the Go runtime (GOMEMLIMIT also applies)")
 	duration(&c.ShutdownTimeout, "shutdown-timeout", defaultShutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM")
 	duration(&c.BatchWindow, "batch-window", service.SuggestedBatchWindow, "dynamic batching: FusedMoE calls that arrive while a compatible call runs are merged into one backend call, which waits this long after the running one for more; 0 disables batching")
 	integer(&c.BatchMaxTokens, "batch-max-tokens", 0, fmt.Sprintf("most tokens in one merged backend call; 0 means %d", service.DefaultBatchMaxTokens))
@@ -310,6 +319,9 @@ func (c Config) validate() error {
 	}
 	if c.MaxShmRegions < 1 || c.MaxShmBytes < 1 {
 		errs = append(errs, fmt.Errorf("-max-shm-regions %d, -max-shm-bytes %d: want >= 1", c.MaxShmRegions, c.MaxShmBytes))
+	}
+	if c.IdleFreeMemory < 0 {
+		errs = append(errs, fmt.Errorf("-idle-free-memory %v: want >= 0", c.IdleFreeMemory))
 	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))

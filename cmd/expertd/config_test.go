@@ -18,6 +18,7 @@ func defaults() Config {
 		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
 		BatchWindow:   service.SuggestedBatchWindow,
 		MaxShmRegions: service.DefaultMaxShmRegions, MaxShmBytes: service.DefaultMaxShmBytes,
+		IdleFreeMemory: 30 * time.Second,
 	}
 }
 

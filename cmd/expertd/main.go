@@ -181,6 +181,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		}()
 		addrs.admin = alis.Addr().String()
 	}
+	reclaimCtx, stopReclaim := context.WithCancel(ctx)
+	defer stopReclaim()
+	go reclaimIdle(reclaimCtx, cfg.IdleFreeMemory, svc.Activity, log)
 	log.Info("expertd serving", slog.String("grpc", addrs.grpc), slog.String("admin", addrs.admin),
 		slog.String("backend", backend.Name()), slog.String("version", version()),
 		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
