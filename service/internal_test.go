@@ -3,14 +3,18 @@ package service
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"math"
+	"strconv"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/google/go-cmp/cmp"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -69,6 +73,9 @@ func FuzzParseSafetensors(f *testing.F) {
 	f.Add(append(append(binary.LittleEndian.AppendUint64(nil, uint64(len(js))), js...), make([]byte, 8)...))
 	f.Add([]byte("\x02\x00\x00\x00\x00\x00\x00\x00{}"))
 	f.Add([]byte("\xff\xff\xff\xff\xff\xff\xff\xff"))
+	f.Add([]byte("\x08\x00\x00\x00\x00\x00\x00\x00{}      "))
+	f.Add([]byte("\x04\x00\x00\x00\x00\x00\x00\x00{}{}"))
+	f.Add([]byte("\x0d\x00\x00\x00\x00\x00\x00\x00{\"a\":1,\"a\":2}"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		st, err := parseSafetensors(bytes.NewReader(b), int64(len(b)))
 		if err != nil {
@@ -98,6 +105,14 @@ func FuzzCheckRequest(f *testing.F) {
 		Routing:      &pb.Routing{TopK: 2, Scoring: pb.Scoring_SCORING_SIGMOID, NumExpertGroups: 2, TopkGroups: 1},
 	}
 	b, _ := proto.Marshal(seed)
+	f.Add(b)
+	// A row of -Inf (BF16 0xff80): legal with sigmoid, refused with softmax.
+	ninf := bytes.Repeat([]byte{0x80, 0xff}, 8)
+	seed.RouterLogits.Source = &pb.Tensor_Data{Data: ninf}
+	b, _ = proto.Marshal(seed)
+	f.Add(b)
+	seed.Routing = &pb.Routing{TopK: 2}
+	b, _ = proto.Marshal(seed)
 	f.Add(b)
 	seed.RouterLogits, seed.Routing = nil, nil
 	seed.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{2, 1}, Source: &pb.Tensor_Data{Data: make([]byte, 8)}}
@@ -131,6 +146,20 @@ func FuzzCheckRequest(f *testing.F) {
 			}
 		} else if len(r.Logits.Data) != m*set.E*r.Logits.DType.Size() {
 			t.Fatalf("accepted logits %v with %d bytes", r.Logits.Shape, len(r.Logits.Data))
+		} else {
+			// Whatever logits validation accepts, routing gives finite
+			// weights: the rule of issue 14 end to end.
+			logits := make([]float32, m*set.E)
+			for i := range logits {
+				logits[i] = element(r.Logits.DType, r.Logits.Data, i)
+			}
+			ids, w := make([]int32, m*r.Routing.TopK), make([]float32, m*r.Routing.TopK)
+			cpu.Route(ids, w, logits, m, set.E, r.Routing)
+			for i, x := range w {
+				if x != x || math.IsInf(float64(x), 0) {
+					t.Fatalf("accepted logits %v route to weight %d = %v", logits, i, x)
+				}
+			}
 		}
 		if r.Routing.NumGroups > 1 && (set.E%r.Routing.NumGroups != 0 || r.Routing.TopKGroups < 1 || r.Routing.TopKGroups > r.Routing.NumGroups) {
 			t.Fatalf("accepted groups %d/%d", r.Routing.NumGroups, r.Routing.TopKGroups)
@@ -332,5 +361,55 @@ func TestCheckRequestDevice(t *testing.T) {
 				t.Errorf("output at %#x with %d host bytes, want %#x and none", got.OutDev, len(got.Out), tt.wantOutDev)
 			}
 		})
+	}
+}
+
+// FuzzQuote: whatever a client sends, Quote's result is short, valid
+// UTF-8, and starts with a Go-quoted prefix of the input.
+func FuzzQuote(f *testing.F) {
+	f.Add("layer0")
+	f.Add(strings.Repeat("\u00e9", 200))
+	f.Add("a\nlevel=ERROR msg=forged")
+	f.Fuzz(func(t *testing.T, s string) {
+		q := Quote(s)
+		if len(q) > 4*maxQuoted+40 || !utf8.ValidString(q) || strings.ContainsAny(q, "\n\r") {
+			t.Fatalf("Quote(%d bytes) = %d bytes %.200q", len(s), len(q), q)
+		}
+		head, err := strconv.QuotedPrefix(q)
+		if err != nil {
+			t.Fatalf("Quote(%.100q) = %.200q: %v", s, q, err)
+		}
+		if u, _ := strconv.Unquote(head); !strings.HasPrefix(s, u) || (len(s) <= maxQuoted && u != s) {
+			t.Fatalf("Quote(%.100q) quotes %.100q", s, u)
+		}
+	})
+}
+
+// TestParseSafetensorsMemory: parsing streams the header, so it allocates
+// about what the parsed entries hold, not copies of the whole header (the
+// issue 14 probe's 26 MB header took RSS from 24 to 191 MB).
+func TestParseSafetensorsMemory(t *testing.T) {
+	var hdr strings.Builder
+	hdr.WriteString(`{"__metadata__":{"pad":"` + strings.Repeat("x", 8<<20) + `"}`)
+	for i := range 2000 {
+		fmt.Fprintf(&hdr, `,"model.layers.0.mlp.experts.%d.up_proj.weight":{"dtype":"F8_E4M3","shape":[1,1],"data_offsets":[0,1]}`, i)
+	}
+	hdr.WriteString("}")
+	b := append(binary.LittleEndian.AppendUint64(nil, uint64(hdr.Len())), hdr.String()...)
+	b = append(b, 0)
+	r := bytes.NewReader(b)
+	allocs := testing.Benchmark(func(tb *testing.B) {
+		for range tb.N {
+			if _, err := parseSafetensors(r, int64(len(b))); err != nil {
+				tb.Fatal(err)
+			}
+		}
+	}).AllocedBytesPerOp()
+	// The header's bytes, once, and the 2000 small entries; a second
+	// copy of the header (json.RawMessage values, the metadata kept as a
+	// string) would double it.
+	t.Logf("a %d-byte header: %d bytes allocated", hdr.Len(), allocs)
+	if limit := int64(hdr.Len()) * 3 / 2; allocs > limit {
+		t.Errorf("parsing a %d-byte header allocates %d bytes, want at most %d", hdr.Len(), allocs, limit)
 	}
 }

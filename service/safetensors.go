@@ -1,7 +1,6 @@
 package service
 
 import (
-	"bufio"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -29,11 +28,10 @@ import (
 // is decoded: F8_E4M3 weights and F32 or BF16 scales.
 
 // maxSafetensorsHeader bounds the JSON header. Real checkpoints' headers
-// are far smaller (a DeepSeek-V3 shard of ~1,000 tensors has ~150 KB), and
-// the bound caps what one load may make the daemon hold while it parses:
-// the header is decoded as it streams from the file, one entry at a time,
-// so parsing holds the decoded entries and one entry's bytes, never a copy
-// of the whole header.
+// are far smaller (a DeepSeek-V3 shard of ~1,000 tensors has ~150 KB); the
+// bound caps what one load may make the daemon hold while it parses:
+// the header's bytes once, plus the entries decoded from them (parse
+// keeps no second copy, and of __metadata__ only the one key it uses).
 const maxSafetensorsHeader = 16 << 20
 
 // stTensor is one header entry.
@@ -49,7 +47,23 @@ type stFile struct {
 	// base is the file offset of the data section.
 	base    int64
 	tensors map[string]stTensor
-	meta    map[string]string
+	meta    stMeta
+}
+
+// stMeta is what the loader reads of __metadata__ (a string-to-string
+// map); decoding into a struct skips the other keys without copying them.
+type stMeta struct {
+	NumExpertsPerTok string `json:"num_experts_per_tok"`
+}
+
+// stEntry is one header value, kept as the slice of the header it spans:
+// json.Unmarshal hands an Unmarshaler its bytes without a copy, where a
+// json.RawMessage would copy each.
+type stEntry []byte
+
+func (e *stEntry) UnmarshalJSON(b []byte) error {
+	*e = b
+	return nil
 }
 
 // parseSafetensors reads and checks the header of a file of the given size.
@@ -64,45 +78,31 @@ func parseSafetensors(r io.ReaderAt, size int64) (*stFile, error) {
 	if n > maxSafetensorsHeader || int64(n) > size-8 {
 		return nil, fmt.Errorf("header length %d exceeds the file (%d bytes) or the %d MiB header limit", n, size, maxSafetensorsHeader>>20)
 	}
-	f := &stFile{r: r, base: 8 + int64(n), tensors: map[string]stTensor{}}
-	dataLen := size - f.base
-	dec := json.NewDecoder(bufio.NewReader(io.NewSectionReader(r, 8, int64(n))))
-	notObject := func(err error) error { return fmt.Errorf("header is not a JSON object: %w", err) }
-	if tok, err := dec.Token(); err != nil {
-		return nil, notObject(err)
-	} else if tok != json.Delim('{') {
-		return nil, notObject(fmt.Errorf("starts with %v", tok))
+	hdr := make([]byte, n)
+	if _, err := r.ReadAt(hdr, 8); err != nil {
+		return nil, fmt.Errorf("reading header: %w", err)
 	}
-	for dec.More() {
-		tok, err := dec.Token()
-		if err != nil {
-			return nil, notObject(err)
-		}
-		name, _ := tok.(string) // keys of an object are strings
+	var raw map[string]stEntry
+	if err := json.Unmarshal(hdr, &raw); err != nil {
+		return nil, fmt.Errorf("header is not a JSON object: %w", err)
+	}
+	f := &stFile{r: r, base: 8 + int64(n), tensors: make(map[string]stTensor, len(raw))}
+	dataLen := size - f.base
+	for name, v := range raw {
 		if name == "__metadata__" {
-			if err := dec.Decode(&f.meta); err != nil {
+			if err := json.Unmarshal(v, &f.meta); err != nil {
 				return nil, fmt.Errorf("__metadata__: %w", err)
 			}
 			continue
 		}
 		var t stTensor
-		if err := dec.Decode(&t); err != nil {
+		if err := json.Unmarshal(v, &t); err != nil {
 			return nil, fmt.Errorf("tensor %s: %w", Quote(name), err)
 		}
 		if b, e := t.DataOffsets[0], t.DataOffsets[1]; b < 0 || e < b || e > dataLen {
 			return nil, fmt.Errorf("tensor %s: data_offsets [%d, %d) outside the %d data bytes", Quote(name), b, e, dataLen)
 		}
 		f.tensors[name] = t
-	}
-	if _, err := dec.Token(); err != nil { // the closing brace
-		return nil, notObject(err)
-	}
-	// Only the padding the format allows (spaces) may follow the object.
-	if tok, err := dec.Token(); err != io.EOF {
-		if err == nil {
-			err = fmt.Errorf("%v after the object", tok)
-		}
-		return nil, notObject(err)
 	}
 	return f, nil
 }
@@ -361,7 +361,7 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 		return nil, err
 	}
 	defer a.release()
-	hint, _ := strconv.Atoi(f.meta["num_experts_per_tok"])
+	hint, _ := strconv.Atoi(f.meta.NumExpertsPerTok)
 	info, err := s.commit(ctx, src.GetName(), a.set, a.bytes, fingerprint(a.bufs), hint, src.GetOverwrite())
 	if err != nil {
 		return nil, err
