@@ -55,6 +55,10 @@ func TestParseConfig(t *testing.T) {
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 500*time.Microsecond, 1024 }},
 		{"batching env", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "0", "EXPERTD_BATCH_MAX_TOKENS": "64"},
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 0, 64 }},
+		{"shared memory caps", []string{"-max-shm-regions", "100", "-max-shm-bytes", "1GiB", "-idle-free-memory", "0"}, nil,
+			func(c *Config) { c.MaxShmRegions, c.MaxShmBytes, c.IdleFreeMemory = 100, 1<<30, 0 }},
+		{"shared memory caps env", nil, map[string]string{"EXPERTD_MAX_SHM_REGIONS": "7", "EXPERTD_MAX_SHM_BYTES": "1MiB", "EXPERTD_IDLE_FREE_MEMORY": "2m"},
+			func(c *Config) { c.MaxShmRegions, c.MaxShmBytes, c.IdleFreeMemory = 7, 1<<20, 2*time.Minute }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -94,6 +98,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{"bad env window", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "2"}, "$EXPERTD_BATCH_WINDOW"},
 		{"negative window", []string{"-batch-window", "-1ms"}, nil, "-batch-window -1ms: want 0 (off) to 1s"},
 		{"window too long", []string{"-batch-window", "2s"}, nil, "-batch-window 2s"},
+		{"no shm regions", []string{"-max-shm-regions", "0"}, nil, "-max-shm-regions 0, -max-shm-bytes 68719476736: want >= 1"},
+		{"negative idle", []string{"-idle-free-memory", "-1s"}, nil, "-idle-free-memory -1s: want >= 0"},
 		{"otlp without scheme", []string{"-otlp-endpoint", "localhost:4317"}, nil, `-otlp-endpoint "localhost:4317": want an http:// or https:// URL`},
 	}
 	for _, tt := range tests {
