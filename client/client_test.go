@@ -150,8 +150,8 @@ func TestLoadExpertsChunks(t *testing.T) {
 	total := int64(len(w.W13.Data) + len(w.W2.Data) + 4*4 + 4)
 	ctx := testContext(t)
 
-	if _, err := c.LoadExperts(ctx, "whole", w, client.ChunkBytes(4<<20)); status.Code(err) != codes.ResourceExhausted {
-		t.Errorf("LoadExperts in one 1.5 MiB chunk = %v, want ResourceExhausted from the 1 MiB limit", err)
+	if _, err := c.LoadExperts(ctx, "whole", w, client.ChunkBytes(4<<20)); status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "-max-message-bytes") {
+		t.Errorf("LoadExperts in one 1.5 MiB chunk = %v, want ResourceExhausted from the 1 MiB limit, naming -max-message-bytes", err)
 	}
 
 	var seen []client.Progress

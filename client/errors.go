@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -24,7 +25,20 @@ type Error struct {
 	Err error
 }
 
-func (e *Error) Error() string { return "expertd " + e.Method + ": " + e.Err.Error() }
+func (e *Error) Error() string {
+	msg := "expertd " + e.Method + ": " + e.Err.Error()
+	// grpc-go refuses a request over the server's message limit before
+	// any of the daemon's code runs, with a status that says only the
+	// sizes: say what bounds it and what to do instead.
+	if e.Code() == codes.ResourceExhausted && strings.Contains(e.Err.Error(), "received message larger than max") {
+		msg += " (" + oversizedHint + ")"
+	}
+	return msg
+}
+
+// oversizedHint follows a server's "received message larger than max".
+const oversizedHint = "the server's -max-message-bytes bounds every message, see ServerInfo().Limits.MaxMessageBytes: " +
+	"split the batch, pass tensors in shared memory, or load weights with LoadExperts, which sends them in chunks"
 
 // Unwrap returns Err.
 func (e *Error) Unwrap() error { return e.Err }

@@ -328,6 +328,10 @@ type Limits struct {
 	MaxLoadedBytes int64
 	// MaxConcurrent calls execute at once; more queue.
 	MaxConcurrent int
+	// MaxShmRegions and MaxShmBytes bound the shared-memory regions of
+	// all connections together; 0 when the server has shared memory off.
+	MaxShmRegions int
+	MaxShmBytes   int64
 }
 
 func serverInfoFromProto(p *pb.ServerInfo) *ServerInfo {
@@ -341,7 +345,8 @@ func serverInfoFromProto(p *pb.ServerInfo) *ServerInfo {
 	}
 	l := p.GetLimits()
 	info.Limits = Limits{MaxMessageBytes: l.GetMaxMessageBytes(), MaxTokens: int(l.GetMaxTokens()),
-		MaxLoadedBytes: l.GetMaxLoadedBytes(), MaxConcurrent: int(l.GetMaxConcurrent())}
+		MaxLoadedBytes: l.GetMaxLoadedBytes(), MaxConcurrent: int(l.GetMaxConcurrent()),
+		MaxShmRegions: int(l.GetMaxShmRegions()), MaxShmBytes: l.GetMaxShmBytes()}
 	r := p.GetRing()
 	info.Ring = RingInfo{Enabled: r.GetEnabled(), Version: r.GetVersion(), Spin: time.Duration(r.GetSpinNanos()),
 		MaxPerConn: int(r.GetMaxPerConn()), MaxRings: int(r.GetMaxRings()), MaxSlotBytes: r.GetMaxSlotBytes()}

@@ -2,6 +2,7 @@ package service_test
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -18,6 +19,7 @@ import (
 	"google.golang.org/protobuf/testing/protocmp"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
 )
@@ -105,8 +107,13 @@ func TestBadInput(t *testing.T) {
 			}
 			before := stateOf(t, c, srv, b)
 			err := tt.call(ctx, c)
-			if got := status.Code(err); got != tt.wantCode || !strings.Contains(status.Convert(err).Message(), tt.wantMsg) {
-				t.Errorf("got %v, want %v containing %q", err, tt.wantCode, tt.wantMsg)
+			msg := status.Convert(err).Message()
+			if got := status.Code(err); got != tt.wantCode || !strings.Contains(msg, tt.wantMsg) {
+				t.Errorf("got %v %s, want %v containing %s", got, service.Quote(msg), tt.wantCode, service.Quote(tt.wantMsg))
+			}
+			// Whatever the request holds, the answer is short (issue 14).
+			if len(msg) > maxStatusBytes {
+				t.Errorf("status message is %d bytes, want at most %d", len(msg), maxStatusBytes)
 			}
 			if diff := cmp.Diff(before, stateOf(t, c, srv, b), protocmp.Transform()); diff != "" {
 				t.Errorf("server state changed (-before +after):\n%s", diff)
@@ -122,6 +129,16 @@ func TestBadInput(t *testing.T) {
 		})
 	}
 }
+
+// maxStatusBytes bounds every bad-input answer's message: client strings
+// are cut to 128 bytes before they are echoed.
+const maxStatusBytes = 1024
+
+// mib is a 1 MiB client string, the issue 14 probe's.
+var mib = strings.Repeat("a", 1<<20)
+
+// quotedMiB is how a status message shows mib.
+var quotedMiB = `"` + mib[:128] + `"... (1048576 bytes)`
 
 // badM is the token count of the bad FusedMoE requests.
 const badM = 3
@@ -193,6 +210,21 @@ func fusedMoEBadInput(rng *rand.Rand) []fusedBad {
 			v[4] = float32(math.Inf(1))
 			r.RouterLogits.Source = &pb.Tensor_Data{Data: f32Bytes(v)}
 		}, service.Config{}, codes.InvalidArgument, "router_logits: element 4 is +Inf: want finite or -Inf"},
+		{"logits row all -Inf", func(r *pb.FusedMoERequest) {
+			v := bytesF32(r.RouterLogits.GetData())
+			for i := range testE {
+				v[testE+i] = float32(math.Inf(-1))
+			}
+			r.RouterLogits.Source = &pb.Tensor_Data{Data: f32Bytes(v)}
+		}, service.Config{}, codes.InvalidArgument, "router_logits: row 1 is all -Inf; softmax routing needs at least one finite logit"},
+		{"bf16 logits row all -Inf, renormalized", func(r *pb.FusedMoERequest) {
+			b := make([]byte, 2*m*testE)
+			for i := range testE {
+				binary.LittleEndian.PutUint16(b[2*i:], scaling.Float32ToBF16(float32(math.Inf(-1))))
+			}
+			r.RouterLogits = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_BFLOAT16, Shape: []int64{m, testE}, Source: &pb.Tensor_Data{Data: b}}
+			r.Routing.Renormalize = true
+		}, service.Config{}, codes.InvalidArgument, "router_logits: row 0 is all -Inf"},
 		{"no routing", func(r *pb.FusedMoERequest) { r.Routing = nil }, service.Config{}, codes.InvalidArgument, "routing: is required"},
 		{"top_k 0", func(r *pb.FusedMoERequest) { r.Routing.TopK = 0 }, service.Config{}, codes.InvalidArgument, "routing.top_k: 0: want in [1, 6]"},
 		{"top_k > E", func(r *pb.FusedMoERequest) { r.Routing.TopK = 7 }, service.Config{}, codes.InvalidArgument, "routing.top_k: 7"},
@@ -308,6 +340,16 @@ func fusedMoEBadInput(rng *rand.Rand) []fusedBad {
 		{"inline over max loaded bytes", func(r *pb.FusedMoERequest) {
 			r.Experts = &pb.FusedMoERequest_Weights{Weights: randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)}
 		}, service.Config{MaxLoadedBytes: layerBytes + 1000}, codes.ResourceExhausted, "weights: 17328 bytes would exceed the server's max loaded bytes (17328 of 18328 in use)"},
+		// Issue 14: client strings are bounded before they are looked up
+		// or echoed.
+		{"1 MiB set name", func(r *pb.FusedMoERequest) { r.Experts = &pb.FusedMoERequest_ExpertSet{ExpertSet: mib} }, service.Config{},
+			codes.InvalidArgument, "expert_set: " + quotedMiB + ": 1048576 bytes, want at most 256"},
+		{"257-byte set name", func(r *pb.FusedMoERequest) {
+			r.Experts = &pb.FusedMoERequest_ExpertSet{ExpertSet: strings.Repeat("b", 257)}
+		}, service.Config{},
+			codes.InvalidArgument, "257 bytes, want at most 256"},
+		{"unknown set with a newline", func(r *pb.FusedMoERequest) { r.Experts = &pb.FusedMoERequest_ExpertSet{ExpertSet: "a\nlevel=ERROR"} }, service.Config{},
+			codes.NotFound, `expert_set: no expert set "a\nlevel=ERROR" is loaded`},
 		{"inline weights wrong K", func(r *pb.FusedMoERequest) {
 			r.Experts = &pb.FusedMoERequest_Weights{Weights: randomWeights(rng, pb.Activation_ACTIVATION_RELU2, 2, 16, 8)}
 		}, service.Config{}, codes.InvalidArgument, "hidden_states: shape [3 40]: want [M, 16] (K of the expert set)"},
@@ -505,6 +547,18 @@ func loadBadInput(rng *rand.Rand) (*pb.ExpertWeights, []loadBad) {
 			h.Name = strings.Repeat("x", 129)
 			return ch
 		}, service.Config{}, codes.InvalidArgument, "header.name"},
+		{"1 MiB name", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Name = mib
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.name: " + quotedMiB + ": want 1-128 characters"},
+		{"1 MiB chunk tensor", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			ch[0].Tensor = mib
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "chunk.tensor: " + quotedMiB + ": not a tensor the header declared"},
+		{"1 MiB sha256", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Sha256 = mib
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "header.sha256: " + quotedMiB},
 		{"chunk for another tensor's bytes", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
 			ch[16].Tensor = "w13" // the first w2 chunk, sent as w13 [0, 100) again
 			return ch
@@ -661,6 +715,33 @@ func shmBadInput(rng *rand.Rand) []badCall {
 			_, err := c.FusedMoE(ctx, req)
 			return err
 		}, codes.InvalidArgument, `output_shm: shared memory is not enabled on this server`},
+		{"FusedMoE/shm 1 MiB region name", on, call(func(r *pb.FusedMoERequest) { r.HiddenStates.Source = shmRef(mib, 0, hb) }),
+			codes.InvalidArgument, "hidden_states.shm.region_name: " + quotedMiB + ": 1048576 bytes, want at most 256"},
+		{"FusedMoE/output_shm 1 MiB region name", on, call(out(mib, 0, badM*testK*2)), codes.InvalidArgument, "output_shm.region_name: " + quotedMiB},
+		{"RegisterSharedMemory/1 MiB key", on, func(ctx context.Context, c pb.ExpertServiceClient) error {
+			_, err := c.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: mib, ByteSize: 1})
+			return err
+		}, codes.InvalidArgument, "key: " + quotedMiB + ": want 1-255 characters"},
+		{"RegisterSharedMemory/1 MiB name", on, func(ctx context.Context, c pb.ExpertServiceClient) error {
+			_, err := c.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: mib, Key: "k", ByteSize: 1})
+			return err
+		}, codes.InvalidArgument, "name: " + quotedMiB + ": want 1-128 characters"},
+		{"UnregisterSharedMemory/1 MiB name", on, func(ctx context.Context, c pb.ExpertServiceClient) error {
+			_, err := c.UnregisterSharedMemory(ctx, &pb.UnregisterSharedMemoryRequest{Name: mib})
+			return err
+		}, codes.InvalidArgument, "name: " + quotedMiB + ": 1048576 bytes, want at most 256"},
+		{"ListSharedMemory/1 MiB name", on, func(ctx context.Context, c pb.ExpertServiceClient) error {
+			_, err := c.ListSharedMemory(ctx, &pb.ListSharedMemoryRequest{Name: mib})
+			return err
+		}, codes.InvalidArgument, "name: " + quotedMiB},
+		{"UnloadExperts/1 MiB name", service.Config{}, func(ctx context.Context, c pb.ExpertServiceClient) error {
+			_, err := c.UnloadExperts(ctx, &pb.UnloadExpertsRequest{Name: mib})
+			return err
+		}, codes.InvalidArgument, "name: " + quotedMiB + ": 1048576 bytes, want at most 256"},
+		{"UnloadExperts/unknown name", service.Config{}, func(ctx context.Context, c pb.ExpertServiceClient) error {
+			_, err := c.UnloadExperts(ctx, &pb.UnloadExpertsRequest{Name: strings.Repeat("c", 200)})
+			return err
+		}, codes.NotFound, `name: no expert set "` + strings.Repeat("c", 128) + `"... (200 bytes) is loaded`},
 		{"RegisterSharedMemory/key escapes /dev/shm", on, func(ctx context.Context, c pb.ExpertServiceClient) error {
 			_, err := c.RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: "../../etc/passwd", ByteSize: 1})
 			return err

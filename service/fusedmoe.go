@@ -125,6 +125,9 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	)
 	switch ex := req.GetExperts().(type) {
 	case *pb.FusedMoERequest_ExpertSet:
+		if err := checkLen("expert_set", ex.ExpertSet, maxNameBytes); err != nil {
+			return nil, nil, err
+		}
 		if ent, err = s.reg.acquire(ex.ExpertSet); err != nil {
 			return nil, nil, err
 		}

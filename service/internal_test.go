@@ -2,15 +2,23 @@ package service
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
+	"errors"
+	"fmt"
 	"math"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/google/go-cmp/cmp"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -69,6 +77,9 @@ func FuzzParseSafetensors(f *testing.F) {
 	f.Add(append(append(binary.LittleEndian.AppendUint64(nil, uint64(len(js))), js...), make([]byte, 8)...))
 	f.Add([]byte("\x02\x00\x00\x00\x00\x00\x00\x00{}"))
 	f.Add([]byte("\xff\xff\xff\xff\xff\xff\xff\xff"))
+	f.Add([]byte("\x08\x00\x00\x00\x00\x00\x00\x00{}      "))
+	f.Add([]byte("\x04\x00\x00\x00\x00\x00\x00\x00{}{}"))
+	f.Add([]byte("\x0d\x00\x00\x00\x00\x00\x00\x00{\"a\":1,\"a\":2}"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		st, err := parseSafetensors(bytes.NewReader(b), int64(len(b)))
 		if err != nil {
@@ -98,6 +109,14 @@ func FuzzCheckRequest(f *testing.F) {
 		Routing:      &pb.Routing{TopK: 2, Scoring: pb.Scoring_SCORING_SIGMOID, NumExpertGroups: 2, TopkGroups: 1},
 	}
 	b, _ := proto.Marshal(seed)
+	f.Add(b)
+	// A row of -Inf (BF16 0xff80): legal with sigmoid, refused with softmax.
+	ninf := bytes.Repeat([]byte{0x80, 0xff}, 8)
+	seed.RouterLogits.Source = &pb.Tensor_Data{Data: ninf}
+	b, _ = proto.Marshal(seed)
+	f.Add(b)
+	seed.Routing = &pb.Routing{TopK: 2}
+	b, _ = proto.Marshal(seed)
 	f.Add(b)
 	seed.RouterLogits, seed.Routing = nil, nil
 	seed.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{2, 1}, Source: &pb.Tensor_Data{Data: make([]byte, 8)}}
@@ -131,6 +150,20 @@ func FuzzCheckRequest(f *testing.F) {
 			}
 		} else if len(r.Logits.Data) != m*set.E*r.Logits.DType.Size() {
 			t.Fatalf("accepted logits %v with %d bytes", r.Logits.Shape, len(r.Logits.Data))
+		} else {
+			// Whatever logits validation accepts, routing gives finite
+			// weights: the rule of issue 14 end to end.
+			logits := make([]float32, m*set.E)
+			for i := range logits {
+				logits[i] = element(r.Logits.DType, r.Logits.Data, i)
+			}
+			ids, w := make([]int32, m*r.Routing.TopK), make([]float32, m*r.Routing.TopK)
+			cpu.Route(ids, w, logits, m, set.E, r.Routing)
+			for i, x := range w {
+				if x != x || math.IsInf(float64(x), 0) {
+					t.Fatalf("accepted logits %v route to weight %d = %v", logits, i, x)
+				}
+			}
 		}
 		if r.Routing.NumGroups > 1 && (set.E%r.Routing.NumGroups != 0 || r.Routing.TopKGroups < 1 || r.Routing.TopKGroups > r.Routing.NumGroups) {
 			t.Fatalf("accepted groups %d/%d", r.Routing.NumGroups, r.Routing.TopKGroups)
@@ -252,10 +285,22 @@ func FuzzDecodeTensor(f *testing.F) {
 			}
 			fallthrough
 		case kernels.BFloat16:
-			if _, _, bad := firstBadLogit(m.dtype, data); !bad {
-				for i := range n {
-					if x := element(m.dtype, data, i); x != x || math.IsInf(float64(x), 1) {
-						t.Fatalf("accepted logit %v", x)
+			e := max(n, 1)
+			if len(m.shape) > 0 && m.shape[len(m.shape)-1] > 0 {
+				e = m.shape[len(m.shape)-1]
+			}
+			if checkLogits(m.dtype, data, e, kernels.Softmax) == nil {
+				for row := 0; row*e < n; row++ {
+					finite := false
+					for i := row * e; i < (row+1)*e; i++ {
+						x := element(m.dtype, data, i)
+						if x != x || math.IsInf(float64(x), 1) {
+							t.Fatalf("accepted logit %v", x)
+						}
+						finite = finite || !math.IsInf(float64(x), -1)
+					}
+					if !finite {
+						t.Fatalf("accepted softmax row %d of -Inf", row)
 					}
 				}
 			}
@@ -321,4 +366,94 @@ func TestCheckRequestDevice(t *testing.T) {
 			}
 		})
 	}
+}
+
+// FuzzQuote: whatever a client sends, Quote's result is short, valid
+// UTF-8, and starts with a Go-quoted prefix of the input.
+func FuzzQuote(f *testing.F) {
+	f.Add("layer0")
+	f.Add(strings.Repeat("\u00e9", 200))
+	f.Add("a\nlevel=ERROR msg=forged")
+	f.Fuzz(func(t *testing.T, s string) {
+		q := Quote(s)
+		if len(q) > 4*maxQuoted+40 || !utf8.ValidString(q) || strings.ContainsAny(q, "\n\r") {
+			t.Fatalf("Quote(%d bytes) = %d bytes %.200q", len(s), len(q), q)
+		}
+		head, err := strconv.QuotedPrefix(q)
+		if err != nil {
+			t.Fatalf("Quote(%.100q) = %.200q: %v", s, q, err)
+		}
+		if u, _ := strconv.Unquote(head); !strings.HasPrefix(s, u) || (len(s) <= maxQuoted && u != s) {
+			t.Fatalf("Quote(%.100q) quotes %.100q", s, u)
+		}
+	})
+}
+
+// TestParseSafetensorsMemory: parsing streams the header, so it allocates
+// about what the parsed entries hold, not copies of the whole header (the
+// issue 14 probe's 26 MB header took RSS from 24 to 191 MB).
+func TestParseSafetensorsMemory(t *testing.T) {
+	var hdr strings.Builder
+	hdr.WriteString(`{"__metadata__":{"pad":"` + strings.Repeat("x", 8<<20) + `"}`)
+	for i := range 2000 {
+		fmt.Fprintf(&hdr, `,"model.layers.0.mlp.experts.%d.up_proj.weight":{"dtype":"F8_E4M3","shape":[1,1],"data_offsets":[0,1]}`, i)
+	}
+	hdr.WriteString("}")
+	b := append(binary.LittleEndian.AppendUint64(nil, uint64(hdr.Len())), hdr.String()...)
+	b = append(b, 0)
+	r := bytes.NewReader(b)
+	allocs := testing.Benchmark(func(tb *testing.B) {
+		for range tb.N {
+			if _, err := parseSafetensors(r, int64(len(b))); err != nil {
+				tb.Fatal(err)
+			}
+		}
+	}).AllocedBytesPerOp()
+	// The header's bytes, once, and the 2000 small entries; a second
+	// copy of the header (json.RawMessage values, the metadata kept as a
+	// string) would double it.
+	t.Logf("a %d-byte header: %d bytes allocated", hdr.Len(), allocs)
+	if limit := int64(hdr.Len()) * 3 / 2; allocs > limit {
+		t.Errorf("parsing a %d-byte header allocates %d bytes, want at most %d", hdr.Len(), allocs, limit)
+	}
+}
+
+// TestLoadSafetensorsCancelled: a load whose context has ended (deadline,
+// cancellation, or the drain, which cancels it) stops before reading
+// experts and gives its reservation back.
+func TestLoadSafetensorsCancelled(t *testing.T) {
+	dir := t.TempDir()
+	// One Nemotron-H expert of FP8 [2, 2] weights with unit scales.
+	js := `{"backbone.layers.0.mixer.experts.0.up_proj.weight":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},` +
+		`"backbone.layers.0.mixer.experts.0.down_proj.weight":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[4,8]},` +
+		`"backbone.layers.0.mixer.experts.0.up_proj.weight_scale":{"dtype":"F32","shape":[],"data_offsets":[8,12]},` +
+		`"backbone.layers.0.mixer.experts.0.down_proj.weight_scale":{"dtype":"F32","shape":[],"data_offsets":[12,16]}}`
+	b := append(binary.LittleEndian.AppendUint64(nil, uint64(len(js))), js...)
+	b = append(b, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0, 0, 0x80, 0x3f, 0, 0, 0x80, 0x3f)
+	if err := os.WriteFile(filepath.Join(dir, "one.safetensors"), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// The backend ignores the context, so only the loader's own checks
+	// can stop the load.
+	s := New(Config{WeightsDir: dir}, ctxBlind{cpu.New(kernels.Config{})}, nil)
+	src := &pb.LoadExpertsRequest_SafetensorsSource{Name: "one", Path: "one.safetensors", Preset: pb.NamingPreset_NAMING_PRESET_NEMOTRON_H}
+	if _, err := s.loadSafetensors(context.Background(), src); err != nil {
+		t.Fatalf("the file does not load: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	src.Name = "two"
+	if _, err := s.loadSafetensors(ctx, src); !errors.Is(err, context.Canceled) {
+		t.Errorf("cancelled load: %v, want context.Canceled", err)
+	}
+	if got, want := s.LoadedBytes(), s.reg.sets["one"].bytes; got != want {
+		t.Errorf("LoadedBytes %d after the cancelled load, want %d (the first set's)", got, want)
+	}
+}
+
+// ctxBlind is a backend whose Load ignores its context.
+type ctxBlind struct{ kernels.Backend }
+
+func (b ctxBlind) Load(_ context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+	return b.Backend.Load(context.Background(), set)
 }

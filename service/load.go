@@ -66,11 +66,11 @@ func (s *Server) loadExperts(ctx context.Context, stream grpc.ClientStreamingSer
 // safe in logs, metrics labels and file names.
 func checkName(field, name string) error {
 	if len(name) < 1 || len(name) > 128 {
-		return invalidf(field, "%q: want 1-128 characters", name)
+		return invalidf(field, "%s: want 1-128 characters", Quote(name))
 	}
 	for _, c := range name {
 		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.ContainsRune("._/-", c)) {
-			return invalidf(field, "%q: character %q is not in [A-Za-z0-9._/-]", name, c)
+			return invalidf(field, "%s: character %q is not in [A-Za-z0-9._/-]", Quote(name), c)
 		}
 	}
 	return nil
@@ -82,7 +82,7 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 		return nil, err
 	}
 	if !h.GetOverwrite() && s.reg.exists(h.GetName()) {
-		return nil, codedf(codes.AlreadyExists, "header.name", "expert set %q is already loaded; set overwrite to replace it", h.GetName())
+		return nil, codedf(codes.AlreadyExists, "header.name", "expert set %s is already loaded; set overwrite to replace it", Quote(h.GetName()))
 	}
 	l, err := checkLayout("header.weights", h.GetWeights())
 	if err != nil {
@@ -100,7 +100,7 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 	want := strings.ToLower(h.GetSha256())
 	if want != "" {
 		if _, err := hex.DecodeString(want); err != nil || len(want) != 64 {
-			return nil, invalidf("header.sha256", "%q: want 64 hex digits", h.GetSha256())
+			return nil, invalidf("header.sha256", "%s: want 64 hex digits", Quote(h.GetSha256()))
 		}
 	}
 	if err := s.reg.reserve("header.total_bytes", total); err != nil {
@@ -137,7 +137,7 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 		}
 		i, ok := tensorIndex(c.GetTensor())
 		if !ok || !l.present[i] {
-			return nil, invalidf("chunk.tensor", "%q: not a tensor the header declared", c.GetTensor())
+			return nil, invalidf("chunk.tensor", "%s: not a tensor the header declared", Quote(c.GetTensor()))
 		}
 		field := "chunk[" + c.GetTensor() + "]"
 		off, size := c.GetOffset(), int64(len(c.GetData()))
@@ -159,7 +159,7 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 	}
 	fp := fingerprint(bufs)
 	if want != "" && want != fp {
-		return nil, invalidf("header.sha256", "%s does not match the received bytes' %s", want, fp)
+		return nil, invalidf("header.sha256", "%s does not match the received bytes' %s", Quote(want), fp)
 	}
 	set, err := buildSet("header.weights", l, bufs)
 	if err != nil {

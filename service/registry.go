@@ -83,7 +83,7 @@ func (r *registry) put(e *entry, overwrite bool) error {
 	old, ok := r.sets[e.info.GetName()]
 	if ok && !overwrite {
 		r.mu.Unlock()
-		return codedf(codes.AlreadyExists, "name", "expert set %q is already loaded; set overwrite to replace it", e.info.GetName())
+		return codedf(codes.AlreadyExists, "name", "expert set %s is already loaded; set overwrite to replace it", Quote(e.info.GetName()))
 	}
 	r.sets[e.info.GetName()] = e
 	free := ok && r.removeLocked(old)
@@ -101,7 +101,7 @@ func (r *registry) acquire(name string) (*entry, error) {
 	defer r.mu.Unlock()
 	e, ok := r.sets[name]
 	if !ok {
-		return nil, codedf(codes.NotFound, "expert_set", "no expert set %q is loaded", name)
+		return nil, codedf(codes.NotFound, "expert_set", "no expert set %s is loaded", Quote(name))
 	}
 	e.refs++
 	return e, nil
@@ -135,7 +135,7 @@ func (r *registry) remove(name string) (*entry, error) {
 	e, ok := r.sets[name]
 	if !ok {
 		r.mu.Unlock()
-		return nil, codedf(codes.NotFound, "name", "no expert set %q is loaded", name)
+		return nil, codedf(codes.NotFound, "name", "no expert set %s is loaded", Quote(name))
 	}
 	delete(r.sets, name)
 	free := r.removeLocked(e)

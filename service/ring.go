@@ -2,7 +2,6 @@ package service
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
 	"runtime/debug"
 	"sync"
@@ -459,17 +458,4 @@ func (sr *servedRing) complete(i int, seq uint64, resp *pb.FusedMoEResponse, st 
 		kind = ring.KindStatus
 	}
 	sr.r.Complete(i, seq, kind, len(b))
-}
-
-// guard runs f, turning a panic, a memory fault in a shared mapping
-// included, into an error.
-func guard(f func()) (err error) {
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-	defer func() {
-		if p := recover(); p != nil {
-			err = fmt.Errorf("%v", p)
-		}
-	}()
-	f()
-	return nil
 }

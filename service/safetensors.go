@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"google.golang.org/grpc/codes"
 
@@ -26,9 +27,12 @@ import (
 // into the data that follows, then the data. Only what expert weights use
 // is decoded: F8_E4M3 weights and F32 or BF16 scales.
 
-// maxSafetensorsHeader bounds the JSON header, as the format's reference
-// implementation does (100 MB), so a hostile length cannot make us allocate.
-const maxSafetensorsHeader = 100 << 20
+// maxSafetensorsHeader bounds the JSON header. Real checkpoints' headers
+// are far smaller (a DeepSeek-V3 shard of ~1,000 tensors has ~150 KB); the
+// bound caps what one load may make the daemon hold while it parses:
+// the header's bytes once, plus the entries decoded from them (parse
+// keeps no second copy, and of __metadata__ only the one key it uses).
+const maxSafetensorsHeader = 16 << 20
 
 // stTensor is one header entry.
 type stTensor struct {
@@ -43,7 +47,23 @@ type stFile struct {
 	// base is the file offset of the data section.
 	base    int64
 	tensors map[string]stTensor
-	meta    map[string]string
+	meta    stMeta
+}
+
+// stMeta is what the loader reads of __metadata__ (a string-to-string
+// map); decoding into a struct skips the other keys without copying them.
+type stMeta struct {
+	NumExpertsPerTok string `json:"num_experts_per_tok"`
+}
+
+// stEntry is one header value, kept as the slice of the header it spans:
+// json.Unmarshal hands an Unmarshaler its bytes without a copy, where a
+// json.RawMessage would copy each.
+type stEntry []byte
+
+func (e *stEntry) UnmarshalJSON(b []byte) error {
+	*e = b
+	return nil
 }
 
 // parseSafetensors reads and checks the header of a file of the given size.
@@ -56,13 +76,13 @@ func parseSafetensors(r io.ReaderAt, size int64) (*stFile, error) {
 	}
 	n := binary.LittleEndian.Uint64(lenb[:])
 	if n > maxSafetensorsHeader || int64(n) > size-8 {
-		return nil, fmt.Errorf("header length %d exceeds the file (%d bytes) or the 100 MB limit", n, size)
+		return nil, fmt.Errorf("header length %d exceeds the file (%d bytes) or the %d MiB header limit", n, size, maxSafetensorsHeader>>20)
 	}
 	hdr := make([]byte, n)
 	if _, err := r.ReadAt(hdr, 8); err != nil {
 		return nil, fmt.Errorf("reading header: %w", err)
 	}
-	var raw map[string]json.RawMessage
+	var raw map[string]stEntry
 	if err := json.Unmarshal(hdr, &raw); err != nil {
 		return nil, fmt.Errorf("header is not a JSON object: %w", err)
 	}
@@ -77,10 +97,10 @@ func parseSafetensors(r io.ReaderAt, size int64) (*stFile, error) {
 		}
 		var t stTensor
 		if err := json.Unmarshal(v, &t); err != nil {
-			return nil, fmt.Errorf("tensor %q: %w", name, err)
+			return nil, fmt.Errorf("tensor %s: %w", Quote(name), err)
 		}
 		if b, e := t.DataOffsets[0], t.DataOffsets[1]; b < 0 || e < b || e > dataLen {
-			return nil, fmt.Errorf("tensor %q: data_offsets [%d, %d) outside the %d data bytes", name, b, e, dataLen)
+			return nil, fmt.Errorf("tensor %s: data_offsets [%d, %d) outside the %d data bytes", Quote(name), b, e, dataLen)
 		}
 		f.tensors[name] = t
 	}
@@ -95,21 +115,21 @@ var stItemSize = map[string]int64{"F8_E4M3": 1, "F32": 4, "BF16": 2}
 func (f *stFile) check(name string, dtypes ...string) (stTensor, int64, error) {
 	t, ok := f.tensors[name]
 	if !ok {
-		return t, 0, fmt.Errorf("no tensor named %q", name)
+		return t, 0, fmt.Errorf("no tensor named %s", Quote(name))
 	}
 	if !slices.Contains(dtypes, t.Dtype) {
-		return t, 0, fmt.Errorf("tensor %q has dtype %s, want one of %v", name, t.Dtype, dtypes)
+		return t, 0, fmt.Errorf("tensor %s has dtype %s, want one of %v", Quote(name), Quote(t.Dtype), dtypes)
 	}
 	n := int64(1)
 	for _, d := range t.Shape {
 		if d < 0 || (d != 0 && n > maxElements/d) {
-			return t, 0, fmt.Errorf("tensor %q: bad shape %v", name, t.Shape)
+			return t, 0, fmt.Errorf("tensor %s: bad shape %v", Quote(name), t.Shape)
 		}
 		n *= d
 	}
 	size := n * stItemSize[t.Dtype]
 	if t.DataOffsets[1]-t.DataOffsets[0] != size {
-		return t, 0, fmt.Errorf("tensor %q: shape %v %s needs %d bytes, data_offsets span %d", name, t.Shape, t.Dtype, size, t.DataOffsets[1]-t.DataOffsets[0])
+		return t, 0, fmt.Errorf("tensor %s: shape %v %s needs %d bytes, data_offsets span %d", Quote(name), t.Shape, t.Dtype, size, t.DataOffsets[1]-t.DataOffsets[0])
 	}
 	return t, size, nil
 }
@@ -122,7 +142,7 @@ func (f *stFile) read(name string, dtypes ...string) (stTensor, []byte, error) {
 	}
 	b := make([]byte, size)
 	if _, err := f.r.ReadAt(b, f.base+t.DataOffsets[0]); err != nil {
-		return t, nil, fmt.Errorf("tensor %q: %w", name, err)
+		return t, nil, fmt.Errorf("tensor %s: %w", Quote(name), err)
 	}
 	return t, b, nil
 }
@@ -135,10 +155,10 @@ func (f *stFile) readInto(name string, dst []byte) error {
 		return err
 	}
 	if size != int64(len(dst)) {
-		return fmt.Errorf("tensor %q holds %d bytes, want %d", name, size, len(dst))
+		return fmt.Errorf("tensor %s holds %d bytes, want %d", Quote(name), size, len(dst))
 	}
 	if _, err := f.r.ReadAt(dst, f.base+t.DataOffsets[0]); err != nil {
-		return fmt.Errorf("tensor %q: %w", name, err)
+		return fmt.Errorf("tensor %s: %w", Quote(name), err)
 	}
 	return nil
 }
@@ -160,21 +180,30 @@ func (f *stFile) floats(name string) (stTensor, []float32, error) {
 	return t, v, nil
 }
 
+// maxPathBytes bounds safetensors.path and the naming templates: PATH_MAX.
+const maxPathBytes = 4096
+
 // openWeights opens rel inside the configured weights directory. Paths
 // with "..", absolute paths and symlinks that resolve outside the directory
-// are refused; os.OpenInRoot then opens it without following anything out
-// of the root, which also closes the race between the check and the open.
+// are refused; os.Root then opens it without following anything out of
+// the root, which also closes the race between the check and the open.
+// Anything but a regular file is refused before it is read: the open is
+// non-blocking, so a FIFO (or a device) cannot stall the call, and fstat
+// on the open descriptor decides. Messages name rel, never the directory.
 func (s *Server) openWeights(rel string) (*os.File, error) {
 	const field = "safetensors.path"
 	if s.cfg.WeightsDir == "" {
 		return nil, codedf(codes.FailedPrecondition, field, "this server has no weights directory configured")
 	}
+	if err := checkLen(field, rel, maxPathBytes); err != nil {
+		return nil, err
+	}
 	if rel == "" || filepath.IsAbs(rel) || strings.HasPrefix(rel, "/") {
-		return nil, invalidf(field, "%q: want a path relative to the weights directory", rel)
+		return nil, invalidf(field, "%s: want a path relative to the weights directory", Quote(rel))
 	}
 	for _, el := range strings.Split(filepath.ToSlash(rel), "/") {
 		if el == ".." {
-			return nil, invalidf(field, "%q: may not contain \"..\"", rel)
+			return nil, invalidf(field, "%s: may not contain \"..\"", Quote(rel))
 		}
 	}
 	root, err := filepath.EvalSymlinks(s.cfg.WeightsDir)
@@ -183,20 +212,44 @@ func (s *Server) openWeights(rel string) (*os.File, error) {
 	}
 	full, err := filepath.EvalSymlinks(filepath.Join(root, filepath.Clean(rel)))
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, codedf(codes.NotFound, field, "%q: no such file in the weights directory", rel)
+		return nil, codedf(codes.NotFound, field, "%s: no such file in the weights directory", Quote(rel))
 	}
 	if err != nil {
-		return nil, invalidf(field, "%q: %v", rel, err)
+		return nil, invalidf(field, "%s: %v", Quote(rel), pathless(err))
 	}
 	inside, err := filepath.Rel(root, full)
 	if err != nil || inside == ".." || strings.HasPrefix(inside, ".."+string(filepath.Separator)) {
-		return nil, invalidf(field, "%q resolves outside the weights directory", rel)
+		return nil, invalidf(field, "%s resolves outside the weights directory", Quote(rel))
 	}
-	f, err := os.OpenInRoot(root, inside)
+	dir, err := os.OpenRoot(root)
 	if err != nil {
-		return nil, invalidf(field, "%q: %v", rel, err)
+		return nil, fmt.Errorf("weights directory: %w", err)
+	}
+	defer dir.Close()
+	f, err := dir.OpenFile(inside, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, invalidf(field, "%s: %v", Quote(rel), pathless(err))
+	}
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, invalidf(field, "%s: %v", Quote(rel), pathless(err))
+	}
+	if !st.Mode().IsRegular() {
+		f.Close()
+		return nil, invalidf(field, "%s is not a regular file (%v); want a .safetensors file", Quote(rel), st.Mode().Type())
 	}
 	return f, nil
+}
+
+// pathless is err without the path an *fs.PathError carries, which is
+// absolute here: messages name the caller's relative path instead.
+func pathless(err error) error {
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		return pe.Err
+	}
+	return err
 }
 
 // projection names one weight matrix of an expert and its scales.
@@ -272,7 +325,13 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 		return nil, err
 	}
 	if !src.GetOverwrite() && s.reg.exists(src.GetName()) {
-		return nil, codedf(codes.AlreadyExists, "safetensors.name", "expert set %q is already loaded; set overwrite to replace it", src.GetName())
+		return nil, codedf(codes.AlreadyExists, "safetensors.name", "expert set %s is already loaded; set overwrite to replace it", Quote(src.GetName()))
+	}
+	for _, t := range [][2]string{{"safetensors.w13_template", src.GetW13Template()}, {"safetensors.w2_template", src.GetW2Template()},
+		{"safetensors.w13_scale_template", src.GetW13ScaleTemplate()}, {"safetensors.w2_scale_template", src.GetW2ScaleTemplate()}} {
+		if err := checkLen(t[0], t[1], maxPathBytes); err != nil {
+			return nil, err
+		}
 	}
 	if _, err := presetLayout(src, 0); err != nil {
 		return nil, err
@@ -295,14 +354,14 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 	}
 	f, err := parseSafetensors(fh, st.Size())
 	if err != nil {
-		return nil, invalidf("safetensors.path", "%s: %v", src.GetPath(), err)
+		return nil, invalidf("safetensors.path", "%s: %v", Quote(src.GetPath()), err)
 	}
-	a, err := assemble(f, src, block, s.reg)
+	a, err := assemble(ctx, f, src, block, s.reg)
 	if err != nil {
 		return nil, err
 	}
 	defer a.release()
-	hint, _ := strconv.Atoi(f.meta["num_experts_per_tok"])
+	hint, _ := strconv.Atoi(f.meta.NumExpertsPerTok)
 	info, err := s.commit(ctx, src.GetName(), a.set, a.bytes, fingerprint(a.bufs), hint, src.GetOverwrite())
 	if err != nil {
 		return nil, err

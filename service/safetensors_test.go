@@ -288,9 +288,15 @@ func TestLoadSafetensorsErrors(t *testing.T) {
 	js := `{"backbone.layers.0.mixer.experts.0.up_proj.weight":{"dtype":"F8_E4M3","shape":[8,16],"data_offsets":[0,128]}}`
 	os.WriteFile(filepath.Join(dir, "short.safetensors"), append(binary.LittleEndian.AppendUint64(nil, uint64(len(js))), js...), 0o644)
 
+	// A header over the 16 MiB limit: valid JSON, one huge metadata value.
+	huge := []byte(`{"__metadata__":{"pad":"` + strings.Repeat("x", 26<<20) + `"}}`)
+	os.WriteFile(filepath.Join(dir, "hugeheader.safetensors"), append(binary.LittleEndian.AppendUint64(nil, uint64(len(huge))), huge...), 0o644)
+	os.Mkdir(filepath.Join(dir, "adir.safetensors"), 0o755)
+
 	nem := func(path string) *pb.LoadExpertsRequest_SafetensorsSource {
 		return &pb.LoadExpertsRequest_SafetensorsSource{Name: "x", Path: path, Preset: pb.NamingPreset_NAMING_PRESET_NEMOTRON_H}
 	}
+	long := strings.Repeat("a", 1<<20)
 	tests := []struct {
 		name     string
 		dir      string
@@ -331,13 +337,32 @@ func TestLoadSafetensorsErrors(t *testing.T) {
 			return s
 		}(), codes.InvalidArgument, "experts.2.up_proj.weight"},
 		{"bad name", dir, func() *pb.LoadExpertsRequest_SafetensorsSource { s := nem("ok.safetensors"); s.Name = ""; return s }(), codes.InvalidArgument, "safetensors.name"},
+		// Issue 14: bounded strings, relative paths only, regular files only,
+		// a bounded header.
+		{"file used as a directory", dir, nem("ok.safetensors/x"), codes.InvalidArgument, `safetensors.path: "ok.safetensors/x": not a directory`},
+		{"directory", dir, nem("adir.safetensors"), codes.InvalidArgument, `safetensors.path: "adir.safetensors" is not a regular file`},
+		{"header over 16 MiB", dir, nem("hugeheader.safetensors"), codes.InvalidArgument, "the 16 MiB header limit"},
+		{"1 MiB path", dir, nem(long), codes.InvalidArgument, "safetensors.path: \"" + long[:128] + "\"... (1048576 bytes): 1048576 bytes, want at most 4096"},
+		{"1 MiB template", dir, func() *pb.LoadExpertsRequest_SafetensorsSource {
+			s := nem("ok.safetensors")
+			s.Preset, s.Activation, s.W13Template, s.W2Template = pb.NamingPreset_NAMING_PRESET_CUSTOM, pb.Activation_ACTIVATION_RELU2, long, "x"
+			return s
+		}(), codes.InvalidArgument, "safetensors.w13_template: "},
+		{"1 MiB name", dir, func() *pb.LoadExpertsRequest_SafetensorsSource { s := nem("ok.safetensors"); s.Name = long; return s }(), codes.InvalidArgument, "safetensors.name"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			c, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: tt.dir}, &fakeBackend{})
 			_, err := loadSafetensors(t, c, tt.src)
-			if got := status.Code(err); got != tt.wantCode || !strings.Contains(status.Convert(err).Message(), tt.wantMsg) {
-				t.Errorf("got %v, want %v containing %q", err, tt.wantCode, tt.wantMsg)
+			msg := status.Convert(err).Message()
+			if got := status.Code(err); got != tt.wantCode || !strings.Contains(msg, tt.wantMsg) {
+				t.Errorf("got %v %s, want %v containing %s", got, service.Quote(msg), tt.wantCode, service.Quote(tt.wantMsg))
+			}
+			if strings.Contains(msg, root) && !strings.Contains(tt.src.GetPath(), root) {
+				t.Errorf("message %s names the weights directory's absolute path %s", service.Quote(msg), root)
+			}
+			if len(msg) > 1024 {
+				t.Errorf("message is %d bytes, want a bounded one", len(msg))
 			}
 		})
 	}

@@ -88,6 +88,15 @@ type Config struct {
 	// DefaultRingMaxPerConn, DefaultRingMax and DefaultRingMaxSlotBytes.
 	RingMaxPerConn, RingMax int
 	RingMaxSlotBytes        int64
+	// MaxShmRegions bounds the shared-memory regions mapped at once over
+	// all connections (registered, or unregistered but still used by a
+	// call): the per-connection bound alone lets many connections hold
+	// any number. 0 means DefaultMaxShmRegions. The daemon's flag is
+	// -max-shm-regions, which refusals name.
+	MaxShmRegions int
+	// MaxShmBytes bounds the bytes of those regions (the daemon's
+	// -max-shm-bytes); 0 means DefaultMaxShmBytes.
+	MaxShmBytes int64
 	// OnBackendFault, when set, is called when BackendFault starts
 	// reporting a fault (with it) and when it clears (with nil), so the
 	// daemon can take the replica out of health checks; it must not block.
@@ -122,6 +131,9 @@ type Server struct {
 	mu       sync.Mutex
 	draining bool
 	inflight sync.WaitGroup
+	// calls counts calls admitted by begin, running those not yet done,
+	// for Activity.
+	calls, running atomic.Int64
 
 	tokens      metric.Int64Counter
 	queuedCalls metric.Int64ObservableGauge
@@ -158,7 +170,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 		log:     logger,
 		reg:     newRegistry(cfg.MaxLoadedBytes),
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
-		shm:     newShmTable(cfg.SharedMemory, logger),
+		shm:     newShmTable(cfg, logger),
 		rings:   newRings(),
 	}
 	s.reg.closeFn = s.free
@@ -259,7 +271,20 @@ func (s *Server) begin() (func(), error) {
 		return nil, errDraining
 	}
 	s.inflight.Add(1)
-	return s.inflight.Done, nil
+	s.calls.Add(1)
+	s.running.Add(1)
+	return func() {
+		s.running.Add(-1)
+		s.inflight.Done()
+	}, nil
+}
+
+// Activity reports the calls admitted so far (FusedMoE, each request of a
+// FusedMoEStream, LoadExperts, UnloadExperts, RegisterSharedMemory) and
+// those still running: admitted unchanged between two looks, and none
+// running, means the server was idle in between.
+func (s *Server) Activity() (admitted, running int64) {
+	return s.calls.Load(), s.running.Load()
 }
 
 // acquireSlot takes an execution slot, waiting in the bounded queue if
@@ -367,6 +392,9 @@ func (s *Server) UnloadExperts(ctx context.Context, req *pb.UnloadExpertsRequest
 		return nil, s.toStatus(ctx, "UnloadExperts", err)
 	}
 	defer done()
+	if err := checkLen("name", req.GetName(), maxNameBytes); err != nil {
+		return nil, s.toStatus(ctx, "UnloadExperts", err)
+	}
 	e, err := s.reg.remove(req.GetName())
 	if err != nil {
 		return nil, s.toStatus(ctx, "UnloadExperts", err)
@@ -398,6 +426,8 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 			MaxTokens:       int32(s.cfg.MaxTokens),
 			MaxLoadedBytes:  s.cfg.MaxLoadedBytes,
 			MaxConcurrent:   int32(s.cfg.MaxConcurrent),
+			MaxShmRegions:   int32(s.shm.limitRegions()),
+			MaxShmBytes:     s.shm.limitBytes(),
 		},
 		Ring: s.ringInfo(),
 	}, nil

@@ -73,6 +73,16 @@ const cudaIPCHandleSize = 64
 // descriptor and a mapping, or a mapping of device memory.
 const maxRegionsPerConn = 64
 
+// Defaults of Config.MaxShmRegions and MaxShmBytes. A region holds a
+// mapping, no file descriptor; 4096 mappings are far inside vm.max_map_count
+// (65530), and 64 GiB is more than one host's callers share in practice
+// (a 64-client bench uses 4 GiB) while bounding what the CUDA backend
+// page-locks.
+const (
+	DefaultMaxShmRegions       = 4096
+	DefaultMaxShmBytes   int64 = 64 << 30
+)
+
 // maxShmKey is NAME_MAX, the longest file name /dev/shm takes.
 const maxShmKey = 255
 
@@ -127,12 +137,51 @@ type shmTable struct {
 	conns  map[uint64]map[string]*region
 	closed bool
 	// mapped counts the regions mapped (registered, or unregistered but
-	// still used by a call) and their bytes, for the gauges.
-	mapped, mappedBytes int64
+	// still used by a call) and their bytes, for the gauges and the
+	// daemon-wide caps maxRegions and maxBytes.
+	mapped, mappedBytes  int64
+	maxRegions, maxBytes int64
 }
 
-func newShmTable(enabled bool, log *slog.Logger) *shmTable {
-	return &shmTable{log: log, enabled: enabled, conns: map[uint64]map[string]*region{}}
+func newShmTable(cfg Config, log *slog.Logger) *shmTable {
+	t := &shmTable{log: log, enabled: cfg.SharedMemory, conns: map[uint64]map[string]*region{},
+		maxRegions: int64(cfg.MaxShmRegions), maxBytes: cfg.MaxShmBytes}
+	if t.maxRegions <= 0 {
+		t.maxRegions = DefaultMaxShmRegions
+	}
+	if t.maxBytes <= 0 {
+		t.maxBytes = DefaultMaxShmBytes
+	}
+	return t
+}
+
+// limitRegions and limitBytes are the caps GetServerInfo reports: 0 with
+// shared memory off.
+func (t *shmTable) limitRegions() int64 {
+	if !t.enabled {
+		return 0
+	}
+	return t.maxRegions
+}
+
+func (t *shmTable) limitBytes() int64 {
+	if !t.enabled {
+		return 0
+	}
+	return t.maxBytes
+}
+
+// checkCapsLocked refuses a region of size bytes that would take the
+// server past its daemon-wide caps; t.mu must be held.
+func (t *shmTable) checkCapsLocked(size int64) error {
+	if t.mapped >= t.maxRegions {
+		return exhaustedf("name", "the server has %d shared-memory regions mapped, the most it may (expertd -max-shm-regions); unregister regions or retry later", t.mapped)
+	}
+	if size > t.maxBytes-t.mappedBytes {
+		return exhaustedf("byte_size", "%d bytes would take the server's shared-memory regions past %d bytes (%d mapped; expertd -max-shm-bytes); unregister regions or register less",
+			size, t.maxBytes, t.mappedBytes)
+	}
+	return nil
 }
 
 // connKey carries a connection's id in contexts derived from TagConn's.
@@ -326,7 +375,7 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 			return nil, codedf(codes.FailedPrecondition, "kind", "the %s backend cannot open CUDA IPC memory; run expertd with -backend cuda", s.backend.Name())
 		}
 		if req.GetKey() != "" {
-			return nil, invalidf("key", "%q: must be empty for SHARED_MEMORY_KIND_CUDA_IPC (cuda_ipc_handle names the memory)", req.GetKey())
+			return nil, invalidf("key", "%s: must be empty for SHARED_MEMORY_KIND_CUDA_IPC (cuda_ipc_handle names the memory)", Quote(req.GetKey()))
 		}
 		if h := req.GetCudaIpcHandle(); len(h) != cudaIPCHandleSize {
 			hint := ""
@@ -355,6 +404,9 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 	if err == nil {
 		err = checkFree(regs, req.GetName())
 	}
+	if err == nil {
+		err = t.checkCapsLocked(size)
+	}
 	t.mu.Unlock()
 	if err != nil {
 		return nil, err
@@ -373,6 +425,9 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 	id, regs, err := t.connRegions(ctx)
 	if err == nil {
 		err = checkFree(regs, r.name)
+	}
+	if err == nil {
+		err = t.checkCapsLocked(r.size) // registrations may have raced
 	}
 	if err != nil {
 		t.mu.Unlock()
@@ -438,7 +493,7 @@ func (s *Server) openIPC(r *region, handle []byte) error {
 
 func checkFree(regs map[string]*region, name string) error {
 	if _, dup := regs[name]; dup {
-		return codedf(codes.AlreadyExists, "name", "%q: this connection already has a region of that name; unregister it first", name)
+		return codedf(codes.AlreadyExists, "name", "%s: this connection already has a region of that name; unregister it first", Quote(name))
 	}
 	if len(regs) >= maxRegionsPerConn {
 		return limitf("name", "regions-per-connection", maxRegionsPerConn, 0, "this connection has %d regions, the most it may have; unregister one first", len(regs))
@@ -451,15 +506,15 @@ func checkFree(regs map[string]*region, name string) error {
 func checkShmKey(key string) (string, error) {
 	k := strings.TrimPrefix(key, "/")
 	if len(k) < 1 || len(k) > maxShmKey {
-		return "", invalidf("key", "%q: want 1-%d characters after an optional leading /", key, maxShmKey)
+		return "", invalidf("key", "%s: want 1-%d characters after an optional leading /", Quote(key), maxShmKey)
 	}
 	for _, c := range k {
 		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.ContainsRune("._-", c)) {
-			return "", invalidf("key", "%q: character %q is not in [A-Za-z0-9._-]; the key is one name under /dev/shm", key, c)
+			return "", invalidf("key", "%s: character %q is not in [A-Za-z0-9._-]; the key is one name under /dev/shm", Quote(key), c)
 		}
 	}
 	if strings.Contains(k, "..") || k == "." {
-		return "", invalidf("key", "%q: must not be \".\" or contain \"..\"", key)
+		return "", invalidf("key", "%s: must not be \".\" or contain \"..\"", Quote(key))
 	}
 	return k, nil
 }
@@ -476,6 +531,9 @@ func (s *Server) unregisterShm(ctx context.Context, req *pb.UnregisterSharedMemo
 	if !t.enabled {
 		return nil, errShmDisabled
 	}
+	if err := checkLen("name", req.GetName(), maxNameBytes); err != nil {
+		return nil, err
+	}
 	t.mu.Lock()
 	id, regs, err := t.connRegions(ctx)
 	if err != nil {
@@ -487,7 +545,7 @@ func (s *Server) unregisterShm(ctx context.Context, req *pb.UnregisterSharedMemo
 		r, ok := regs[name]
 		if !ok {
 			t.mu.Unlock()
-			return nil, codedf(codes.NotFound, "name", "no shared-memory region %q on this connection", name)
+			return nil, codedf(codes.NotFound, "name", "no shared-memory region %s on this connection", Quote(name))
 		}
 		drop = map[string]*region{name: r}
 	}
@@ -513,6 +571,9 @@ func (s *Server) listShm(ctx context.Context, req *pb.ListSharedMemoryRequest) (
 	if !t.enabled {
 		return nil, errShmDisabled
 	}
+	if err := checkLen("name", req.GetName(), maxNameBytes); err != nil {
+		return nil, err
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	_, regs, err := t.connRegions(ctx)
@@ -523,7 +584,7 @@ func (s *Server) listShm(ctx context.Context, req *pb.ListSharedMemoryRequest) (
 	if name := req.GetName(); name != "" {
 		r, ok := regs[name]
 		if !ok {
-			return nil, codedf(codes.NotFound, "name", "no shared-memory region %q on this connection", name)
+			return nil, codedf(codes.NotFound, "name", "no shared-memory region %s on this connection", Quote(name))
 		}
 		resp.Regions = append(resp.Regions, r.info())
 		return resp, nil
@@ -624,15 +685,18 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 		return nil, err
 	}
 	acquire := func(field string, ref *pb.SharedMemoryRef) (*region, error) {
+		if err := checkLen(field+".region_name", ref.GetRegionName(), maxNameBytes); err != nil {
+			return nil, err
+		}
 		r, ok := regs[ref.GetRegionName()]
 		if !ok {
-			return nil, codedf(codes.NotFound, field+".region_name", "no shared-memory region %q on this connection; register it first", ref.GetRegionName())
+			return nil, codedf(codes.NotFound, field+".region_name", "no shared-memory region %s on this connection; register it first", Quote(ref.GetRegionName()))
 		}
 		if off := ref.GetOffset(); off < 0 || off > r.size {
-			return nil, invalidf(field+".offset", "%d: want in [0, %d] (region %q has %d bytes)", off, r.size, r.name, r.size)
+			return nil, invalidf(field+".offset", "%d: want in [0, %d] (region %s has %d bytes)", off, r.size, Quote(r.name), r.size)
 		}
 		if n := ref.GetByteSize(); n < 0 || n > r.size-ref.GetOffset() {
-			return nil, invalidf(field+".byte_size", "%d at offset %d runs past the end of region %q (%d bytes)", n, ref.GetOffset(), r.name, r.size)
+			return nil, invalidf(field+".byte_size", "%d at offset %d runs past the end of region %s (%d bytes)", n, ref.GetOffset(), Quote(r.name), r.size)
 		}
 		if !slicesContain(c.used, r) {
 			r.refs++
@@ -654,7 +718,7 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 		field := x.field + ".shm"
 		r, err := acquire(field, ref)
 		if err == nil && r.dev != nil && !deviceFields[x.field] {
-			err = invalidf(field, "region %q is CUDA IPC device memory; only hidden_states, router_logits and output_shm may live there", r.name)
+			err = invalidf(field, "region %s is CUDA IPC device memory; only hidden_states, router_logits and output_shm may live there", Quote(r.name))
 		}
 		if err == nil {
 			// Only a well-formed declaration has a size to compare; a bad
@@ -701,7 +765,7 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 		}
 		if err := r.m.check(); err != nil {
 			c.release()
-			return nil, codedf(codes.FailedPrecondition, "", "shared-memory region %q: %v; unregister and register it again", r.name, err)
+			return nil, codedf(codes.FailedPrecondition, "", "shared-memory region %s: %v; unregister and register it again", Quote(r.name), err)
 		}
 	}
 	for _, v := range views {
@@ -739,7 +803,7 @@ func checkOutputShm(req *pb.FusedMoERequest, ref *pb.SharedMemoryRef, overlaps f
 		// The CPU backend finishes reading before the output is copied
 		// in, but a device backend may write it while reading the
 		// inputs: refuse rather than promise an order.
-		return invalidf("output_shm", "[%d, %d) of region %q overlaps %s.shm; use a separate slice", ref.GetOffset(), ref.GetOffset()+ref.GetByteSize(), r.name, in)
+		return invalidf("output_shm", "[%d, %d) of region %s overlaps %s.shm; use a separate slice", ref.GetOffset(), ref.GetOffset()+ref.GetByteSize(), Quote(r.name), in)
 	}
 	hm, err := checkMeta("hidden_states", req.GetHiddenStates(), allDTypes...)
 	if err != nil || len(hm.shape) != 2 {
@@ -819,7 +883,7 @@ func (c *shmCall) writeOutput(resp *pb.FusedMoEResponse) error {
 		}
 		if &src[0] != &c.out[0] {
 			if err := copyGuarded(c.out, src); err != nil {
-				return codedf(codes.FailedPrecondition, "output_shm", "writing region %q: %v (was its object shrunk?)", c.outRef.GetRegionName(), err)
+				return codedf(codes.FailedPrecondition, "output_shm", "writing region %s: %v (was its object shrunk?)", Quote(c.outRef.GetRegionName()), err)
 			}
 		}
 	}
@@ -829,13 +893,20 @@ func (c *shmCall) writeOutput(resp *pb.FusedMoEResponse) error {
 
 // copyGuarded copies, turning a fault (a mapping whose object was shrunk
 // after the per-call check) into an error instead of a crash.
-func copyGuarded(dst, src []byte) (err error) {
+func copyGuarded(dst, src []byte) error {
+	return guard(func() { copy(dst, src) })
+}
+
+// guard runs f, turning a panic in it, a memory fault included (touching
+// a shared mapping past its object's end), into an error instead of a
+// crash.
+func guard(f func()) (err error) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if p := recover(); p != nil {
 			err = fmt.Errorf("memory fault: %v", p)
 		}
 	}()
-	copy(dst, src)
+	f()
 	return nil
 }

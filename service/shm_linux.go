@@ -13,13 +13,13 @@ import (
 const shmDir = "/dev/shm"
 
 // mapping is a read-write shared mapping of [off, off+size) of one object.
-// The descriptor stays open so check can see the object's current size.
+// The descriptor is closed once the object is mapped (the mapping keeps
+// the object), so a region costs no file descriptor: regions are bounded
+// by Config.MaxShmRegions, descriptors by nothing the daemon controls.
 type mapping struct {
-	fd  int
 	mem []byte
-	// lo is the region's start within mem (mmap offsets are page-aligned);
-	// end is the region's end within the object.
-	lo, size, end int64
+	// lo is the region's start within mem (mmap offsets are page-aligned).
+	lo, size int64
 }
 
 // mapShm opens /dev/shm/<key> (a checked single file name) without
@@ -39,25 +39,22 @@ func mapShm(key string, off, size int64) (*mapping, error) {
 	case err != nil:
 		return nil, codedf(codes.FailedPrecondition, "key", "opening %s: %v", path, err)
 	}
-	m := &mapping{fd: fd, size: size, end: off + size}
+	defer syscall.Close(fd) //nolint:errcheck // read-only use; the mapping outlives it
+	m := &mapping{size: size}
 	var st syscall.Stat_t
 	if err := syscall.Fstat(fd, &st); err != nil {
-		syscall.Close(fd) //nolint:errcheck // failing already
 		return nil, fmt.Errorf("fstat %s: %w", path, err)
 	}
 	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-		syscall.Close(fd) //nolint:errcheck // failing already
 		return nil, invalidf("key", "%s is not a regular file", path)
 	}
-	if m.end > st.Size {
-		syscall.Close(fd) //nolint:errcheck // failing already
+	if off+size > st.Size {
 		return nil, invalidf("byte_size", "offset %d + byte_size %d exceeds %s's %d bytes", off, size, path, st.Size)
 	}
 	page := int64(os.Getpagesize())
 	m.lo = off % page
 	m.mem, err = syscall.Mmap(fd, off-m.lo, int(m.lo+size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
 	if err != nil {
-		syscall.Close(fd) //nolint:errcheck // failing already
 		return nil, exhaustedf("byte_size", "mapping %d bytes of %s: %v", size, path, err)
 	}
 	return m, nil
@@ -70,20 +67,25 @@ func (m *mapping) data() []byte { return m.mem[m.lo : m.lo+m.size] }
 // rest of the first page (what a backend page-locks).
 func (m *mapping) pages() []byte { return m.mem }
 
-// check fails if the object no longer covers the region: touching the
-// missing pages would fault.
+// check fails if the object no longer backs the region's last page:
+// touching a page past the object's end faults (SIGBUS), and the last
+// page is the first to go when the object shrinks, so while it reads the
+// whole region does. (A shrink within that page only zeroes its tail.)
+// It reads one byte, under guard, where fstat would need the descriptor
+// kept open.
 func (m *mapping) check() error {
-	var st syscall.Stat_t
-	if err := syscall.Fstat(m.fd, &st); err != nil {
-		return fmt.Errorf("fstat: %w", err)
-	}
-	if st.Size < m.end {
-		return fmt.Errorf("its object shrank to %d bytes, the region ends at %d", st.Size, m.end)
+	if err := guard(func() { readByte(m.mem[len(m.mem)-1:]) }); err != nil {
+		return fmt.Errorf("its object no longer covers the region (%v); was it shrunk?", err)
 	}
 	return nil
 }
 
-// close unmaps and closes.
+// readByte loads b[0]; noinline keeps the load from being optimized away.
+//
+//go:noinline
+func readByte(b []byte) byte { return b[0] }
+
+// close unmaps.
 func (m *mapping) close() error {
-	return errors.Join(syscall.Munmap(m.mem), syscall.Close(m.fd))
+	return syscall.Munmap(m.mem)
 }

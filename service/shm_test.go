@@ -450,7 +450,7 @@ func TestSharedMemoryShrunk(t *testing.T) {
 	req := request(rng, 2)
 	req.HiddenStates.Source = shmRef("r", 0, 2*testK*4)
 	_, err := c.FusedMoE(ctx, req)
-	wantCode(t, err, codes.FailedPrecondition, `shared-memory region "r": its object shrank to 100 bytes`)
+	wantCode(t, err, codes.FailedPrecondition, `shared-memory region "r": its object no longer covers the region`)
 	if n := b.numCalls(); n != 0 {
 		t.Errorf("backend ran %d calls, want 0", n)
 	}

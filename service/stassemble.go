@@ -1,6 +1,7 @@
 package service
 
 import (
+	"context"
 	"fmt"
 	"slices"
 
@@ -79,15 +80,15 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 				break
 			}
 			if !found && !pr.unitScale {
-				return nil, nil, false, fmt.Errorf("no weight scale for %q (looked for %v)", pr.weight, pr.scales)
+				return nil, nil, false, fmt.Errorf("no weight scale for %s (looked for %s)", Quote(pr.weight), quoteAll(pr.scales))
 			}
 			fm, ok := classify(shape, rows[p], cols, block)
 			if !ok {
-				return nil, nil, false, fmt.Errorf("scale of %q has shape %v: want a scalar, [%d] per channel or [%d, %d] blocks of %v",
-					pr.weight, shape, rows[p], ceilDiv(rows[p], block[0]), ceilDiv(cols, block[1]), block)
+				return nil, nil, false, fmt.Errorf("scale of %s has shape %v: want a scalar, [%d] per channel or [%d, %d] blocks of %v",
+					Quote(pr.weight), shape, rows[p], ceilDiv(rows[p], block[0]), ceilDiv(cols, block[1]), block)
 			}
 			if form != 0 && fm != form {
-				return nil, nil, false, fmt.Errorf("scale of %q is laid out unlike the others", pr.weight)
+				return nil, nil, false, fmt.Errorf("scale of %s is laid out unlike the others", Quote(pr.weight))
 			}
 			form = fm
 			vals[e] = append(vals[e], v)
@@ -133,7 +134,7 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 	// a block boundary.
 	for p := range len(rows) - 1 {
 		if rows[p]%block[0] != 0 {
-			return nil, nil, false, fmt.Errorf("block scales: %d rows of %q are not a multiple of Bn = %d, so stacking would split a tile", rows[p], names(0)[p].weight, block[0])
+			return nil, nil, false, fmt.Errorf("block scales: %d rows of %s are not a multiple of Bn = %d, so stacking would split a tile", rows[p], Quote(names(0)[p].weight), block[0])
 		}
 	}
 	for e := range vals {
@@ -161,7 +162,7 @@ func inputScales(f *stFile, names func(e int) []projection, numE int) ([]float32
 				return nil, err
 			}
 			if len(v) != 1 {
-				return nil, fmt.Errorf("input scale %q has %d values, want one", pr.input, len(v))
+				return nil, fmt.Errorf("input scale %s has %d values, want one", Quote(pr.input), len(v))
 			}
 			out[e] = max(out[e], v[0])
 		}
@@ -171,8 +172,8 @@ func inputScales(f *stFile, names func(e int) []projection, numE int) ([]float32
 
 // assemble reads an expert set per src from f, reserving its bytes in reg
 // before reading the weights.
-func assemble(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, block [2]int, reg *registry) (*assembled, error) {
-	wrap := func(err error) error { return invalidf("safetensors", "%s: %v", src.GetPath(), err) }
+func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, block [2]int, reg *registry) (*assembled, error) {
+	wrap := func(err error) error { return invalidf("safetensors", "%s: %v", Quote(src.GetPath()), err) }
 	lay := func(e int) stLayout { l, _ := presetLayout(src, e); return l }
 	numE := int(src.GetNumExperts())
 	if numE < 0 || numE > maxExperts {
@@ -186,20 +187,20 @@ func assemble(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, block [2]
 			numE++
 		}
 		if numE == 0 {
-			return nil, wrap(fmt.Errorf("no tensor named %q for layer %d", lay(0).w13[0].weight, src.GetLayer()))
+			return nil, wrap(fmt.Errorf("no tensor named %s for layer %d", Quote(lay(0).w13[0].weight), src.GetLayer()))
 		}
 	}
 	l0 := lay(0)
 	shapeOf := func(name string) ([]int64, error) {
 		t, ok := f.tensors[name]
 		if !ok {
-			return nil, fmt.Errorf("no tensor named %q", name)
+			return nil, fmt.Errorf("no tensor named %s", Quote(name))
 		}
 		if t.Dtype != "F8_E4M3" {
-			return nil, fmt.Errorf("tensor %q has dtype %s, want F8_E4M3", name, t.Dtype)
+			return nil, fmt.Errorf("tensor %s has dtype %s, want F8_E4M3", Quote(name), Quote(t.Dtype))
 		}
 		if len(t.Shape) != 2 || t.Shape[0] < 1 || t.Shape[1] < 1 {
-			return nil, fmt.Errorf("tensor %q has shape %v, want [rows, cols]", name, t.Shape)
+			return nil, fmt.Errorf("tensor %s has shape %v, want [rows, cols]", Quote(name), t.Shape)
 		}
 		return t.Shape, nil
 	}
@@ -216,7 +217,7 @@ func assemble(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, block [2]
 				rows = append(rows, int(s[0]))
 				k = int(s[1])
 			} else if int(s[0]) != rows[p] || int(s[1]) != k {
-				return nil, wrap(fmt.Errorf("tensor %q has shape %v, expert 0 has [%d %d]", pr.weight, s, rows[p], k))
+				return nil, wrap(fmt.Errorf("tensor %s has shape %v, expert 0 has [%d %d]", Quote(pr.weight), s, rows[p], k))
 			}
 		}
 		s, err := shapeOf(lay(e).w2.weight)
@@ -224,7 +225,7 @@ func assemble(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, block [2]
 			return nil, wrap(err)
 		}
 		if int(s[0]) != k {
-			return nil, wrap(fmt.Errorf("tensor %q has shape %v, want [%d, N]", lay(e).w2.weight, s, k))
+			return nil, wrap(fmt.Errorf("tensor %s has shape %v, want [%d, N]", Quote(lay(e).w2.weight), s, k))
 		}
 	}
 	w2s, _ := shapeOf(l0.w2.weight)
@@ -286,6 +287,13 @@ func assemble(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, block [2]
 	a.bufs[tW13] = make([]byte, numE*r*k)
 	a.bufs[tW2] = make([]byte, numE*k*n)
 	for e := range numE {
+		// A load of many experts reads for a long time: its deadline, its
+		// cancellation and the drain (which cancels it) stop it between
+		// experts.
+		if err := ctx.Err(); err != nil {
+			a.release()
+			return nil, err
+		}
 		at := e * r * k
 		for p, pr := range lay(e).w13 {
 			if err := f.readInto(pr.weight, a.bufs[tW13][at:at+rows[p]*k]); err != nil {

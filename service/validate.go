@@ -456,14 +456,17 @@ func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim limits, d
 	if err := wantShape("router_logits", lm.shape, m, set.E); err != nil {
 		return nil, err
 	}
+	if r.Routing, err = checkRouting(req.GetRouting(), set.E); err != nil {
+		return nil, err
+	}
 	// Logits in device memory go unscanned (lb is nil): the proto says a
-	// NaN or +Inf there leaves its token's routing unspecified.
-	if i, x, bad := firstBadLogit(lm.dtype, lb); bad {
-		return nil, invalidf("router_logits", "element %d is %v: want finite or -Inf", i, x)
+	// NaN or +Inf, or a softmax row of -Inf, there leaves its token's
+	// routing unspecified.
+	if err := checkLogits(lm.dtype, lb, set.E, r.Routing.Scoring); err != nil {
+		return nil, err
 	}
 	r.Logits = kernels.Tensor{DType: lm.dtype, Shape: lm.shape, Data: lb, Dev: dev.logits.addr}
-	r.Routing, err = checkRouting(req.GetRouting(), set.E)
-	return r, err
+	return r, nil
 }
 
 // precomputed fills r from topk_ids and topk_weights, which bypass routing.
@@ -607,15 +610,26 @@ func element(d kernels.DType, b []byte, i int) float32 {
 	return math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 }
 
-// firstBadLogit finds a NaN or +Inf in FP32 or BF16 logits. -Inf is legal
-// (it masks an expert); NaN would make top-k selection meaningless, and
-// +Inf turns a softmax row into NaN (inf - inf).
-func firstBadLogit(d kernels.DType, b []byte) (int, float32, bool) {
+// checkLogits scans FP32 or BF16 logits of rows of e experts. -Inf is
+// legal (it masks an expert), but NaN would make top-k selection
+// meaningless and +Inf turns a softmax row into NaN (inf - inf); and a
+// softmax row needs one finite logit, since softmax of a row of -Inf is
+// 0/0. Sigmoid scores a -Inf as 0, so a sigmoid row may be all -Inf (its
+// weights are 0).
+func checkLogits(d kernels.DType, b []byte, e int, scoring kernels.Scoring) error {
 	n := len(b) / d.Size()
-	for i := 0; i < n; i++ {
-		if x := element(d, b, i); x != x || math.IsInf(float64(x), 1) {
-			return i, x, true
+	for row := 0; row*e < n; row++ {
+		finite := false
+		for i := row * e; i < (row+1)*e; i++ {
+			x := element(d, b, i)
+			if x != x || math.IsInf(float64(x), 1) {
+				return invalidf("router_logits", "element %d is %v: want finite or -Inf", i, x)
+			}
+			finite = finite || !math.IsInf(float64(x), -1)
+		}
+		if !finite && scoring == kernels.Softmax {
+			return invalidf("router_logits", "row %d is all -Inf; softmax routing needs at least one finite logit", row)
 		}
 	}
-	return 0, 0, false
+	return nil
 }

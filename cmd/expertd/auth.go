@@ -26,6 +26,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service"
 )
 
 // role is what a caller may do. Roles are ordered: admin may do all a
@@ -75,15 +76,41 @@ var methodRoles = map[string]role{
 
 // requiredRole is the role fullMethod ("/service/method") needs. Server
 // reflection needs only to be authenticated: it describes the API, and
-// who may call it has been decided already.
-func requiredRole(fullMethod string) role {
+// who may call it has been decided already. So does a method the server
+// does not serve (registered reports which it does): any authenticated
+// caller learns it is Unimplemented, nobody else learns anything.
+func requiredRole(fullMethod string, registered func(string) bool) role {
 	if r, ok := methodRoles[fullMethod]; ok {
 		return r
 	}
-	if strings.HasPrefix(fullMethod, "/grpc.reflection.") {
+	if strings.HasPrefix(fullMethod, "/grpc.reflection.") || (registered != nil && !registered(fullMethod)) {
 		return roleUser
 	}
 	return roleAdmin
+}
+
+// learnMethods records the methods gs serves, for requiredRole; call it
+// once every service is registered, before Serve.
+func (a *authorizer) learnMethods(gs *grpc.Server) {
+	if a == nil {
+		return
+	}
+	served := map[string]bool{}
+	for svc, info := range gs.GetServiceInfo() {
+		for _, m := range info.Methods {
+			served["/"+svc+"/"+m.Name] = true
+		}
+	}
+	a.registered = func(m string) bool { return served[m] }
+}
+
+// unknownMethod answers calls to methods the server does not serve. As a
+// grpc.UnknownServiceHandler it runs behind the interceptors, so with
+// authorization on such a call must authenticate first, and it is logged
+// like any other. The method name is the caller's: it is bounded.
+func unknownMethod(_ any, ss grpc.ServerStream) error {
+	m, _ := grpc.MethodFromServerStream(ss)
+	return status.Errorf(codes.Unimplemented, "unknown method %s", service.Quote(m))
 }
 
 // tokenEntry is one line of the tokens file. Only the token's SHA-256 is
@@ -107,6 +134,9 @@ type authorizer struct {
 	// looseMode is the tokens file's permission bits when group or others
 	// may read or write it, for a warning; 0 otherwise.
 	looseMode os.FileMode
+	// registered reports whether the server serves a method (learnMethods);
+	// nil until then, when every method not in methodRoles needs admin.
+	registered func(string) bool
 }
 
 // newAuthorizer reads the tokens file and the admin identities.
@@ -227,7 +257,12 @@ func (a *authorizer) authenticate(ctx context.Context) (context.Context, error) 
 		return nil, status.Error(codes.Internal, "authorization: no method in the call context")
 	}
 	got := a.certRole(ctx)
-	if len(metadata.ValueFromIncomingContext(ctx, "authorization")) > 0 {
+	switch vals := metadata.ValueFromIncomingContext(ctx, "authorization"); {
+	case len(vals) > 1:
+		// Checking only one of several would let a valid token vouch for
+		// an invalid one (or the reverse, depending on order): refuse.
+		return nil, status.Errorf(codes.Unauthenticated, "authorization metadata has %d values: send one authorization value", len(vals))
+	case len(vals) == 1:
 		token, err := auth.AuthFromMD(ctx, "bearer")
 		if err != nil {
 			return nil, status.Error(codes.Unauthenticated, "authorization metadata: want `Bearer <token>`")
@@ -241,8 +276,8 @@ func (a *authorizer) authenticate(ctx context.Context) (context.Context, error) 
 	if got == roleNone {
 		return nil, status.Error(codes.Unauthenticated, "no credentials: send `authorization: Bearer <token>` metadata")
 	}
-	if want := requiredRole(method); got < want {
-		return nil, status.Errorf(codes.PermissionDenied, "%s needs the %s role; this caller has %s", method, want, got)
+	if want := requiredRole(method, a.registered); got < want {
+		return nil, status.Errorf(codes.PermissionDenied, "%s needs the %s role; this caller has %s", service.Clip(method), want, got)
 	}
 	return ctx, nil
 }

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -57,9 +58,12 @@ func TestMethodRoles(t *testing.T) {
 		{pb.ExpertService_ListSharedMemory_FullMethodName, roleUser},
 		{"/expertd.v1.ExpertService/AddedLater", roleAdmin},
 		{"/some.Other/Method", roleAdmin},
+		// Not served: authenticated callers hear Unimplemented.
+		{"/expertd.v1.ExpertService/Nope", roleUser},
 	}
+	served := func(m string) bool { return m != "/expertd.v1.ExpertService/Nope" }
 	for _, tt := range tests {
-		if got := requiredRole(tt.method); got != tt.want {
+		if got := requiredRole(tt.method, served); got != tt.want {
 			t.Errorf("requiredRole(%s) = %v, want %v", tt.method, got, tt.want)
 		}
 	}
@@ -217,6 +221,12 @@ func TestTokenAuth(t *testing.T) {
 			_, err := pb.NewExpertServiceClient(conn).UnloadExperts(ctx, &pb.UnloadExpertsRequest{Name: "absent"})
 			return err
 		}},
+		{"unknown method", func(ctx context.Context) error {
+			return conn.Invoke(ctx, "/expertd.v1.ExpertService/Nope", &pb.ListExpertsRequest{}, &pb.ListExpertsResponse{})
+		}},
+		{"unknown service", func(ctx context.Context) error {
+			return conn.Invoke(ctx, "/nope.v1.Nope/Nope", &pb.ListExpertsRequest{}, &pb.ListExpertsResponse{})
+		}},
 		{"Reflection", func(ctx context.Context) error {
 			ctx, cancel := context.WithCancel(ctx)
 			defer cancel()
@@ -231,36 +241,45 @@ func TestTokenAuth(t *testing.T) {
 			return err
 		}},
 	}
-	un, ok, denied := codes.Unauthenticated, codes.OK, codes.PermissionDenied
+	un, ok, denied, unimpl := codes.Unauthenticated, codes.OK, codes.PermissionDenied, codes.Unimplemented
+	refused := []codes.Code{ok, un, un, un, un, un, un, un, un}
 	tests := []struct {
 		name string
-		auth string // the authorization metadata, "" for none
+		auth []string // the authorization metadata values
 		// want is each call's code, in the order of calls.
 		want []codes.Code
 	}{
-		{"no credentials", "", []codes.Code{ok, un, un, un, un, un, un}},
-		{"unknown token", "Bearer " + newToken(t), []codes.Code{ok, un, un, un, un, un, un}},
-		{"wrong scheme", "Basic " + user, []codes.Code{ok, un, un, un, un, un, un}},
-		{"no scheme", user, []codes.Code{ok, un, un, un, un, un, un}},
-		{"user", "Bearer " + user, []codes.Code{ok, ok, ok, ok, ok, denied, ok}},
-		{"user, lowercase scheme", "bearer " + user, []codes.Code{ok, ok, ok, ok, ok, denied, ok}},
+		{"no credentials", nil, refused},
+		{"unknown token", []string{"Bearer " + newToken(t)}, refused},
+		{"wrong scheme", []string{"Basic " + user}, refused},
+		{"no scheme", []string{user}, refused},
+		{"user", []string{"Bearer " + user}, []codes.Code{ok, ok, ok, ok, ok, denied, unimpl, unimpl, ok}},
+		{"user, lowercase scheme", []string{"bearer " + user}, []codes.Code{ok, ok, ok, ok, ok, denied, unimpl, unimpl, ok}},
 		// The admin reaches the handler, which has no set named "absent".
-		{"admin", "Bearer " + admin, []codes.Code{ok, ok, ok, ok, ok, codes.NotFound, ok}},
+		{"admin", []string{"Bearer " + admin}, []codes.Code{ok, ok, ok, ok, ok, codes.NotFound, unimpl, unimpl, ok}},
+		// Issue 14: with several values, none is taken on trust.
+		{"valid then invalid", []string{"Bearer " + admin, "Bearer " + newToken(t)}, refused},
+		{"invalid then valid", []string{"Bearer " + newToken(t), "Bearer " + admin}, refused},
+		{"valid twice", []string{"Bearer " + user, "Bearer " + user}, refused},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
 			defer cancel()
-			if tt.auth != "" {
-				ctx = metadata.AppendToOutgoingContext(ctx, "authorization", tt.auth)
+			for _, v := range tt.auth {
+				ctx = metadata.AppendToOutgoingContext(ctx, "authorization", v)
 			}
 			for i, c := range calls {
 				err := c.call(ctx)
 				if got := status.Code(err); got != tt.want[i] {
 					t.Errorf("%s: %v, want %v", c.name, err, tt.want[i])
 				}
-				if msg := status.Convert(err).Message(); strings.Contains(msg, user) || strings.Contains(msg, admin) {
+				msg := status.Convert(err).Message()
+				if strings.Contains(msg, user) || strings.Contains(msg, admin) {
 					t.Errorf("%s: message %q echoes a token", c.name, msg)
+				}
+				if len(tt.auth) > 1 && status.Code(err) == un && !strings.Contains(msg, "send one authorization value") {
+					t.Errorf("%s: message %q does not say to send one value", c.name, msg)
 				}
 			}
 		})
@@ -408,6 +427,85 @@ func TestPayloadsNotLogged(t *testing.T) {
 	for _, secret := range []string{marker, base64.StdEncoding.EncodeToString([]byte(marker))[:20], hex.EncodeToString([]byte(marker)), user} {
 		if strings.Contains(out, secret) {
 			t.Errorf("logs contain %q:\n%s", secret, out)
+		}
+	}
+}
+
+// TestLogLinesBounded sends the issue 14 probe's strings (a 1 MiB
+// expert_set, a 1 MiB header.name, a 64 KiB unknown method name) and
+// checks each call is answered with a short status and logged on a short
+// line.
+func TestLogLinesBounded(t *testing.T) {
+	path, user, admin := writeTokens(t)
+	addr, logs := startDaemon(t, "-auth-tokens-file", path)
+	conn := dial(t, addr, insecure.NewCredentials(), grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(64<<20)))
+	c := pb.NewExpertServiceClient(conn)
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+	mib := strings.Repeat("a", 1<<20)
+	req := inlineRequest(mrand.New(mrand.NewPCG(uint64(time.Now().UnixNano()), 5)))
+	req.Experts = &pb.FusedMoERequest_ExpertSet{ExpertSet: mib}
+	calls := []struct {
+		name string
+		call func() error
+		want codes.Code
+	}{
+		{"FusedMoE 1 MiB expert_set", func() error {
+			_, err := c.FusedMoE(metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+user), req)
+			return err
+		}, codes.InvalidArgument},
+		{"LoadExperts 1 MiB header.name", func() error {
+			s, err := c.LoadExperts(metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+admin))
+			if err != nil {
+				return err
+			}
+			s.Send(&pb.LoadExpertsRequest{Payload: &pb.LoadExpertsRequest_Header_{Header: &pb.LoadExpertsRequest_Header{Name: mib}}}) //nolint:errcheck // the answer says
+			_, err = s.CloseAndRecv()
+			return err
+		}, codes.InvalidArgument},
+		{"64 KiB unknown method", func() error {
+			return conn.Invoke(metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+user), "/x/"+strings.Repeat("m", 64<<10), &pb.ListExpertsRequest{}, &pb.ListExpertsResponse{})
+		}, codes.Unimplemented},
+	}
+	for _, tt := range calls {
+		err := tt.call()
+		if got, msg := status.Code(err), status.Convert(err).Message(); got != tt.want || len(msg) > 1024 {
+			t.Errorf("%s: %v with a %d-byte message, want %v with at most 1024", tt.name, got, len(msg), tt.want)
+		}
+	}
+	out := logs.String()
+	for _, line := range strings.Split(out, "\n") {
+		if len(line) > 8<<10 {
+			t.Errorf("a log line of %d bytes: %.300s...", len(line), line)
+		}
+	}
+	if !strings.Contains(out, `"grpc.code":"InvalidArgument"`) || !strings.Contains(out, `"grpc.code":"Unimplemented"`) {
+		t.Errorf("the refused calls are not logged with their codes")
+	}
+}
+
+// TestOversizedLogged: a unary request over -max-message-bytes is refused
+// by grpc-go before any interceptor, so the call log cannot see it; the
+// daemon still logs it, with the method and what to do.
+func TestOversizedLogged(t *testing.T) {
+	addr, logs := startDaemon(t, "-max-message-bytes", "1MiB")
+	conn := dial(t, addr, insecure.NewCredentials(), grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(64<<20)))
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+	req := inlineRequest(mrand.New(mrand.NewPCG(uint64(time.Now().UnixNano()), 6)))
+	req.HiddenStates.Source = &pb.Tensor_Data{Data: make([]byte, 2<<20)}
+	_, err := pb.NewExpertServiceClient(conn).FusedMoE(ctx, req)
+	if status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a 2 MiB FusedMoE: %v, want ResourceExhausted", err)
+	}
+	deadline := time.Now().Add(defaultTestTimeout)
+	for !strings.Contains(logs.String(), "call refused before its handler") && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond) // the stats handler runs after the status is sent
+	}
+	out := logs.String()
+	for _, want := range []string{`"msg":"call refused before its handler"`, `"grpc.method":"/expertd.v1.ExpertService/FusedMoE"`, `"grpc.code":"ResourceExhausted"`, "-max-message-bytes"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the log lacks %s:\n%s", want, out)
 		}
 	}
 }

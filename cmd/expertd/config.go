@@ -100,6 +100,16 @@ type Config struct {
 	RingMaxPerConn   int
 	RingMax          int
 	RingMaxSlotBytes int64
+	// MaxShmRegions bounds the shared-memory regions mapped at once over
+	// all connections (-max-shm-regions, EXPERTD_MAX_SHM_REGIONS).
+	MaxShmRegions int
+	// MaxShmBytes bounds their bytes (-max-shm-bytes,
+	// EXPERTD_MAX_SHM_BYTES).
+	MaxShmBytes int64
+	// IdleFreeMemory is how long the daemon must admit no call before it
+	// returns the memory a burst left behind to the OS; 0 leaves that to
+	// the Go runtime (-idle-free-memory, EXPERTD_IDLE_FREE_MEMORY).
+	IdleFreeMemory time.Duration
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
@@ -131,6 +141,10 @@ const (
 	defaultMaxLoadedBytes = 32 << 30
 	defaultMaxConcurrent  = 4
 	defaultShutdown       = 30 * time.Second
+	// defaultIdleFreeMemory is long enough that a caller pausing between
+	// bursts keeps its warm buffers (codec.Pool saves a page fault per
+	// 4 KiB of output), short enough that an idle replica gives memory back.
+	defaultIdleFreeMemory = 30 * time.Second
 	// maxBatchWindow bounds -batch-window: a window is a few
 	// milliseconds; a second is a typo that would stall every call.
 	maxBatchWindow = time.Second
@@ -233,6 +247,8 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	integer(&c.RingMaxPerConn, "ring-max-per-conn", service.DefaultRingMaxPerConn, "call rings one connection may attach")
 	integer(&c.RingMax, "ring-max", service.DefaultRingMax, "call rings served at once")
 	i64(&c.RingMaxSlotBytes, "ring-max-slot-bytes", service.DefaultRingMaxSlotBytes, "largest call-ring slot in bytes (suffixes KiB, MiB, GiB)")
+	integer(&c.MaxShmRegions, "max-shm-regions", service.DefaultMaxShmRegions, "shared-memory regions mapped at once over all connections (each connection has at most 64); more are refused with RESOURCE_EXHAUSTED")
+	i64(&c.MaxShmBytes, "max-shm-bytes", service.DefaultMaxShmBytes, "bytes of the shared-memory regions mapped at once over all connections (suffixes KiB, MiB, GiB); more are refused with RESOURCE_EXHAUSTED")
 	duration := func(p *time.Duration, name string, def time.Duration, help string) {
 		env := envName(name)
 		if v := getenv(env); v != "" {
@@ -244,6 +260,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 		}
 		fs.DurationVar(p, name, def, help+" ($"+env+")")
 	}
+	duration(&c.IdleFreeMemory, "idle-free-memory", defaultIdleFreeMemory, "after this long without a call, return the memory a burst left behind to the OS; 0 leaves it to the Go runtime (GOMEMLIMIT also applies)")
 	duration(&c.ShutdownTimeout, "shutdown-timeout", defaultShutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM")
 	duration(&c.BatchWindow, "batch-window", service.SuggestedBatchWindow, "dynamic batching: FusedMoE calls that arrive while a compatible call runs are merged into one backend call, which waits this long after the running one for more; 0 disables batching")
 	duration(&c.RingSpin, "ring-spin", service.DefaultRingSpin, "how long a call ring's poller polls (one core busy) after its last call before it sleeps on the doorbell; 0 sleeps at once")
@@ -361,6 +378,12 @@ func (c Config) validate() error {
 	if c.RingMaxPerConn < 1 || c.RingMax < 1 || c.RingMaxSlotBytes < 128 || c.RingMaxSlotBytes > 1<<30 {
 		errs = append(errs, fmt.Errorf("-ring-max-per-conn %d, -ring-max %d, -ring-max-slot-bytes %d: want >= 1, >= 1 and 128 B to 1 GiB", c.RingMaxPerConn, c.RingMax, c.RingMaxSlotBytes))
 	}
+	if c.MaxShmRegions < 1 || c.MaxShmBytes < 1 {
+		errs = append(errs, fmt.Errorf("-max-shm-regions %d, -max-shm-bytes %d: want >= 1", c.MaxShmRegions, c.MaxShmBytes))
+	}
+	if c.IdleFreeMemory < 0 {
+		errs = append(errs, fmt.Errorf("-idle-free-memory %v: want >= 0", c.IdleFreeMemory))
+	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))
 	}
@@ -381,7 +404,7 @@ func (c Config) logger(w io.Writer) *slog.Logger {
 	l, _ := c.level()
 	opts := &slog.HandlerOptions{Level: l}
 	if c.LogFormat == "json" {
-		return slog.New(slog.NewJSONHandler(w, opts))
+		return slog.New(clipHandler{slog.NewJSONHandler(w, opts)})
 	}
-	return slog.New(slog.NewTextHandler(w, opts))
+	return slog.New(clipHandler{slog.NewTextHandler(w, opts)})
 }

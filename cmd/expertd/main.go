@@ -144,6 +144,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		RingMaxPerConn:   cfg.RingMaxPerConn,
 		RingMax:          cfg.RingMax,
 		RingMaxSlotBytes: cfg.RingMaxSlotBytes,
+		MaxShmRegions:    cfg.MaxShmRegions,
+		MaxShmBytes:      cfg.MaxShmBytes,
 	}, backend, log)
 
 	gs := newGRPCServer(cfg, log, meters, tracer, append(svc.ServerOptions(), sec.serverOptions()...)...)
@@ -152,6 +154,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(gs, hs)
 	registerReflection(gs, log)
+	sec.authz.learnMethods(gs)
 
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
@@ -189,6 +192,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		}()
 		addrs.admin = alis.Addr().String()
 	}
+	reclaimCtx, stopReclaim := context.WithCancel(ctx)
+	defer stopReclaim()
+	go reclaimIdle(reclaimCtx, cfg.IdleFreeMemory, svc.Activity, log)
 	log.Info("expertd serving", slog.String("grpc", addrs.grpc), slog.String("admin", addrs.admin),
 		slog.String("backend", backend.Name()), slog.String("version", version()),
 		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
@@ -196,7 +202,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.Duration("batch_window", cfg.BatchWindow), slog.Int("batch_max_tokens", cfg.BatchMaxTokens),
 		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory),
 		slog.Bool("ring", cfg.Ring), slog.Duration("ring_spin", cfg.RingSpin),
-		slog.Duration("max_connection_age", cfg.MaxConnectionAge), slog.Bool("tracing", serviceTracer(tracer) != nil))
+		slog.Duration("max_connection_age", cfg.MaxConnectionAge), slog.Bool("tracing", serviceTracer(tracer) != nil),
+
+		slog.Int("max_shm_regions", cfg.MaxShmRegions), slog.Int64("max_shm_bytes", cfg.MaxShmBytes))
 	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {
 		ready <- addrs
@@ -264,15 +272,22 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)),
 		grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
+		// Unknown methods go through the interceptors (authorization,
+		// logging) like the others, instead of grpc-go's Unimplemented
+		// answered before them.
+		grpc.UnknownServiceHandler(unknownMethod),
 		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters), otelgrpc.WithTracerProvider(tracer),
 			otelgrpc.WithPropagators(propagator()))),
+		grpc.StatsHandler(refusedLog{log}),
 		// Recovery runs innermost so a panic is logged as the Internal it
 		// becomes.
 		grpc.ChainUnaryInterceptor(
+			reachedUnary,
 			selector.UnaryServerInterceptor(logging.UnaryServerInterceptor(logger, logOpts...), logged),
 			recovery.UnaryServerInterceptor(rec),
 		),
 		grpc.ChainStreamInterceptor(
+			reachedStream,
 			selector.StreamServerInterceptor(logging.StreamServerInterceptor(logger, logOpts...), logged),
 			recovery.StreamServerInterceptor(rec),
 		),

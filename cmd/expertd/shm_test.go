@@ -5,11 +5,13 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -85,4 +87,64 @@ func TestSharedMemoryFlag(t *testing.T) {
 			}
 		}
 	})
+}
+
+// openFDs is how many file descriptors this process (the daemon runs in
+// it) has open.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("no /proc/self/fd: %v", err)
+	}
+	return len(ents)
+}
+
+// TestSharedMemoryDaemonCaps is the issue 14 probe at small scale: many
+// connections register page-sized regions of one object until the
+// daemon-wide cap refuses the next with ResourceExhausted naming the flag;
+// the regions hold no file descriptors, and a new client's health check
+// is still answered. Past -max-shm-bytes a region is refused the same way.
+func TestSharedMemoryDaemonCaps(t *testing.T) {
+	const conns, perConn = 8, 5
+	key := shmObject(t, 1<<20)
+	addr, _ := startDaemon(t, "-shared-memory", "-max-shm-regions", fmt.Sprint(conns*perConn), "-max-shm-bytes", "512KiB")
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+	var clients []pb.ExpertServiceClient
+	for range conns + 1 {
+		c := pb.NewExpertServiceClient(dial(t, addr, insecure.NewCredentials()))
+		if _, err := c.ListSharedMemory(ctx, &pb.ListSharedMemoryRequest{}); err != nil { // connects
+			t.Fatal(err)
+		}
+		clients = append(clients, c)
+	}
+	before := openFDs(t)
+	for i := range conns {
+		for j := range perConn {
+			off := int64(i*perConn+j) * 4096
+			if _, err := clients[i].RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: fmt.Sprint("r", j), Key: key, Offset: off, ByteSize: 4096}); err != nil {
+				t.Fatalf("connection %d region %d: %v", i, j, err)
+			}
+		}
+	}
+	if n := openFDs(t); n > before+4 {
+		t.Errorf("%d regions took the process from %d to %d file descriptors", conns*perConn, before, n)
+	}
+	_, err := clients[conns].RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, Offset: 1 << 19, ByteSize: 4096})
+	if status.Code(err) != codes.ResourceExhausted || !strings.Contains(status.Convert(err).Message(), "-max-shm-regions") {
+		t.Errorf("region %d: %v, want ResourceExhausted naming -max-shm-regions", conns*perConn+1, err)
+	}
+	health := healthpb.NewHealthClient(dial(t, addr, insecure.NewCredentials()))
+	if _, err := health.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+		t.Errorf("health check with the regions cap reached: %v", err)
+	}
+	// Free one connection's regions: the bytes cap answers next.
+	if _, err := clients[0].UnregisterSharedMemory(ctx, &pb.UnregisterSharedMemoryRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = clients[conns].RegisterSharedMemory(ctx, &pb.RegisterSharedMemoryRequest{Name: "big", Key: key, ByteSize: 512 << 10})
+	if status.Code(err) != codes.ResourceExhausted || !strings.Contains(status.Convert(err).Message(), "-max-shm-bytes") {
+		t.Errorf("a 512 KiB region beside %d KiB: %v, want ResourceExhausted naming -max-shm-bytes", (conns-1)*perConn*4, err)
+	}
 }

@@ -19,6 +19,13 @@ import (
 //   - the weights are the unbiased scores at the chosen ids, divided by their
 //     sum when Renormalize is set, then multiplied by ScalingFactor.
 //
+// A -Inf logit masks its expert: it scores 0 exactly (softmax and
+// sigmoid), so it is chosen only when fewer than TopK experts score above
+// 0, and then with weight 0. A row whose scores are all 0 (softmax of a
+// row of -Inf, which the service refuses, or sigmoid of -Inf logits) is
+// not renormalized: its weights stay 0, never 0/0. No finite or -Inf
+// logits give a NaN weight.
+//
 // Ties, between experts or between groups, go to the lower id, so routing is
 // a pure function of its inputs. A NaN logit never wins a comparison against
 // a number: NaN sorts below every finite score (and below -Inf), again for
@@ -89,6 +96,15 @@ func (sc *router) token(ids []int32, weights []float32, logits []float32, r kern
 				mx = float64(x)
 			}
 		}
+		if math.IsInf(mx, -1) {
+			// Every expert masked: softmax is 0/0 here. The service refuses
+			// such a row; a backend still returns numbers, not NaN: every
+			// score is 0, so the lowest ids are chosen with weight 0.
+			clear(score)
+			break
+		}
+		// A -Inf logit scores exp(-Inf) = 0 exactly; the row's largest
+		// scores exp(0) = 1, so sum >= 1.
 		var sum float64
 		for i, x := range logits {
 			score[i] = math.Exp(float64(x) - mx)

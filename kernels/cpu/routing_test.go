@@ -12,6 +12,7 @@ import (
 // TestRoute checks every routing mode against small hand-computed examples.
 func TestRoute(t *testing.T) {
 	nan := float32(math.NaN())
+	ninf := float32(math.Inf(-1))
 	tests := []struct {
 		name    string
 		logits  []float32
@@ -121,6 +122,13 @@ func TestRoute(t *testing.T) {
 			wantIDs: []int32{1, 2},
 			wantW:   []float32{0.7310585786, 0.5},
 		},
+		// -Inf masks an expert: weight 0 exactly, never NaN, even with fewer
+		// unmasked experts than top_k or none (issue 14).
+		{"softmax all masked", []float32{ninf, ninf, ninf, ninf}, kernels.Routing{TopK: 2, Scoring: kernels.Softmax, ScalingFactor: 1}, []int32{0, 1}, []float32{0, 0}},
+		{"softmax all masked renormalized", []float32{ninf, ninf, ninf, ninf}, kernels.Routing{TopK: 2, Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}, []int32{0, 1}, []float32{0, 0}},
+		{"softmax one unmasked of top 3", []float32{ninf, 0.5, ninf, ninf}, kernels.Routing{TopK: 3, Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}, []int32{1, 0, 2}, []float32{1, 0, 0}},
+		{"sigmoid all masked renormalized", []float32{ninf, ninf, ninf, ninf}, kernels.Routing{TopK: 2, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 1}, []int32{0, 1}, []float32{0, 0}},
+		{"sigmoid grouped masked", []float32{ninf, ninf, 0, ninf}, kernels.Routing{TopK: 2, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 1, NumGroups: 2, TopKGroups: 1}, []int32{2, 3}, []float32{1, 0}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -132,7 +140,8 @@ func TestRoute(t *testing.T) {
 				t.Errorf("ids = %v, want %v", gotIDs, tt.wantIDs)
 			}
 			for j := range gotW {
-				if d := math.Abs(float64(gotW[j] - tt.wantW[j])); d > 1e-6*math.Abs(float64(tt.wantW[j])) {
+				// Written so that a NaN weight fails too.
+				if d := math.Abs(float64(gotW[j] - tt.wantW[j])); !(d <= 1e-6*math.Abs(float64(tt.wantW[j]))) {
 					t.Errorf("weights = %v, want %v", gotW, tt.wantW)
 					break
 				}
@@ -291,8 +300,12 @@ func FuzzRoute(f *testing.F) {
 			return
 		}
 		logits := make([]float32, e)
+		masked := false
 		for i := range logits {
 			logits[i] = float32(int8(data[i])) / 16
+			if data[i] == 0x80 { // a masked expert
+				logits[i], masked = float32(math.Inf(-1)), true
+			}
 		}
 		r := []kernels.Routing{
 			{TopK: 2, Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1},
@@ -302,6 +315,14 @@ func FuzzRoute(f *testing.F) {
 		ids := make([]int32, r.TopK)
 		w := make([]float32, r.TopK)
 		Route(ids, w, logits, 1, e, r)
+		for j, x := range w {
+			if x != x || math.IsInf(float64(x), 0) || (logits[ids[j]] == float32(math.Inf(-1)) && x != 0) {
+				t.Fatalf("logits %v mode %d: weight %d of expert %d is %v", logits, mode%3, j, ids[j], x)
+			}
+		}
+		if masked {
+			return // sortRoute's float64 softmax does not model masks
+		}
 		if wantIDs, _ := sortRoute(logits, r); !slices.Equal(ids, wantIDs) {
 			t.Errorf("logits %v mode %d: ids %v, want %v", logits, mode%3, ids, wantIDs)
 		}

@@ -374,6 +374,41 @@ func TestSmall(t *testing.T) {
 	}
 }
 
+// TestMaskedRows: the GPU router scores -Inf as 0, like the CPU backend:
+// a softmax row of -Inf (device logits go unscanned) gets weights 0, a row
+// with fewer unmasked experts than top_k pads with weight-0 picks, and no
+// weight or output is NaN.
+func TestMaskedRows(t *testing.T) {
+	b := gpuBackend(t)
+	for _, renorm := range []bool{false, true} {
+		shape := kerneltest.Shape{Name: "masked", Activation: kernels.SiluGated, E: 4, TopK: 3, K: 128, N: 64,
+			Scoring: kernels.Softmax, Renormalize: renorm, ScalingFactor: 1}
+		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(rand.Uint64(), 1)), shape, 3, kerneltest.WithLogits(kernels.Float32))
+		ninf := math.Float32bits(float32(math.Inf(-1)))
+		for i := range 4 {
+			binary.LittleEndian.PutUint32(req.Logits.Data[4*i:], ninf) // row 0: all masked
+			if i != 2 {
+				binary.LittleEndian.PutUint32(req.Logits.Data[4*(4+i):], ninf) // row 1: expert 2 only
+			}
+		}
+		l := mustLoad(t, b, set)
+		res, err := b.FusedMoE(context.Background(), l, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Softmax of one finite logit is 1, renormalized or not.
+		want := []float32{0, 0, 0, 1, 0, 0}
+		if got := res.TopKWeights[:6]; !slices.Equal(got, want) || res.TopKIDs[3] != 2 {
+			t.Errorf("renormalize %v: ids %v weights %v, want expert 2 first in row 1 and weights %v", renorm, res.TopKIDs[:6], got, want)
+		}
+		for i, x := range kerneltest.DecodeOutput(req.OutDType, res.Output) {
+			if x != x || math.IsInf(float64(x), 0) {
+				t.Fatalf("renormalize %v: output element %d is %v", renorm, i, x)
+			}
+		}
+	}
+}
+
 // TestErrorsAreErrors checks that bad calls come back as Go errors.
 func TestErrorsAreErrors(t *testing.T) {
 	b := gpuBackend(t)

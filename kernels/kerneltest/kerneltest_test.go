@@ -234,3 +234,25 @@ func TestCheckBackendCatches(t *testing.T) {
 		}
 	}
 }
+
+// TestReferenceMaskedRow: the reference routes a row of -Inf logits to
+// weight 0, as kernels/cpu.Route does, never NaN, with or without
+// renormalization.
+func TestReferenceMaskedRow(t *testing.T) {
+	set := &kernels.ExpertSet{E: 4}
+	logits := make([]byte, 4*4)
+	for i := range 4 {
+		binary.LittleEndian.PutUint32(logits[4*i:], math.Float32bits(float32(math.Inf(-1))))
+	}
+	for _, renorm := range []bool{false, true} {
+		req := &kernels.Request{
+			Hidden:  kernels.Tensor{DType: kernels.Float32, Shape: []int{1, 1}},
+			Logits:  kernels.Tensor{DType: kernels.Float32, Shape: []int{1, 4}, Data: logits},
+			Routing: kernels.Routing{TopK: 2, Scoring: kernels.Softmax, Renormalize: renorm, ScalingFactor: 1},
+		}
+		ids, w := referenceRouting(set, req)
+		if !slices.Equal(ids, []int32{0, 1}) || !slices.Equal(w, []float64{0, 0}) {
+			t.Errorf("renormalize %v: ids %v weights %v, want [0 1] [0 0]", renorm, ids, w)
+		}
+	}
+}

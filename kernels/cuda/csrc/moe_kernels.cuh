@@ -112,15 +112,22 @@ __global__ void route_kernel(RouteParams p, const void* logits, const float* bia
     float mx = -INFINITY;
     for (int i = lane; i < E; i += 32) mx = fmaxf(mx, load_float(logits, row + i, p.logits_dtype));
     mx = warp_max(mx);
-    float sum = 0.f;
-    for (int i = lane; i < E; i += 32) {
-      const float v = expf(load_float(logits, row + i, p.logits_dtype) - mx);
-      score[i] = v;
-      sum += v;
+    if (mx == -INFINITY) {
+      // Every expert masked (the service refuses such a row, but device
+      // logits go unscanned): score 0 like the CPU backend, never 0/0.
+      // mx is warp-uniform, so the whole warp takes this branch.
+      for (int i = lane; i < E; i += 32) score[i] = 0.f;
+    } else {
+      float sum = 0.f;
+      for (int i = lane; i < E; i += 32) {
+        const float v = expf(load_float(logits, row + i, p.logits_dtype) - mx);
+        score[i] = v;
+        sum += v;
+      }
+      sum = warp_sum(sum);
+      const float inv = 1.0f / sum;
+      for (int i = lane; i < E; i += 32) score[i] *= inv;
     }
-    sum = warp_sum(sum);
-    const float inv = 1.0f / sum;
-    for (int i = lane; i < E; i += 32) score[i] *= inv;
   }
   for (int i = lane; i < E; i += 32) {
     sel[i] = score[i] + (bias ? bias[i] : 0.f);

@@ -788,10 +788,13 @@ type FusedMoERequest struct {
 	// for BF16/FP32 hidden_states.
 	HiddenStatesScale *Tensor `protobuf:"bytes,4,opt,name=hidden_states_scale,json=hiddenStatesScale,proto3" json:"hidden_states_scale,omitempty"`
 	// Router logits, FP32 or BF16 [M, E]. Required unless topk_ids is set.
-	// -Inf masks an expert; NaN and +Inf are refused, except in a
+	// -Inf masks an expert: it scores 0 and gets weight 0 when chosen (only
+	// when fewer than top_k experts are unmasked). NaN and +Inf are refused,
+	// and so is a row of -Inf with SCORING_SOFTMAX (INVALID_ARGUMENT naming
+	// the row; softmax needs one finite logit), except in a
 	// SHARED_MEMORY_KIND_CUDA_IPC region, whose device memory the server
 	// does not scan: there a NaN or +Inf leaves that token's routing
-	// unspecified.
+	// unspecified, and a softmax row of -Inf gets weights 0.
 	RouterLogits *Tensor `protobuf:"bytes,5,opt,name=router_logits,json=routerLogits,proto3" json:"router_logits,omitempty"`
 	// Top-k selection; required with router_logits.
 	Routing *Routing `protobuf:"bytes,6,opt,name=routing,proto3" json:"routing,omitempty"`
@@ -2703,6 +2706,11 @@ type ServerInfo_Limits struct {
 	MaxLoadedBytes int64 `protobuf:"varint,3,opt,name=max_loaded_bytes,json=maxLoadedBytes,proto3" json:"max_loaded_bytes,omitempty"`
 	// Calls executed at once; more wait in the queue.
 	MaxConcurrent int32 `protobuf:"varint,4,opt,name=max_concurrent,json=maxConcurrent,proto3" json:"max_concurrent,omitempty"`
+	// Shared-memory regions mapped at once over all connections (each
+	// connection may have 64), and their total bytes; 0 when shared
+	// memory is off. RESOURCE_EXHAUSTED beyond either.
+	MaxShmRegions int32 `protobuf:"varint,5,opt,name=max_shm_regions,json=maxShmRegions,proto3" json:"max_shm_regions,omitempty"`
+	MaxShmBytes   int64 `protobuf:"varint,6,opt,name=max_shm_bytes,json=maxShmBytes,proto3" json:"max_shm_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2761,6 +2769,20 @@ func (x *ServerInfo_Limits) GetMaxLoadedBytes() int64 {
 func (x *ServerInfo_Limits) GetMaxConcurrent() int32 {
 	if x != nil {
 		return x.MaxConcurrent
+	}
+	return 0
+}
+
+func (x *ServerInfo_Limits) GetMaxShmRegions() int32 {
+	if x != nil {
+		return x.MaxShmRegions
+	}
+	return 0
+}
+
+func (x *ServerInfo_Limits) GetMaxShmBytes() int64 {
+	if x != nil {
+		return x.MaxShmBytes
 	}
 	return 0
 }
@@ -2991,7 +3013,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x15UnloadExpertsResponse\x12\x1f\n" +
 	"\vfreed_bytes\x18\x01 \x01(\x03R\n" +
 	"freedBytes\"\x16\n" +
-	"\x14GetServerInfoRequest\"\x95\x06\n" +
+	"\x14GetServerInfoRequest\"\xe1\x06\n" +
 	"\n" +
 	"ServerInfo\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12>\n" +
@@ -3005,13 +3027,15 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\rgranularities\x18\x03 \x03(\tR\rgranularities\x12\x18\n" +
 	"\adevices\x18\x04 \x03(\tR\adevices\x12\x1d\n" +
 	"\n" +
-	"max_tokens\x18\x05 \x01(\x05R\tmaxTokens\x1a\xa4\x01\n" +
+	"max_tokens\x18\x05 \x01(\x05R\tmaxTokens\x1a\xf0\x01\n" +
 	"\x06Limits\x12*\n" +
 	"\x11max_message_bytes\x18\x01 \x01(\x03R\x0fmaxMessageBytes\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x02 \x01(\x05R\tmaxTokens\x12(\n" +
 	"\x10max_loaded_bytes\x18\x03 \x01(\x03R\x0emaxLoadedBytes\x12%\n" +
-	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\x1a\xc2\x01\n" +
+	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\x12&\n" +
+	"\x0fmax_shm_regions\x18\x05 \x01(\x05R\rmaxShmRegions\x12\"\n" +
+	"\rmax_shm_bytes\x18\x06 \x01(\x03R\vmaxShmBytes\x1a\xc2\x01\n" +
 	"\bRingInfo\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x18\n" +
 	"\aversion\x18\x02 \x01(\rR\aversion\x12\x1d\n" +
