@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -18,8 +19,12 @@ import (
 // set by a flag or, when the flag is absent, by its EXPERTD_* environment
 // variable, else by its default.
 type Config struct {
-	// Listen is the gRPC address (-listen, EXPERTD_LISTEN).
+	// Listen is the gRPC address (-listen, EXPERTD_LISTEN): host:port for
+	// TCP, or unix:///absolute/path or unix:path for a Unix socket.
 	Listen string
+	// UnixMode is the permission bits of a Unix-socket listener's file:
+	// who may connect (-unix-mode, EXPERTD_UNIX_MODE, octal).
+	UnixMode os.FileMode
 	// Backend is auto, cpu or cuda (-backend, EXPERTD_BACKEND). auto tries
 	// cuda and falls back to cpu with a warning.
 	Backend string
@@ -105,6 +110,9 @@ const (
 	defaultMaxLoadedBytes = 32 << 30
 	defaultMaxConcurrent  = 4
 	defaultShutdown       = 30 * time.Second
+	// defaultUnixMode lets the daemon's user and group connect to its
+	// socket and nobody else: membership of the group is the grant.
+	defaultUnixMode = "0660"
 	// maxBatchWindow bounds -batch-window: a window is a few
 	// milliseconds; a second is a typo that would stall every call.
 	maxBatchWindow = time.Second
@@ -167,7 +175,9 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	integer := func(p *int, name string, def int, help string) {
 		num(name, int64(def), help, func(n int64) { *p = int(min(n, 1<<31-1)) })
 	}
-	str(&c.Listen, "listen", defaultListen, "gRPC listen address")
+	str(&c.Listen, "listen", defaultListen, "gRPC listen address: host:port, or unix:///absolute/path (or unix:path) for a Unix socket")
+	var unixMode string
+	str(&unixMode, "unix-mode", defaultUnixMode, "permissions (octal) of the -listen unix: socket file; connecting needs write permission")
 	str(&c.Backend, "backend", "auto", "compute backend: auto (cuda if it loads, else cpu), cpu or cuda")
 	str(&c.LibraryPath, "library-path", "", "path of the CUDA kernel library (libexpertd_cuda.so); empty searches the default locations")
 	integer(&c.Device, "device", 0, "GPU ordinal for the cuda backend")
@@ -229,6 +239,11 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = messageBytesFor(c.MaxTokens)
 	}
+	mode, err := strconv.ParseUint(unixMode, 8, 32)
+	if err != nil || mode > 0o777 {
+		return c, fmt.Errorf("-unix-mode %q: want octal permission bits such as 0660", unixMode)
+	}
+	c.UnixMode = os.FileMode(mode)
 	return c, c.validate()
 }
 
@@ -271,6 +286,8 @@ func (c Config) validate() error {
 	}
 	if c.Listen == "" {
 		errs = append(errs, errors.New("-listen: must not be empty"))
+	} else if _, _, err := listenAddress(c.Listen); err != nil {
+		errs = append(errs, err)
 	}
 	if c.MaxTokens < 1 {
 		errs = append(errs, fmt.Errorf("-max-tokens %d: want >= 1", c.MaxTokens))
@@ -322,4 +339,26 @@ func (c Config) logger(w io.Writer) *slog.Logger {
 		return slog.New(slog.NewJSONHandler(w, opts))
 	}
 	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// listenAddress splits a -listen value into net.Listen's network and
+// address. The unix forms are gRPC's target syntax, so a caller dials
+// the very string the daemon was given: unix:///abs/path (an empty
+// authority, then the absolute path) and unix:path (relative or
+// absolute).
+func listenAddress(listen string) (network, address string, err error) {
+	rest, ok := strings.CutPrefix(listen, "unix:")
+	if !ok {
+		return "tcp", listen, nil
+	}
+	if p, ok := strings.CutPrefix(rest, "//"); ok {
+		if !strings.HasPrefix(p, "/") {
+			return "", "", fmt.Errorf("-listen %q: unix:// needs an absolute path (unix:///run/expertd.sock), or use unix:relative/path", listen)
+		}
+		rest = p
+	}
+	if rest == "" {
+		return "", "", fmt.Errorf("-listen %q: the socket path is empty", listen)
+	}
+	return "unix", rest, nil
 }

@@ -142,7 +142,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	healthpb.RegisterHealthServer(gs, hs)
 	registerReflection(gs, log)
 
-	lis, err := net.Listen("tcp", cfg.Listen)
+	lis, err := listen(cfg, log)
 	if err != nil {
 		return fmt.Errorf("listen %s: %w", cfg.Listen, err)
 	}
@@ -150,7 +150,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	go func() { serveErr <- gs.Serve(lis) }()
 
 	var admin *http.Server
-	addrs := listening{grpc: lis.Addr().String()}
+	addrs := listening{grpc: grpcTarget(lis.Addr())}
 	if cfg.AdminAddr != "" {
 		alis, err := net.Listen("tcp", cfg.AdminAddr)
 		if err != nil {
