@@ -95,6 +95,9 @@ type Config struct {
 	// memory to callers on this host (-shared-memory,
 	// EXPERTD_SHARED_MEMORY=true).
 	SharedMemory bool
+	// Pprof serves net/http/pprof under /debug/pprof/ on AdminAddr
+	// (-pprof, EXPERTD_PPROF=true).
+	Pprof bool
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
@@ -198,15 +201,19 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	str(&c.AuthTokensFile, "auth-tokens-file", "", "file of \"token role\" lines (role user or admin); set, calls other than health checks need a bearer token")
 	var admins string
 	str(&admins, "admin-identities", "", "comma-separated client-certificate names (subject CN or SAN) granted the admin role; needs -tls-client-ca")
-	shm := false
-	if v := getenv("EXPERTD_SHARED_MEMORY"); v != "" {
-		b, err := strconv.ParseBool(v)
-		if err != nil {
-			envErrs = append(envErrs, fmt.Errorf("$EXPERTD_SHARED_MEMORY: %q is not true or false", v))
+	boolean := func(p *bool, name, help string) {
+		env, def := envName(name), false
+		if v := getenv(env); v != "" {
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				envErrs = append(envErrs, fmt.Errorf("$%s: %q is not true or false", env, v))
+			}
+			def = b
 		}
-		shm = b
+		fs.BoolVar(p, name, def, help+" ($"+env+")")
 	}
-	fs.BoolVar(&c.SharedMemory, "shared-memory", shm, "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) or, with the cuda backend, in GPU memory shared through CUDA IPC ($EXPERTD_SHARED_MEMORY)")
+	boolean(&c.SharedMemory, "shared-memory", "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) or, with the cuda backend, in GPU memory shared through CUDA IPC")
+	boolean(&c.Pprof, "pprof", "serve Go's profiles (net/http/pprof) under /debug/pprof/ on -admin-addr, which has no authorization: keep it on loopback")
 	duration := func(p *time.Duration, name string, def time.Duration, help string) {
 		env := envName(name)
 		if v := getenv(env); v != "" {

@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -170,6 +171,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 			}
 			io.WriteString(w, "ok\n")
 		})
+		if cfg.Pprof {
+			mux.HandleFunc("/debug/pprof/", pprof.Index)
+			mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		}
 		admin = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 		go func() {
 			if err := admin.Serve(alis); !errors.Is(err, http.ErrServerClosed) {
@@ -183,7 +191,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
 		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent), slog.Int("max_queued", cfg.MaxQueued),
 		slog.Duration("batch_window", cfg.BatchWindow), slog.Int("batch_max_tokens", cfg.BatchMaxTokens),
-		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory))
+		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory), slog.Bool("pprof", cfg.Pprof))
 	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {
 		ready <- addrs
