@@ -10,9 +10,6 @@ import (
 	"sync"
 	"time"
 
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
-
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
 )
@@ -409,9 +406,8 @@ func (bt *batcher) dispatch(b *batch) {
 		return
 	}
 	queued := time.Now()
-	attrs := metric.WithAttributes(attribute.String("backend", s.backend.Name()))
-	s.batchCalls.Record(b.ctx, int64(len(members)), attrs)
-	s.batchTokens.Record(b.ctx, int64(req.M()), attrs)
+	s.batchCalls.Record(b.ctx, int64(len(members)), s.backendAttr)
+	s.batchTokens.Record(b.ctx, int64(req.M()), s.backendAttr)
 	loaded := b.key.set.loaded
 	res, err := bt.compute(b.ctx, loaded, req)
 	if err != nil {

@@ -10,8 +10,6 @@ import (
 	"sync"
 	"time"
 
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc"
 
 	"github.com/expertd/expertd/codec"
@@ -302,7 +300,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	}
 	m, k := int64(kreq.M()), int64(set.K)
 	topk := int64(kreq.Routing.TopK)
-	s.tokens.Add(ctx, m, metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String())))
+	s.tokens.Add(ctx, m, s.callAttrs(set.Activation))
 
 	resp = &pb.FusedMoEResponse{
 		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
@@ -348,8 +346,7 @@ func (s *Server) compute(ctx context.Context, loaded kernels.Loaded, req *kernel
 			s.backend.Name(), len(res.Output), len(res.TopKIDs), len(res.TopKWeights), m, k, req.OutDType, topk))
 	}
 	s.backendDone(ctx, "fused_moe", nil) //nolint:errcheck // nil in, nil out
-	s.kernelTime.Record(ctx, float64(res.KernelNanos)/1e9, metric.WithAttributes(
-		attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String())))
+	s.kernelTime.Record(ctx, float64(res.KernelNanos)/1e9, s.callAttrs(set.Activation))
 	return res, nil
 }
 

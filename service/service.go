@@ -105,6 +105,11 @@ type Server struct {
 	loadedBytes metric.Int64ObservableGauge
 	batchCalls  metric.Int64Histogram
 	batchTokens metric.Int64Histogram
+	// backendAttr and activationAttrs are the per-call metric attributes,
+	// built once: OpenTelemetry sorts and copies a set each time one is
+	// made, a measurable share of a small call's CPU time.
+	backendAttr     metric.MeasurementOption
+	activationAttrs map[kernels.Activation]metric.MeasurementOption
 }
 
 // New returns a Server running calls on backend. A nil logger discards.
@@ -147,6 +152,12 @@ func (s *Server) initMetrics(m metric.Meter) {
 	if m == nil {
 		m = noop.NewMeterProvider().Meter("")
 	}
+	backend := attribute.String("backend", s.backend.Name())
+	s.backendAttr = metric.WithAttributeSet(attribute.NewSet(backend))
+	s.activationAttrs = make(map[kernels.Activation]metric.MeasurementOption)
+	for _, a := range []kernels.Activation{kernels.SiluGated, kernels.Relu2} {
+		s.activationAttrs[a] = metric.WithAttributeSet(attribute.NewSet(backend, attribute.String("activation", a.String())))
+	}
 	var err error
 	if s.tokens, err = m.Int64Counter("expertd.tokens",
 		metric.WithDescription("Tokens processed by FusedMoE calls."),
@@ -184,7 +195,7 @@ func (s *Server) initMetrics(m metric.Meter) {
 		metric.WithDescription("Bytes of resident expert sets, including loads in flight."),
 		metric.WithUnit("By"),
 		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
-			o.Observe(s.reg.usedBytes(), metric.WithAttributes(attribute.String("backend", s.backend.Name())))
+			o.Observe(s.reg.usedBytes(), s.backendAttr)
 			return nil
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.loaded_expert_bytes"), slog.Any("err", err))
@@ -340,4 +351,12 @@ func wireActivation(a kernels.Activation) pb.Activation {
 		return pb.Activation_ACTIVATION_RELU2
 	}
 	return pb.Activation_ACTIVATION_UNSPECIFIED
+}
+
+// callAttrs are the metric attributes of a call of activation a.
+func (s *Server) callAttrs(a kernels.Activation) metric.MeasurementOption {
+	if o, ok := s.activationAttrs[a]; ok {
+		return o
+	}
+	return metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", a.String()))
 }
