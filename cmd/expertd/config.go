@@ -95,6 +95,10 @@ type Config struct {
 	// memory to callers on this host (-shared-memory,
 	// EXPERTD_SHARED_MEMORY=true).
 	SharedMemory bool
+	// StreamWorkers, when > 0, runs RPC handlers on a pool of this many
+	// goroutines instead of a new goroutine per stream
+	// (grpc.NumStreamWorkers; -stream-workers, EXPERTD_STREAM_WORKERS).
+	StreamWorkers int
 	// Pprof serves net/http/pprof under /debug/pprof/ on AdminAddr
 	// (-pprof, EXPERTD_PPROF=true).
 	Pprof bool
@@ -119,6 +123,9 @@ const (
 	// maxBatchWindow bounds -batch-window: a window is a few
 	// milliseconds; a second is a typo that would stall every call.
 	maxBatchWindow = time.Second
+	// maxStreamWorkers bounds -stream-workers: each is a goroutine
+	// parked for the daemon's life.
+	maxStreamWorkers = 1024
 )
 
 // Largest layer dimensions the default message limit is sized for: every
@@ -227,6 +234,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	}
 	duration(&c.ShutdownTimeout, "shutdown-timeout", defaultShutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM")
 	duration(&c.BatchWindow, "batch-window", service.SuggestedBatchWindow, "dynamic batching: FusedMoE calls that arrive while a compatible call runs are merged into one backend call, which waits this long after the running one for more; 0 disables batching")
+	integer(&c.StreamWorkers, "stream-workers", 0, "run RPC handlers on a pool of this many goroutines instead of one new goroutine per call (grpc-go's NumStreamWorkers); 0 keeps one per call")
 	integer(&c.BatchMaxTokens, "batch-max-tokens", 0, fmt.Sprintf("most tokens in one merged backend call; 0 means %d", service.DefaultBatchMaxTokens))
 
 	if err := errors.Join(envErrs...); err != nil {
@@ -323,6 +331,9 @@ func (c Config) validate() error {
 	errs = append(errs, c.validateSecurity()...)
 	if c.BatchWindow < 0 || c.BatchWindow > maxBatchWindow {
 		errs = append(errs, fmt.Errorf("-batch-window %v: want 0 (off) to %v", c.BatchWindow, maxBatchWindow))
+	}
+	if c.StreamWorkers < 0 || c.StreamWorkers > maxStreamWorkers {
+		errs = append(errs, fmt.Errorf("-stream-workers %d: want 0 (off) to %d", c.StreamWorkers, maxStreamWorkers))
 	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))

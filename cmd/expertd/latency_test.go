@@ -36,7 +36,8 @@ import (
 //	null/...   FusedMoE on a backend that computes nothing: through the
 //	           SDK (with and without retries), the generated stub, a
 //	           client.Pipeline, and the daemon's server with its
-//	           interceptors and OpenTelemetry (chain, at each log level)
+//	           interceptors and OpenTelemetry (chain, at each log level,
+//	           and with -stream-workers)
 //	daemon     FusedMoE on the real daemon (run, -log-level as given by
 //	           the sub-benchmark), SDK client
 //	stream     the same over a client.Pipeline of depth 1
@@ -208,9 +209,16 @@ func BenchmarkCallPath(b *testing.B) {
 	}
 	// null/chain: the daemon's own server (newGRPCServer: logging,
 	// recovery, selector, OpenTelemetry metrics) on the null backend.
-	for _, level := range []string{"info", "warn"} {
-		b.Run("null/chain/log="+level, func(b *testing.B) {
-			cfg, err := parseConfig([]string{"-log-level", level}, func(string) string { return "" }, io.Discard)
+	for _, v := range []struct {
+		name string
+		args []string
+	}{
+		{"log=info", []string{"-log-level", "info"}},
+		{"log=warn", []string{"-log-level", "warn"}},
+		{"log=warn/stream-workers=4", []string{"-log-level", "warn", "-stream-workers", "4"}},
+	} {
+		b.Run("null/chain/"+v.name, func(b *testing.B) {
+			cfg, err := parseConfig(v.args, func(string) string { return "" }, io.Discard)
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -191,7 +191,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
 		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent), slog.Int("max_queued", cfg.MaxQueued),
 		slog.Duration("batch_window", cfg.BatchWindow), slog.Int("batch_max_tokens", cfg.BatchMaxTokens),
-		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory), slog.Bool("pprof", cfg.Pprof))
+		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory), slog.Bool("pprof", cfg.Pprof), slog.Int("stream_workers", cfg.StreamWorkers))
 	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {
 		ready <- addrs
@@ -267,6 +267,9 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 			selector.StreamServerInterceptor(logging.StreamServerInterceptor(logger, logOpts...), logged),
 			recovery.StreamServerInterceptor(rec),
 		),
+	}
+	if cfg.StreamWorkers > 0 {
+		opts = append(opts, grpc.NumStreamWorkers(uint32(cfg.StreamWorkers)))
 	}
 	return grpc.NewServer(append(opts, extra...)...)
 }

@@ -266,3 +266,18 @@ func TestUnixSocketStale(t *testing.T) {
 		}
 	})
 }
+
+// TestStreamWorkers: a daemon with a handler pool serves calls, and the
+// flag's range is checked.
+func TestStreamWorkers(t *testing.T) {
+	d, err := startUnixDaemon(t, "-listen", "unix:"+socketPath(t), "-shared-memory", "-stream-workers", "2")
+	if err != nil {
+		t.Fatalf("run: %v\n%s", err, d.logs.String())
+	}
+	callOverSocket(t, d.addr)
+	for _, bad := range []string{"-1", "1025"} {
+		if _, err := parseConfig([]string{"-stream-workers", bad}, func(string) string { return "" }, &strings.Builder{}); err == nil || !strings.Contains(err.Error(), "-stream-workers") {
+			t.Errorf("-stream-workers %s: %v, want an error naming the flag", bad, err)
+		}
+	}
+}
