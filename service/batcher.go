@@ -248,7 +248,10 @@ func (bt *batcher) start(b *batch) {
 // when the backend call started. e must stay acquired until do returns.
 func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*kernels.Result, time.Time, error) {
 	m := &member{req: req, done: make(chan struct{})}
-	b := bt.join(ctx, keyOf(e, req), m)
+	b, lead := bt.join(ctx, keyOf(e, req), m)
+	if lead {
+		return bt.lead(ctx, b, m)
+	}
 	select {
 	case <-m.done:
 		return m.res, m.queued, m.err
@@ -258,13 +261,37 @@ func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*ker
 	}
 }
 
+// lead runs b, which m's call opened on an idle key, on that call's
+// goroutine, so a lone call goes from its handler to the backend with no
+// hand-off to a dispatcher and back. Calls arriving meanwhile join b
+// until it takes its members, as with a dispatcher. The caller's
+// cancellation makes it leave b as in do; its handler then returns when
+// the backend call ends, which the batch's other callers may still need.
+func (bt *batcher) lead(ctx context.Context, b *batch, m *member) (*kernels.Result, time.Time, error) {
+	left := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		bt.leave(b, m)
+		close(left)
+	})
+	bt.dispatch(b)
+	if stop() {
+		// m never left, so it was among the members dispatch answered.
+		<-m.done
+		return m.res, m.queued, m.err
+	}
+	<-left
+	return nil, time.Time{}, ctx.Err()
+}
+
 // join adds m to the open batch of its key, opening one if there is none
-// or the open one has no room.
-func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
+// or the open one has no room. lead reports a batch opened on an idle
+// key, which m's caller runs itself (lead); any other new batch gets a
+// dispatcher goroutine.
+func (bt *batcher) join(ctx context.Context, key batchKey, m *member) (b *batch, lead bool) {
 	n := m.req.M()
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
-	b := bt.open[key]
+	b = bt.open[key]
 	if b != nil && b.tokens+n > bt.maxTokens {
 		delete(bt.open, key)
 		bt.start(b)
@@ -281,8 +308,10 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
 			// Idle key: nobody's batch to wait for. The batch stays open
 			// until merged, so calls arriving meanwhile still join it.
 			bt.start(b)
+			lead = true
+		} else {
+			go bt.dispatch(b)
 		}
-		go bt.dispatch(b)
 	}
 	b.members = append(b.members, m)
 	b.tokens += n
@@ -292,7 +321,7 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
 		delete(bt.open, key)
 		bt.start(b)
 	}
-	return b
+	return b, lead
 }
 
 // leave takes m out of b after its caller gave up.
