@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"math/rand/v2"
 	"sync"
 	"testing"
 
@@ -114,6 +115,38 @@ func (b *gateBackend) FusedMoE(ctx context.Context, l kernels.Loaded, r *kernels
 	return b.Backend.FusedMoE(ctx, l, r)
 }
 
+// pipelineShape is the small layer the Pipeline tests run.
+var pipelineShape = kerneltest.Mixtral.Scaled(32, 16)
+
+// loadLayer loads a random set of pipelineShape as "layer" and returns it
+// with one request on it.
+func loadLayer(t *testing.T, rng *rand.Rand, c *client.Client) (*kernels.ExpertSet, *kernels.Request) {
+	t.Helper()
+	set, req := kerneltest.NewCase(rng, pipelineShape, 2)
+	if _, err := c.LoadExperts(testContext(t), "layer", clienttest.Weights(set)); err != nil {
+		t.Fatal(err)
+	}
+	return set, req
+}
+
+// gatedServer serves a gateBackend with MaxConcurrent 2 and returns it,
+// the server and a client dialed to it with opts.
+func gatedServer(t *testing.T, opts ...client.Option) (*gateBackend, *clienttest.Server, *client.Client) {
+	t.Helper()
+	gate := newGateBackend()
+	srv, err := clienttest.ServeBackend(service.Config{MaxConcurrent: 2}, gate)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Stop)
+	c, err := client.Dial(testContext(t), srv.Addr, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return gate, srv, c
+}
+
 // TestPipelineOrder keeps three calls in flight over many: every result
 // is its own request's, read in order or out of it, and Close returns
 // once the last is answered.
@@ -121,11 +154,8 @@ func TestPipelineOrder(t *testing.T) {
 	rng := newRand(t)
 	c := startServer(t, service.Config{MaxConcurrent: 3, BatchWindow: 0})
 	ctx := testContext(t)
-	s := kerneltest.Qwen3.Scaled(48, 32)
-	set, _ := kerneltest.NewCase(rng, s, 1)
-	if _, err := c.LoadExperts(ctx, "layer", clienttest.Weights(set)); err != nil {
-		t.Fatal(err)
-	}
+	s := pipelineShape
+	set, _ := loadLayer(t, rng, c)
 	for _, depth := range []int{1, 3} {
 		p, err := c.Pipeline(ctx, depth)
 		if err != nil {
@@ -177,11 +207,8 @@ func TestPipelineConcurrentCallers(t *testing.T) {
 	rng := newRand(t)
 	c := startServer(t, service.Config{MaxConcurrent: 2})
 	ctx := testContext(t)
-	s := kerneltest.Mixtral.Scaled(32, 16)
-	set, _ := kerneltest.NewCase(rng, s, 1)
-	if _, err := c.LoadExperts(ctx, "layer", clienttest.Weights(set)); err != nil {
-		t.Fatal(err)
-	}
+	s := pipelineShape
+	set, _ := loadLayer(t, rng, c)
 	p, err := c.Pipeline(ctx, 2)
 	if err != nil {
 		t.Fatal(err)
@@ -217,23 +244,9 @@ func TestPipelineConcurrentCallers(t *testing.T) {
 // server's slots.
 func TestPipelineCancel(t *testing.T) {
 	rng := newRand(t)
-	gate := newGateBackend()
-	srv, err := clienttest.ServeBackend(service.Config{MaxConcurrent: 2}, gate)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Stop)
+	gate, _, c := gatedServer(t)
 	ctx := testContext(t)
-	c, err := client.Dial(ctx, srv.Addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	s := kerneltest.Mixtral.Scaled(32, 16)
-	set, req := kerneltest.NewCase(rng, s, 2)
-	if _, err := c.LoadExperts(ctx, "layer", clienttest.Weights(set)); err != nil {
-		t.Fatal(err)
-	}
+	set, req := loadLayer(t, rng, c)
 	pctx, cancel := context.WithCancel(ctx)
 	p, err := c.Pipeline(pctx, 2)
 	if err != nil {
@@ -273,22 +286,9 @@ func TestPipelineCancel(t *testing.T) {
 // fails them with Unavailable, and later calls too, without hanging.
 func TestPipelineServerGone(t *testing.T) {
 	rng := newRand(t)
-	gate := newGateBackend()
-	srv, err := clienttest.ServeBackend(service.Config{MaxConcurrent: 2}, gate)
-	if err != nil {
-		t.Fatal(err)
-	}
+	gate, srv, c := gatedServer(t, client.WithMaxAttempts(1))
 	ctx := testContext(t)
-	c, err := client.Dial(ctx, srv.Addr, client.WithMaxAttempts(1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	s := kerneltest.Mixtral.Scaled(32, 16)
-	set, req := kerneltest.NewCase(rng, s, 2)
-	if _, err := c.LoadExperts(ctx, "layer", clienttest.Weights(set)); err != nil {
-		t.Fatal(err)
-	}
+	set, req := loadLayer(t, rng, c)
 	p, err := c.Pipeline(ctx, 2)
 	if err != nil {
 		t.Fatal(err)

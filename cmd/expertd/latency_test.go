@@ -53,13 +53,7 @@ func BenchmarkCallPath(b *testing.B) {
 	ctx := context.Background()
 	rng := rand.New(rand.NewPCG(1, 2))
 	const e, k, n, m = 4, 64, 32, 1
-	w := &client.ExpertWeights{
-		Activation: client.Relu2,
-		W13:        client.FromFP8(randFP8(rng, e*n*k), e, n, k),
-		W2:         client.FromFP8(randFP8(rng, e*k*n), e, k, n),
-		W13Scale:   client.FromFloat32([]float32{0.001, 0.002, 0.003, 0.004}, e),
-		W2Scale:    client.FromFloat32([]float32{0.004, 0.003, 0.002, 0.001}, e),
-	}
+	w := relu2Weights(rng, k, n)
 	req := &client.FusedMoERequest{
 		ExpertSet: "layer", Hidden: client.BFloat16FromFloat32(randF32(rng, m*k), m, k),
 		RouterLogits: client.FromFloat32(randF32(rng, m*e), m, e), Routing: client.Routing{TopK: 2}, OutputDType: client.BFloat16,

@@ -158,13 +158,7 @@ func callOverSocket(t *testing.T, target string) {
 	defer c.Close()
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 11))
 	const e, k, n, m = 4, 32, 16, 3
-	w := &client.ExpertWeights{
-		Activation: client.Relu2,
-		W13:        client.FromFP8(randFP8(rng, e*n*k), e, n, k),
-		W2:         client.FromFP8(randFP8(rng, e*k*n), e, k, n),
-		W13Scale:   client.FromFloat32([]float32{0.001, 0.002, 0.003, 0.004}, e),
-		W2Scale:    client.FromFloat32([]float32{0.004, 0.003, 0.002, 0.001}, e),
-	}
+	w := relu2Weights(rng, k, n)
 	if _, err := c.LoadExperts(ctx, "layer0", w); err != nil {
 		t.Fatalf("LoadExperts: %v", err)
 	}
