@@ -96,7 +96,7 @@ func TestBenchDurationAndProgress(t *testing.T) {
 	addr := startServer(t)
 	start := time.Now()
 	stdout, stderr, err := runBench(t, "-addr", addr, "-model", "qwen3", "-e", "8", "-k", "32", "-n", "16",
-		"-load", "-m", "2", "-c", "3", "-duration", "400ms", "-progress", "100ms", "-json")
+		"-load", "-m", "2", "-c", "3", "-duration", "400ms", "-progress", "100ms", "-json", "-no-rtt")
 	if err != nil {
 		t.Fatalf("run: %v\nstderr:\n%s", err, stderr)
 	}
