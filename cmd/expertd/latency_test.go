@@ -5,6 +5,8 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"os"
+	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -38,6 +40,8 @@ import (
 //	           client.Pipeline, and the daemon's server with its
 //	           interceptors and OpenTelemetry (chain, at each log level,
 //	           and with -stream-workers)
+//	null/m256  M = 256 at K = 2688 (1.4 MB each way), TCP and Unix socket,
+//	           unary and stream
 //	daemon     FusedMoE on the real daemon (run, -log-level as given by
 //	           the sub-benchmark), SDK client
 //	stream     the same over a client.Pipeline of depth 1
@@ -200,6 +204,62 @@ func BenchmarkCallPath(b *testing.B) {
 			}
 			measure(b, v.call(c))
 		})
+	}
+	// null/m256: M = 256 BF16 hidden states at Nemotron's K = 2688 (1.4 MB
+	// each way) on the null backend, over loopback TCP and a Unix socket,
+	// unary and streamed: the transport's share of a large inline call.
+	const bigK, bigM = 2688, 256
+	bigW := relu2Weights(rng, bigK, 32)
+	bigReq := &client.FusedMoERequest{
+		ExpertSet: "layer", Hidden: client.BFloat16FromFloat32(randF32(rng, bigM*bigK), bigM, bigK),
+		RouterLogits: client.FromFloat32(randF32(rng, bigM*e), bigM, e), Routing: client.Routing{TopK: 2}, OutputDType: client.BFloat16,
+	}
+	for _, network := range []string{"tcp", "unix"} {
+		for _, stream := range []bool{false, true} {
+			name := "null/m256/" + network + "/unary"
+			if stream {
+				name = "null/m256/" + network + "/stream"
+			}
+			b.Run(name, func(b *testing.B) {
+				addr := "127.0.0.1:0"
+				if network == "unix" {
+					dir, err := os.MkdirTemp("", "expertd-bench")
+					if err != nil {
+						b.Fatal(err)
+					}
+					b.Cleanup(func() { os.RemoveAll(dir) })
+					addr = filepath.Join(dir, "s.sock")
+				}
+				lis, err := net.Listen(network, addr)
+				if err != nil {
+					b.Fatal(err)
+				}
+				svc := service.New(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow, MaxTokens: 8192},
+					nullBackend{cpu.New(kernels.Config{Threads: 1})}, nil)
+				gs := grpc.NewServer(append(svc.ServerOptions(), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))...)
+				svc.Register(gs)
+				go gs.Serve(lis) //nolint:errcheck // returns when stopped
+				b.Cleanup(gs.Stop)
+				c, err := client.Dial(ctx, grpcTarget(lis.Addr()))
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { c.Close() })
+				if _, err := c.LoadExperts(ctx, "layer", bigW); err != nil {
+					b.Fatal(err)
+				}
+				call := func() (client.Timings, error) { return timed(c.FusedMoE(ctx, bigReq)) }
+				if stream {
+					p, err := c.Pipeline(ctx, 1)
+					if err != nil {
+						b.Fatal(err)
+					}
+					b.Cleanup(func() { p.Close() })
+					call = func() (client.Timings, error) { return timed(p.Call(bigReq)) }
+				}
+				measure(b, call)
+			})
+		}
 	}
 	// null/chain: the daemon's own server (newGRPCServer: logging,
 	// recovery, selector, OpenTelemetry metrics) on the null backend.
