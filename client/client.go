@@ -168,8 +168,9 @@ func retryServiceConfig(attempts int) string {
 }]}`, serviceName, attempts)
 }
 
-// Dial connects to the expertd server at addr ("host:port", or any gRPC
-// target such as "dns:///name:port"). It returns once the connection is
+// Dial connects to the expertd server at addr ("host:port", a Unix socket
+// as "unix:///absolute/path" or "unix:path", or any gRPC target such as
+// "dns:///name:port"). It returns once the connection is
 // ready, or with an error when ctx ends first (see WithoutWaiting).
 func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
 	o := options{

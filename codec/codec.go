@@ -79,8 +79,10 @@ func (Codec) Marshal(v any) (mem.BufferSlice, error) {
 	if !ok {
 		return nil, fmt.Errorf("codec: cannot marshal %T: not a proto.Message", v)
 	}
+	// A message smaller than AliasBytes cannot hold a large field; its
+	// size (generated code) is far cheaper than hasLarge's reflection walk.
 	r := m.ProtoReflect()
-	if !hasLarge(r, 0) {
+	if proto.Size(m) < aliasBytes || !hasLarge(r, 0) {
 		return encoding.GetCodecV2(Name).Marshal(v)
 	}
 	var w writer

@@ -8,13 +8,21 @@
 # per-stage breakdown), then dynamic batching (64 callers x 4 tokens
 # against one caller x 256) via scripts/batching-bench.sh.
 # DURATION (default 5s) is per measurement; TOKENS (default "1 16 256
-# 1024") and MODES (default "inline inline-fp8 shm cuda-ipc ring-shm
+# 1024"; set to "" to skip this part) and MODES (default "inline inline-fp8 shm cuda-ipc ring-shm
 # ring-cuda-ipc": BF16 or FP8 hidden states inline, or BF16 through POSIX
 # shared memory or through GPU memory shared with CUDA IPC, by RPC or, for
 # ring-*, through a call ring, docs/ring.md) pick the calls. Between those and the
 # batching run (BATCHING=0 skips it), 4 callers at M=256 with batching off
 # and 1, then 2 streams per set measure the overlap of concurrent calls
-# (OVERLAP=0 skips it). Logs land under $OUT.
+# (OVERLAP=0 skips it). LATENCY=1 (the default; 0 skips it) then
+# re-measures issue 16's single-caller table (latency.txt): M = 1 and 256
+# (LATENCY_TOKENS), one caller, inline BF16, POSIX shm and CUDA IPC, unary
+# and over a FusedMoEStream, on TCP loopback and on a Unix socket, with
+# and without -stream-workers 4, log level warn; every expertbench summary
+# has an rtt line (a bare grpc-go round trip in its process, and the
+# daemon's health service), and bench/python_latency.py adds the Python
+# grpcio rows when grpcio is importable (PYTHON, default python3; e.g.
+# PYTHON=.tools/venv/bin/python with .tools carried). Logs land under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build="${EXPERTD_BUILD:-build}"
@@ -34,7 +42,7 @@ done
 grep -m3 -iE 'backend|cuda|gpu' "$out/daemon.log"
 bench() { "$build/expertbench" -addr "127.0.0.1:$port" -model nemotron -progress 0 "$@"; }
 bench -load -keep -m 1 -c 1 -calls 1 > "$out/load.txt" 2>&1 || { echo "load failed"; cat "$out/load.txt"; exit 1; }
-for m in ${TOKENS:-1 16 256 1024}; do
+for m in ${TOKENS-1 16 256 1024}; do
 	for mode in ${MODES:-inline inline-fp8 shm cuda-ipc ring-shm ring-cuda-ipc}; do
 		case $mode in
 		inline) flag="" ;;
@@ -79,6 +87,47 @@ if [[ ${OVERLAP:-1} != 0 ]]; then
 			bench -m 256 -c 4 -duration "$dur" $flag 2>&1 | tee "$out/overlap-$streams-$mode.txt" | grep -E "tokens/s|latency|server "
 		done
 		kill "$daemon"; wait "$daemon" 2>/dev/null
+	done
+fi
+# Issue 16's single-caller latency table: transports, stream or unary,
+# handler pool, against the RTT printed beside each run.
+if [[ ${LATENCY:-1} != 0 ]]; then
+	sock="/tmp/expertd-device-$$.sock"
+	for listen in tcp unix; do
+		for workers in 0 4; do
+			addr="127.0.0.1:$port"
+			[[ $listen == unix ]] && addr="unix://$sock"
+			"$build/expertd" -listen "$addr" -admin-addr "127.0.0.1:$admin" -backend cuda -library-path "$lib" \
+				-shared-memory -max-queued 256 -log-level warn -stream-workers "$workers" > "$out/daemon-latency-$listen-$workers.log" 2>&1 &
+			daemon=$!
+			for _ in $(seq 300); do
+				curl -sf "http://127.0.0.1:$admin/healthz" >/dev/null && break
+				sleep 0.1
+			done
+			lbench() { "$build/expertbench" -addr "$addr" -model nemotron -progress 0 "$@"; }
+			lbench -load -keep -m 1 -c 1 -calls 1 -no-rtt > /dev/null 2>&1 || { echo "load failed ($listen)"; exit 1; }
+			for m in ${LATENCY_TOKENS:-1 256}; do
+				for mode in unary stream unary-shm stream-shm unary-cuda-ipc stream-cuda-ipc; do
+					flag=""
+					case $mode in
+					stream) flag=-stream ;;
+					unary-shm) flag=-shm ;;
+					stream-shm) flag="-stream -shm" ;;
+					unary-cuda-ipc) flag="-cuda-ipc -cuda-lib $lib" ;;
+					stream-cuda-ipc) flag="-stream -cuda-ipc -cuda-lib $lib" ;;
+					esac
+					echo "== latency: $listen stream-workers=$workers nemotron M=$m c=1 $mode" | tee -a "$out/latency.txt"
+					# shellcheck disable=SC2086
+					lbench -m "$m" -c 1 -duration "$dur" $flag 2>&1 | tee "$out/latency-$listen-$workers-$m-$mode.txt" |
+						grep -E "^(mode|latency|server |rtt) " | tee -a "$out/latency.txt"
+				done
+			done
+			if [[ $workers == 0 ]] && "${PYTHON:-python3}" -c 'import grpc, grpc_tools, numpy' 2>/dev/null; then
+				echo "== latency: $listen Python grpcio unary inline" | tee -a "$out/latency.txt"
+				"${PYTHON:-python3}" bench/python_latency.py --addr "$addr" --m ${LATENCY_TOKENS:-1 256} --duration "${dur%s}" 2>&1 | tee -a "$out/latency.txt"
+			fi
+			kill "$daemon"; wait "$daemon" 2>/dev/null
+		done
 	done
 fi
 [[ ${BATCHING:-1} == 0 ]] && exit 0

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
 
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
@@ -258,7 +257,10 @@ func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*ker
 	ctx, span := bt.s.startSpan(ctx, spanBatch)
 	defer span.End()
 	m := &member{req: req, done: make(chan struct{})}
-	b := bt.join(ctx, keyOf(e, req), m)
+	b, lead := bt.join(ctx, keyOf(e, req), m)
+	if lead {
+		return bt.lead(ctx, b, m)
+	}
 	select {
 	case <-m.done:
 		setAttrs(span, func() []attribute.KeyValue {
@@ -271,13 +273,37 @@ func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*ker
 	}
 }
 
+// lead runs b, which m's call opened on an idle key, on that call's
+// goroutine, so a lone call goes from its handler to the backend with no
+// hand-off to a dispatcher and back. Calls arriving meanwhile join b
+// until it takes its members, as with a dispatcher. The caller's
+// cancellation makes it leave b as in do; its handler then returns when
+// the backend call ends, which the batch's other callers may still need.
+func (bt *batcher) lead(ctx context.Context, b *batch, m *member) (*kernels.Result, time.Time, error) {
+	left := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		bt.leave(b, m)
+		close(left)
+	})
+	bt.dispatch(b)
+	if stop() {
+		// m never left, so it was among the members dispatch answered.
+		<-m.done
+		return m.res, m.queued, m.err
+	}
+	<-left
+	return nil, time.Time{}, ctx.Err()
+}
+
 // join adds m to the open batch of its key, opening one if there is none
-// or the open one has no room.
-func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
+// or the open one has no room. lead reports a batch opened on an idle
+// key, which m's caller runs itself (lead); any other new batch gets a
+// dispatcher goroutine.
+func (bt *batcher) join(ctx context.Context, key batchKey, m *member) (b *batch, lead bool) {
 	n := m.req.M()
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
-	b := bt.open[key]
+	b = bt.open[key]
 	if b != nil && b.tokens+n > bt.maxTokens {
 		delete(bt.open, key)
 		bt.start(b)
@@ -294,8 +320,10 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
 			// Idle key: nobody's batch to wait for. The batch stays open
 			// until merged, so calls arriving meanwhile still join it.
 			bt.start(b)
+			lead = true
+		} else {
+			go bt.dispatch(b)
 		}
-		go bt.dispatch(b)
 	}
 	b.members = append(b.members, m)
 	b.tokens += n
@@ -305,7 +333,7 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) *batch {
 		delete(bt.open, key)
 		bt.start(b)
 	}
-	return b
+	return b, lead
 }
 
 // leave takes m out of b after its caller gave up.
@@ -421,9 +449,8 @@ func (bt *batcher) dispatch(b *batch) {
 		return
 	}
 	queued := time.Now()
-	attrs := metric.WithAttributes(attribute.String("backend", s.backend.Name()))
-	s.batchCalls.Record(b.ctx, int64(len(members)), attrs)
-	s.batchTokens.Record(b.ctx, int64(req.M()), attrs)
+	s.batchCalls.Record(b.ctx, int64(len(members)), s.backendAttr)
+	s.batchTokens.Record(b.ctx, int64(req.M()), s.backendAttr)
 	loaded := b.key.set.loaded
 	res, err := bt.compute(b.ctx, b.key.set.info.GetName(), loaded, req)
 	if err != nil {

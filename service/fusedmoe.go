@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -37,61 +38,162 @@ func (s *Server) FusedMoE(ctx context.Context, req *pb.FusedMoERequest) (*pb.Fus
 // call's copies with another's compute), but responses leave in request
 // order. The first failure ends the stream with that request's status, so
 // a client never has to match responses to requests.
+//
+// The stream is served by up to MaxConcurrent workers that take turns
+// receiving (streamCalls): the worker that receives a request runs it and
+// sends its response itself, after handing the receive to an idle one.
+// A lone call in flight thus goes from the receive to the backend to the
+// send on one goroutine, with no hand-off on its path, while pipelined
+// calls still run side by side.
 func (s *Server) FusedMoEStream(stream grpc.BidiStreamingServer[pb.FusedMoERequest, pb.FusedMoEResponse]) error {
 	ctx, cancel := context.WithCancel(stream.Context())
 	defer cancel() // stops the calls still running after a failure
-	type result struct {
-		resp *pb.FusedMoEResponse
-		out  []byte // resp's pooled output buffer, or nil
-		err  error
+	sc := &streamCalls{s: s, stream: stream, ctx: ctx, cancel: cancel, recv: make(chan struct{}, 1), done: make(chan struct{}), workers: 1}
+	sc.turnCond.L = &sc.mu
+	sc.idle.L = &sc.mu
+	sc.recv <- struct{}{}
+	// The handler's goroutine only waits: a worker may be blocked in
+	// Recv when a call fails, and only the handler's return ends that
+	// Recv, so the handler must never be that worker.
+	go sc.work()
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	for !sc.ended || sc.active > 0 {
+		sc.idle.Wait()
 	}
-	// pending holds each request's result in arrival order; its capacity
-	// bounds the stream's calls in flight.
-	pending := make(chan chan result, s.cfg.MaxConcurrent)
-	recvErr := make(chan error, 1)
-	go func() {
-		defer close(pending)
-		for {
-			req, err := stream.Recv()
-			if err != nil {
-				if !errors.Is(err, io.EOF) {
-					recvErr <- err
-				}
-				return
+	if sc.err != nil {
+		return sc.err
+	}
+	return sc.recvErr
+}
+
+// streamCalls is the state of one FusedMoEStream's workers.
+type streamCalls struct {
+	s      *Server
+	stream grpc.BidiStreamingServer[pb.FusedMoERequest, pb.FusedMoEResponse]
+	ctx    context.Context
+	cancel context.CancelFunc
+	// recv is the receive token (capacity 1): only its holder calls
+	// stream.Recv, and it numbers what it receives (next).
+	recv chan struct{}
+	next uint64
+
+	mu sync.Mutex
+	// turnCond signals a change of turn (the next response to send) or
+	// a failure; idle signals the end, or active reaching 0 after it.
+	turnCond, idle sync.Cond
+	turn           uint64
+	// workers counts the goroutines serving the stream (the handler's
+	// is not one), active the calls received and not yet answered (or
+	// dropped).
+	workers, active int
+	// ended is set once no more requests will be taken: the client
+	// closed its side, receiving failed, or a call failed (err).
+	ended bool
+	// err is the status the stream ends with: the first failed call's,
+	// or a send's error. recvErr is a failed receive's.
+	err, recvErr error
+	// done is closed when ended is set, to release idle workers.
+	done     chan struct{}
+	doneOnce sync.Once
+}
+
+// end stops taking requests; sc.mu must be held.
+func (sc *streamCalls) end() {
+	sc.ended = true
+	sc.doneOnce.Do(func() { close(sc.done) })
+	sc.turnCond.Broadcast()
+	sc.idle.Broadcast()
+}
+
+// work is one worker: take the receive token, receive a request, pass
+// the token on, run the request, send its response in its turn; repeat
+// until the stream ends.
+func (sc *streamCalls) work() {
+	for {
+		select {
+		case <-sc.done:
+			return
+		default:
+		}
+		select {
+		case <-sc.recv:
+		case <-sc.done:
+			return
+		}
+		req, err := sc.stream.Recv()
+		start := time.Now()
+		sc.mu.Lock()
+		if err != nil || sc.ended {
+			if err != nil && !errors.Is(err, io.EOF) && sc.recvErr == nil {
+				sc.recvErr = err
 			}
-			start := time.Now()
-			res := make(chan result, 1)
-			select {
-			case pending <- res:
-			case <-ctx.Done():
+			sc.end()
+			sc.mu.Unlock()
+			if err == nil {
 				codec.Release(req)
-				return
 			}
-			go func() {
-				resp, out, err := s.fusedMoE(ctx, start, req)
-				codec.Release(req) // the call is over: its buffer is free
-				res <- result{resp, out, err}
-			}()
+			sc.recv <- struct{}{}
+			return
 		}
-	}()
-	for res := range pending {
-		r := <-res
-		if r.err != nil {
-			return s.toStatus(ctx, "FusedMoEStream", r.err)
+		seq := sc.next
+		sc.next++
+		sc.active++
+		// Someone must be free to receive the next request while this
+		// one runs: start a worker when every one is busy, up to the
+		// stream's bound on calls in flight.
+		spawn := sc.active == sc.workers && sc.workers < sc.s.cfg.MaxConcurrent
+		if spawn {
+			sc.workers++
 		}
-		// Responses dropped after a failure keep their buffers: the
-		// garbage collector takes them, which is safe.
-		s.outputs.Lend(r.out)
-		if err := stream.Send(r.resp); err != nil {
-			s.outputs.Unlend(r.out) // not marshalled: drop it
-			return err
+		sc.mu.Unlock()
+		if spawn {
+			go sc.work()
+		}
+		// The next receive may start only once this worker is done with
+		// the stream's receive state: it is handed on here, before the
+		// call, so the receive overlaps the call.
+		sc.recv <- struct{}{}
+		sc.answer(seq, start, req)
+	}
+}
+
+// answer runs req (number seq of the stream) and sends its response when
+// every earlier one has been sent.
+func (sc *streamCalls) answer(seq uint64, start time.Time, req *pb.FusedMoERequest) {
+	resp, out, err := sc.s.fusedMoE(sc.ctx, start, req)
+	codec.Release(req) // the call is over: its buffer is free
+	sc.mu.Lock()
+	for sc.turn != seq && sc.err == nil {
+		sc.turnCond.Wait()
+	}
+	failed := sc.err != nil
+	sc.mu.Unlock()
+	// Only the worker whose turn it is gets here with failed false, so
+	// sends never overlap and leave in order.
+	if !failed {
+		if err != nil {
+			err = sc.s.toStatus(sc.ctx, "FusedMoEStream", err)
+		} else {
+			sc.s.outputs.Lend(out)
+			if err = sc.stream.Send(resp); err != nil {
+				sc.s.outputs.Unlend(out) // not marshalled: drop it
+			}
 		}
 	}
-	select {
-	case err := <-recvErr:
-		return err
-	default:
-		return nil
+	// A response dropped after a failure keeps its buffer: the garbage
+	// collector takes it, which is safe.
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	if err != nil && sc.err == nil {
+		sc.err = err
+		sc.cancel()
+		sc.end()
+	}
+	sc.turn++
+	sc.turnCond.Broadcast()
+	if sc.active--; sc.active == 0 {
+		sc.idle.Broadcast()
 	}
 }
 
@@ -212,8 +314,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	}
 	m, k := int64(kreq.M()), int64(set.K)
 	topk := int64(kreq.Routing.TopK)
-	s.tokens.Add(ctx, m, metric.WithAttributes(attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String()),
-		attribute.String("expert_set", setLabel)))
+	s.tokens.Add(ctx, m, s.callAttrs(set.Activation, setLabel))
 
 	resp = &pb.FusedMoEResponse{
 		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
@@ -268,9 +369,7 @@ func (s *Server) compute(ctx context.Context, setLabel string, loaded kernels.Lo
 			s.backend.Name(), len(res.Output), len(res.TopKIDs), len(res.TopKWeights), m, k, req.OutDType, topk))
 	}
 	s.backendDone(ctx, "fused_moe", nil) //nolint:errcheck // nil in, nil out
-	s.kernelTime.Record(ctx, float64(res.KernelNanos)/1e9, metric.WithAttributes(
-		attribute.String("backend", s.backend.Name()), attribute.String("activation", set.Activation.String()),
-		attribute.String("expert_set", setLabel)))
+	s.kernelTime.Record(ctx, float64(res.KernelNanos)/1e9, s.callAttrs(set.Activation, setLabel))
 	return res, nil
 }
 

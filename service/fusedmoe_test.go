@@ -1,6 +1,7 @@
 package service_test
 
 import (
+	"context"
 	"io"
 	"math/rand/v2"
 	"strings"
@@ -246,5 +247,77 @@ func TestFusedMoEStreamOrder(t *testing.T) {
 	defer b.mu.Unlock()
 	if b.maxInFlight < 2 || b.maxInFlight > 4 {
 		t.Errorf("at most %d calls of the stream ran at once, want 2..4 (MaxConcurrent)", b.maxInFlight)
+	}
+}
+
+// TestFusedMoEStreamFailureWhileOpen: a call that fails while the client
+// keeps its side open (sending nothing more, not closing) still ends the
+// stream with the call's status at once, after the good calls before it.
+// The good calls take a while, so another worker is waiting to receive
+// when the bad request arrives: the one that fails it is not the one
+// blocked in Recv.
+func TestFusedMoEStreamFailureWhileOpen(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{delay: func(*kernels.Request) time.Duration { return 20 * time.Millisecond }}
+	c, _ := loadedServer(t, rng, service.Config{MaxConcurrent: 4}, b)
+	stream, err := c.FusedMoEStream(testContext(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		if err := stream.Send(request(rng, 2)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := stream.Recv(); err != nil {
+			t.Fatalf("call %d: %v", i, err)
+		}
+	}
+	bad := request(rng, 2)
+	bad.Routing.TopK = 0
+	if err := stream.Send(bad); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("after a bad request: got %v, want InvalidArgument", err)
+	}
+}
+
+// TestFusedMoEStreamCallerGone: a client that goes away with calls
+// running on its stream stops them (their context ends), and the server
+// counts none in flight afterwards: Shutdown returns at once.
+func TestFusedMoEStreamCallerGone(t *testing.T) {
+	rng := newRand(t)
+	b := &fakeBackend{release: make(chan struct{}), started: make(chan struct{}, 8)}
+	c, srv, _ := servicetest.StartServerConfig(t, service.Config{MaxConcurrent: 4}, b)
+	w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)
+	if _, err := servicetest.Upload(testContext(t), c, servicetest.Header("layer", w, false), servicetest.Chunks(w, 1000)); err != nil {
+		t.Fatalf("LoadExperts: %v", err)
+	}
+	ctx, cancel := context.WithCancel(testContext(t))
+	stream, err := c.FusedMoEStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if err := stream.Send(request(rng, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 3 {
+		<-b.started
+	}
+	cancel()
+	if _, err := stream.Recv(); status.Code(err) != codes.Canceled {
+		t.Errorf("Recv after cancel: %v, want Canceled", err)
+	}
+	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer scancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		t.Errorf("Shutdown after the caller left: %v, want the stream's calls ended", err)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.inFlight != 0 {
+		t.Errorf("%d backend calls still running", b.inFlight)
 	}
 }

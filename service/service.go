@@ -142,7 +142,24 @@ type Server struct {
 	loadedBytes metric.Int64ObservableGauge
 	batchCalls  metric.Int64Histogram
 	batchTokens metric.Int64Histogram
+	// backendAttr and callAttrSets are the per-call metric attributes,
+	// built once per activation and expert_set label: OpenTelemetry sorts
+	// and copies a set each time one is made, a measurable share of a
+	// small call's CPU time. callAttrSets holds at most maxCallAttrSets.
+	backendAttr  metric.MeasurementOption
+	callAttrSets sync.Map // callAttrKey -> metric.MeasurementOption
+	callAttrN    atomic.Int64
 }
+
+// callAttrKey names a call's metric attribute set.
+type callAttrKey struct {
+	act kernels.Activation
+	set string
+}
+
+// maxCallAttrSets bounds the cached attribute sets: set names come and go
+// with loads and unloads, and a long-lived daemon must not keep them all.
+const maxCallAttrSets = 1024
 
 // New returns a Server running calls on backend. A nil logger discards.
 func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
@@ -185,6 +202,8 @@ func (s *Server) initMetrics(m metric.Meter) {
 	if m == nil {
 		m = noop.NewMeterProvider().Meter("")
 	}
+	backend := attribute.String("backend", s.backend.Name())
+	s.backendAttr = metric.WithAttributeSet(attribute.NewSet(backend))
 	var err error
 	if s.tokens, err = m.Int64Counter("expertd.tokens",
 		metric.WithDescription("Tokens processed by FusedMoE calls."),
@@ -229,7 +248,7 @@ func (s *Server) initMetrics(m metric.Meter) {
 		metric.WithDescription("Bytes of resident expert sets, including loads in flight."),
 		metric.WithUnit("By"),
 		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
-			o.Observe(s.reg.usedBytes(), metric.WithAttributes(attribute.String("backend", s.backend.Name())))
+			o.Observe(s.reg.usedBytes(), s.backendAttr)
 			return nil
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.loaded_expert_bytes"), slog.Any("err", err))
@@ -441,4 +460,19 @@ func wireActivation(a kernels.Activation) pb.Activation {
 		return pb.Activation_ACTIVATION_RELU2
 	}
 	return pb.Activation_ACTIVATION_UNSPECIFIED
+}
+
+// callAttrs are the metric attributes of a call of activation a on the
+// set labelled set (a loaded set's name, or inlineLabel).
+func (s *Server) callAttrs(a kernels.Activation, set string) metric.MeasurementOption {
+	k := callAttrKey{a, set}
+	if o, ok := s.callAttrSets.Load(k); ok {
+		return o.(metric.MeasurementOption)
+	}
+	o := metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", s.backend.Name()),
+		attribute.String("activation", a.String()), attribute.String("expert_set", set)))
+	if s.callAttrN.Add(1) <= maxCallAttrSets {
+		s.callAttrSets.Store(k, o)
+	}
+	return o
 }

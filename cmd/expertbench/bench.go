@@ -94,8 +94,19 @@ type result struct {
 	P99         time.Duration `json:"p99_ns"`
 	Max         time.Duration `json:"max_ns"`
 	KernelP50   time.Duration `json:"kernel_p50_ns"`
+	TotalP50    time.Duration `json:"server_total_p50_ns"`
+	Stream      bool          `json:"stream"`
+	Inflight    int           `json:"inflight"`
+	RTT         rttPair       `json:"rtt"`
 	QueueP50    time.Duration `json:"queue_p50_ns"`
 	Breakdown   breakdown     `json:"breakdown"`
+}
+
+// rttPair is the round trips measured before the load: a bare grpc-go
+// server in the generator's process, and the daemon's health service.
+type rttPair struct {
+	Bare   rtt `json:"bare_grpc"`
+	Daemon rtt `json:"daemon_health"`
 }
 
 // breakdown is one call's time by phase: the median of each phase over
@@ -221,6 +232,15 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 			call = r.FusedMoE
 		}
 		wg.Add(1)
+		if cfg.stream {
+			go func() {
+				defer wg.Done()
+				if err := streamWorker(ctx, c, cfg, reqs, deadline, &issued, &rec); err != nil {
+					cancel(err)
+				}
+			}()
+			continue
+		}
 		go func() {
 			defer wg.Done()
 			for i := 0; ; i++ {
@@ -290,8 +310,61 @@ loop:
 		P50:         percentile(all, 0.5), P90: percentile(all, 0.9), P99: percentile(all, 0.99), Max: all[len(all)-1],
 	}
 	r.Breakdown = summarize(rec.calls)
-	r.KernelP50, r.QueueP50 = r.Breakdown.Kernel, r.Breakdown.Queue
+	r.KernelP50, r.QueueP50, r.TotalP50 = r.Breakdown.Kernel, r.Breakdown.Queue, r.Breakdown.Total
+	r.Stream, r.Inflight = cfg.stream, cfg.inflight
 	return r, nil
+}
+
+// streamWorker is one caller over a FusedMoEStream, keeping cfg.inflight
+// calls in flight: a call's latency runs from its Go to its result.
+func streamWorker(ctx context.Context, c *client.Client, cfg config, reqs []*client.FusedMoERequest, deadline time.Time, issued *atomic.Int64, rec *recorder) error {
+	p, err := c.Pipeline(ctx, cfg.inflight)
+	if err != nil {
+		return err
+	}
+	type sent struct {
+		call *client.Call
+		t0   time.Time
+	}
+	var fifo []sent
+	finish := func() error {
+		s := fifo[0]
+		fifo = fifo[1:]
+		res, err := s.call.Result()
+		d := time.Since(s.t0)
+		if err != nil {
+			return fmt.Errorf("FusedMoEStream call failed after %d calls: %w", rec.count(), err)
+		}
+		rec.add(d, res, &callTrace{})
+		return nil
+	}
+	for i := 0; ; i++ {
+		if ctx.Err() != nil || time.Now().After(deadline) || (cfg.calls > 0 && issued.Add(1) > int64(cfg.calls)) {
+			break
+		}
+		// Waiting here for the oldest keeps inflight calls out, and the
+		// latency of each measured by whoever receives it: this caller.
+		if len(fifo) == cfg.inflight {
+			if err := finish(); err != nil {
+				return err
+			}
+		}
+		t0 := time.Now()
+		call, err := p.Go(reqs[i%len(reqs)])
+		if err != nil {
+			return fmt.Errorf("FusedMoEStream send failed after %d calls: %w", rec.count(), err)
+		}
+		fifo = append(fifo, sent{call, t0})
+	}
+	for len(fifo) > 0 {
+		if err := finish(); err != nil {
+			return err
+		}
+	}
+	if ctx.Err() != nil {
+		return nil
+	}
+	return p.Close()
 }
 
 func (r *recorder) count() int {
@@ -316,16 +389,27 @@ concurrency  %d
 calls        %d in %.2fs
 calls/s      %.1f
 tokens/s     %.0f
+mode         %s
 latency      p50 %s  p90 %s  p99 %s  max %s
-server       kernel p50 %s  queue p50 %s
+server       kernel p50 %s  total p50 %s  queue p50 %s
+rtt          bare grpc-go p50 %s (p90 %s, p99 %s)  daemon health p50 %s (p90 %s, p99 %s)
 breakdown    (p50 of each)
   client     %s  (send %s; request %d B, response %d B on the wire)
   server     receive %s  decode %s  queue %s  h2d %s  kernel %s  d2h %s  total %s
   overhead   rpc (client - server total) %s  service (server total - kernel) %s  client over kernel +%.1f%%
 `, r.Model, r.Backend, r.Tokens, r.Concurrency, r.Calls, r.Elapsed.Seconds(), r.CallsPerSec, r.TokensPerS,
-		ms(r.P50), ms(r.P90), ms(r.P99), ms(r.Max), ms(r.KernelP50), ms(r.QueueP50),
+		r.mode(), ms(r.P50), ms(r.P90), ms(r.P99), ms(r.Max), ms(r.KernelP50), ms(r.TotalP50), ms(r.QueueP50),
+		ms(r.RTT.Bare.P50), ms(r.RTT.Bare.P90), ms(r.RTT.Bare.P99), ms(r.RTT.Daemon.P50), ms(r.RTT.Daemon.P90), ms(r.RTT.Daemon.P99),
 		ms(b.Client), ms(b.Send), b.RequestBytes, b.ResponseBytes,
 		ms(b.Receive), ms(b.Decode), ms(b.Queue), ms(b.H2D), ms(b.Kernel), ms(b.D2H), ms(b.Total),
 		ms(b.RPC), ms(b.Service), b.OverheadPct)
 	return err
+}
+
+// mode says how the calls were made.
+func (r *result) mode() string {
+	if r.Stream {
+		return fmt.Sprintf("FusedMoEStream, %d in flight per caller", r.Inflight)
+	}
+	return "unary FusedMoE"
 }

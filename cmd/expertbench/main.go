@@ -15,6 +15,14 @@
 // loaded. Only loopback addresses are accepted unless -allow-remote is
 // given.
 //
+// -stream sends each caller's calls over one FusedMoEStream, with
+// -inflight calls in flight on it; -addr unix:///path dials a Unix
+// socket. Before the load it measures two round trips, printed beside
+// the latencies: a bare grpc-go health server in this process on
+// loopback TCP (the floor of any gRPC call on this host) and the
+// daemon's health service on the same connection as the calls. -trace
+// writes a Go execution trace of the load.
+//
 // -soak turns it into a soak test (soak.go): three small layers (gated,
 // ReLU², block-scaled) called with mixed token counts, a share of
 // malformed calls that must be refused with the right code, every good
@@ -35,6 +43,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/trace"
 	"slices"
 	"strings"
 	"syscall"
@@ -64,6 +73,7 @@ const (
 	maxDuration    = 30 * time.Minute
 	maxCalls       = 10_000_000
 	maxConcurrency = 256
+	maxInflight    = 64
 )
 
 // config is a parsed command line.
@@ -97,6 +107,14 @@ type config struct {
 	// ringSpin for their completion.
 	ring     bool
 	ringSpin time.Duration
+	// stream sends the calls over one FusedMoEStream per caller, with
+	// inflight calls in flight on it (client.Pipeline).
+	stream   bool
+	inflight int
+	// traceFile receives a Go execution trace of the run.
+	traceFile string
+	// noRTT skips the round-trip measurements at start.
+	noRTT bool
 	// k and n are the -k and -n flags as given (0: not given), which
 	// -soak applies to all of its sets.
 	k, n int
@@ -107,7 +125,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("expertbench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "expertd gRPC address")
+	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "expertd gRPC address: host:port, or unix:///path for a Unix socket")
 	fs.BoolVar(&c.allowRemote, "allow-remote", false, "allow a non-loopback -addr")
 	name := fs.String("model", "qwen3", "layer shape: "+strings.Join(modelNames(), ", "))
 	e := fs.Int("e", 0, "number of experts E (0: the model's)")
@@ -132,6 +150,10 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&c.ring, "ring", false, ringUsage)
 	fs.DurationVar(&c.ringSpin, "ring-spin", client.DefaultRingSpin, "with -ring: how long a call polls for its completion before it sleeps (negative: sleep at once)")
 	fs.StringVar(&c.cudaLib, "cuda-lib", "", "with -cuda-ipc: the kernel library (empty: $EXPERTD_CUDA_LIB, then build/libexpertd_cuda.so)")
+	fs.BoolVar(&c.stream, "stream", false, "send the calls over one FusedMoEStream per caller instead of unary FusedMoE calls")
+	fs.IntVar(&c.inflight, "inflight", 1, "calls in flight per caller on its stream (implies -stream when > 1)")
+	fs.StringVar(&c.traceFile, "trace", "", "write a Go execution trace of the load to this file (go tool trace FILE)")
+	fs.BoolVar(&c.noRTT, "no-rtt", false, "skip the round trips measured at start (a bare grpc-go server in this process, and the daemon's health service)")
 	fs.BoolVar(&c.soak.on, "soak", false, soakUsage)
 	fs.Float64Var(&c.soak.badShare, "bad-share", 0.05, "with -soak: share of calls that are malformed (0..1)")
 	fs.Float64Var(&c.soak.checkShare, "check-share", 1, "with -soak: share of good responses checked against the float64 reference (0..1)")
@@ -192,6 +214,15 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	if c.shm && c.cudaIPC {
 		errs = append(errs, errors.New("-shm and -cuda-ipc: pick one"))
 	}
+	if c.inflight < 1 || c.inflight > maxInflight {
+		errs = append(errs, fmt.Errorf("-inflight %d: want 1..%d", c.inflight, maxInflight))
+	}
+	if c.inflight > 1 {
+		c.stream = true
+	}
+	if c.stream && c.soak.on {
+		errs = append(errs, errors.New("-stream and -soak: pick one"))
+	}
 	if c.tokens < 1 {
 		errs = append(errs, fmt.Errorf("-m %d: want >= 1", c.tokens))
 	}
@@ -233,8 +264,12 @@ func modelNames() []string {
 }
 
 // checkLoopback refuses addresses that leave the host: a load generator
-// should not be pointed at someone else's server by accident.
+// should not be pointed at someone else's server by accident. A Unix
+// socket (unix:path, unix:///path) never leaves it.
 func checkLoopback(flagName, addr string) error {
+	if strings.HasPrefix(addr, "unix:") {
+		return nil
+	}
 	host, _, err := net.SplitHostPort(addr)
 	if err != nil {
 		return fmt.Errorf("-%s %q: %w", flagName, addr, err)
@@ -285,10 +320,31 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			}()
 		}
 	}
+	var rtts rttPair
+	if !cfg.noRTT {
+		if rtts.Bare, err = bareRTT(ctx); err != nil {
+			return fmt.Errorf("bare grpc-go round trip: %w", err)
+		}
+		if rtts.Daemon, err = checkRTT(ctx, c.Conn()); err != nil {
+			return fmt.Errorf("daemon round trip: %w", err)
+		}
+	}
+	if cfg.traceFile != "" {
+		f, err := os.Create(cfg.traceFile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := trace.Start(f); err != nil {
+			return fmt.Errorf("-trace: %w", err)
+		}
+		defer trace.Stop()
+	}
 	res, err := bench(ctx, c, cfg, stderr)
 	if err != nil {
 		return err
 	}
+	res.RTT = rtts
 	return res.print(stdout, cfg)
 }
 

@@ -4,15 +4,23 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"net"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/service"
 )
 
@@ -88,7 +96,7 @@ func TestBenchDurationAndProgress(t *testing.T) {
 	addr := startServer(t)
 	start := time.Now()
 	stdout, stderr, err := runBench(t, "-addr", addr, "-model", "qwen3", "-e", "8", "-k", "32", "-n", "16",
-		"-load", "-m", "2", "-c", "3", "-duration", "400ms", "-progress", "100ms", "-json")
+		"-load", "-m", "2", "-c", "3", "-duration", "400ms", "-progress", "100ms", "-json", "-no-rtt")
 	if err != nil {
 		t.Fatalf("run: %v\nstderr:\n%s", err, stderr)
 	}
@@ -227,5 +235,58 @@ func TestSummarize(t *testing.T) {
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("summarize (-want +got):\n%s", diff)
+	}
+}
+
+// TestBenchStream runs the calls over FusedMoEStreams, with one and with
+// several in flight, over TCP and over a Unix socket, and checks the
+// count, the mode line, the round trips and the trace file.
+func TestBenchStream(t *testing.T) {
+	tcp := startServer(t)
+	dir, err := os.MkdirTemp("", "expertbench")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	sock := filepath.Join(dir, "expertd.sock")
+	lis, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	svc := service.New(service.Config{MaxConcurrent: 2}, cpu.New(kernels.Config{}), nil)
+	gs := grpc.NewServer(svc.ServerOptions()...)
+	svc.Register(gs)
+	healthpb.RegisterHealthServer(gs, health.NewServer())
+	go gs.Serve(lis) //nolint:errcheck // returns when stopped
+	t.Cleanup(gs.Stop)
+
+	for _, tc := range []struct {
+		name, addr string
+		args       []string
+		mode       string
+	}{
+		{"stream", tcp, []string{"-stream"}, "FusedMoEStream, 1 in flight per caller"},
+		{"inflight", tcp, []string{"-inflight", "3"}, "FusedMoEStream, 3 in flight per caller"},
+		{"unix unary", "unix://" + sock, nil, "unary FusedMoE"},
+		{"unix inflight", "unix:" + sock, []string{"-inflight", "2"}, "FusedMoEStream, 2 in flight per caller"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			traceFile := filepath.Join(t.TempDir(), "trace.out")
+			args := append([]string{"-addr", tc.addr, "-model", "qwen3", "-e", "8", "-k", "64", "-n", "32", "-load", "-m", "3", "-c", "2",
+				"-calls", "13", "-duration", "20s", "-trace", traceFile}, tc.args...)
+			stdout, stderr, err := runBench(t, args...)
+			if err != nil {
+				t.Fatalf("run: %v\nstderr:\n%s", err, stderr)
+			}
+			for _, re := range []string{`(?m)^calls +13 in `, `(?m)^mode +` + regexp.QuoteMeta(tc.mode) + `$`,
+				`(?m)^rtt +bare grpc-go p50 [0-9.]+ ms .* daemon health p50 [0-9.]+ ms`, `(?m)^server +kernel p50 [0-9.]+ ms +total p50 [0-9.]+ ms`} {
+				if !regexp.MustCompile(re).MatchString(stdout) {
+					t.Errorf("summary does not match %s:\n%s", re, stdout)
+				}
+			}
+			if fi, err := os.Stat(traceFile); err != nil || fi.Size() == 0 {
+				t.Errorf("-trace file: %v, %v; want a trace", fi, err)
+			}
+		})
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -18,8 +19,12 @@ import (
 // set by a flag or, when the flag is absent, by its EXPERTD_* environment
 // variable, else by its default.
 type Config struct {
-	// Listen is the gRPC address (-listen, EXPERTD_LISTEN).
+	// Listen is the gRPC address (-listen, EXPERTD_LISTEN): host:port for
+	// TCP, or unix:///absolute/path or unix:path for a Unix socket.
 	Listen string
+	// UnixMode is the permission bits of a Unix-socket listener's file:
+	// who may connect (-unix-mode, EXPERTD_UNIX_MODE, octal).
+	UnixMode os.FileMode
 	// Backend is auto, cpu or cuda (-backend, EXPERTD_BACKEND). auto tries
 	// cuda and falls back to cpu with a warning.
 	Backend string
@@ -110,6 +115,13 @@ type Config struct {
 	// returns the memory a burst left behind to the OS; 0 leaves that to
 	// the Go runtime (-idle-free-memory, EXPERTD_IDLE_FREE_MEMORY).
 	IdleFreeMemory time.Duration
+	// StreamWorkers, when > 0, runs RPC handlers on a pool of this many
+	// goroutines instead of a new goroutine per stream
+	// (grpc.NumStreamWorkers; -stream-workers, EXPERTD_STREAM_WORKERS).
+	StreamWorkers int
+	// Pprof serves net/http/pprof under /debug/pprof/ on AdminAddr
+	// (-pprof, EXPERTD_PPROF=true).
+	Pprof bool
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
@@ -145,12 +157,18 @@ const (
 	// bursts keeps its warm buffers (codec.Pool saves a page fault per
 	// 4 KiB of output), short enough that an idle replica gives memory back.
 	defaultIdleFreeMemory = 30 * time.Second
-	// maxBatchWindow bounds -batch-window: a window is a few
-	// milliseconds; a second is a typo that would stall every call.
-	maxBatchWindow = time.Second
 	// maxRingSpin bounds -ring-spin: each ring's poller holds a core for
 	// that long after every call.
 	maxRingSpin = 100 * time.Millisecond
+	// defaultUnixMode lets the daemon's user and group connect to its
+	// socket and nobody else: membership of the group is the grant.
+	defaultUnixMode = "0660"
+	// maxBatchWindow bounds -batch-window: a window is a few
+	// milliseconds; a second is a typo that would stall every call.
+	maxBatchWindow = time.Second
+	// maxStreamWorkers bounds -stream-workers: each is a goroutine
+	// parked for the daemon's life.
+	maxStreamWorkers = 1024
 )
 
 // Largest layer dimensions the default message limit is sized for: every
@@ -210,7 +228,9 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	integer := func(p *int, name string, def int, help string) {
 		num(name, int64(def), help, func(n int64) { *p = int(min(n, 1<<31-1)) })
 	}
-	str(&c.Listen, "listen", defaultListen, "gRPC listen address")
+	str(&c.Listen, "listen", defaultListen, "gRPC listen address: host:port, or unix:///absolute/path (or unix:path) for a Unix socket")
+	var unixMode string
+	str(&unixMode, "unix-mode", defaultUnixMode, "permissions (octal) of the -listen unix: socket file; connecting needs write permission")
 	str(&c.Backend, "backend", "auto", "compute backend: auto (cuda if it loads, else cpu), cpu or cuda")
 	str(&c.LibraryPath, "library-path", "", "path of the CUDA kernel library (libexpertd_cuda.so); empty searches the default locations")
 	integer(&c.Device, "device", 0, "GPU ordinal for the cuda backend")
@@ -249,6 +269,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	i64(&c.RingMaxSlotBytes, "ring-max-slot-bytes", service.DefaultRingMaxSlotBytes, "largest call-ring slot in bytes (suffixes KiB, MiB, GiB)")
 	integer(&c.MaxShmRegions, "max-shm-regions", service.DefaultMaxShmRegions, "shared-memory regions mapped at once over all connections (each connection has at most 64); more are refused with RESOURCE_EXHAUSTED")
 	i64(&c.MaxShmBytes, "max-shm-bytes", service.DefaultMaxShmBytes, "bytes of the shared-memory regions mapped at once over all connections (suffixes KiB, MiB, GiB); more are refused with RESOURCE_EXHAUSTED")
+	boolean(&c.Pprof, "pprof", "serve Go's profiles (net/http/pprof) under /debug/pprof/ on -admin-addr, which has no authorization: keep it on loopback")
 	duration := func(p *time.Duration, name string, def time.Duration, help string) {
 		env := envName(name)
 		if v := getenv(env); v != "" {
@@ -264,6 +285,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	duration(&c.ShutdownTimeout, "shutdown-timeout", defaultShutdown, "how long a drain waits for calls in flight on SIGINT/SIGTERM")
 	duration(&c.BatchWindow, "batch-window", service.SuggestedBatchWindow, "dynamic batching: FusedMoE calls that arrive while a compatible call runs are merged into one backend call, which waits this long after the running one for more; 0 disables batching")
 	duration(&c.RingSpin, "ring-spin", service.DefaultRingSpin, "how long a call ring's poller polls (one core busy) after its last call before it sleeps on the doorbell; 0 sleeps at once")
+	integer(&c.StreamWorkers, "stream-workers", 0, "run RPC handlers on a pool of this many goroutines instead of one new goroutine per call (grpc-go's NumStreamWorkers); 0 keeps one per call")
 	integer(&c.BatchMaxTokens, "batch-max-tokens", 0, fmt.Sprintf("most tokens in one merged backend call; 0 means %d", service.DefaultBatchMaxTokens))
 	duration(&c.KeepaliveMinTime, "keepalive-min-time", defaultKeepaliveMinTime, "shortest client ping interval allowed; a client pinging more often gets GOAWAY too_many_pings")
 	duration(&c.KeepaliveTime, "keepalive-time", defaultKeepaliveTime, "ping a connection idle this long")
@@ -291,6 +313,11 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	if c.SharedMemory && !flagSet(fs, "max-connection-age") && getenv(envName("max-connection-age")) == "" {
 		c.MaxConnectionAge = 0 // see defaultMaxConnectionAge
 	}
+	mode, err := strconv.ParseUint(unixMode, 8, 32)
+	if err != nil || mode > 0o777 {
+		return c, fmt.Errorf("-unix-mode %q: want octal permission bits such as 0660", unixMode)
+	}
+	c.UnixMode = os.FileMode(mode)
 	return c, c.validate()
 }
 
@@ -340,6 +367,8 @@ func (c Config) validate() error {
 	}
 	if c.Listen == "" {
 		errs = append(errs, errors.New("-listen: must not be empty"))
+	} else if _, _, err := listenAddress(c.Listen); err != nil {
+		errs = append(errs, err)
 	}
 	if c.MaxTokens < 1 {
 		errs = append(errs, fmt.Errorf("-max-tokens %d: want >= 1", c.MaxTokens))
@@ -384,6 +413,9 @@ func (c Config) validate() error {
 	if c.IdleFreeMemory < 0 {
 		errs = append(errs, fmt.Errorf("-idle-free-memory %v: want >= 0", c.IdleFreeMemory))
 	}
+	if c.StreamWorkers < 0 || c.StreamWorkers > maxStreamWorkers {
+		errs = append(errs, fmt.Errorf("-stream-workers %d: want 0 (off) to %d", c.StreamWorkers, maxStreamWorkers))
+	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))
 	}
@@ -407,4 +439,26 @@ func (c Config) logger(w io.Writer) *slog.Logger {
 		return slog.New(clipHandler{slog.NewJSONHandler(w, opts)})
 	}
 	return slog.New(clipHandler{slog.NewTextHandler(w, opts)})
+}
+
+// listenAddress splits a -listen value into net.Listen's network and
+// address. The unix forms are gRPC's target syntax, so a caller dials
+// the very string the daemon was given: unix:///abs/path (an empty
+// authority, then the absolute path) and unix:path (relative or
+// absolute).
+func listenAddress(listen string) (network, address string, err error) {
+	rest, ok := strings.CutPrefix(listen, "unix:")
+	if !ok {
+		return "tcp", listen, nil
+	}
+	if p, ok := strings.CutPrefix(rest, "//"); ok {
+		if !strings.HasPrefix(p, "/") {
+			return "", "", fmt.Errorf("-listen %q: unix:// needs an absolute path (unix:///run/expertd.sock), or use unix:relative/path", listen)
+		}
+		rest = p
+	}
+	if rest == "" {
+		return "", "", fmt.Errorf("-listen %q: the socket path is empty", listen)
+	}
+	return "unix", rest, nil
 }

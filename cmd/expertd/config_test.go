@@ -13,7 +13,7 @@ import (
 
 func defaults() Config {
 	return Config{
-		Listen: "127.0.0.1:50051", Backend: "auto", MaxTokens: 8192,
+		Listen: "127.0.0.1:50051", UnixMode: 0o660, Backend: "auto", MaxTokens: 8192,
 		MaxMessageBytes: messageBytesFor(8192), MaxLoadedBytes: 32 << 30, MaxConcurrent: 4,
 		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
 		BatchWindow:      service.SuggestedBatchWindow,

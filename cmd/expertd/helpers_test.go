@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"time"
 
+	"github.com/expertd/expertd/client"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -38,4 +39,16 @@ func randFP8(rng *rand.Rand, n int) []byte {
 		b[i] = scaling.Float32ToE4M3(float32(rng.NormFloat64() * 100))
 	}
 	return b
+}
+
+// relu2Weights is a random ReLU² layer of E = 4 experts for the SDK.
+func relu2Weights(rng *rand.Rand, k, n int) *client.ExpertWeights {
+	const e = 4
+	return &client.ExpertWeights{
+		Activation: client.Relu2,
+		W13:        client.FromFP8(randFP8(rng, e*n*k), e, n, k),
+		W2:         client.FromFP8(randFP8(rng, e*k*n), e, k, n),
+		W13Scale:   client.FromFloat32([]float32{0.001, 0.002, 0.003, 0.004}, e),
+		W2Scale:    client.FromFloat32([]float32{0.004, 0.003, 0.002, 0.001}, e),
+	}
 }

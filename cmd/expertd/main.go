@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -156,7 +157,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	registerReflection(gs, log)
 	sec.authz.learnMethods(gs)
 
-	lis, err := net.Listen("tcp", cfg.Listen)
+	lis, err := listen(cfg, log)
 	if err != nil {
 		return fmt.Errorf("listen %s: %w", cfg.Listen, err)
 	}
@@ -164,7 +165,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	go func() { serveErr <- gs.Serve(lis) }()
 
 	var admin *http.Server
-	addrs := listening{grpc: lis.Addr().String()}
+	addrs := listening{grpc: grpcTarget(lis.Addr())}
 	if cfg.AdminAddr != "" {
 		alis, err := net.Listen("tcp", cfg.AdminAddr)
 		if err != nil {
@@ -184,6 +185,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 			}
 			io.WriteString(w, "ok\n")
 		})
+		if cfg.Pprof {
+			mux.HandleFunc("/debug/pprof/", pprof.Index)
+			mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		}
 		admin = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 		go func() {
 			if err := admin.Serve(alis); !errors.Is(err, http.ErrServerClosed) {
@@ -203,8 +211,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory),
 		slog.Bool("ring", cfg.Ring), slog.Duration("ring_spin", cfg.RingSpin),
 		slog.Duration("max_connection_age", cfg.MaxConnectionAge), slog.Bool("tracing", serviceTracer(tracer) != nil),
-
-		slog.Int("max_shm_regions", cfg.MaxShmRegions), slog.Int64("max_shm_bytes", cfg.MaxShmBytes))
+		slog.Int("max_shm_regions", cfg.MaxShmRegions), slog.Int64("max_shm_bytes", cfg.MaxShmBytes),
+		slog.Bool("pprof", cfg.Pprof), slog.Int("stream_workers", cfg.StreamWorkers))
 	sec.logPosture(log, cfg, lis.Addr())
 	if ready != nil {
 		ready <- addrs
@@ -293,6 +301,9 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 		),
 	}
 	opts = append(opts, cfg.keepaliveOptions()...)
+	if cfg.StreamWorkers > 0 {
+		opts = append(opts, grpc.NumStreamWorkers(uint32(cfg.StreamWorkers)))
+	}
 	return grpc.NewServer(append(opts, extra...)...)
 }
 

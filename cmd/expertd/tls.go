@@ -74,10 +74,16 @@ func certIdentities(cert *x509.Certificate) []string {
 }
 
 // isLoopback reports whether a bound address is reachable only from this
-// host. The unspecified address (":50051", "0.0.0.0") is not.
+// host: a loopback IP or a Unix socket. The unspecified address
+// (":50051", "0.0.0.0") is not.
 func isLoopback(addr net.Addr) bool {
-	tcp, ok := addr.(*net.TCPAddr)
-	return ok && tcp.IP.IsLoopback()
+	switch a := addr.(type) {
+	case *net.TCPAddr:
+		return a.IP.IsLoopback()
+	case *net.UnixAddr:
+		return true
+	}
+	return false
 }
 
 // validateSecurity checks the TLS and authorization flags go together;
