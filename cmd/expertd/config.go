@@ -93,6 +93,16 @@ type Config struct {
 	// ShutdownTimeout bounds the drain on SIGINT/SIGTERM before calls are
 	// cut (-shutdown-timeout, EXPERTD_SHUTDOWN_TIMEOUT).
 	ShutdownTimeout time.Duration
+	// Manifest is a YAML or JSON file naming expert sets to load from
+	// WeightsDir at start, before the daemon reports ready (-manifest,
+	// EXPERTD_MANIFEST); see manifest.go for the format.
+	Manifest string
+	// ShardIndex is the shard of a sharded manifest this daemon loads;
+	// -1 takes it from the host name's ordinal (-shard-index,
+	// EXPERTD_SHARD_INDEX).
+	ShardIndex int
+	// ShowVersion prints the version and exits (-version).
+	ShowVersion bool
 }
 
 // Defaults. Both addresses are loopback: exposing the daemon is a choice.
@@ -188,6 +198,17 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	str(&c.AuthTokensFile, "auth-tokens-file", "", "file of \"token role\" lines (role user or admin); set, calls other than health checks need a bearer token")
 	var admins string
 	str(&admins, "admin-identities", "", "comma-separated client-certificate names (subject CN or SAN) granted the admin role; needs -tls-client-ca")
+	str(&c.Manifest, "manifest", "", "YAML or JSON file of expert sets to load from -weights-dir before reporting ready; empty loads none")
+	c.ShardIndex = -1
+	if v := getenv("EXPERTD_SHARD_INDEX"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			envErrs = append(envErrs, fmt.Errorf("$EXPERTD_SHARD_INDEX: %q is not a whole number", v))
+		}
+		c.ShardIndex = n
+	}
+	fs.IntVar(&c.ShardIndex, "shard-index", c.ShardIndex, "shard of a sharded -manifest to load; -1 takes the ordinal at the end of the host name (a StatefulSet pod's expertd-2 is 2) ($EXPERTD_SHARD_INDEX)")
+	fs.BoolVar(&c.ShowVersion, "version", false, "print the version and exit")
 	shm := false
 	if v := getenv("EXPERTD_SHARED_MEMORY"); v != "" {
 		b, err := strconv.ParseBool(v)
@@ -299,6 +320,9 @@ func (c Config) validate() error {
 	errs = append(errs, c.validateSecurity()...)
 	if c.BatchWindow < 0 || c.BatchWindow > maxBatchWindow {
 		errs = append(errs, fmt.Errorf("-batch-window %v: want 0 (off) to %v", c.BatchWindow, maxBatchWindow))
+	}
+	if c.ShardIndex < -1 {
+		errs = append(errs, fmt.Errorf("-shard-index %d: want >= 0, or -1 for the host name's ordinal", c.ShardIndex))
 	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))

@@ -16,7 +16,7 @@ func defaults() Config {
 		Listen: "127.0.0.1:50051", Backend: "auto", MaxTokens: 8192,
 		MaxMessageBytes: messageBytesFor(8192), MaxLoadedBytes: 32 << 30, MaxConcurrent: 4,
 		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
-		BatchWindow: service.SuggestedBatchWindow,
+		BatchWindow: service.SuggestedBatchWindow, ShardIndex: -1,
 	}
 }
 
@@ -51,6 +51,10 @@ func TestParseConfig(t *testing.T) {
 		{"shared memory flag beats env", []string{"-shared-memory=false"}, map[string]string{"EXPERTD_SHARED_MEMORY": "1"}, func(c *Config) {}},
 		{"batching flags", []string{"-batch-window", "500us", "-batch-max-tokens", "1024"}, nil,
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 500*time.Microsecond, 1024 }},
+		{"manifest flags", []string{"-manifest", "/m.yaml", "-shard-index", "3"}, nil,
+			func(c *Config) { c.Manifest, c.ShardIndex = "/m.yaml", 3 }},
+		{"manifest env", nil, map[string]string{"EXPERTD_MANIFEST": "/m.json", "EXPERTD_SHARD_INDEX": "0"},
+			func(c *Config) { c.Manifest, c.ShardIndex = "/m.json", 0 }},
 		{"batching env", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "0", "EXPERTD_BATCH_MAX_TOKENS": "64"},
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 0, 64 }},
 	}
