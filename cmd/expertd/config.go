@@ -103,6 +103,9 @@ type Config struct {
 	ShardIndex int
 	// ShowVersion prints the version and exits (-version).
 	ShowVersion bool
+	// Probe, when set, is a URL to GET instead of serving: exit status 0
+	// on 200 (-probe), for container health checks in images without curl.
+	Probe string
 }
 
 // Defaults. Both addresses are loopback: exposing the daemon is a choice.
@@ -209,6 +212,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	}
 	fs.IntVar(&c.ShardIndex, "shard-index", c.ShardIndex, "shard of a sharded -manifest to load; -1 takes the ordinal at the end of the host name (a StatefulSet pod's expertd-2 is 2) ($EXPERTD_SHARD_INDEX)")
 	fs.BoolVar(&c.ShowVersion, "version", false, "print the version and exit")
+	fs.StringVar(&c.Probe, "probe", "", "GET this URL (e.g. http://127.0.0.1:9090/livez), exit 0 on 200 and 1 otherwise, instead of serving")
 	shm := false
 	if v := getenv("EXPERTD_SHARED_MEMORY"); v != "" {
 		b, err := strconv.ParseBool(v)

@@ -85,6 +85,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		fmt.Fprintln(stdout, "expertd", version())
 		return nil
 	}
+	if cfg.Probe != "" {
+		return probeURL(cfg.Probe)
+	}
 	log := cfg.logger(stderr)
 	slog.SetDefault(log)
 	man, shardIndex, err := startupManifest(cfg)

@@ -258,6 +258,14 @@ waitForFiles: 1m
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+	// -probe, the image's HEALTHCHECK, agrees with the endpoints.
+	noEnv := func(string) string { return "" }
+	if err := run(context.Background(), []string{"-probe", base + "/livez"}, noEnv, io.Discard, nil); err != nil {
+		t.Errorf("-probe /livez while loading: %v", err)
+	}
+	if err := run(context.Background(), []string{"-probe", base + "/readyz"}, noEnv, io.Discard, nil); err == nil || !strings.Contains(err.Error(), "503") {
+		t.Errorf("-probe /readyz while loading = %v, want a 503 error", err)
+	}
 	os.Mkdir(filepath.Join(dir, "sub"), 0o755)
 	if err := os.Rename(staged, filepath.Join(dir, "sub", "layer.safetensors")); err != nil {
 		t.Fatal(err)

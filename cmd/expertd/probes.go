@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -132,4 +133,19 @@ func registerProbes(mux *http.ServeMux, r *readiness, svc *service.Server) {
 	}
 	mux.HandleFunc("/livez", probe(r.notAlive))
 	mux.HandleFunc("/readyz", probe(r.notReady))
+}
+
+// probeURL is -probe: one GET, an error unless it answers 200.
+func probeURL(url string) error {
+	c := http.Client{Timeout: 5 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
+	}
+	return nil
 }
