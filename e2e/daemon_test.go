@@ -108,9 +108,23 @@ type daemon struct {
 // checking that it drains and exits cleanly.
 func startDaemon(t *testing.T, extra ...string) *daemon {
 	t.Helper()
-	bin := daemonBinary(t)
-	args := append([]string{"-listen", "127.0.0.1:0", "-admin-addr", "", "-backend", "cpu",
+	d := startProcess(t, daemonBinary(t), daemonArgs(extra...))
+	d.waitServing(t, time.After(startTimeout))
+	t.Logf("expertd serving on %s", d.Addr)
+	return d
+}
+
+// daemonArgs are the test daemon's flags: loopback, CPU backend, JSON logs.
+func daemonArgs(extra ...string) []string {
+	return append([]string{"-listen", "127.0.0.1:0", "-admin-addr", "", "-backend", "cpu",
 		"-log-format", "json", "-max-tokens", "512", "-max-concurrent", "2"}, extra...)
+}
+
+// startProcess starts bin with args, a daemon or a command that runs one
+// (a container), and returns once it logs its addresses, without waiting
+// for health (a daemon loading a startup manifest is not SERVING yet).
+func startProcess(t *testing.T, bin string, args []string) *daemon {
+	t.Helper()
 	cmd := exec.Command(bin, args...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
@@ -119,7 +133,7 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("starting %s: %v", bin, err)
 	}
-	t.Logf("$ expertd %s", shellJoin(args))
+	t.Logf("$ %s %s", filepath.Base(bin), shellJoin(args))
 	d := &daemon{cmd: cmd, logs: &servicetest.LogBuffer{}, done: make(chan error, 1)}
 
 	addr := make(chan [2]string, 1)
@@ -154,8 +168,6 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 	case <-deadline:
 		t.Fatalf("expertd did not report its address within %v\nlog:\n%s", startTimeout, d.logs.String())
 	}
-	d.waitServing(t, deadline)
-	t.Logf("expertd serving on %s", d.Addr)
 	return d
 }
 

@@ -42,13 +42,20 @@ if ! ba inspect --type image "$base" >/dev/null 2>&1; then
   step "runtime base from Debian packages (mmdebstrap bookworm, minbase)"
   tmp="$(mktemp -d)"
   mmdebstrap --quiet --variant=minbase --include=ca-certificates bookworm "$tmp/base.tar"
-  ba import "$tmp/base.tar" "$base" >/dev/null
+  c="$(ba from scratch)"
+  ba add "$c" "$tmp/base.tar" / >/dev/null
+  ba config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$c"
+  ba commit --quiet "$c" "$base" >/dev/null
+  ba rm "$c" >/dev/null
   rm -rf "$tmp"
 fi
 if ! ba inspect --type image "$gobase" >/dev/null 2>&1; then
   step "build base: $base with $(go env GOVERSION) from $(go env GOROOT)"
   c="$(ba from "$base")"
   ba copy "$c" "$(go env GOROOT)" /usr/local/go >/dev/null
+  # The build reaches the network as this host does, so it trusts the CAs
+  # this host trusts (a CI egress proxy's, for one).
+  ba copy "$c" /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt >/dev/null
   ba config --env PATH=/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --env GOTOOLCHAIN=local "$c"
   ba commit --quiet "$c" "$gobase" >/dev/null
   ba rm "$c" >/dev/null
@@ -63,9 +70,11 @@ version="$(git describe --tags --always --dirty 2>/dev/null || echo dev)"
 commit="$(git rev-parse HEAD 2>/dev/null || true)"
 step "building $tag (CUDA_LIB=$cuda, VERSION=$version)"
 start=$SECONDS
-# GOFLAGS from the host (e.g. -buildvcs=false) and the module proxy travel
-# into the build; the stamps replace the VCS data.
+# The stamps replace the VCS data (the context has no .git).
+# The host's module cache is mounted into the build's RUN steps, so
+# modules already downloaded here are not fetched again.
 ba bud --quiet --format docker --layers=false \
+  --volume "$(go env GOMODCACHE):/root/go/pkg/mod" \
   --build-arg GO_IMAGE="$gobase" --build-arg BASE_IMAGE="$base" --build-arg CUDA_LIB="$cuda" \
   --build-arg VERSION="$version" --build-arg COMMIT="$commit" \
   -t "$tag" . >/dev/null
