@@ -141,8 +141,8 @@ waitForFiles: 2m
 	if err := stream.Send(&pb.LoadExpertsRequest{Payload: &pb.LoadExpertsRequest_Header_{Header: &pb.LoadExpertsRequest_Header{
 		Name: "held", TotalBytes: 16*16 + 16*16 + 8,
 		Weights: &pb.ExpertWeights{Activation: pb.Activation_ACTIVATION_RELU2,
-			W13: &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{1, 16, 16}},
-			W2:  &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{1, 16, 16}},
+			W13:      &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{1, 16, 16}},
+			W2:       &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{1, 16, 16}},
 			W13Scale: f32, W2Scale: f32},
 	}}}); err != nil {
 		t.Fatal(err)
