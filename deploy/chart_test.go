@@ -2,7 +2,10 @@ package deploy
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -336,5 +339,26 @@ func TestTemplateRefuses(t *testing.T) {
 		if _, err := engine.Render(ch, rv); err == nil || !strings.Contains(err.Error(), tt.want) {
 			t.Errorf("values %q: render error %v, want one containing %q", tt.vals, err, tt.want)
 		}
+	}
+}
+
+// TestDashboardFromRepo checks the chart ships the repository's Grafana
+// dashboard (deploy/grafana/expertd.json) through its link
+// dashboards/expertd.json, once that file exists.
+func TestDashboardFromRepo(t *testing.T) {
+	want, err := os.ReadFile("grafana/expertd.json")
+	if errors.Is(err, fs.ErrNotExist) {
+		t.Skip("deploy/grafana/expertd.json is not in the tree yet; once it is: ln -s ../../../grafana/expertd.json deploy/helm/expertd/dashboards/expertd.json")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !json.Valid(want) {
+		t.Fatal("deploy/grafana/expertd.json is not JSON")
+	}
+	objs := render(t, loadChart(t), values(t, "grafana: {dashboard: {enabled: true}}"))
+	dash := decode[corev1.ConfigMap](t, objs, "ConfigMap/expertd-dashboard")
+	if strings.TrimSpace(dash.Data["expertd.json"]) != strings.TrimSpace(string(want)) {
+		t.Error("the chart's dashboard ConfigMap differs from deploy/grafana/expertd.json")
 	}
 }
