@@ -1,9 +1,7 @@
 package e2e
 
 import (
-	"context"
 	"io"
-	"math/rand/v2"
 	"net/http"
 	"os"
 	"os/exec"
@@ -13,6 +11,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
 	"github.com/expertd/expertd/scaling"
 )
@@ -90,8 +89,7 @@ func TestImage(t *testing.T) {
 		t.Errorf("HEALTHCHECK command: %v", err)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), defaultTimeout)
-	defer cancel()
+	ctx := testContext(t)
 	c, err := client.Dial(ctx, d.Addr)
 	if err != nil {
 		t.Fatal(err)
@@ -104,9 +102,8 @@ func TestImage(t *testing.T) {
 	if want != "" && !strings.Contains(info.Version, want) {
 		t.Errorf("GetServerInfo version %q, want the stamped %q", info.Version, want)
 	}
-	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 11))
-	set, req := kerneltest.NewCase(rng, kerneltest.Shape{Name: "image", Activation: kerneltest.Qwen3.Activation, E: 8, TopK: 2, K: 64, N: 32,
-		Scoring: kerneltest.Qwen3.Scoring, Renormalize: true, ScalingFactor: 1}, 4, kerneltest.WithGranularity(scaling.PerExpert))
+	set, req := kerneltest.NewCase(newRand(t), kerneltest.Shape{Name: "image", Activation: kernels.SiluGated, E: 8, TopK: 2, K: 64, N: 32,
+		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}, 4, kerneltest.WithGranularity(scaling.PerExpert))
 	if _, err := c.LoadExperts(ctx, "image", clienttest.Weights(set)); err != nil {
 		t.Fatal(err)
 	}
@@ -118,10 +115,5 @@ func TestImage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ref, _, _ := kerneltest.Reference(set, req)
-	if e := kerneltest.RelL2(got, ref); e > kerneltest.FP8Tol {
-		t.Errorf("FusedMoE in the image: rel L2 %.3g against the reference, want <= %g", e, kerneltest.FP8Tol)
-	} else {
-		t.Logf("FusedMoE in the image (%s): rel L2 %.3g against the float64 reference", res.Backend, e)
-	}
+	checkAgainstReference(t, "FusedMoE in the image ("+res.Backend+")", got, set, req)
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -38,6 +37,17 @@ func httpGet(t *testing.T, url string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
+// metricValue is the value of the first sample of name in a Prometheus
+// text exposition, "" when absent.
+func metricValue(body, name string) string {
+	for _, line := range strings.Split(body, "\n") {
+		if rest, ok := strings.CutPrefix(line, name); ok && (strings.HasPrefix(rest, "{") || strings.HasPrefix(rest, " ")) {
+			return rest[strings.LastIndexByte(rest, ' ')+1:]
+		}
+	}
+	return ""
+}
+
 // TestProbesAndManifest runs the real daemon with a startup manifest whose
 // weights file appears only later (as a sidecar would write it): the
 // process is alive but not ready, over HTTP and gRPC health, until the set
@@ -45,8 +55,7 @@ func httpGet(t *testing.T, url string) (int, string) {
 // with a call in flight, not ready again while still alive.
 func TestProbesAndManifest(t *testing.T) {
 	weights := t.TempDir()
-	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 5))
-	set, req := kerneltest.NewCase(rng, kerneltest.Shape{Name: "probes", Activation: kernels.Relu2, E: 6, TopK: 2, K: 64, N: 48,
+	set, req := kerneltest.NewCase(newRand(t), kerneltest.Shape{Name: "probes", Activation: kernels.Relu2, E: 6, TopK: 2, K: 64, N: 48,
 		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}, 7, kerneltest.WithGranularity(scaling.PerExpert))
 	staged := filepath.Join(t.TempDir(), "layer.safetensors")
 	src, err := servicetest.WriteSafetensorsLayer(staged, set, 4)
@@ -99,7 +108,18 @@ waitForFiles: 2m
 		if st := health(); st != healthpb.HealthCheckResponse_NOT_SERVING {
 			t.Fatalf("gRPC health while loading: %v, want NOT_SERVING", st)
 		}
+		if _, body := httpGet(t, admin+"/metrics"); metricValue(body, "expertd_manifest_sets_pending") != "1" {
+			t.Fatalf("/metrics while loading: expertd_manifest_sets_pending = %q, want 1", metricValue(body, "expertd_manifest_sets_pending"))
+		}
 		time.Sleep(100 * time.Millisecond)
+	}
+	// -probe, the image's HEALTHCHECK, agrees with the endpoints.
+	bin := daemonBinary(t)
+	if _, err := run(t, nil, bin, "-probe", admin+"/livez"); err != nil {
+		t.Errorf("expertd -probe /livez while loading: %v", err)
+	}
+	if _, err := run(t, nil, bin, "-probe", admin+"/readyz"); err == nil || !strings.Contains(err.Error(), "503") {
+		t.Errorf("expertd -probe /readyz while loading = %v, want exit 1 naming the 503", err)
 	}
 	os.Mkdir(filepath.Join(weights, "ckpt"), 0o755)
 	if err := os.Rename(staged, filepath.Join(weights, "ckpt", "layer.safetensors")); err != nil {
@@ -113,8 +133,15 @@ waitForFiles: 2m
 		t.Errorf("no load progress in the log:\n%s", d.logs.String())
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), defaultTimeout)
-	defer cancel()
+	_, metrics := httpGet(t, admin+"/metrics")
+	for name, want := range map[string]string{"expertd_manifest_sets_pending": "0", "expertd_manifest_sets_loaded_total": "1",
+		"expertd_manifest_loaded_bytes_total": fmt.Sprint(set.Bytes())} {
+		if got := metricValue(metrics, name); got != want {
+			t.Errorf("/metrics: %s = %q, want %s", name, got, want)
+		}
+	}
+
+	ctx := testContext(t)
 	c, err := client.Dial(ctx, d.Addr)
 	if err != nil {
 		t.Fatal(err)
@@ -125,10 +152,7 @@ waitForFiles: 2m
 		t.Fatal(err)
 	}
 	got, _ := res.Output.Float32s()
-	want, _, _ := kerneltest.Reference(set, req)
-	if e := kerneltest.RelL2(got, want); e > kerneltest.FP8Tol {
-		t.Errorf("FusedMoE on the manifest's set: rel L2 %.3g, want <= %g", e, kerneltest.FP8Tol)
-	}
+	checkAgainstReference(t, "FusedMoE on the manifest's set", got, set, req)
 
 	// An upload left open is a call in flight: the drain waits for it.
 	streamCtx, streamCancel := context.WithCancel(context.Background())
