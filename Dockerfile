@@ -49,7 +49,7 @@ FROM ${BASE_IMAGE}
 COPY --from=daemon /out/expertd /usr/local/bin/expertd
 COPY --from=cuda /src/build/libexpertd_cuda.so /usr/local/lib/libexpertd_cuda.so
 COPY LICENSE /usr/share/doc/expertd/LICENSE
-RUN useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin expertd \
+RUN useradd --uid 10001 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin expertd \
  && mkdir -p /weights && chown expertd:expertd /weights
 USER 10001:10001
 # Inside a container loopback-only listeners are unreachable; expose both.

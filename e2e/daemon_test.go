@@ -100,6 +100,9 @@ type daemon struct {
 	// stopped makes stop idempotent: tests may stop a daemon before its
 	// cleanup does.
 	stopped sync.Once
+	// sigterm, when set, delivers the SIGTERM of stop (a daemon started
+	// through a container runtime gets it itself, not the runtime).
+	sigterm func() error
 }
 
 // startDaemon starts the real daemon on a free loopback port (it binds
@@ -201,7 +204,13 @@ func (d *daemon) stop(t *testing.T) {
 }
 
 func (d *daemon) terminate(t *testing.T) {
-	d.cmd.Process.Signal(syscall.SIGTERM) //nolint:errcheck // it may have exited; done says how
+	if d.sigterm != nil {
+		if err := d.sigterm(); err != nil {
+			t.Errorf("SIGTERM: %v", err)
+		}
+	} else {
+		d.cmd.Process.Signal(syscall.SIGTERM) //nolint:errcheck // it may have exited; done says how
+	}
 	select {
 	case err := <-d.done:
 		if err != nil {

@@ -1,11 +1,16 @@
 package e2e
 
 import (
+	"bytes"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -68,7 +73,18 @@ func TestImage(t *testing.T) {
 	name, argv := inImage("/usr/local/bin/expertd", "-listen", "127.0.0.1:0", "-admin-addr", "127.0.0.1:0",
 		"-max-tokens", "512", "-threads", "2")
 	d := startProcess(t, name, argv)
-	t.Cleanup(func() { d.stop(t) })
+	if name == "buildah" {
+		// buildah run kills its command on SIGTERM instead of passing it
+		// on, so the drain is asked of the daemon itself, as a container
+		// runtime's stop does.
+		d.sigterm = func() error {
+			pid, err := descendant(d.cmd.Process.Pid, "expertd")
+			if err != nil {
+				return err
+			}
+			return syscall.Kill(pid, syscall.SIGTERM)
+		}
+	}
 	d.waitServing(t, time.After(startTimeout))
 	logs := d.logs.String()
 	if strings.Contains(logs, "library not found") || !strings.Contains(logs, `"backend":"cpu"`) {
@@ -116,4 +132,43 @@ func TestImage(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkAgainstReference(t, "FusedMoE in the image ("+res.Backend+")", got, set, req)
+}
+
+// descendant is the pid of the process named comm below pid.
+func descendant(pid int, comm string) (int, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
+	parent := map[int]int{}
+	name := map[int]string{}
+	for _, e := range entries {
+		p, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...: comm may hold spaces, so split after ")".
+		i := bytes.LastIndexByte(stat, ')')
+		f := strings.Fields(string(stat[i+1:]))
+		if i < 0 || len(f) < 2 {
+			continue
+		}
+		parent[p], _ = strconv.Atoi(f[1])
+		name[p] = string(stat[bytes.IndexByte(stat, '(')+1 : i])
+	}
+	for p, n := range name {
+		if n != comm {
+			continue
+		}
+		for a := parent[p]; a > 1; a = parent[a] {
+			if a == pid {
+				return p, nil
+			}
+		}
+	}
+	return 0, fmt.Errorf("no process %q below pid %d", comm, pid)
 }
