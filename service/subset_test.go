@@ -1,14 +1,14 @@
 package service_test
 
 import (
-	"encoding/binary"
 	"errors"
-	"math"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/kerneltest"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
@@ -38,7 +38,7 @@ func sliceExperts(t *testing.T, w *pb.ExpertWeights, ids []int) *pb.ExpertWeight
 		}
 		v := make([]float32, len(ids))
 		for i := range v {
-			v[i] = slices.Max(f32Values(tt.GetData()))
+			v[i] = slices.Max(kerneltest.DecodeOutput(kernels.Float32, tt.GetData()))
 		}
 		return f32Tensor(v, int64(len(ids)))
 	}
@@ -47,14 +47,6 @@ func sliceExperts(t *testing.T, w *pb.ExpertWeights, ids []int) *pb.ExpertWeight
 		W13: slice(w.W13), W2: slice(w.W2), W13Scale: slice(w.W13Scale), W2Scale: slice(w.W2Scale),
 		A13Scale: maxed(w.A13Scale), A2Scale: maxed(w.A2Scale),
 	}
-}
-
-func f32Values(b []byte) []float32 {
-	v := make([]float32, len(b)/4)
-	for i := range v {
-		v[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
-	}
-	return v
 }
 
 // TestLoadSafetensorsSubset loads chosen experts of a file, as one shard
