@@ -1,7 +1,7 @@
 # Small entry points; scripts/ hold the logic.
 GO ?= go
 
-.PHONY: test cuda cuda-test-bin device-check
+.PHONY: test cuda cuda-test-bin device-check image-test
 
 # The README's test command: the tools the end-to-end tests drive the daemon
 # with (grpcurl, a Python venv with grpcio), then every test with the race
@@ -9,6 +9,7 @@ GO ?= go
 test:
 	scripts/e2e-setup.sh
 	EXPERTD_E2E_REQUIRE=1 $(GO) test -race -count=1 ./...
+	cd deploy && $(GO) test -race -count=1 ./...
 
 # build/libexpertd_cuda.so (installs the pinned CUDA 13.0 wheels if needed).
 cuda:
@@ -25,3 +26,7 @@ cuda-test-bin:
 # Run on the device machine (carry build/): see scripts/device-check.sh.
 device-check:
 	scripts/device-check.sh
+
+# Build the container image with buildah and run it (scripts/image-test.sh).
+image-test:
+	scripts/image-test.sh

@@ -100,6 +100,9 @@ type daemon struct {
 	// stopped makes stop idempotent: tests may stop a daemon before its
 	// cleanup does.
 	stopped sync.Once
+	// sigterm, when set, delivers the SIGTERM of stop (a daemon started
+	// through a container runtime gets it itself, not the runtime).
+	sigterm func() error
 }
 
 // startDaemon starts the real daemon on a free loopback port (it binds
@@ -108,11 +111,25 @@ type daemon struct {
 // checking that it drains and exits cleanly.
 func startDaemon(t *testing.T, extra ...string) *daemon {
 	t.Helper()
-	bin := daemonBinary(t)
-	args := append([]string{"-listen", "127.0.0.1:0", "-admin-addr", "", "-backend", "cpu",
-		// debug: restart_test counts the calls' "finished call" lines,
-		// which successful calls log at debug level.
+	d := startProcess(t, daemonBinary(t), daemonArgs(extra...))
+	d.waitServing(t, time.After(startTimeout))
+	t.Logf("expertd serving on %s", d.Addr)
+	return d
+}
+
+// daemonArgs are the test daemon's flags: loopback, CPU backend, JSON logs
+// at debug level (restart_test counts the calls' "finished call" lines,
+// which successful calls log at debug).
+func daemonArgs(extra ...string) []string {
+	return append([]string{"-listen", "127.0.0.1:0", "-admin-addr", "", "-backend", "cpu",
 		"-log-format", "json", "-log-level", "debug", "-max-tokens", "512", "-max-concurrent", "2"}, extra...)
+}
+
+// startProcess starts bin with args, a daemon or a command that runs one
+// (a container), and returns once it logs its addresses, without waiting
+// for health (a daemon loading a startup manifest is not SERVING yet).
+func startProcess(t *testing.T, bin string, args []string) *daemon {
+	t.Helper()
 	cmd := exec.Command(bin, args...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
@@ -121,7 +138,7 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("starting %s: %v", bin, err)
 	}
-	t.Logf("$ expertd %s", shellJoin(args))
+	t.Logf("$ %s %s", filepath.Base(bin), shellJoin(args))
 	d := &daemon{cmd: cmd, logs: &servicetest.LogBuffer{}, done: make(chan error, 1)}
 
 	addr := make(chan [2]string, 1)
@@ -156,8 +173,6 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 	case <-deadline:
 		t.Fatalf("expertd did not report its address within %v\nlog:\n%s", startTimeout, d.logs.String())
 	}
-	d.waitServing(t, deadline)
-	t.Logf("expertd serving on %s", d.Addr)
 	return d
 }
 
@@ -191,7 +206,13 @@ func (d *daemon) stop(t *testing.T) {
 }
 
 func (d *daemon) terminate(t *testing.T) {
-	d.cmd.Process.Signal(syscall.SIGTERM) //nolint:errcheck // it may have exited; done says how
+	if d.sigterm != nil {
+		if err := d.sigterm(); err != nil {
+			t.Errorf("SIGTERM: %v", err)
+		}
+	} else {
+		d.cmd.Process.Signal(syscall.SIGTERM) //nolint:errcheck // it may have exited; done says how
+	}
 	select {
 	case err := <-d.done:
 		if err != nil {

@@ -437,13 +437,13 @@ func TestLoadSafetensorsCancelled(t *testing.T) {
 	// can stop the load.
 	s := New(Config{WeightsDir: dir}, ctxBlind{cpu.New(kernels.Config{})}, nil)
 	src := &pb.LoadExpertsRequest_SafetensorsSource{Name: "one", Path: "one.safetensors", Preset: pb.NamingPreset_NAMING_PRESET_NEMOTRON_H}
-	if _, err := s.loadSafetensors(context.Background(), src); err != nil {
+	if _, err := s.loadSafetensors(context.Background(), src, nil); err != nil {
 		t.Fatalf("the file does not load: %v", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	src.Name = "two"
-	if _, err := s.loadSafetensors(ctx, src); !errors.Is(err, context.Canceled) {
+	if _, err := s.loadSafetensors(ctx, src, nil); !errors.Is(err, context.Canceled) {
 		t.Errorf("cancelled load: %v, want context.Canceled", err)
 	}
 	if got, want := s.LoadedBytes(), s.reg.sets["one"].bytes; got != want {

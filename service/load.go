@@ -55,7 +55,7 @@ func (s *Server) loadExperts(ctx context.Context, stream grpc.ClientStreamingSer
 			}
 			return nil, invalidf("safetensors", "must be the stream's only message")
 		}
-		return s.loadSafetensors(ctx, p.Safetensors)
+		return s.loadSafetensors(ctx, p.Safetensors, nil)
 	case *pb.LoadExpertsRequest_Chunk_:
 		return nil, invalidf("chunk", "arrived before the header")
 	}

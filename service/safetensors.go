@@ -320,7 +320,7 @@ func presetLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (stLayout
 
 // loadSafetensors loads one layer's experts from a file in the weights
 // directory.
-func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest_SafetensorsSource) (*pb.ExpertSetInfo, error) {
+func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset) (*pb.ExpertSetInfo, error) {
 	if err := checkName("safetensors.name", src.GetName()); err != nil {
 		return nil, err
 	}
@@ -356,7 +356,7 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 	if err != nil {
 		return nil, invalidf("safetensors.path", "%s: %v", Quote(src.GetPath()), err)
 	}
-	a, err := assemble(ctx, f, src, block, s.reg)
+	a, err := assemble(ctx, f, src, subset, block, s.reg)
 	if err != nil {
 		return nil, err
 	}

@@ -172,9 +172,17 @@ func inputScales(f *stFile, names func(e int) []projection, numE int) ([]float32
 
 // assemble reads an expert set per src from f, reserving its bytes in reg
 // before reading the weights.
-func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, block [2]int, reg *registry) (*assembled, error) {
+func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset, block [2]int, reg *registry) (*assembled, error) {
 	wrap := func(err error) error { return invalidf("safetensors", "%s: %v", Quote(src.GetPath()), err) }
-	lay := func(e int) stLayout { l, _ := presetLayout(src, e); return l }
+	// ids[e] is the file's expert that the set serves as expert e.
+	var ids []int
+	lay := func(e int) stLayout {
+		if ids != nil {
+			e = ids[e]
+		}
+		l, _ := presetLayout(src, e)
+		return l
+	}
 	numE := int(src.GetNumExperts())
 	if numE < 0 || numE > maxExperts {
 		return nil, invalidf("safetensors.num_experts", "%d: want in [0, %d]", numE, maxExperts)
@@ -189,6 +197,23 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		if numE == 0 {
 			return nil, wrap(fmt.Errorf("no tensor named %s for layer %d", Quote(lay(0).w13[0].weight), src.GetLayer()))
 		}
+	}
+	// Static input scales reduce to their max over the layer (as the
+	// service does with an [E] scale), so a subset takes the whole file's
+	// max and quantizes exactly as a set of every expert would.
+	var a13All, a2All []float32
+	if subset != nil {
+		var err error
+		if a13All, err = inputScales(f, func(e int) []projection { return lay(e).w13 }, numE); err != nil {
+			return nil, wrap(err)
+		}
+		if a2All, err = inputScales(f, func(e int) []projection { return []projection{lay(e).w2} }, numE); err != nil {
+			return nil, wrap(err)
+		}
+		if ids, err = subset.pick(numE); err != nil {
+			return nil, err
+		}
+		numE = len(ids)
 	}
 	l0 := lay(0)
 	shapeOf := func(name string) ([]int64, error) {
@@ -252,6 +277,9 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 	a2, err := inputScales(f, w2Names, numE)
 	if err != nil {
 		return nil, wrap(err)
+	}
+	if subset != nil {
+		a13, a2 = fillMax(a13, a13All), fillMax(a2, a2All)
 	}
 
 	// Declare the set as a client would and validate it the one way.

@@ -101,7 +101,7 @@ func TestCUDABackendRefusesToStart(t *testing.T) {
 // and cannot revive a draining server.
 func TestBackendHealth(t *testing.T) {
 	hs := health.NewServer()
-	set := backendHealth(hs)
+	set := newReadiness(hs, 0).onFault
 	ctx := context.Background()
 	check := func(step string, want healthpb.HealthCheckResponse_ServingStatus) {
 		t.Helper()

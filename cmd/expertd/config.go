@@ -141,6 +141,19 @@ type Config struct {
 	// -max-connection-age-grace, EXPERTD_MAX_CONNECTION_AGE,
 	// EXPERTD_MAX_CONNECTION_AGE_GRACE).
 	MaxConnectionAge, MaxConnectionAgeGrace time.Duration
+	// Manifest is a YAML or JSON file naming expert sets to load from
+	// WeightsDir at start, before the daemon reports ready (-manifest,
+	// EXPERTD_MANIFEST); see manifest.go for the format.
+	Manifest string
+	// ShardIndex is the shard of a sharded manifest this daemon loads;
+	// -1 takes it from the host name's ordinal (-shard-index,
+	// EXPERTD_SHARD_INDEX).
+	ShardIndex int
+	// ShowVersion prints the version and exits (-version).
+	ShowVersion bool
+	// Probe, when set, is a URL to GET instead of serving: exit status 0
+	// on 200 (-probe), for container health checks in images without curl.
+	Probe string
 }
 
 // Defaults. Both addresses are loopback: exposing the daemon is a choice.
@@ -251,6 +264,18 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	str(&c.AuthTokensFile, "auth-tokens-file", "", "file of \"token role\" lines (role user or admin); set, calls other than health checks need a bearer token")
 	var admins string
 	str(&admins, "admin-identities", "", "comma-separated client-certificate names (subject CN or SAN) granted the admin role; needs -tls-client-ca")
+	str(&c.Manifest, "manifest", "", "YAML or JSON file of expert sets to load from -weights-dir before reporting ready; empty loads none")
+	c.ShardIndex = -1
+	if v := getenv("EXPERTD_SHARD_INDEX"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			envErrs = append(envErrs, fmt.Errorf("$EXPERTD_SHARD_INDEX: %q is not a whole number", v))
+		}
+		c.ShardIndex = n
+	}
+	fs.IntVar(&c.ShardIndex, "shard-index", c.ShardIndex, "shard of a sharded -manifest to load; -1 takes the ordinal at the end of the host name (a StatefulSet pod's expertd-2 is 2) ($EXPERTD_SHARD_INDEX)")
+	fs.BoolVar(&c.ShowVersion, "version", false, "print the version and exit")
+	fs.StringVar(&c.Probe, "probe", "", "GET this URL (e.g. http://127.0.0.1:9090/livez), exit 0 on 200 and 1 otherwise, instead of serving")
 	boolean := func(p *bool, name, help string) {
 		env, def := envName(name), false
 		if v := getenv(env); v != "" {
@@ -415,6 +440,9 @@ func (c Config) validate() error {
 	}
 	if c.StreamWorkers < 0 || c.StreamWorkers > maxStreamWorkers {
 		errs = append(errs, fmt.Errorf("-stream-workers %d: want 0 (off) to %d", c.StreamWorkers, maxStreamWorkers))
+	}
+	if c.ShardIndex < -1 {
+		errs = append(errs, fmt.Errorf("-shard-index %d: want >= 0, or -1 for the host name's ordinal", c.ShardIndex))
 	}
 	if c.ShutdownTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("-shutdown-timeout %v: want > 0", c.ShutdownTimeout))

@@ -16,7 +16,7 @@ func defaults() Config {
 		Listen: "127.0.0.1:50051", UnixMode: 0o660, Backend: "auto", MaxTokens: 8192,
 		MaxMessageBytes: messageBytesFor(8192), MaxLoadedBytes: 32 << 30, MaxConcurrent: 4,
 		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
-		BatchWindow:      service.SuggestedBatchWindow,
+		BatchWindow: service.SuggestedBatchWindow, ShardIndex: -1,
 		KeepaliveMinTime: 10 * time.Second, KeepaliveTime: time.Minute, KeepaliveTimeout: 20 * time.Second,
 		MaxConnectionAge: 30 * time.Minute, MaxConnectionAgeGrace: 5 * time.Minute,
 		RingSpin: service.DefaultRingSpin, RingMaxPerConn: service.DefaultRingMaxPerConn, RingMax: service.DefaultRingMax,
@@ -71,6 +71,10 @@ func TestParseConfig(t *testing.T) {
 				c.SharedMemory, c.Ring, c.RingSpin, c.RingMaxPerConn = true, true, 50*time.Microsecond, 2
 				c.MaxConnectionAge = 0
 			}},
+		{"manifest flags", []string{"-manifest", "/m.yaml", "-shard-index", "3"}, nil,
+			func(c *Config) { c.Manifest, c.ShardIndex = "/m.yaml", 3 }},
+		{"manifest env", nil, map[string]string{"EXPERTD_MANIFEST": "/m.json", "EXPERTD_SHARD_INDEX": "0"},
+			func(c *Config) { c.Manifest, c.ShardIndex = "/m.json", 0 }},
 		{"batching env", nil, map[string]string{"EXPERTD_BATCH_WINDOW": "0", "EXPERTD_BATCH_MAX_TOKENS": "64"},
 			func(c *Config) { c.BatchWindow, c.BatchMaxTokens = 0, 64 }},
 		{"keepalive flags", []string{"-keepalive-min-time", "1s", "-keepalive-time", "2m", "-keepalive-timeout", "3s",

@@ -82,8 +82,19 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		fmt.Fprintln(stderr, err)
 		return errUsage
 	}
+	if cfg.ShowVersion {
+		fmt.Fprintln(stdout, "expertd", version())
+		return nil
+	}
+	if cfg.Probe != "" {
+		return probeURL(cfg.Probe)
+	}
 	log := cfg.logger(stderr)
 	slog.SetDefault(log)
+	man, shardIndex, err := startupManifest(cfg)
+	if err != nil {
+		return err
+	}
 	sec, err := newSecurity(cfg)
 	if err != nil {
 		return err
@@ -126,6 +137,11 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	// Health: a backend that keeps failing (a wedged GPU) takes the
 	// replica out of rotation until a call succeeds again.
 	hs := health.NewServer()
+	pending := 0
+	if man != nil {
+		pending = len(man.Sets)
+	}
+	rd := newReadiness(hs, pending)
 	svc := service.New(service.Config{
 		Version:          version(),
 		WeightsDir:       cfg.WeightsDir,
@@ -138,7 +154,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		BatchMaxTokens:   cfg.BatchMaxTokens,
 		Meter:            meters.Meter("github.com/expertd/expertd/service"),
 		Tracer:           serviceTracer(tracer),
-		OnBackendFault:   backendHealth(hs),
+		OnBackendFault:   rd.onFault,
 		SharedMemory:     cfg.SharedMemory,
 		Ring:             cfg.Ring,
 		RingSpin:         cfg.RingSpin,
@@ -151,8 +167,6 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 	gs := newGRPCServer(cfg, log, meters, tracer, append(svc.ServerOptions(), sec.serverOptions()...)...)
 	svc.Register(gs)
-	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(gs, hs)
 	registerReflection(gs, log)
 	sec.authz.learnMethods(gs)
@@ -192,6 +206,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 		}
+		registerProbes(mux, rd, svc)
 		admin = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 		go func() {
 			if err := admin.Serve(alis); !errors.Is(err, http.ErrServerClosed) {
@@ -217,6 +232,16 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if ready != nil {
 		ready <- addrs
 	}
+	loadErr := make(chan error, 1)
+	if man != nil {
+		go func() {
+			if err := loadManifest(ctx, man, svc, cfg.WeightsDir, shardIndex, rd, meters.Meter("github.com/expertd/expertd/cmd/expertd"), log); err != nil {
+				loadErr <- err
+				return
+			}
+			rd.setLoaded()
+		}()
+	}
 
 	select {
 	case <-ctx.Done():
@@ -224,6 +249,18 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		hs.Shutdown()
 		gs.Stop()
 		return fmt.Errorf("serving: %w", err)
+	case err := <-loadErr:
+		// A drain that interrupted the load is a normal stop.
+		if ctx.Err() == nil {
+			hs.Shutdown()
+			gs.Stop()
+			if admin != nil {
+				admin.Close()
+			}
+			log.Error("startup manifest failed; stopping", slog.Any("err", err))
+			return err
+		}
+		<-ctx.Done()
 	}
 
 	// Drain: tell load balancers first, then stop taking calls, let those in
@@ -321,20 +358,6 @@ func registerReflection(gs *grpc.Server, log *slog.Logger) {
 	v1alphareflectiongrpc.RegisterServerReflectionServer(gs, reflection.NewServer(opts))
 }
 
-// backendHealth is the service's OnBackendFault: a backend that keeps
-// failing makes the server and ExpertService NOT_SERVING until a call
-// succeeds. After hs.Shutdown (the drain) it changes nothing.
-func backendHealth(hs *health.Server) func(error) {
-	return func(fault error) {
-		st := healthpb.HealthCheckResponse_SERVING
-		if fault != nil {
-			st = healthpb.HealthCheckResponse_NOT_SERVING
-		}
-		hs.SetServingStatus("", st)
-		hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, st)
-	}
-}
-
 // openBackend opens the configured backend. auto prefers cuda and falls
 // back to cpu with a loud warning, so a GPU host with a broken driver still
 // serves (slowly) instead of crash-looping.
@@ -358,10 +381,22 @@ func openBackend(cfg Config, log *slog.Logger) (kernels.Backend, error) {
 	return kernels.Open("cpu", kcfg)
 }
 
-// version is the module version stamped by the go tool, or "dev".
-func version() string {
-	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
-		return bi.Main.Version
+// startupManifest reads -manifest, if set, and fixes the shard this
+// daemon serves when the manifest is sharded.
+func startupManifest(cfg Config) (*manifest, int, error) {
+	if cfg.Manifest == "" {
+		return nil, 0, nil
 	}
-	return "dev"
+	if cfg.WeightsDir == "" {
+		return nil, 0, errors.New("-manifest loads from -weights-dir, which is not set")
+	}
+	m, err := readManifest(cfg.Manifest)
+	if err != nil {
+		return nil, 0, err
+	}
+	if m.Shard == nil {
+		return m, 0, nil
+	}
+	idx, err := m.Shard.resolveIndex(cfg.ShardIndex, os.Hostname)
+	return m, idx, err
 }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime"
-	"runtime/debug"
 	"strings"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
@@ -79,24 +78,11 @@ func newMeterProvider(reg prometheus.Registerer, res *resource.Resource) (*sdkme
 		sdkmetric.WithView(rpcDurationViews()...)), nil
 }
 
-// buildCommit is the VCS revision the go tool stamped, or "unknown" (a
-// build with -buildvcs=false or outside a repository).
-func buildCommit() string {
-	if bi, ok := debug.ReadBuildInfo(); ok {
-		for _, s := range bi.Settings {
-			if s.Key == "vcs.revision" && s.Value != "" {
-				return s.Value
-			}
-		}
-	}
-	return "unknown"
-}
-
 // registerBuildInfo exports expertd_build_info, always 1, labelled with what
 // runs: version, commit, Go version and backend, so dashboards can join any
 // series to the build that produced it.
 func registerBuildInfo(m metric.Meter, backend string) error {
-	attrs := metric.WithAttributes(attribute.String("version", version()), attribute.String("commit", buildCommit()),
+	attrs := metric.WithAttributes(attribute.String("version", version()), attribute.String("commit", revision()),
 		attribute.String("go_version", runtime.Version()), attribute.String("backend", backend))
 	_, err := m.Int64ObservableGauge("expertd.build_info",
 		metric.WithDescription("Always 1; the labels say which build serves and on which backend."),

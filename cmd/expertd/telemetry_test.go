@@ -305,8 +305,8 @@ func TestMetricsExport(t *testing.T) {
 		t.Fatalf("expertd_build_info: %d series, want 1", len(bi))
 	}
 	l := labels(bi[0])
-	if l["version"] != version() || l["commit"] != buildCommit() || l["go_version"] != runtime.Version() || l["backend"] != "cpu" || bi[0].GetGauge().GetValue() != 1 {
-		t.Errorf("expertd_build_info %v = %v, want version %s, commit %s, go_version %s, backend cpu = 1", l, bi[0].GetGauge().GetValue(), version(), buildCommit(), runtime.Version())
+	if l["version"] != version() || l["commit"] != revision() || l["go_version"] != runtime.Version() || l["backend"] != "cpu" || bi[0].GetGauge().GetValue() != 1 {
+		t.Errorf("expertd_build_info %v = %v, want version %s, commit %s, go_version %s, backend cpu = 1", l, bi[0].GetGauge().GetValue(), version(), revision(), runtime.Version())
 	}
 	if f := fams["expertd_backend_faulty"].GetMetric(); len(f) != 1 || f[0].GetGauge().GetValue() != 0 {
 		t.Errorf("expertd_backend_faulty: %v, want one series = 0", f)

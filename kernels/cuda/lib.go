@@ -18,7 +18,8 @@ var (
 
 // findLibrary resolves the library path: configured, then
 // $EXPERTD_CUDA_LIB, then build/libexpertd_cuda.so next to the executable
-// (or beside it), then in the repository the working directory is in.
+// (or beside it, or ../lib beside it), then in the repository the working
+// directory is in.
 func findLibrary(configured string) (string, error) {
 	if configured != "" {
 		return configured, nil
@@ -34,8 +35,10 @@ func findLibrary(configured string) (string, error) {
 	}
 	if exe, err := os.Executable(); err == nil {
 		dir := filepath.Dir(exe)
+		// ../lib is where an install (the container image) puts it:
+		// /usr/local/bin/expertd finds /usr/local/lib/libexpertd_cuda.so.
 		for _, p := range []string{filepath.Join(dir, "build", libName), filepath.Join(dir, libName),
-			filepath.Join(dir, "..", "build", libName)} {
+			filepath.Join(dir, "..", "build", libName), filepath.Join(dir, "..", "lib", libName)} {
 			if try(p) {
 				return p, nil
 			}
