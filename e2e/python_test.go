@@ -33,7 +33,7 @@ type pyArray struct {
 	Shape []int  `json:"shape"`
 }
 
-// pyCase is case.json, what clients/python/e2e_case.py reads.
+// pyCase is case.json, what clients/python/tests/e2e_case.py reads.
 type pyCase struct {
 	Activation  string             `json:"activation"`
 	TopK        int                `json:"top_k"`

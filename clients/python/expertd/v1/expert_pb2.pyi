@@ -38,6 +38,9 @@ class NamingPreset(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NAMING_PRESET_NEMOTRON_H: _ClassVar[NamingPreset]
     NAMING_PRESET_QWEN3_MOE: _ClassVar[NamingPreset]
     NAMING_PRESET_CUSTOM: _ClassVar[NamingPreset]
+    NAMING_PRESET_DEEPSEEK_V3: _ClassVar[NamingPreset]
+    NAMING_PRESET_MIXTRAL: _ClassVar[NamingPreset]
+    NAMING_PRESET_AUTO: _ClassVar[NamingPreset]
 
 class SharedMemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +64,9 @@ NAMING_PRESET_UNSPECIFIED: NamingPreset
 NAMING_PRESET_NEMOTRON_H: NamingPreset
 NAMING_PRESET_QWEN3_MOE: NamingPreset
 NAMING_PRESET_CUSTOM: NamingPreset
+NAMING_PRESET_DEEPSEEK_V3: NamingPreset
+NAMING_PRESET_MIXTRAL: NamingPreset
+NAMING_PRESET_AUTO: NamingPreset
 SHARED_MEMORY_KIND_UNSPECIFIED: SharedMemoryKind
 SHARED_MEMORY_KIND_POSIX: SharedMemoryKind
 SHARED_MEMORY_KIND_CUDA_IPC: SharedMemoryKind
@@ -208,7 +214,7 @@ class LoadExpertsRequest(_message.Message):
         data: bytes
         def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
     class SafetensorsSource(_message.Message):
-        __slots__ = ("name", "path", "layer", "preset", "w13_template", "w2_template", "w13_scale_template", "w2_scale_template", "activation", "num_experts", "overwrite", "weight_block_shape")
+        __slots__ = ("name", "path", "layer", "preset", "w13_template", "w2_template", "w13_scale_template", "w2_scale_template", "activation", "num_experts", "overwrite", "weight_block_shape", "tensor_prefix", "gate_template", "up_template", "gate_scale_template", "up_scale_template", "w13_input_scale_template", "w2_input_scale_template")
         NAME_FIELD_NUMBER: _ClassVar[int]
         PATH_FIELD_NUMBER: _ClassVar[int]
         LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +227,13 @@ class LoadExpertsRequest(_message.Message):
         NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
         OVERWRITE_FIELD_NUMBER: _ClassVar[int]
         WEIGHT_BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+        TENSOR_PREFIX_FIELD_NUMBER: _ClassVar[int]
+        GATE_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+        UP_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+        GATE_SCALE_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+        UP_SCALE_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+        W13_INPUT_SCALE_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+        W2_INPUT_SCALE_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
         name: str
         path: str
         layer: int
@@ -233,7 +246,14 @@ class LoadExpertsRequest(_message.Message):
         num_experts: int
         overwrite: bool
         weight_block_shape: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., layer: _Optional[int] = ..., preset: _Optional[_Union[NamingPreset, str]] = ..., w13_template: _Optional[str] = ..., w2_template: _Optional[str] = ..., w13_scale_template: _Optional[str] = ..., w2_scale_template: _Optional[str] = ..., activation: _Optional[_Union[Activation, str]] = ..., num_experts: _Optional[int] = ..., overwrite: _Optional[bool] = ..., weight_block_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+        tensor_prefix: str
+        gate_template: str
+        up_template: str
+        gate_scale_template: str
+        up_scale_template: str
+        w13_input_scale_template: str
+        w2_input_scale_template: str
+        def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., layer: _Optional[int] = ..., preset: _Optional[_Union[NamingPreset, str]] = ..., w13_template: _Optional[str] = ..., w2_template: _Optional[str] = ..., w13_scale_template: _Optional[str] = ..., w2_scale_template: _Optional[str] = ..., activation: _Optional[_Union[Activation, str]] = ..., num_experts: _Optional[int] = ..., overwrite: _Optional[bool] = ..., weight_block_shape: _Optional[_Iterable[int]] = ..., tensor_prefix: _Optional[str] = ..., gate_template: _Optional[str] = ..., up_template: _Optional[str] = ..., gate_scale_template: _Optional[str] = ..., up_scale_template: _Optional[str] = ..., w13_input_scale_template: _Optional[str] = ..., w2_input_scale_template: _Optional[str] = ...) -> None: ...
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -243,7 +263,7 @@ class LoadExpertsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[LoadExpertsRequest.Header, _Mapping]] = ..., chunk: _Optional[_Union[LoadExpertsRequest.Chunk, _Mapping]] = ..., safetensors: _Optional[_Union[LoadExpertsRequest.SafetensorsSource, _Mapping]] = ...) -> None: ...
 
 class ExpertSetInfo(_message.Message):
-    __slots__ = ("name", "activation", "num_experts", "hidden_size", "intermediate_size", "top_k_hint", "w13_scale_granularity", "w2_scale_granularity", "weight_block_shape", "static_a13_scale", "static_a2_scale", "bytes", "fingerprint", "backend", "loaded_at")
+    __slots__ = ("name", "activation", "num_experts", "hidden_size", "intermediate_size", "top_k_hint", "w13_scale_granularity", "w2_scale_granularity", "weight_block_shape", "static_a13_scale", "static_a2_scale", "bytes", "fingerprint", "backend", "loaded_at", "routing")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +279,7 @@ class ExpertSetInfo(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LOADED_AT_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     name: str
     activation: Activation
     num_experts: int
@@ -274,7 +295,8 @@ class ExpertSetInfo(_message.Message):
     fingerprint: str
     backend: str
     loaded_at: _timestamp_pb2.Timestamp
-    def __init__(self, name: _Optional[str] = ..., activation: _Optional[_Union[Activation, str]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., top_k_hint: _Optional[int] = ..., w13_scale_granularity: _Optional[str] = ..., w2_scale_granularity: _Optional[str] = ..., weight_block_shape: _Optional[_Iterable[int]] = ..., static_a13_scale: _Optional[bool] = ..., static_a2_scale: _Optional[bool] = ..., bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., loaded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    routing: Routing
+    def __init__(self, name: _Optional[str] = ..., activation: _Optional[_Union[Activation, str]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., top_k_hint: _Optional[int] = ..., w13_scale_granularity: _Optional[str] = ..., w2_scale_granularity: _Optional[str] = ..., weight_block_shape: _Optional[_Iterable[int]] = ..., static_a13_scale: _Optional[bool] = ..., static_a2_scale: _Optional[bool] = ..., bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., loaded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ...) -> None: ...
 
 class ListExpertsRequest(_message.Message):
     __slots__ = ()
