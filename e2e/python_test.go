@@ -160,18 +160,20 @@ func TestPython(t *testing.T) {
 
 // TestPythonPackage runs the package's pytest suite (clients/python/tests:
 // sync, asyncio, FusedMoEStream, POSIX shared memory, typed errors; CUDA
-// IPC skips without a GPU) against a real daemon serving shared memory.
+// IPC skips without a GPU; a sharded checkpoint in its weights directory)
+// against a real daemon serving shared memory.
 // It runs outside the source tree, so the installed package is what is
 // tested.
 func TestPythonPackage(t *testing.T) {
 	python := pythonPath(t)
-	d := startDaemon(t, "-shared-memory")
+	weights := t.TempDir()
+	d := startDaemon(t, "-shared-memory", "-weights-dir", weights)
 	tests := filepath.Join(repoRoot(t), "clients/python/tests")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTimeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", tests)
 	cmd.Dir = t.TempDir()
-	cmd.Env = append(os.Environ(), "EXPERTD_ADDR="+d.Addr, "EXPERTD_SHM=1", "EXPERTD_CUDA=")
+	cmd.Env = append(os.Environ(), "EXPERTD_ADDR="+d.Addr, "EXPERTD_SHM=1", "EXPERTD_WEIGHTS_DIR="+weights, "EXPERTD_CUDA=")
 	t.Logf("$ EXPERTD_ADDR=localhost:PORT EXPERTD_SHM=1 python -m pytest -q clients/python/tests")
 	out, err := cmd.CombinedOutput()
 	t.Logf("pytest:\n%s", out)

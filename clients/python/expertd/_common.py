@@ -143,11 +143,14 @@ def fused_moe_request(hidden, expert_set=None, weights=None, router_logits=None,
                       renormalize=False, scoring="softmax", correction_bias=None,
                       num_expert_groups=0, topk_groups=0, routed_scaling_factor=0.0,
                       topk_ids=None, topk_weights=None, hidden_scale=None,
-                      output_dtype="bfloat16", return_routing=False, output_shm=None) -> pb.FusedMoERequest:
+                      output_dtype="bfloat16", return_routing=False, output_shm=None,
+                      routing_message=None) -> pb.FusedMoERequest:
     """A FusedMoERequest. hidden, router_logits, topk_ids, topk_weights and
     hidden_scale are numpy arrays, CPU torch tensors or Tensor messages
     (shared-memory references from Region.put / CudaRegion.tensor);
-    output_shm is a SharedMemoryRef (Region.ref)."""
+    output_shm is a SharedMemoryRef (Region.ref). routing_message, a Routing
+    message such as the ExpertSetInfo.routing of a set loaded from a
+    checkpoint, replaces the routing arguments."""
     if (expert_set is None) == (weights is None):
         raise ValueError("give exactly one of expert_set and weights")
     req = pb.FusedMoERequest(hidden_states=_tensor_arg(hidden),
@@ -166,7 +169,9 @@ def fused_moe_request(hidden, expert_set=None, weights=None, router_logits=None,
         req.topk_weights.CopyFrom(_tensor_arg(topk_weights, "float32"))
     if router_logits is not None:
         req.router_logits.CopyFrom(_tensor_arg(router_logits))
-    if router_logits is not None or top_k:
+    if routing_message is not None:
+        req.routing.CopyFrom(routing_message)
+    elif router_logits is not None or top_k:
         req.routing.CopyFrom(routing(top_k, renormalize, scoring, correction_bias,
                                      num_expert_groups, topk_groups, routed_scaling_factor))
     if output_shm is not None:

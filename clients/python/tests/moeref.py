@@ -68,9 +68,15 @@ def route(logits, top_k, renormalize, scoring="softmax"):
     return ids, w
 
 
+def _scale(s):
+    """Per-expert [E] or per-channel [E, rows] scales, broadcast to weights."""
+    s = np.asarray(s, dtype=np.float64)
+    return s[:, None, None] if s.ndim == 1 else s[:, :, None]
+
+
 def fused_moe(hidden, w13, w2, s13, s2, ids, weights, gated=True):
-    w13d = fp8_decode(w13) * s13[:, None, None]
-    w2d = fp8_decode(w2) * s2[:, None, None]
+    w13d = fp8_decode(w13) * _scale(s13)
+    w2d = fp8_decode(w2) * _scale(s2)
     a = quant_rows(np.asarray(hidden, dtype=np.float64))
     out = np.zeros(a.shape)
     n = w2.shape[2]
