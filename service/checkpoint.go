@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"math"
 	"os"
 	"path"
 	"slices"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
@@ -412,13 +414,24 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	}
 	defer closeAll()
 	if len(f.tensors) == 0 {
-		return nil, invalidf("safetensors", "%s: no tensor of layer %d starts with %q", dir, src.GetLayer(), common)
+		// NotFound, not InvalidArgument: a dense layer of a MoE model has
+		// no experts, which a caller loading every layer skips.
+		return nil, codedf(codes.NotFound, "safetensors.layer", "%s: no tensor of layer %d starts with %q", dir, src.GetLayer(), truncate(common, 256))
 	}
 	rt, err := configRouting(f, tc, src, bias)
 	if err != nil {
 		return nil, err
 	}
-	return s.loadAssembled(ctx, f, src, rt, int(tc.TopK))
+	// A layer of a large checkpoint takes seconds to read; the log shows
+	// each one start and end (with "expert set loaded").
+	began := time.Now()
+	s.log.InfoContext(ctx, "reading expert set from checkpoint", slog.String("name", src.GetName()), slog.String("path", truncate(dir, 256)),
+		slog.Int("layer", int(src.GetLayer())), slog.Int("shards", len(f.r.(*multiReaderAt).parts)), slog.Int("tensors", len(f.tensors)))
+	info, err := s.loadAssembled(ctx, f, src, rt, int(tc.TopK))
+	if err == nil {
+		s.log.InfoContext(ctx, "checkpoint layer read", slog.String("name", src.GetName()), slog.Duration("took", time.Since(began)))
+	}
+	return info, err
 }
 
 func commonPrefix(a, b string) int {

@@ -432,7 +432,7 @@ func TestLoadCheckpointErrors(t *testing.T) {
 		{"missing shard", "missing", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.NotFound, "no such file"},
 		{"symlinked shard", "symlinked", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.InvalidArgument, "outside the weights directory"},
 		{"wrong shard", "wrongshard", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.InvalidArgument, "does not hold it"},
-		{"no such layer", "good", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 7, codes.InvalidArgument, "layer 7"},
+		{"no such layer", "good", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 7, codes.NotFound, "no tensor of layer 7"},
 		{"bad config", "badjson", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.InvalidArgument, "config.json"},
 		{"auto on a file", "good/model-00001-of-00002.safetensors", pb.NamingPreset_NAMING_PRESET_AUTO, 0, codes.InvalidArgument, "NAMING_PRESET_AUTO needs"},
 	}
