@@ -66,13 +66,13 @@ func (s *Server) readWeightsJSON(rel string, v any) (bool, error) {
 	defer f.Close()
 	b, err := io.ReadAll(io.LimitReader(f, maxJSONFile+1))
 	if err != nil {
-		return false, invalidf("safetensors.path", "%s: %v", rel, err)
+		return false, invalidf("safetensors.path", "%s: %v", truncate(rel, 256), err)
 	}
 	if len(b) > maxJSONFile {
-		return false, invalidf("safetensors.path", "%s is larger than %d bytes", rel, maxJSONFile)
+		return false, invalidf("safetensors.path", "%s is larger than %d bytes", truncate(rel, 256), maxJSONFile)
 	}
 	if err := json.Unmarshal(b, v); err != nil {
-		return false, invalidf("safetensors.path", "%s: %v", rel, err)
+		return false, invalidf("safetensors.path", "%s: %v", truncate(rel, 256), err)
 	}
 	return true, nil
 }
@@ -300,7 +300,7 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 			}
 		}
 		if len(shards) > maxShards {
-			return nil, nil, invalidf("safetensors.path", "%s: the layer spans %d shards, more than %d", dir, len(shards), maxShards)
+			return nil, nil, invalidf("safetensors.path", "%s: the layer spans %d shards, more than %d", truncate(dir, 256), len(shards), maxShards)
 		}
 		slices.Sort(shards)
 	} else {
@@ -318,7 +318,7 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 	for _, shard := range shards {
 		if strings.Contains(shard, "/") || shard == ".." {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: shard %q: want a file name in the checkpoint directory", dir, shard)
+			return nil, nil, invalidf("safetensors.path", "%s: shard %q: want a file name in the checkpoint directory", truncate(dir, 256), truncate(shard, 256))
 		}
 		rel := path.Join(dir, shard)
 		fh, err := s.openWeights(rel)
@@ -334,12 +334,12 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 		}
 		if !st.Mode().IsRegular() {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: not a regular file", rel)
+			return nil, nil, invalidf("safetensors.path", "%s: not a regular file", truncate(rel, 256))
 		}
 		f, err := parseSafetensors(fh, st.Size())
 		if err != nil {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: %v", rel, err)
+			return nil, nil, invalidf("safetensors.path", "%s: %v", truncate(rel, 256), err)
 		}
 		for name, t := range f.tensors {
 			if !wanted(name) || (found && owner[name] != shard) {
@@ -354,7 +354,7 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 	for name, shard := range owner {
 		if _, ok := merged.tensors[name]; !ok {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: the index puts %q in %s, which does not hold it", dir, name, shard)
+			return nil, nil, invalidf("safetensors.path", "%s: the index puts %q in %s, which does not hold it", truncate(dir, 256), truncate(name, 256), truncate(shard, 256))
 		}
 	}
 	merged.r = mr
@@ -380,7 +380,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 		}
 		if !haveCfg || !ok {
 			return nil, invalidf("safetensors.preset", "NAMING_PRESET_AUTO: %s/config.json model_type %q is not one of nemotron_h, qwen3_moe, qwen3_vl_moe, deepseek_v3, kimi_k2, mixtral",
-				dir, truncate(cfg.ModelType, 64))
+				truncate(dir, 256), truncate(cfg.ModelType, 64))
 		}
 		src.Preset = p.preset
 		if src.GetTensorPrefix() == "" {
@@ -416,7 +416,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	if len(f.tensors) == 0 {
 		// NotFound, not InvalidArgument: a dense layer of a MoE model has
 		// no experts, which a caller loading every layer skips.
-		return nil, codedf(codes.NotFound, "safetensors.layer", "%s: no tensor of layer %d starts with %q", dir, src.GetLayer(), truncate(common, 256))
+		return nil, codedf(codes.NotFound, "safetensors.layer", "%s: no tensor of layer %d starts with %q", truncate(dir, 256), src.GetLayer(), truncate(common, 256))
 	}
 	rt, err := configRouting(f, tc, src, bias)
 	if err != nil {
@@ -508,7 +508,7 @@ func configRouting(f *stFile, c *moeConfig, src *pb.LoadExpertsRequest_Safetenso
 	if _, ok := f.tensors[bias]; ok && bias != "" {
 		_, v, err := f.floats(bias)
 		if err != nil {
-			return nil, invalidf("safetensors", "%s: %v", src.GetPath(), err)
+			return nil, invalidf("safetensors", "%s: %v", truncate(src.GetPath(), 256), err)
 		}
 		r.CorrectionBias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{int64(len(v))}, Source: &pb.Tensor_Data{Data: float32Bytes(v)}}
 	}
@@ -532,7 +532,7 @@ func (s *Server) loadAssembled(ctx context.Context, f *stFile, src *pb.LoadExper
 	defer a.release()
 	if rt != nil {
 		if _, err := checkRouting(rt, a.set.E); err != nil {
-			return nil, invalidf("safetensors.path", "%s/config.json gives a routing the set cannot take: %v", src.GetPath(), err)
+			return nil, invalidf("safetensors.path", "%s/config.json gives a routing the set cannot take: %v", truncate(src.GetPath(), 256), err)
 		}
 	}
 	info, err := s.commitRouted(ctx, src.GetName(), a.set, a.bytes, fingerprint(a.bufs), hint, rt, src.GetOverwrite())

@@ -405,6 +405,7 @@ func TestLoadCheckpointErrors(t *testing.T) {
 	name := "model.layers.0.mlp.experts.0.gate_proj.weight"
 	index("escape", map[string]string{name: "../good/model-00001-of-00002.safetensors"})
 	index("missing", map[string]string{name: "model-00001-of-00001.safetensors"})
+	index("longshard", map[string]string{name: strings.Repeat("x/", 5000)})
 	writeCheckpoint(t, filepath.Join(outside, "ck"), good, 1, nil)
 	os.MkdirAll(filepath.Join(root, "symlinked"), 0o755)
 	os.Symlink(filepath.Join(outside, "ck", "model.safetensors"), filepath.Join(root, "symlinked", "model.safetensors"))
@@ -429,6 +430,7 @@ func TestLoadCheckpointErrors(t *testing.T) {
 		{"top_k beyond E", "badtopk", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.InvalidArgument, "routing.top_k"},
 		{"scoring", "badscore", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.InvalidArgument, `scoring_func "tanh"`},
 		{"shard outside", "escape", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.InvalidArgument, "want a file name in the checkpoint directory"},
+		{"long shard name", "longshard", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.InvalidArgument, "want a file name in the checkpoint directory"},
 		{"missing shard", "missing", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.NotFound, "no such file"},
 		{"symlinked shard", "symlinked", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.InvalidArgument, "outside the weights directory"},
 		{"wrong shard", "wrongshard", pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, 0, codes.InvalidArgument, "does not hold it"},
@@ -442,6 +444,10 @@ func TestLoadCheckpointErrors(t *testing.T) {
 			_, err := loadSafetensors(t, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: "x", Path: tt.path, Layer: tt.layer, Preset: tt.preset})
 			if status.Code(err) != tt.code || !strings.Contains(status.Convert(err).Message(), tt.want) {
 				t.Errorf("got %v, want %v containing %q", err, tt.code, tt.want)
+			}
+			// Names from files are bounded before they reach a message.
+			if n := len(status.Convert(err).Message()); n > 1024 {
+				t.Errorf("message of %d bytes, want at most 1024", n)
 			}
 		})
 	}
