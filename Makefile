@@ -22,6 +22,7 @@ cuda-test-bin:
 	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) test -c -o build/cuda.test ./kernels/cuda
 	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -o build/expertd ./cmd/expertd
 	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -o build/expertbench ./cmd/expertbench
+	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -o build/expertd-load ./cmd/expertd-load
 
 # Run on the device machine (carry build/): see scripts/device-check.sh.
 device-check:

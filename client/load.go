@@ -157,10 +157,18 @@ const (
 	Qwen3MoE
 	// CustomNames uses SafetensorsSource's templates.
 	CustomNames
+	// DeepSeekV3 names model.layers.{L}.mlp.experts.{e}.gate_proj/up_proj/down_proj
+	// with block scales (also Kimi-K2).
+	DeepSeekV3
+	// Mixtral names model.layers.{L}.block_sparse_moe.experts.{e}.w1/w3/w2.
+	Mixtral
+	// AutoPreset picks the preset from a checkpoint directory's config.json.
+	AutoPreset
 )
 
-// SafetensorsSource is a layer in a .safetensors file in the server's
-// weights directory (the daemon's -weights-dir).
+// SafetensorsSource is a layer in a .safetensors file or a Hugging Face
+// checkpoint directory in the server's weights directory (the daemon's
+// -weights-dir).
 type SafetensorsSource struct {
 	// Path is relative to the server's weights directory.
 	Path string
@@ -174,8 +182,16 @@ type SafetensorsSource struct {
 	W13Template, W2Template, W13ScaleTemplate, W2ScaleTemplate string
 	Activation                                                 Activation
 	// BlockShape is [Bn, Bk] for block-scaled checkpoints; zero means
-	// [128, 128] when the scales are tile grids.
+	// config.json's weight_block_size, else [128, 128], when the scales are
+	// tile grids.
 	BlockShape [2]int
+	// TensorPrefix replaces the preset's "model." or "backbone." before
+	// "layers.{L}" (e.g. "model.language_model." for Qwen3-VL).
+	TensorPrefix string
+	// Per-projection templates for CustomNames (see
+	// expertd.v1.LoadExpertsRequest.SafetensorsSource).
+	GateTemplate, UpTemplate, GateScaleTemplate, UpScaleTemplate string
+	W13InputScaleTemplate, W2InputScaleTemplate                  string
 }
 
 // LoadSafetensors makes the server read a layer from a safetensors file
@@ -191,6 +207,9 @@ func (c *Client) LoadSafetensors(ctx context.Context, name string, src Safetenso
 		W13Template: src.W13Template, W2Template: src.W2Template,
 		W13ScaleTemplate: src.W13ScaleTemplate, W2ScaleTemplate: src.W2ScaleTemplate,
 		Activation: pb.Activation(src.Activation), NumExperts: int32(src.NumExperts), Overwrite: o.overwrite,
+		TensorPrefix: src.TensorPrefix, GateTemplate: src.GateTemplate, UpTemplate: src.UpTemplate,
+		GateScaleTemplate: src.GateScaleTemplate, UpScaleTemplate: src.UpScaleTemplate,
+		W13InputScaleTemplate: src.W13InputScaleTemplate, W2InputScaleTemplate: src.W2InputScaleTemplate,
 	}
 	if src.BlockShape != [2]int{} {
 		msg.WeightBlockShape = []int32{int32(src.BlockShape[0]), int32(src.BlockShape[1])}

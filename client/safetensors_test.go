@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"testing"
 
 	"google.golang.org/grpc/codes"
@@ -96,5 +97,51 @@ func TestLoadSafetensors(t *testing.T) {
 	src.Path = "../layer.safetensors"
 	if _, err := c.LoadSafetensors(ctx, "escape", src); status.Code(err) != codes.InvalidArgument {
 		t.Errorf("LoadSafetensors(%q) = %v, want InvalidArgument", src.Path, err)
+	}
+}
+
+// TestLoadCheckpointDir has the server read a Mixtral layer from a
+// checkpoint directory by its config.json (AutoPreset) and checks the
+// routing it reports comes back in ExpertSetInfo.Routing and serves.
+func TestLoadCheckpointDir(t *testing.T) {
+	const e, k, n = 4, 32, 16
+	dir := t.TempDir()
+	ck := filepath.Join(dir, "mixtral")
+	if err := os.Mkdir(ck, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c := startServer(t, service.Config{WeightsDir: dir})
+	ctx := testContext(t)
+	tensors := map[string]client.Tensor{}
+	var names []string
+	for x := range e {
+		for _, p := range []string{"w1", "w3", "w2"} {
+			rows, cols := n, k
+			if p == "w2" {
+				rows, cols = k, n
+			}
+			name := fmt.Sprintf("model.layers.0.block_sparse_moe.experts.%d.%s", x, p)
+			names = append(names, name+".weight", name+".weight_scale")
+			tensors[name+".weight"] = client.FromFP8(randomCodes(t, rows*cols), rows, cols)
+			tensors[name+".weight_scale"] = client.FromFloat32([]float32{0.01})
+		}
+	}
+	writeSafetensors(t, filepath.Join(ck, "model.safetensors"), names, tensors)
+	cfg, _ := json.Marshal(map[string]any{"model_type": "mixtral", "num_local_experts": e, "num_experts_per_tok": 2, "hidden_act": "silu"})
+	if err := os.WriteFile(filepath.Join(ck, "config.json"), cfg, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	info, err := c.LoadSafetensors(ctx, "mixtral/layer0", client.SafetensorsSource{Path: "mixtral", Preset: client.AutoPreset})
+	if err != nil {
+		t.Fatalf("LoadSafetensors(checkpoint dir): %v", err)
+	}
+	want := client.Routing{TopK: 2, Renormalize: true, Scoring: client.Softmax}
+	if info.Routing == nil || !reflect.DeepEqual(*info.Routing, want) || info.NumExperts != e || info.Activation != client.SiluGated {
+		t.Fatalf("info %+v, routing %+v; want E=%d, SiluGated, routing %+v", info, info.Routing, e, want)
+	}
+	_, err = c.FusedMoE(ctx, &client.FusedMoERequest{ExpertSet: info.Name, Hidden: client.FromFloat32(make([]float32, k), 1, k),
+		RouterLogits: client.FromFloat32(make([]float32, e), 1, e), Routing: *info.Routing})
+	if err != nil {
+		t.Errorf("FusedMoE with the checkpoint's routing: %v", err)
 	}
 }

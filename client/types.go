@@ -264,6 +264,10 @@ type ExpertSetInfo struct {
 	Fingerprint string
 	Backend     string
 	LoadedAt    time.Time
+	// Routing is the routing a checkpoint's config.json gives a set loaded
+	// from a checkpoint directory (send it as FusedMoERequest.Routing); nil
+	// otherwise.
+	Routing *Routing
 }
 
 func setInfoFromProto(p *pb.ExpertSetInfo) ExpertSetInfo {
@@ -280,6 +284,15 @@ func setInfoFromProto(p *pb.ExpertSetInfo) ExpertSetInfo {
 	}
 	if p.GetLoadedAt() != nil {
 		info.LoadedAt = p.GetLoadedAt().AsTime()
+	}
+	if r := p.GetRouting(); r != nil {
+		info.Routing = &Routing{TopK: int(r.GetTopK()), Renormalize: r.GetRenormalize(), Scoring: Scoring(r.GetScoring()),
+			NumGroups: int(r.GetNumExpertGroups()), TopKGroups: int(r.GetTopkGroups()), ScalingFactor: r.GetRoutedScalingFactor()}
+		if r.GetCorrectionBias() != nil {
+			// The server sends the bias inline and validated, so decoding
+			// cannot fail on a well-behaved server; a bad one leaves it unset.
+			info.Routing.CorrectionBias, _ = TensorFromProto(r.GetCorrectionBias())
+		}
 	}
 	return info
 }

@@ -1,13 +1,16 @@
 package e2e
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/expertd/expertd/kernels"
@@ -16,8 +19,8 @@ import (
 )
 
 func pythonPath(t *testing.T) string {
-	return tool(t, "EXPERTD_PYTHON", ".tools/e2e/venv/bin/python", "python3", "python with grpcio, grpcio-tools and numpy", func(p string) error {
-		_, err := run(t, nil, p, "-c", "import grpc, grpc_tools, numpy")
+	return tool(t, "EXPERTD_PYTHON", ".tools/e2e/venv/bin/python", "python3", "python with the expertd package (pip install ./clients/python) and pytest", func(p string) error {
+		_, err := run(t, nil, p, "-c", "import expertd, expertd.v1.expert_pb2_grpc, pytest")
 		return err
 	})
 }
@@ -30,7 +33,7 @@ type pyArray struct {
 	Shape []int  `json:"shape"`
 }
 
-// pyCase is case.json, what clients/python/e2e_case.py reads.
+// pyCase is case.json, what clients/python/tests/e2e_case.py reads.
 type pyCase struct {
 	Activation  string             `json:"activation"`
 	TopK        int                `json:"top_k"`
@@ -42,6 +45,7 @@ type pyCase struct {
 // pySummary is what e2e_case.py prints.
 type pySummary struct {
 	Version     string   `json:"version"`
+	Module      string   `json:"module"`
 	Fingerprint string   `json:"fingerprint"`
 	Bytes       int64    `json:"bytes"`
 	Chunks      int      `json:"chunks"`
@@ -74,11 +78,10 @@ func readF32(t *testing.T, path string) []float32 {
 	return v
 }
 
-// TestPython drives the daemon with the Python grpcio client: stubs are
-// generated from the .proto into a temporary directory, the Go test writes
-// a fresh random case, clients/python/e2e_case.py loads it in chunks and
-// runs it on the named set and inline, and the Go test checks its outputs
-// against the float64 reference of the same inputs.
+// TestPython drives the daemon with the installed Python package: the Go
+// test writes a fresh random case, clients/python/tests/e2e_case.py loads
+// it in chunks and runs it on the named set and inline, and the Go test
+// checks its outputs against the float64 reference of the same inputs.
 func TestPython(t *testing.T) {
 	python := pythonPath(t)
 	d := startDaemon(t)
@@ -115,9 +118,9 @@ func TestPython(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	script := filepath.Join(root, "clients/python/e2e_case.py")
-	args := []string{script, "--addr", d.Addr, "--proto-root", filepath.Join(root, "proto"), "--stubs", filepath.Join(dir, "stubs"), "--case", dir}
-	t.Logf("$ python clients/python/e2e_case.py --addr localhost:PORT --proto-root proto --stubs STUBS --case CASE")
+	script := filepath.Join(root, "clients/python/tests/e2e_case.py")
+	args := []string{script, "--addr", d.Addr, "--case", dir}
+	t.Logf("$ python clients/python/tests/e2e_case.py --addr localhost:PORT --case CASE")
 	out, err := run(t, nil, python, args...)
 	if err != nil {
 		t.Fatal(err)
@@ -127,6 +130,9 @@ func TestPython(t *testing.T) {
 		t.Fatalf("parsing the script's summary %q: %v", out, err)
 	}
 	t.Logf("python summary: %+v", sum)
+	if strings.HasPrefix(sum.Module, filepath.Join(root, "clients")) {
+		t.Errorf("expertd imported from the source tree (%s), want the installed package", sum.Module)
+	}
 
 	if sum.Bytes != set.Bytes() || sum.Chunks < int(set.Bytes()/4096) {
 		t.Errorf("python loaded %d bytes in %d chunks, want %d bytes in >= %d chunks of 4096", sum.Bytes, sum.Chunks, set.Bytes(), set.Bytes()/4096)
@@ -150,4 +156,31 @@ func TestPython(t *testing.T) {
 	}
 	checkAgainstReference(t, "python, named set", readF32(t, filepath.Join(dir, "out_named.f32")), set, req)
 	checkAgainstReference(t, "python, inline weights", readF32(t, filepath.Join(dir, "out_inline.f32")), set, req)
+}
+
+// TestPythonPackage runs the package's pytest suite (clients/python/tests:
+// sync, asyncio, FusedMoEStream, POSIX shared memory, typed errors; CUDA
+// IPC skips without a GPU; a sharded checkpoint in its weights directory)
+// against a real daemon serving shared memory.
+// It runs outside the source tree, so the installed package is what is
+// tested.
+func TestPythonPackage(t *testing.T) {
+	python := pythonPath(t)
+	weights := t.TempDir()
+	d := startDaemon(t, "-shared-memory", "-weights-dir", weights)
+	tests := filepath.Join(repoRoot(t), "clients/python/tests")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", tests)
+	cmd.Dir = t.TempDir()
+	cmd.Env = append(os.Environ(), "EXPERTD_ADDR="+d.Addr, "EXPERTD_SHM=1", "EXPERTD_WEIGHTS_DIR="+weights, "EXPERTD_CUDA=")
+	t.Logf("$ EXPERTD_ADDR=localhost:PORT EXPERTD_SHM=1 python -m pytest -q clients/python/tests")
+	out, err := cmd.CombinedOutput()
+	t.Logf("pytest:\n%s", out)
+	if err != nil {
+		t.Fatalf("pytest: %v", err)
+	}
+	if !strings.Contains(string(out), " passed") {
+		t.Fatalf("pytest ran no tests")
+	}
 }

@@ -2,7 +2,9 @@
 # e2e-setup.sh installs the outside tools the end-to-end tests (./e2e) drive
 # the daemon with, into .tools/e2e (gitignored):
 #   bin/grpcurl   grpcurl, built from the Go module proxy at a pinned version
-#   venv/         a Python venv with pinned grpcio, grpcio-tools and numpy
+#   venv/         a Python venv with pinned grpcio, numpy and pytest, and the
+#                 expertd package installed from clients/python (reinstalled
+#                 whenever its files change)
 # It is idempotent: a complete install is left alone. The tests find the
 # tools there (or through $EXPERTD_GRPCURL and $EXPERTD_PYTHON) and skip
 # loudly without them, unless EXPERTD_E2E_REQUIRE=1, as in CI, makes a
@@ -13,7 +15,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="${EXPERTD_E2E_TOOLS:-$root/.tools/e2e}"
 
 grpcurl_version=v1.9.4
-py_pkgs=(grpcio==1.85.1 grpcio-tools==1.85.1 numpy==2.3.5)
+py_pkgs=(grpcio==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0 numpy==2.3.5 pytest==9.2.0)
 
 mkdir -p "$dest/bin"
 
@@ -42,4 +44,14 @@ else
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${py_pkgs[@]}"
   echo "$want" >"$pystamp"
 fi
-"$venv/bin/python" -c 'import grpc, grpc_tools, numpy; print("e2e-setup: grpcio", grpc.__version__, "numpy", numpy.__version__)'
+# The package, as a user installs it (not editable): the tests run against
+# what pip put in site-packages, not the source tree.
+pkg="$root/clients/python"
+pkgsum="$(cd "$pkg" && find . -path ./build -prune -o -name '*.egg-info' -prune -o -name __pycache__ -prune -o -type f -print | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"
+if [[ "$(cat "$venv/.expertd" 2>/dev/null)" != "$pkgsum" ]]; then
+  echo "e2e-setup: installing the expertd package from clients/python"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$pkg"
+  rm -rf "$pkg/build" "$pkg"/*.egg-info
+  echo "$pkgsum" >"$venv/.expertd"
+fi
+"$venv/bin/python" -c 'import grpc, numpy, expertd; print("e2e-setup: grpcio", grpc.__version__, "numpy", numpy.__version__, "expertd", expertd.__version__)'

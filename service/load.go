@@ -176,6 +176,12 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 // commit loads set into the backend and publishes it. The registry entry
 // takes over the caller's reservation of n bytes on success.
 func (s *Server) commit(ctx context.Context, name string, set *kernels.ExpertSet, n int64, fp string, topKHint int, overwrite bool) (*pb.ExpertSetInfo, error) {
+	return s.commitRouted(ctx, name, set, n, fp, topKHint, nil, overwrite)
+}
+
+// commitRouted is commit for a set that comes with the routing its
+// checkpoint specifies (nil for none), reported in its info.
+func (s *Server) commitRouted(ctx context.Context, name string, set *kernels.ExpertSet, n int64, fp string, topKHint int, routing *pb.Routing, overwrite bool) (*pb.ExpertSetInfo, error) {
 	// A load that outlived Shutdown's deadline must not publish a set that
 	// nothing would free.
 	if s.Draining() {
@@ -200,6 +206,7 @@ func (s *Server) commit(ctx context.Context, name string, set *kernels.ExpertSet
 		Fingerprint:         fp,
 		Backend:             s.backend.Name(),
 		LoadedAt:            timestamppb.New(time.Now()),
+		Routing:             routing,
 	}
 	if set.Block != [2]int{} {
 		info.WeightBlockShape = []int32{int32(set.Block[0]), int32(set.Block[1])}

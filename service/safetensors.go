@@ -277,17 +277,11 @@ func expand(tmpl string, layer, e int) string {
 
 // presetLayout returns the names of expert e of the source's layer.
 func presetLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (stLayout, error) {
-	layer := int(src.GetLayer())
-	proj := func(prefix string) projection {
-		return projection{
-			weight: prefix + ".weight",
-			// ModelOpt and compressed-tensors write weight_scale; DeepSeek
-			// and Qwen block checkpoints write weight_scale_inv, which
-			// despite its name multiplies, as a dequantization scale does.
-			scales: []string{prefix + ".weight_scale", prefix + ".weight_scale_inv"},
-			input:  prefix + ".input_scale",
-		}
+	if l, ok, err := checkpointLayout(src, e); ok {
+		return l, err
 	}
+	layer := int(src.GetLayer())
+	proj := stdProjection
 	switch src.GetPreset() {
 	case pb.NamingPreset_NAMING_PRESET_NEMOTRON_H:
 		p := expand("backbone.layers.{L}.mixer.experts.{e}.", layer, e)
@@ -315,7 +309,7 @@ func presetLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (stLayout
 			w2:  custom(src.GetW2Template(), src.GetW2ScaleTemplate()),
 		}, nil
 	}
-	return stLayout{}, invalidf("safetensors.preset", "%v: want NEMOTRON_H, QWEN3_MOE or CUSTOM", src.GetPreset())
+	return stLayout{}, invalidf("safetensors.preset", "%v: want NEMOTRON_H, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, AUTO or CUSTOM", src.GetPreset())
 }
 
 // loadSafetensors loads one layer's experts from a file in the weights
@@ -333,15 +327,13 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 			return nil, err
 		}
 	}
+	if dir, err := s.weightsIsDir(src.GetPath()); err != nil {
+		return nil, err
+	} else if dir {
+		return s.loadCheckpoint(ctx, src, subset)
+	}
 	if _, err := presetLayout(src, 0); err != nil {
 		return nil, err
-	}
-	block := [2]int{128, 128}
-	if bs := src.GetWeightBlockShape(); len(bs) != 0 {
-		if len(bs) != 2 || bs[0] < 1 || bs[1] < 1 {
-			return nil, invalidf("safetensors.weight_block_shape", "%v: want [Bn, Bk] with both >= 1", bs)
-		}
-		block = [2]int{int(bs[0]), int(bs[1])}
 	}
 	fh, err := s.openWeights(src.GetPath())
 	if err != nil {
@@ -356,16 +348,6 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 	if err != nil {
 		return nil, invalidf("safetensors.path", "%s: %v", Quote(src.GetPath()), err)
 	}
-	a, err := assemble(ctx, f, src, subset, block, s.reg)
-	if err != nil {
-		return nil, err
-	}
-	defer a.release()
 	hint, _ := strconv.Atoi(f.meta.NumExpertsPerTok)
-	info, err := s.commit(ctx, src.GetName(), a.set, a.bytes, fingerprint(a.bufs), hint, src.GetOverwrite())
-	if err != nil {
-		return nil, err
-	}
-	a.committed = true
-	return info, nil
+	return s.loadAssembled(ctx, f, src, subset, nil, hint)
 }

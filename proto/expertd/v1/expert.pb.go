@@ -235,6 +235,18 @@ const (
 	NamingPreset_NAMING_PRESET_QWEN3_MOE NamingPreset = 2
 	// Names from SafetensorsSource's templates.
 	NamingPreset_NAMING_PRESET_CUSTOM NamingPreset = 3
+	// DeepSeek-V3 and Kimi-K2 (SILU_GATED): model.layers.{L}.mlp.experts.{e}
+	// gate_proj, up_proj, down_proj (.weight, block .weight_scale_inv); the
+	// routing's correction bias is model.layers.{L}.mlp.gate.e_score_correction_bias.
+	NamingPreset_NAMING_PRESET_DEEPSEEK_V3 NamingPreset = 4
+	// Mixtral (SILU_GATED): model.layers.{L}.block_sparse_moe.experts.{e}.w1
+	// (gate), w3 (up) and w2 (down), with .weight_scale / .input_scale
+	// siblings (ModelOpt or compressed-tensors FP8).
+	NamingPreset_NAMING_PRESET_MIXTRAL NamingPreset = 5
+	// The preset named by the checkpoint's config.json model_type
+	// (nemotron_h, qwen3_moe, qwen3_vl_moe, deepseek_v3, kimi_k2, mixtral);
+	// needs path to name a checkpoint directory.
+	NamingPreset_NAMING_PRESET_AUTO NamingPreset = 6
 )
 
 // Enum value maps for NamingPreset.
@@ -244,12 +256,18 @@ var (
 		1: "NAMING_PRESET_NEMOTRON_H",
 		2: "NAMING_PRESET_QWEN3_MOE",
 		3: "NAMING_PRESET_CUSTOM",
+		4: "NAMING_PRESET_DEEPSEEK_V3",
+		5: "NAMING_PRESET_MIXTRAL",
+		6: "NAMING_PRESET_AUTO",
 	}
 	NamingPreset_value = map[string]int32{
 		"NAMING_PRESET_UNSPECIFIED": 0,
 		"NAMING_PRESET_NEMOTRON_H":  1,
 		"NAMING_PRESET_QWEN3_MOE":   2,
 		"NAMING_PRESET_CUSTOM":      3,
+		"NAMING_PRESET_DEEPSEEK_V3": 4,
+		"NAMING_PRESET_MIXTRAL":     5,
+		"NAMING_PRESET_AUTO":        6,
 	}
 )
 
@@ -1291,7 +1309,12 @@ type ExpertSetInfo struct {
 	// The backend holding the set.
 	Backend string `protobuf:"bytes,14,opt,name=backend,proto3" json:"backend,omitempty"`
 	// When the set became visible.
-	LoadedAt      *timestamppb.Timestamp `protobuf:"bytes,15,opt,name=loaded_at,json=loadedAt,proto3" json:"loaded_at,omitempty"`
+	LoadedAt *timestamppb.Timestamp `protobuf:"bytes,15,opt,name=loaded_at,json=loadedAt,proto3" json:"loaded_at,omitempty"`
+	// The routing a checkpoint's config.json specifies (with its correction
+	// bias inline), for a set loaded from a checkpoint directory; unset
+	// otherwise. FusedMoE does not apply it by itself: send it as
+	// FusedMoERequest.routing.
+	Routing       *Routing `protobuf:"bytes,16,opt,name=routing,proto3" json:"routing,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1427,6 +1450,13 @@ func (x *ExpertSetInfo) GetBackend() string {
 func (x *ExpertSetInfo) GetLoadedAt() *timestamppb.Timestamp {
 	if x != nil {
 		return x.LoadedAt
+	}
+	return nil
+}
+
+func (x *ExpertSetInfo) GetRouting() *Routing {
+	if x != nil {
+		return x.Routing
 	}
 	return nil
 }
@@ -2459,15 +2489,28 @@ func (x *LoadExpertsRequest_Chunk) GetData() []byte {
 	return nil
 }
 
-// SafetensorsSource loads one layer's experts from a .safetensors file in
-// the server's weights directory. Supported dtypes: F8_E4M3 weights, F32
-// or BF16 scales.
+// SafetensorsSource loads one layer's experts from a .safetensors file,
+// or from a checkpoint directory, in the server's weights directory.
+// Supported dtypes: F8_E4M3 weights, F32 or BF16 scales.
+//
+// A checkpoint directory holds model.safetensors.index.json (whose
+// weight_map names the shard of every tensor; only the shards holding the
+// layer's experts are opened, and each tensor is read on its own) or a
+// single model.safetensors, and usually config.json. From config.json the
+// server takes what the fields below leave unset: the number of experts,
+// top_k, the routing (softmax or sigmoid, norm_topk_prob, n_group,
+// topk_group, routed_scaling_factor, the correction bias tensor of
+// noaux_tc / Nemotron-H routing) and quantization_config.weight_block_size;
+// it checks hidden_act against the preset's activation. Qwen3-VL's
+// text_config is read the same way. The routing is returned in
+// ExpertSetInfo.routing for the caller to send with FusedMoE.
 type LoadExpertsRequest_SafetensorsSource struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Name to load under (same rules as Header.name).
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	// File path relative to the server's weights directory; may not leave
-	// it (no "..", no absolute path, no symlink escapes).
+	// File or checkpoint directory path relative to the server's weights
+	// directory; may not leave it (no "..", no absolute path, no symlink
+	// escapes), nor may the shards an index names.
 	Path string `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// Layer index substituted for {L} in the names.
 	Layer int32 `protobuf:"varint,3,opt,name=layer,proto3" json:"layer,omitempty"`
@@ -2491,10 +2534,34 @@ type LoadExpertsRequest_SafetensorsSource struct {
 	// Replace a set of the same name.
 	Overwrite bool `protobuf:"varint,11,opt,name=overwrite,proto3" json:"overwrite,omitempty"`
 	// [Bn, Bk] of block-scaled weights, used when a weight scale is a 2-D
-	// tile grid (e.g. Qwen3 FP8 "weight_scale_inv"); empty means [128, 128].
+	// tile grid (e.g. Qwen3 FP8 "weight_scale_inv"); empty means
+	// config.json's quantization_config.weight_block_size, else [128, 128].
 	WeightBlockShape []int32 `protobuf:"varint,12,rep,packed,name=weight_block_shape,json=weightBlockShape,proto3" json:"weight_block_shape,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// What precedes "layers.{L}" in a preset's names, replacing its own
+	// ("model." or "backbone."), e.g. "model.language_model." for Qwen3-VL.
+	// Empty: the preset's, or in a checkpoint directory whichever of the
+	// two the index holds.
+	TensorPrefix string `protobuf:"bytes,13,opt,name=tensor_prefix,json=tensorPrefix,proto3" json:"tensor_prefix,omitempty"`
+	// CUSTOM only, for gated layouts stored as separate projections:
+	// per-expert gate and up weight name templates (instead of
+	// w13_template), stacked gate rows first.
+	GateTemplate string `protobuf:"bytes,14,opt,name=gate_template,json=gateTemplate,proto3" json:"gate_template,omitempty"`
+	// CUSTOM only: per-expert up-projection weight name template.
+	UpTemplate string `protobuf:"bytes,15,opt,name=up_template,json=upTemplate,proto3" json:"up_template,omitempty"`
+	// CUSTOM only: weight-scale templates of gate_template and up_template;
+	// empty means unit scales.
+	GateScaleTemplate string `protobuf:"bytes,16,opt,name=gate_scale_template,json=gateScaleTemplate,proto3" json:"gate_scale_template,omitempty"`
+	// CUSTOM only: per-expert up-projection weight-scale name template.
+	UpScaleTemplate string `protobuf:"bytes,17,opt,name=up_scale_template,json=upScaleTemplate,proto3" json:"up_scale_template,omitempty"`
+	// CUSTOM only: per-expert static input-scale template of GEMM1's
+	// input (used for gate and up alike); empty means dynamic activation
+	// quantization.
+	W13InputScaleTemplate string `protobuf:"bytes,18,opt,name=w13_input_scale_template,json=w13InputScaleTemplate,proto3" json:"w13_input_scale_template,omitempty"`
+	// CUSTOM only: per-expert static input-scale template of GEMM2's input
+	// (w2's); empty means dynamic.
+	W2InputScaleTemplate string `protobuf:"bytes,19,opt,name=w2_input_scale_template,json=w2InputScaleTemplate,proto3" json:"w2_input_scale_template,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *LoadExpertsRequest_SafetensorsSource) Reset() {
@@ -2609,6 +2676,55 @@ func (x *LoadExpertsRequest_SafetensorsSource) GetWeightBlockShape() []int32 {
 		return x.WeightBlockShape
 	}
 	return nil
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetTensorPrefix() string {
+	if x != nil {
+		return x.TensorPrefix
+	}
+	return ""
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetGateTemplate() string {
+	if x != nil {
+		return x.GateTemplate
+	}
+	return ""
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetUpTemplate() string {
+	if x != nil {
+		return x.UpTemplate
+	}
+	return ""
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetGateScaleTemplate() string {
+	if x != nil {
+		return x.GateScaleTemplate
+	}
+	return ""
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetUpScaleTemplate() string {
+	if x != nil {
+		return x.UpScaleTemplate
+	}
+	return ""
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetW13InputScaleTemplate() string {
+	if x != nil {
+		return x.W13InputScaleTemplate
+	}
+	return ""
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetW2InputScaleTemplate() string {
+	if x != nil {
+		return x.W2InputScaleTemplate
+	}
+	return ""
 }
 
 // BackendInfo is one backend's capabilities.
@@ -2947,7 +3063,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\td2h_nanos\x18\x05 \x01(\x03R\bd2hNanos\x12\x1f\n" +
 	"\vtotal_nanos\x18\x06 \x01(\x03R\n" +
 	"totalNanos\x12#\n" +
-	"\rreceive_nanos\x18\a \x01(\x03R\freceiveNanos\"\xb5\a\n" +
+	"\rreceive_nanos\x18\a \x01(\x03R\freceiveNanos\"\xec\t\n" +
 	"\x12LoadExpertsRequest\x12?\n" +
 	"\x06header\x18\x01 \x01(\v2%.expertd.v1.LoadExpertsRequest.HeaderH\x00R\x06header\x12<\n" +
 	"\x05chunk\x18\x02 \x01(\v2$.expertd.v1.LoadExpertsRequest.ChunkH\x00R\x05chunk\x12T\n" +
@@ -2962,7 +3078,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x05Chunk\x12\x16\n" +
 	"\x06tensor\x18\x01 \x01(\tR\x06tensor\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x12\n" +
-	"\x04data\x18\x03 \x01(\fR\x04data\x1a\xc6\x03\n" +
+	"\x04data\x18\x03 \x01(\fR\x04data\x1a\xfd\x05\n" +
 	"\x11SafetensorsSource\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x14\n" +
@@ -2980,8 +3096,16 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	" \x01(\x05R\n" +
 	"numExperts\x12\x1c\n" +
 	"\toverwrite\x18\v \x01(\bR\toverwrite\x12,\n" +
-	"\x12weight_block_shape\x18\f \x03(\x05R\x10weightBlockShapeB\t\n" +
-	"\apayload\"\xd9\x04\n" +
+	"\x12weight_block_shape\x18\f \x03(\x05R\x10weightBlockShape\x12#\n" +
+	"\rtensor_prefix\x18\r \x01(\tR\ftensorPrefix\x12#\n" +
+	"\rgate_template\x18\x0e \x01(\tR\fgateTemplate\x12\x1f\n" +
+	"\vup_template\x18\x0f \x01(\tR\n" +
+	"upTemplate\x12.\n" +
+	"\x13gate_scale_template\x18\x10 \x01(\tR\x11gateScaleTemplate\x12*\n" +
+	"\x11up_scale_template\x18\x11 \x01(\tR\x0fupScaleTemplate\x127\n" +
+	"\x18w13_input_scale_template\x18\x12 \x01(\tR\x15w13InputScaleTemplate\x125\n" +
+	"\x17w2_input_scale_template\x18\x13 \x01(\tR\x14w2InputScaleTemplateB\t\n" +
+	"\apayload\"\x88\x05\n" +
 	"\rExpertSetInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x126\n" +
 	"\n" +
@@ -3003,7 +3127,8 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x05bytes\x18\f \x01(\x03R\x05bytes\x12 \n" +
 	"\vfingerprint\x18\r \x01(\tR\vfingerprint\x12\x18\n" +
 	"\abackend\x18\x0e \x01(\tR\abackend\x127\n" +
-	"\tloaded_at\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\bloadedAt\"\x14\n" +
+	"\tloaded_at\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\bloadedAt\x12-\n" +
+	"\arouting\x18\x10 \x01(\v2\x13.expertd.v1.RoutingR\arouting\"\x14\n" +
 	"\x12ListExpertsRequest\"Q\n" +
 	"\x13ListExpertsResponse\x12:\n" +
 	"\vexpert_sets\x18\x01 \x03(\v2\x19.expertd.v1.ExpertSetInfoR\n" +
@@ -3097,12 +3222,15 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\aScoring\x12\x17\n" +
 	"\x13SCORING_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fSCORING_SOFTMAX\x10\x01\x12\x13\n" +
-	"\x0fSCORING_SIGMOID\x10\x02*\x82\x01\n" +
+	"\x0fSCORING_SIGMOID\x10\x02*\xd4\x01\n" +
 	"\fNamingPreset\x12\x1d\n" +
 	"\x19NAMING_PRESET_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18NAMING_PRESET_NEMOTRON_H\x10\x01\x12\x1b\n" +
 	"\x17NAMING_PRESET_QWEN3_MOE\x10\x02\x12\x18\n" +
-	"\x14NAMING_PRESET_CUSTOM\x10\x03*u\n" +
+	"\x14NAMING_PRESET_CUSTOM\x10\x03\x12\x1d\n" +
+	"\x19NAMING_PRESET_DEEPSEEK_V3\x10\x04\x12\x19\n" +
+	"\x15NAMING_PRESET_MIXTRAL\x10\x05\x12\x16\n" +
+	"\x12NAMING_PRESET_AUTO\x10\x06*u\n" +
 	"\x10SharedMemoryKind\x12\"\n" +
 	"\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18SHARED_MEMORY_KIND_POSIX\x10\x01\x12\x1f\n" +
@@ -3202,44 +3330,45 @@ var file_expertd_v1_expert_proto_depIdxs = []int32{
 	31, // 26: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
 	1,  // 27: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
 	35, // 28: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
-	13, // 29: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
-	32, // 30: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
-	33, // 31: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
-	34, // 32: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
-	4,  // 33: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
-	22, // 34: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
-	4,  // 35: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
-	35, // 36: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
-	22, // 37: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
-	7,  // 38: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
-	3,  // 39: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
-	1,  // 40: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
-	1,  // 41: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
-	12, // 42: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
-	14, // 43: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
-	16, // 44: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
-	9,  // 45: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
-	9,  // 46: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
-	18, // 47: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
-	20, // 48: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
-	23, // 49: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
-	25, // 50: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
-	27, // 51: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
-	13, // 52: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
-	15, // 53: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
-	17, // 54: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
-	10, // 55: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
-	10, // 56: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
-	19, // 57: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
-	21, // 58: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
-	24, // 59: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
-	26, // 60: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
-	28, // 61: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
-	52, // [52:62] is the sub-list for method output_type
-	42, // [42:52] is the sub-list for method input_type
-	42, // [42:42] is the sub-list for extension type_name
-	42, // [42:42] is the sub-list for extension extendee
-	0,  // [0:42] is the sub-list for field type_name
+	8,  // 29: expertd.v1.ExpertSetInfo.routing:type_name -> expertd.v1.Routing
+	13, // 30: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
+	32, // 31: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
+	33, // 32: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
+	34, // 33: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
+	4,  // 34: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
+	22, // 35: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
+	4,  // 36: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
+	35, // 37: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
+	22, // 38: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
+	7,  // 39: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
+	3,  // 40: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
+	1,  // 41: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
+	1,  // 42: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
+	12, // 43: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
+	14, // 44: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
+	16, // 45: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
+	9,  // 46: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
+	9,  // 47: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
+	18, // 48: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
+	20, // 49: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
+	23, // 50: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
+	25, // 51: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
+	27, // 52: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
+	13, // 53: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
+	15, // 54: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
+	17, // 55: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
+	10, // 56: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
+	10, // 57: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
+	19, // 58: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
+	21, // 59: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
+	24, // 60: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
+	26, // 61: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
+	28, // 62: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
+	53, // [53:63] is the sub-list for method output_type
+	43, // [43:53] is the sub-list for method input_type
+	43, // [43:43] is the sub-list for extension type_name
+	43, // [43:43] is the sub-list for extension extendee
+	0,  // [0:43] is the sub-list for field type_name
 }
 
 func init() { file_expertd_v1_expert_proto_init() }

@@ -1,0 +1,1 @@
+"""Generated stubs of expertd.v1 (scripts/gen-proto-python.sh writes them)."""

@@ -1,0 +1,291 @@
+// Command expertd-load loads MoE layers of a Hugging Face checkpoint into a
+// running expertd. The daemon reads the weights itself, from a checkpoint
+// directory under its -weights-dir (model.safetensors.index.json, shards,
+// config.json); this command names the directory and the layers and shows
+// a progress bar.
+//
+//	expertd-load -addr localhost:50051 -path Qwen3-30B-A3B-FP8 -layers all
+//	expertd-load -path DeepSeek-V3 -layers 3-60 -name 'dsv3/layer{L}'
+//
+// -layers all needs the layer count: -num-layers, or -config naming a copy
+// of the checkpoint's config.json (num_hidden_layers) that this process can
+// read. Layers without routed experts (DeepSeek-V3's first dense layers,
+// Nemotron-H's Mamba and attention layers) are skipped.
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/status"
+
+	"github.com/expertd/expertd/client"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+)
+
+// config is the command line.
+type config struct {
+	addr, path, layers, name, preset, prefix string
+	numLayers                                int
+	configPath                               string
+	overwrite                                bool
+	timeout                                  time.Duration
+	tlsCA, tlsCert, tlsKey, serverName       string
+	tokenFile                                string
+	progress                                 string
+}
+
+func parseFlags(args []string, stderr io.Writer) (config, error) {
+	var c config
+	fs := flag.NewFlagSet("expertd-load", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&c.addr, "addr", "localhost:50051", "daemon address")
+	fs.StringVar(&c.path, "path", "", "checkpoint directory (or .safetensors file), relative to the daemon's -weights-dir")
+	fs.StringVar(&c.layers, "layers", "", `layers to load: "all", or a list of indices and ranges ("0", "3-60", "0,2,4-7")`)
+	fs.IntVar(&c.numLayers, "num-layers", 0, "layer count for -layers all (default: num_hidden_layers of -config)")
+	fs.StringVar(&c.configPath, "config", "", "a local copy of the checkpoint's config.json, for -layers all")
+	fs.StringVar(&c.name, "name", "", `expert set name, {L} replaced by the layer (default "<path>/layer{L}")`)
+	fs.StringVar(&c.preset, "preset", "auto", "naming preset: auto, nemotron_h, qwen3_moe, deepseek_v3, mixtral")
+	fs.StringVar(&c.prefix, "tensor-prefix", "", `what precedes "layers.{L}" in tensor names, if not the preset's`)
+	fs.BoolVar(&c.overwrite, "overwrite", false, "replace sets of the same names")
+	fs.DurationVar(&c.timeout, "timeout", 10*time.Minute, "deadline of each layer's load")
+	fs.StringVar(&c.tlsCA, "tls-ca", "", "PEM roots to verify the daemon's certificate (turns TLS on)")
+	fs.StringVar(&c.tlsCert, "tls-cert", "", "client certificate for mutual TLS (PEM)")
+	fs.StringVar(&c.tlsKey, "tls-key", "", "client key for mutual TLS (PEM)")
+	fs.StringVar(&c.serverName, "server-name", "", "name to verify in the daemon's certificate")
+	fs.StringVar(&c.tokenFile, "token-file", "", "file holding an admin bearer token (LoadExperts needs the admin role)")
+	fs.StringVar(&c.progress, "progress", "auto", "progress bar: auto (when stderr is a terminal), bar, lines, none")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if c.path == "" || c.layers == "" {
+		return c, errors.New("-path and -layers are required")
+	}
+	if c.name == "" {
+		c.name = strings.TrimSuffix(c.path, "/") + "/layer{L}"
+	}
+	if !strings.Contains(c.name, "{L}") && c.layers != "" && !isSingle(c.layers) {
+		return c, errors.New("-name must contain {L} when loading several layers")
+	}
+	if (c.tlsCert == "") != (c.tlsKey == "") {
+		return c, errors.New("-tls-cert and -tls-key go together")
+	}
+	return c, nil
+}
+
+func isSingle(spec string) bool {
+	_, err := strconv.Atoi(spec)
+	return err == nil
+}
+
+// parseLayers expands "all" (with n layers) or a list of indices and
+// ranges, in order, without repeats.
+func parseLayers(spec string, n int) ([]int, error) {
+	if spec == "all" {
+		if n < 1 {
+			return nil, errors.New("-layers all needs -num-layers or -config")
+		}
+		out := make([]int, n)
+		for i := range out {
+			out[i] = i
+		}
+		return out, nil
+	}
+	var out []int
+	seen := map[int]bool{}
+	for _, part := range strings.Split(spec, ",") {
+		lo, hi, isRange := strings.Cut(strings.TrimSpace(part), "-")
+		a, err := strconv.Atoi(lo)
+		b := a
+		if err == nil && isRange {
+			b, err = strconv.Atoi(hi)
+		}
+		if err != nil || a < 0 || b < a || b-a > 1<<16 {
+			return nil, fmt.Errorf("-layers: %q is not an index or a range a-b", part)
+		}
+		for l := a; l <= b; l++ {
+			if !seen[l] {
+				seen[l] = true
+				out = append(out, l)
+			}
+		}
+	}
+	return out, nil
+}
+
+func numHiddenLayers(path string) (int, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, err
+	}
+	var cfg struct {
+		N    int `json:"num_hidden_layers"`
+		Text *struct {
+			N int `json:"num_hidden_layers"`
+		} `json:"text_config"`
+	}
+	if err := json.Unmarshal(b, &cfg); err != nil {
+		return 0, fmt.Errorf("%s: %w", path, err)
+	}
+	if cfg.N == 0 && cfg.Text != nil {
+		cfg.N = cfg.Text.N
+	}
+	if cfg.N < 1 {
+		return 0, fmt.Errorf("%s has no num_hidden_layers", path)
+	}
+	return cfg.N, nil
+}
+
+func presetOf(name string) (pb.NamingPreset, error) {
+	v, ok := pb.NamingPreset_value["NAMING_PRESET_"+strings.ToUpper(name)]
+	if !ok || v == int32(pb.NamingPreset_NAMING_PRESET_CUSTOM) || v == 0 {
+		return 0, fmt.Errorf("-preset %q: want auto, nemotron_h, qwen3_moe, deepseek_v3 or mixtral", name)
+	}
+	return pb.NamingPreset(v), nil
+}
+
+// loaded is the outcome of one layer.
+type loaded struct {
+	layer   int
+	info    *pb.ExpertSetInfo
+	skipped bool
+}
+
+// loadLayers loads each layer in turn, reporting to prog; a layer the
+// daemon finds no experts in (NotFound) is skipped, any other failure
+// stops the run.
+func loadLayers(ctx context.Context, rpc pb.ExpertServiceClient, c config, layers []int, prog *progress) ([]loaded, error) {
+	preset, err := presetOf(c.preset)
+	if err != nil {
+		return nil, err
+	}
+	var out []loaded
+	for i, l := range layers {
+		name := strings.ReplaceAll(c.name, "{L}", strconv.Itoa(l))
+		prog.start(i, l)
+		info, err := loadOne(ctx, rpc, c, &pb.LoadExpertsRequest_SafetensorsSource{
+			Name: name, Path: c.path, Layer: int32(l), Preset: preset, TensorPrefix: c.prefix, Overwrite: c.overwrite,
+		})
+		if status.Code(err) == codes.NotFound && len(layers) > 1 && strings.Contains(status.Convert(err).Message(), "no tensor of layer") {
+			out = append(out, loaded{layer: l, skipped: true})
+			prog.done(i+1, l, 0, "no experts, skipped")
+			continue
+		}
+		if err != nil {
+			prog.finish()
+			return out, fmt.Errorf("layer %d (%s): %w", l, name, err)
+		}
+		out = append(out, loaded{layer: l, info: info})
+		prog.done(i+1, l, info.GetBytes(), name)
+	}
+	prog.finish()
+	return out, nil
+}
+
+func loadOne(ctx context.Context, rpc pb.ExpertServiceClient, c config, src *pb.LoadExpertsRequest_SafetensorsSource) (*pb.ExpertSetInfo, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	stream, err := rpc.LoadExperts(ctx)
+	if err != nil {
+		return nil, err
+	}
+	// A Send error means the server answered already; CloseAndRecv has it.
+	_ = stream.Send(&pb.LoadExpertsRequest{Payload: &pb.LoadExpertsRequest_Safetensors{Safetensors: src}})
+	return stream.CloseAndRecv()
+}
+
+func dialOptions(c config) ([]client.Option, error) {
+	var opts []client.Option
+	if c.tlsCA != "" || c.tlsCert != "" {
+		tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.serverName}
+		if c.tlsCA != "" {
+			pem, err := os.ReadFile(c.tlsCA)
+			if err != nil {
+				return nil, err
+			}
+			tc.RootCAs = x509.NewCertPool()
+			if !tc.RootCAs.AppendCertsFromPEM(pem) {
+				return nil, fmt.Errorf("-tls-ca %s holds no PEM certificate", c.tlsCA)
+			}
+		}
+		if c.tlsCert != "" {
+			cert, err := tls.LoadX509KeyPair(c.tlsCert, c.tlsKey)
+			if err != nil {
+				return nil, err
+			}
+			tc.Certificates = []tls.Certificate{cert}
+		}
+		opts = append(opts, client.WithTransportCredentials(credentials.NewTLS(tc)))
+	}
+	if c.tokenFile != "" {
+		b, err := os.ReadFile(c.tokenFile)
+		if err != nil {
+			return nil, err
+		}
+		opts = append(opts, client.WithBearerToken(strings.TrimSpace(string(b))))
+	}
+	return opts, nil
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	c, err := parseFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	n := c.numLayers
+	if c.layers == "all" && n == 0 && c.configPath != "" {
+		if n, err = numHiddenLayers(c.configPath); err != nil {
+			return err
+		}
+	}
+	layers, err := parseLayers(c.layers, n)
+	if err != nil {
+		return err
+	}
+	opts, err := dialOptions(c)
+	if err != nil {
+		return err
+	}
+	cl, err := client.Dial(ctx, c.addr, opts...)
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	prog := newProgress(stderr, c.progress, len(layers))
+	res, err := loadLayers(ctx, cl.RPC(), c, layers, prog)
+	var sets, skipped int
+	var bytes int64
+	for _, r := range res {
+		if r.skipped {
+			skipped++
+			continue
+		}
+		sets++
+		bytes += r.info.GetBytes()
+		fmt.Fprintf(stdout, "%s\tlayer %d\tE=%d K=%d N=%d\t%d bytes\t%s\n", r.info.GetName(), r.layer,
+			r.info.GetNumExperts(), r.info.GetHiddenSize(), r.info.GetIntermediateSize(), r.info.GetBytes(), r.info.GetFingerprint())
+	}
+	fmt.Fprintf(stderr, "expertd-load: %d sets loaded (%s), %d layers without experts skipped\n", sets, humanBytes(bytes), skipped)
+	return err
+}
+
+func main() {
+	if err := run(context.Background(), os.Args[1:], os.Stdout, os.Stderr); err != nil {
+		if !errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintln(os.Stderr, "expertd-load:", err)
+		}
+		os.Exit(1)
+	}
+}
