@@ -25,6 +25,14 @@ import numpy as np
 
 
 def load_stubs(proto_root):
+    try:
+        # The expertd package's committed stubs, when it is installed or on
+        # PYTHONPATH (clients/python) and this protobuf runtime reads them.
+        from expertd.v1 import expert_pb2, expert_pb2_grpc  # noqa: E402
+
+        return expert_pb2, expert_pb2_grpc
+    except ImportError:
+        pass
     import grpc_tools
     from grpc_tools import protoc
 
