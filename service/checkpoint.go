@@ -40,7 +40,7 @@ const (
 // weightsIsDir reports whether rel names a directory in the weights
 // directory (with openWeights' confinement).
 func (s *Server) weightsIsDir(rel string) (bool, error) {
-	f, err := s.openWeights(rel)
+	f, err := s.openWeightsPath(rel, true)
 	if err != nil {
 		return false, err
 	}
@@ -66,13 +66,13 @@ func (s *Server) readWeightsJSON(rel string, v any) (bool, error) {
 	defer f.Close()
 	b, err := io.ReadAll(io.LimitReader(f, maxJSONFile+1))
 	if err != nil {
-		return false, invalidf("safetensors.path", "%s: %v", truncate(rel, 256), err)
+		return false, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
 	}
 	if len(b) > maxJSONFile {
-		return false, invalidf("safetensors.path", "%s is larger than %d bytes", truncate(rel, 256), maxJSONFile)
+		return false, invalidf("safetensors.path", "%s is larger than %d bytes", Quote(rel), maxJSONFile)
 	}
 	if err := json.Unmarshal(b, v); err != nil {
-		return false, invalidf("safetensors.path", "%s: %v", truncate(rel, 256), err)
+		return false, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
 	}
 	return true, nil
 }
@@ -300,7 +300,7 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 			}
 		}
 		if len(shards) > maxShards {
-			return nil, nil, invalidf("safetensors.path", "%s: the layer spans %d shards, more than %d", truncate(dir, 256), len(shards), maxShards)
+			return nil, nil, invalidf("safetensors.path", "%s: the layer spans %d shards, more than %d", Quote(dir), len(shards), maxShards)
 		}
 		slices.Sort(shards)
 	} else {
@@ -318,7 +318,7 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 	for _, shard := range shards {
 		if strings.Contains(shard, "/") || shard == ".." {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: shard %q: want a file name in the checkpoint directory", truncate(dir, 256), truncate(shard, 256))
+			return nil, nil, invalidf("safetensors.path", "%s: shard %s: want a file name in the checkpoint directory", Quote(dir), Quote(shard))
 		}
 		rel := path.Join(dir, shard)
 		fh, err := s.openWeights(rel)
@@ -334,12 +334,12 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 		}
 		if !st.Mode().IsRegular() {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: not a regular file", truncate(rel, 256))
+			return nil, nil, invalidf("safetensors.path", "%s: not a regular file", Quote(rel))
 		}
 		f, err := parseSafetensors(fh, st.Size())
 		if err != nil {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: %v", truncate(rel, 256), err)
+			return nil, nil, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
 		}
 		for name, t := range f.tensors {
 			if !wanted(name) || (found && owner[name] != shard) {
@@ -354,7 +354,7 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 	for name, shard := range owner {
 		if _, ok := merged.tensors[name]; !ok {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: the index puts %q in %s, which does not hold it", truncate(dir, 256), truncate(name, 256), truncate(shard, 256))
+			return nil, nil, invalidf("safetensors.path", "%s: the index puts %s in %s, which does not hold it", Quote(dir), Quote(name), Quote(shard))
 		}
 	}
 	merged.r = mr
@@ -379,8 +379,8 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 			p, ok = presetOfModelType[tc.ModelType]
 		}
 		if !haveCfg || !ok {
-			return nil, invalidf("safetensors.preset", "NAMING_PRESET_AUTO: %s/config.json model_type %q is not one of nemotron_h, qwen3_moe, qwen3_vl_moe, deepseek_v3, kimi_k2, mixtral",
-				truncate(dir, 256), truncate(cfg.ModelType, 64))
+			return nil, invalidf("safetensors.preset", "NAMING_PRESET_AUTO: %s/config.json model_type %s is not one of nemotron_h, qwen3_moe, qwen3_vl_moe, deepseek_v3, kimi_k2, mixtral",
+				Quote(dir), Quote(cfg.ModelType))
 		}
 		src.Preset = p.preset
 		if src.GetTensorPrefix() == "" {
@@ -416,7 +416,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	if len(f.tensors) == 0 {
 		// NotFound, not InvalidArgument: a dense layer of a MoE model has
 		// no experts, which a caller loading every layer skips.
-		return nil, codedf(codes.NotFound, "safetensors.layer", "%s: no tensor of layer %d starts with %q", truncate(dir, 256), src.GetLayer(), truncate(common, 256))
+		return nil, codedf(codes.NotFound, "safetensors.layer", "%s: no tensor of layer %d starts with %s", Quote(dir), src.GetLayer(), Quote(common))
 	}
 	rt, err := configRouting(f, tc, src, bias)
 	if err != nil {
@@ -425,7 +425,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	// A layer of a large checkpoint takes seconds to read; the log shows
 	// each one start and end (with "expert set loaded").
 	began := time.Now()
-	s.log.InfoContext(ctx, "reading expert set from checkpoint", slog.String("name", src.GetName()), slog.String("path", truncate(dir, 256)),
+	s.log.InfoContext(ctx, "reading expert set from checkpoint", slog.String("name", src.GetName()), slog.String("path", Clip(dir)),
 		slog.Int("layer", int(src.GetLayer())), slog.Int("shards", len(f.r.(*multiReaderAt).parts)), slog.Int("tensors", len(f.tensors)))
 	info, err := s.loadAssembled(ctx, f, src, subset, rt, int(tc.TopK))
 	if err == nil {
@@ -442,14 +442,6 @@ func commonPrefix(a, b string) int {
 	return i
 }
 
-// truncate bounds a string from a file before it reaches a message.
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return s[:n] + "..."
-}
-
 // checkActivation refuses a config whose activation is not the preset's.
 func checkActivation(c *moeConfig, act pb.Activation) error {
 	got := c.HiddenAct
@@ -464,7 +456,7 @@ func checkActivation(c *moeConfig, act pb.Activation) error {
 		pb.Activation_ACTIVATION_RELU2:      {"relu2"},
 	}[act]
 	if !slices.Contains(want, got) {
-		return invalidf("safetensors.path", "config.json activation %q does not match the preset's %v (want %v)", truncate(got, 64), act, want)
+		return invalidf("safetensors.path", "config.json activation %s does not match the preset's %v (want %v)", Quote(got), act, want)
 	}
 	return nil
 }
@@ -494,7 +486,7 @@ func configRouting(f *stFile, c *moeConfig, src *pb.LoadExpertsRequest_Safetenso
 		r.Scoring = pb.Scoring_SCORING_SOFTMAX
 	case "":
 	default:
-		return nil, invalidf("safetensors.path", "config.json scoring_func %q: want softmax or sigmoid", truncate(c.ScoringFunc, 64))
+		return nil, invalidf("safetensors.path", "config.json scoring_func %s: want softmax or sigmoid", Quote(c.ScoringFunc))
 	}
 	if c.NGroup > 0 {
 		r.NumExpertGroups, r.TopkGroups = int32(c.NGroup), int32(c.TopKGroup)
@@ -508,7 +500,7 @@ func configRouting(f *stFile, c *moeConfig, src *pb.LoadExpertsRequest_Safetenso
 	if _, ok := f.tensors[bias]; ok && bias != "" {
 		_, v, err := f.floats(bias)
 		if err != nil {
-			return nil, invalidf("safetensors", "%s: %v", truncate(src.GetPath(), 256), err)
+			return nil, invalidf("safetensors", "%s: %v", Quote(src.GetPath()), err)
 		}
 		r.CorrectionBias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{int64(len(v))}, Source: &pb.Tensor_Data{Data: float32Bytes(v)}}
 	}
@@ -532,7 +524,7 @@ func (s *Server) loadAssembled(ctx context.Context, f *stFile, src *pb.LoadExper
 	defer a.release()
 	if rt != nil {
 		if _, err := checkRouting(rt, a.set.E); err != nil {
-			return nil, invalidf("safetensors.path", "%s/config.json gives a routing the set cannot take: %v", truncate(src.GetPath(), 256), err)
+			return nil, invalidf("safetensors.path", "%s/config.json gives a routing the set cannot take: %v", Quote(src.GetPath()), err)
 		}
 	}
 	info, err := s.commitRouted(ctx, src.GetName(), a.set, a.bytes, fingerprint(a.bufs), hint, rt, src.GetOverwrite())

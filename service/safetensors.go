@@ -191,6 +191,12 @@ const maxPathBytes = 4096
 // non-blocking, so a FIFO (or a device) cannot stall the call, and fstat
 // on the open descriptor decides. Messages name rel, never the directory.
 func (s *Server) openWeights(rel string) (*os.File, error) {
+	return s.openWeightsPath(rel, false)
+}
+
+// openWeightsPath is openWeights that also takes a directory when dirOK
+// (a checkpoint directory); what it refuses is the same.
+func (s *Server) openWeightsPath(rel string, dirOK bool) (*os.File, error) {
 	const field = "safetensors.path"
 	if s.cfg.WeightsDir == "" {
 		return nil, codedf(codes.FailedPrecondition, field, "this server has no weights directory configured")
@@ -235,9 +241,9 @@ func (s *Server) openWeights(rel string) (*os.File, error) {
 		f.Close()
 		return nil, invalidf(field, "%s: %v", Quote(rel), pathless(err))
 	}
-	if !st.Mode().IsRegular() {
+	if !st.Mode().IsRegular() && !(dirOK && st.IsDir()) {
 		f.Close()
-		return nil, invalidf(field, "%s is not a regular file (%v); want a .safetensors file", Quote(rel), st.Mode().Type())
+		return nil, invalidf(field, "%s is not a regular file (%v); want a .safetensors file or a checkpoint directory", Quote(rel), st.Mode().Type())
 	}
 	return f, nil
 }

@@ -340,7 +340,9 @@ func TestLoadSafetensorsErrors(t *testing.T) {
 		// Issue 14: bounded strings, relative paths only, regular files only,
 		// a bounded header.
 		{"file used as a directory", dir, nem("ok.safetensors/x"), codes.InvalidArgument, `safetensors.path: "ok.safetensors/x": not a directory`},
-		{"directory", dir, nem("adir.safetensors"), codes.InvalidArgument, `safetensors.path: "adir.safetensors" is not a regular file`},
+		// A directory is a checkpoint directory: one without an index or a
+		// model.safetensors names the file it looked for.
+		{"directory without a checkpoint", dir, nem("adir.safetensors"), codes.NotFound, `safetensors.path: "adir.safetensors/model.safetensors": no such file`},
 		{"header over 16 MiB", dir, nem("hugeheader.safetensors"), codes.InvalidArgument, "the 16 MiB header limit"},
 		{"1 MiB path", dir, nem(long), codes.InvalidArgument, "safetensors.path: \"" + long[:128] + "\"... (1048576 bytes): 1048576 bytes, want at most 4096"},
 		{"1 MiB template", dir, func() *pb.LoadExpertsRequest_SafetensorsSource {
