@@ -14,6 +14,7 @@ import (
 
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 )
 
 // Dynamic batching: FusedMoE calls on the same loaded expert set that
@@ -154,7 +155,7 @@ func newBatcher(s *Server, cfg Config) *batcher {
 // req leaves room for another call's tokens, and its tensors and output
 // are in host memory (see the comment above).
 func (bt *batcher) accepts(req *kernels.Request) bool {
-	return bt != nil && req.M() < bt.maxTokens && req.Hidden.Dev == 0 && req.Logits.Dev == 0 && req.OutDev == 0
+	return bt != nil && req.M() < bt.maxTokens && req.Hidden.Memory != moe.Device && req.Logits.Memory != moe.Device && req.OutDev == 0
 }
 
 // batchKey is what calls must share to merge.

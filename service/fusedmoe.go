@@ -17,6 +17,7 @@ import (
 
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -236,7 +237,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		defer s.reg.done(ent)
 		setLabel = ex.ExpertSet
 		loaded, set = ent.loaded, ent.loaded.Set()
-		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}, sh.devices()); err != nil {
+		if kreq, err = checkRequest(req, set, moe.Limits{MaxTokens: s.cfg.MaxTokens}, sh); err != nil {
 			return nil, nil, err
 		}
 		decoded = time.Now()
@@ -244,10 +245,10 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		// Validate the whole call before Load: a device backend copies the
 		// weights to the GPU, which a bad request should never cost.
 		var n int64
-		if set, n, err = inlineSet(ex.Weights); err != nil {
+		if set, n, err = inlineSet(ex.Weights, sh); err != nil {
 			return nil, nil, err
 		}
-		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}, sh.devices()); err != nil {
+		if kreq, err = checkRequest(req, set, moe.Limits{MaxTokens: s.cfg.MaxTokens}, sh); err != nil {
 			return nil, nil, err
 		}
 		if err := s.reg.reserve("weights", n); err != nil {

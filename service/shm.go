@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -39,9 +40,9 @@ import (
 //
 // A POSIX region is a mapping of the caller's object, which the backend
 // page-locks when it can (HostPinner), so a GPU's copies from and to it
-// are DMA. A CUDA IPC region is device memory the backend opened from the
+// are DMA; its tensors reach the backend as moe.Pinned memory. A CUDA IPC region is device memory the backend opened from the
 // caller's cudaIpcMemHandle_t (IPCOpener): tensors there reach the backend
-// as device addresses (kernels.Tensor.Dev, kernels.Request.OutDev) and
+// as device addresses (moe.Device tensors, kernels.Request.OutDev) and
 // are never copied through the host. Only hidden_states, router_logits and
 // the output may live there; every other tensor is read on the host
 // (decoded scales, routing ids), so it must be in host memory.
@@ -597,26 +598,38 @@ func (s *Server) listShm(ctx context.Context, req *pb.ListSharedMemoryRequest) (
 }
 
 // shmCall is what one FusedMoE call holds in shared memory: the regions it
-// references (each acquired once), its tensors in device memory and where
-// its output goes. A nil *shmCall holds nothing.
+// references (each acquired once), where each of its shared-memory tensors
+// is, and where its output goes. A nil *shmCall holds nothing.
 type shmCall struct {
 	t    *shmTable
 	used []*region
-	// dev are the request's tensors in CUDA IPC regions, for validation.
-	dev deviceRefs
-	// out is a POSIX output_shm's bytes, or dev.out a CUDA IPC one's
+	// mem are the request's shared-memory tensors by field, resolved:
+	// host bytes of a POSIX region, or a CUDA IPC region's device address.
+	mem map[string]kernels.Tensor
+	// out is a POSIX output_shm's bytes, or outDev a CUDA IPC one's
 	// address; outRef is the reference the response returns. All are
 	// unset without output_shm.
 	out    []byte
+	outDev uintptr
 	outRef *pb.SharedMemoryRef
 }
 
-// devices is what validation needs to know of c's device tensors.
-func (c *shmCall) devices() deviceRefs {
+// memory is where field's shared-memory tensor is (Memory and Data or
+// Dev); ok is false when nothing resolved it (shared memory disabled).
+func (c *shmCall) memory(field string) (kernels.Tensor, bool) {
 	if c == nil {
-		return deviceRefs{}
+		return kernels.Tensor{}, false
 	}
-	return c.dev
+	t, ok := c.mem[field]
+	return t, ok
+}
+
+// outDevice is a CUDA IPC output_shm's device address, 0 for none.
+func (c *shmCall) outDevice() uintptr {
+	if c == nil {
+		return 0
+	}
+	return c.outDev
 }
 
 // deviceFields are the only request fields a CUDA IPC region may hold,
@@ -651,16 +664,16 @@ func requestTensors(req *pb.FusedMoERequest) []shmTensor {
 // dtype suits the field is validate.go's business.
 var allDTypes = []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float16, kernels.Float8E4M3FN, kernels.Float8E5M2, kernels.Int32}
 
-// resolveShm turns the request's tensors in POSIX regions into inline
-// views of the caller's regions, so validation (validate.go) and the
-// backend see plain bytes with no copy, records those in CUDA IPC regions
-// as device addresses (c.dev, which validation turns into
-// kernels.Tensor.Dev), and checks output_shm. It runs before validation
-// and holds every region it touches until release, so none is unmapped
-// under the call. References are checked here (region known, offset and
-// byte_size within it and equal to the tensor's size, device memory only
-// where allowed); all else is left to validation, which refuses shm
-// tensors when this is disabled.
+// resolveShm finds where the request's shared-memory tensors are: views
+// of the caller's POSIX regions (so validation and the backend read them
+// with no copy) or device addresses in its CUDA IPC regions, and where
+// output_shm is. The request is left as it came; fromProto reads the
+// answers (shmCall.memory). It runs before validation and holds every
+// region it touches until release, so none is unmapped under the call.
+// References are checked here (region known, offset and byte_size within
+// it and equal to the tensor's size, device memory only where allowed);
+// all else is left to validation, which refuses shm tensors when this is
+// disabled.
 func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmCall, error) {
 	t := s.shm
 	if !t.enabled {
@@ -768,25 +781,25 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 			return nil, codedf(codes.FailedPrecondition, "", "shared-memory region %s: %v; unregister and register it again", Quote(r.name), err)
 		}
 	}
+	c.mem = make(map[string]kernels.Tensor, len(views))
 	for _, v := range views {
 		lo, hi := v.ref.GetOffset(), v.ref.GetOffset()+v.ref.GetByteSize()
 		if v.r.dev != nil {
-			d := deviceTensor{addr: v.r.dev.Ptr() + uintptr(lo), bytes: hi - lo}
-			if v.x.field == "hidden_states" {
-				c.dev.hidden = d
-			} else {
-				c.dev.logits = d
-			}
+			c.mem[v.x.field] = kernels.Tensor{Memory: moe.Device, Dev: v.r.dev.Ptr() + uintptr(lo)}
 			continue
 		}
+		kind := moe.Host
+		if v.r.unpin != nil {
+			kind = moe.Pinned
+		}
 		// The capacity stops an append from writing past the view.
-		v.x.t.Source = &pb.Tensor_Data{Data: v.r.m.data()[lo:hi:hi]}
+		c.mem[v.x.field] = kernels.Tensor{Memory: kind, Data: v.r.m.data()[lo:hi:hi]}
 	}
 	if out != nil {
 		ref := req.GetOutputShm()
 		lo, hi := ref.GetOffset(), ref.GetOffset()+ref.GetByteSize()
 		if out.dev != nil {
-			c.dev.out = out.dev.Ptr() + uintptr(lo)
+			c.outDev = out.dev.Ptr() + uintptr(lo)
 		} else {
 			c.out = out.m.data()[lo:hi:hi]
 		}
@@ -809,22 +822,13 @@ func checkOutputShm(req *pb.FusedMoERequest, ref *pb.SharedMemoryRef, overlaps f
 	if err != nil || len(hm.shape) != 2 {
 		return nil
 	}
-	var size int64
-	switch req.GetOutputDtype() {
-	case pb.DataType_DATA_TYPE_UNSPECIFIED, pb.DataType_DATA_TYPE_BFLOAT16:
-		size = 2
-	case pb.DataType_DATA_TYPE_FLOAT32:
-		size = 4
-	default:
+	outType, ok := moe.OutputDType(moe.DType(req.GetOutputDtype()))
+	if !ok {
 		return nil
 	}
-	out := hm.bytes / int64(hm.dtype.Size()) * size
+	out := hm.bytes / int64(hm.dtype.Size()) * int64(outType.Size())
 	if ref.GetByteSize() != out {
-		outType := pb.DataType_DATA_TYPE_BFLOAT16
-		if size == 4 {
-			outType = pb.DataType_DATA_TYPE_FLOAT32
-		}
-		return invalidf("output_shm.byte_size", "%d: the output [%d %d] of %v needs %d bytes", ref.GetByteSize(), hm.shape[0], hm.shape[1], outType, out)
+		return invalidf("output_shm.byte_size", "%d: the output [%d %d] of %v needs %d bytes", ref.GetByteSize(), hm.shape[0], hm.shape[1], outType.WireName(), out)
 	}
 	return nil
 }

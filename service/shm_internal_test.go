@@ -17,6 +17,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -133,8 +134,12 @@ func FuzzResolveShm(f *testing.F) {
 			p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
 			return p >= lo && p+uintptr(len(b)) <= lo+uintptr(len(mem))
 		}
-		h := req.GetHiddenStates().GetData()
-		if int64(len(h)) != hSize || int64(cap(h)) != hSize || !inside(h) {
+		if req.GetHiddenStates().GetShm() == nil {
+			t.Fatalf("resolveShm modified the request: %v", req.GetHiddenStates())
+		}
+		mt, ok := c.memory("hidden_states")
+		h := mt.Data
+		if !ok || mt.Memory == moe.Device || int64(len(h)) != hSize || int64(cap(h)) != hSize || !inside(h) {
 			t.Fatalf("hidden view of %d bytes (cap %d) for byte_size %d, inside the region: %v", len(h), cap(h), hSize, inside(h))
 		}
 		if int64(len(c.out)) != oSize || !inside(c.out) {
