@@ -324,8 +324,8 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 	if err := checkName("safetensors.name", src.GetName()); err != nil {
 		return nil, err
 	}
-	if !src.GetOverwrite() && s.reg.exists(src.GetName()) {
-		return nil, codedf(codes.AlreadyExists, "safetensors.name", "expert set %s is already loaded; set overwrite to replace it", Quote(src.GetName()))
+	if err := s.reg.checkFree("safetensors.name", src.GetName(), src.GetOverwrite()); err != nil {
+		return nil, err
 	}
 	for _, t := range [][2]string{{"safetensors.w13_template", src.GetW13Template()}, {"safetensors.w2_template", src.GetW2Template()},
 		{"safetensors.w13_scale_template", src.GetW13ScaleTemplate()}, {"safetensors.w2_scale_template", src.GetW2ScaleTemplate()}} {

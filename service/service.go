@@ -463,16 +463,24 @@ func wireActivation(a kernels.Activation) pb.Activation {
 }
 
 // callAttrs are the metric attributes of a call of activation a on the
-// set labelled set (a loaded set's name, or inlineLabel).
+// set labelled set (a loaded set's name, or inlineLabel); a == 0 leaves
+// the activation out (queueAttrs).
 func (s *Server) callAttrs(a kernels.Activation, set string) metric.MeasurementOption {
 	k := callAttrKey{a, set}
 	if o, ok := s.callAttrSets.Load(k); ok {
 		return o.(metric.MeasurementOption)
 	}
-	o := metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", s.backend.Name()),
-		attribute.String("activation", a.String()), attribute.String("expert_set", set)))
+	kv := []attribute.KeyValue{attribute.String("backend", s.backend.Name()), attribute.String("expert_set", set)}
+	if a != 0 {
+		kv = append(kv, attribute.String("activation", a.String()))
+	}
+	o := metric.WithAttributeSet(attribute.NewSet(kv...))
 	if s.callAttrN.Add(1) <= maxCallAttrSets {
 		s.callAttrSets.Store(k, o)
 	}
 	return o
 }
+
+// queueAttrs are the queue-time histogram's attributes, cached as
+// callAttrs are; the histogram does not split by activation.
+func (s *Server) queueAttrs(set string) metric.MeasurementOption { return s.callAttrs(0, set) }

@@ -691,13 +691,38 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 		return nil, nil
 	}
 	c := &shmCall{t: t}
-	t.mu.Lock()
-	_, regs, err := t.connRegions(ctx)
+	views, out, err := c.acquire(ctx, req, ts)
+	if err == nil {
+		err = c.checkMappings()
+	}
 	if err != nil {
-		t.mu.Unlock()
+		c.release()
 		return nil, err
 	}
-	acquire := func(field string, ref *pb.SharedMemoryRef) (*region, error) {
+	c.place(req, views, out)
+	return c, nil
+}
+
+// shmView is a request tensor's reference into an acquired region.
+type shmView struct {
+	x   shmTensor
+	r   *region
+	ref *pb.SharedMemoryRef
+}
+
+// acquire checks the references of ts and output_shm against the
+// connection's regions and takes a reference on each region used (c.used,
+// which release gives back, on failure too). out is output_shm's region,
+// nil without one.
+func (c *shmCall) acquire(ctx context.Context, req *pb.FusedMoERequest, ts []shmTensor) (views []shmView, out *region, err error) {
+	t := c.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, regs, err := t.connRegions(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	take := func(field string, ref *pb.SharedMemoryRef) (*region, error) {
 		if err := checkLen(field+".region_name", ref.GetRegionName(), maxNameBytes); err != nil {
 			return nil, err
 		}
@@ -717,19 +742,13 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 		}
 		return r, nil
 	}
-	type view struct {
-		x   shmTensor
-		r   *region
-		ref *pb.SharedMemoryRef
-	}
-	var views []view
 	for _, x := range ts {
 		ref := x.t.GetShm()
 		if ref == nil {
 			continue
 		}
 		field := x.field + ".shm"
-		r, err := acquire(field, ref)
+		r, err := take(field, ref)
 		if err == nil && r.dev != nil && !deviceFields[x.field] {
 			err = invalidf(field, "region %s is CUDA IPC device memory; only hidden_states, router_logits and output_shm may live there", Quote(r.name))
 		}
@@ -741,15 +760,12 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 			}
 		}
 		if err != nil {
-			t.mu.Unlock()
-			c.release()
-			return nil, err
+			return nil, nil, err
 		}
-		views = append(views, view{x, r, ref})
+		views = append(views, shmView{x, r, ref})
 	}
-	var out *region
 	if ref := req.GetOutputShm(); ref != nil {
-		if out, err = acquire("output_shm", ref); err == nil {
+		if out, err = take("output_shm", ref); err == nil {
 			err = checkOutputShm(req, ref, func(r *region, lo, hi int64) (string, bool) {
 				for _, v := range views {
 					if v.r == r && lo < v.ref.GetOffset()+v.ref.GetByteSize() && v.ref.GetOffset() < hi {
@@ -760,27 +776,33 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 			}, out)
 		}
 		if err != nil {
-			t.mu.Unlock()
-			c.release()
-			return nil, err
+			return nil, nil, err
 		}
 	}
-	t.mu.Unlock()
+	return views, out, nil
+}
 
-	// A caller that shrinks an object under a mapping makes reads past
-	// the new end fault (SIGBUS); check once per call, outside the lock.
-	// The check cannot close the race with a truncation while the call
-	// runs: the backend reads the inputs, and for an unbatched call writes
-	// the output, straight from and to the mapping (README, "Security").
+// checkMappings checks that no POSIX region the call uses was shrunk
+// under its mapping, which would make reads past the new end fault
+// (SIGBUS); once per call, outside the table's lock. The check cannot
+// close the race with a truncation while the call runs: the backend reads
+// the inputs, and for an unbatched call writes the output, straight from
+// and to the mapping (README, "Security").
+func (c *shmCall) checkMappings() error {
 	for _, r := range c.used {
 		if r.m == nil {
 			continue // device memory: freeing it is the caller's to avoid
 		}
 		if err := r.m.check(); err != nil {
-			c.release()
-			return nil, codedf(codes.FailedPrecondition, "", "shared-memory region %s: %v; unregister and register it again", Quote(r.name), err)
+			return codedf(codes.FailedPrecondition, "", "shared-memory region %s: %v; unregister and register it again", Quote(r.name), err)
 		}
 	}
+	return nil
+}
+
+// place records where each view's tensor and the output are: what
+// memory answers and the output goes to.
+func (c *shmCall) place(req *pb.FusedMoERequest, views []shmView, out *region) {
 	c.mem = make(map[string]kernels.Tensor, len(views))
 	for _, v := range views {
 		lo, hi := v.ref.GetOffset(), v.ref.GetOffset()+v.ref.GetByteSize()
@@ -805,7 +827,6 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 		}
 		c.outRef = proto.Clone(ref).(*pb.SharedMemoryRef)
 	}
-	return c, nil
 }
 
 // checkOutputShm checks output_shm's size against [M, K] in the output
