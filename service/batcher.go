@@ -55,9 +55,8 @@ import (
 // backend's tolerance against the reference either way.
 //
 // A batch that opens while its key is idle (no batch of the key started
-// and unfinished) starts at once: a lone caller pays no window, and on
-// the H200 a decode call's kernel (0.05-0.4 ms) is shorter than any
-// window worth having. A batch that opens while one of its key runs
+// and unfinished) starts at once: a lone caller pays no window, and a GPU
+// decode call's kernel is shorter than any window worth having. A batch that opens while one of its key runs
 // gathers calls until that one finishes, then waits BatchWindow more (see
 // await) and starts; it starts at once instead when it fills up to
 // BatchMaxTokens or the server drains. A batch not full keeps taking
@@ -76,38 +75,33 @@ import (
 // the backend call is over.
 //
 // Calls with a tensor or the output in device memory (a CUDA IPC region:
-// kernels.Tensor.Dev, kernels.Request.OutDev) are not batched: merging
+// a Tensor of Memory moe.Device, kernels.Request.OutDev) are not batched: merging
 // copies host bytes, and this process cannot copy device memory itself.
 // They run alone, as calls of BatchMaxTokens or more do; a caller that
 // keeps its activations on the GPU is one that already batches its
 // tokens.
 
-// SuggestedBatchWindow is the daemon's default window (-batch-window).
-// On the H200 (CUDA backend, Nemotron layer; docs/perf-notes.md, "Dynamic
-// batching") 0.2 ms brought 64 callers × 4 tokens to 97% of the tokens/s
-// of one caller × 256 tokens (40% unbatched, 87% at 0.5 ms), and on the
-// CPU backend 0.5, 2 and 5 ms did equally well (94-98% of the tokens per
-// CPU-second). Since a batch on an idle key starts at once, only calls
-// that arrived while a batch of their key ran pay the window, after it
-// finishes, so the shortest window that batches well is best.
+// SuggestedBatchWindow is the daemon's default window (-batch-window):
+// the shortest that batches many small callers about as well as one large
+// one on the GPU, where longer windows batch no better, and on the CPU
+// backend, which is insensitive to it (docs/perf-notes.md, "Dynamic
+// batching", has the sweep). Since a batch on an idle key starts at once,
+// only calls that arrived while a batch of their key ran pay the window,
+// after it finishes, so the shortest window that batches well is best.
 const SuggestedBatchWindow = 200 * time.Microsecond
 
 // timerResolution is the shortest wait a runtime timer keeps on Linux
 // when the process is otherwise idle: the runtime then sleeps in
-// epoll_pwait, whose timeout is whole milliseconds. On a 2-core host with
-// go1.26 a 0.05, 0.2, 0.5 or 1 ms timer fired after 1.14-1.17 ms (p50 of
-// 200 waits, each after 3 ms idle; time.Sleep alike), which accounts for
-// the 1.2 ms that a 0.2 or a 0.5 ms window added to a lone caller's p50 on
-// the H200. Shorter waits poll instead (pause), which took 0.202 ms for
-// 0.2 ms (mean; BenchmarkIdleWait reproduces both). docs/perf-notes.md
-// ("Dynamic batching") has what that did to batched callers.
+// epoll_pwait, whose timeout is whole milliseconds, so a shorter timer
+// fires about a millisecond late. Shorter waits poll instead (pause),
+// which keeps to the window. BenchmarkIdleWait measures both;
+// docs/perf-notes.md ("Dynamic batching") has the figures.
 const timerResolution = time.Millisecond
 
 // DefaultBatchMaxTokens bounds the tokens of one merged call when
-// Config.BatchMaxTokens is 0: on the H200 a Nemotron layer takes about
-// the same time from 256 to 1024 tokens (docs/perf-notes.md), and 256
-// keeps the latency a small caller pays for others' tokens bounded on
-// slower backends.
+// Config.BatchMaxTokens is 0: a GPU layer's time grows little beyond it
+// (docs/perf-notes.md), and it keeps the latency a small caller pays for
+// others' tokens bounded on slower backends.
 const DefaultBatchMaxTokens = 256
 
 // batcher merges compatible FusedMoE calls; see the comment above.
