@@ -208,7 +208,7 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 		return nil, nil, err
 	}
 	defer done()
-	sh, err := s.resolveShm(ctx, req)
+	sh, err := s.shm.resolve(ctx, req)
 	if err != nil {
 		return nil, nil, err
 	}

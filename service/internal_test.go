@@ -313,10 +313,10 @@ func FuzzDecodeTensor(f *testing.F) {
 	})
 }
 
-// TestCheckRequestDevice: tensors in device memory (as resolveShm finds
+// TestCheckRequestDevice: tensors in device memory (as shmTable.resolve finds
 // them) are checked for dtype and shape and become device tensors with no
 // host bytes, as does the output; a reference nothing resolved is refused.
-// Their sizes against the references are resolveShm's to check
+// Their sizes against the references are shmTable.resolve's to check
 // (cudaipc_test.go).
 func TestCheckRequestDevice(t *testing.T) {
 	set := &kernels.ExpertSet{Activation: kernels.SiluGated, E: 4, K: 8, N: 4}

@@ -187,7 +187,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 		log:     logger,
 		reg:     newRegistry(cfg.MaxLoadedBytes),
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
-		shm:     newShmTable(cfg, logger),
+		shm:     newShmTable(cfg, backend, logger),
 		rings:   newRings(),
 	}
 	s.reg.closeFn = s.free
@@ -274,7 +274,7 @@ func (s *Server) initMetrics(m metric.Meter) {
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.backend.faulty"), slog.Any("err", err))
 	}
-	s.initShmMetrics(m)
+	s.shm.initMetrics(m)
 	s.initRingMetrics(m)
 }
 

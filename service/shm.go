@@ -124,7 +124,10 @@ func (r *region) info() *pb.SharedMemoryRegion {
 // shmTable holds every connection's regions. It is also the stats.Handler
 // that learns when connections come and go.
 type shmTable struct {
-	log     *slog.Logger
+	log *slog.Logger
+	// backend opens CUDA IPC memory (IPCOpener) and page-locks POSIX
+	// regions (HostPinner) when it can.
+	backend kernels.Backend
 	enabled bool
 	// pinWarn logs the first failure to pin a POSIX region; later ones
 	// would only repeat it.
@@ -144,8 +147,8 @@ type shmTable struct {
 	maxRegions, maxBytes int64
 }
 
-func newShmTable(cfg Config, log *slog.Logger) *shmTable {
-	t := &shmTable{log: log, enabled: cfg.SharedMemory, conns: map[uint64]map[string]*region{},
+func newShmTable(cfg Config, backend kernels.Backend, log *slog.Logger) *shmTable {
+	t := &shmTable{log: log, backend: backend, enabled: cfg.SharedMemory, conns: map[uint64]map[string]*region{},
 		maxRegions: int64(cfg.MaxShmRegions), maxBytes: cfg.MaxShmBytes}
 	if t.maxRegions <= 0 {
 		t.maxRegions = DefaultMaxShmRegions
@@ -307,8 +310,7 @@ func (t *shmTable) connRegions(ctx context.Context) (uint64, map[string]*region,
 
 // initShmMetrics observes the mapped regions, so a leak (mappings that
 // outlive their connections) shows on a dashboard.
-func (s *Server) initShmMetrics(m metric.Meter) {
-	t := s.shm
+func (t *shmTable) initMetrics(m metric.Meter) {
 	observe := func(get func() int64) metric.Int64Callback {
 		return func(_ context.Context, o metric.Int64Observer) error {
 			t.mu.Lock()
@@ -322,29 +324,31 @@ func (s *Server) initShmMetrics(m metric.Meter) {
 		metric.WithDescription("Shared-memory regions mapped: registered, or unregistered but still used by a call."),
 		metric.WithUnit("{region}"),
 		metric.WithInt64Callback(observe(func() int64 { return t.mapped }))); err != nil {
-		s.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.regions"), slog.Any("err", err))
+		t.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.regions"), slog.Any("err", err))
 	}
 	if _, err := m.Int64ObservableGauge("expertd.shared_memory.mapped_bytes",
 		metric.WithDescription("Bytes of the shared-memory regions mapped."),
 		metric.WithUnit("By"),
 		metric.WithInt64Callback(observe(func() int64 { return t.mappedBytes }))); err != nil {
-		s.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.mapped_bytes"), slog.Any("err", err))
+		t.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.mapped_bytes"), slog.Any("err", err))
 	}
 }
 
 // RegisterSharedMemory maps a region of a POSIX shared-memory object, or
 // opens one of a CUDA IPC allocation, for the calling connection.
 func (s *Server) RegisterSharedMemory(ctx context.Context, req *pb.RegisterSharedMemoryRequest) (*pb.RegisterSharedMemoryResponse, error) {
-	resp, err := s.registerShm(ctx, req)
+	resp, err := s.shm.register(ctx, req, s.begin)
 	return resp, s.toStatus(ctx, "RegisterSharedMemory", err)
 }
 
-func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRequest) (*pb.RegisterSharedMemoryResponse, error) {
-	t := s.shm
+// register maps or opens the region req describes; begin is the server's
+// admission (refused while it drains), taken once the request is known to
+// be for this component.
+func (t *shmTable) register(ctx context.Context, req *pb.RegisterSharedMemoryRequest, begin func() (func(), error)) (*pb.RegisterSharedMemoryResponse, error) {
 	if !t.enabled {
 		return nil, errShmDisabled
 	}
-	done, err := s.begin()
+	done, err := begin()
 	if err != nil {
 		return nil, err
 	}
@@ -372,8 +376,8 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 			return nil, err
 		}
 	case pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC:
-		if _, ok := s.backend.(IPCOpener); !ok {
-			return nil, codedf(codes.FailedPrecondition, "kind", "the %s backend cannot open CUDA IPC memory; run expertd with -backend cuda", s.backend.Name())
+		if _, ok := t.backend.(IPCOpener); !ok {
+			return nil, codedf(codes.FailedPrecondition, "kind", "the %s backend cannot open CUDA IPC memory; run expertd with -backend cuda", t.backend.Name())
 		}
 		if req.GetKey() != "" {
 			return nil, invalidf("key", "%s: must be empty for SHARED_MEMORY_KIND_CUDA_IPC (cuda_ipc_handle names the memory)", Quote(req.GetKey()))
@@ -415,9 +419,9 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 
 	r := &region{name: req.GetName(), kind: kind, key: key, offset: off, size: size, registered: time.Now()}
 	if kind == pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC {
-		err = s.openIPC(r, req.GetCudaIpcHandle())
+		err = t.openIPC(r, req.GetCudaIpcHandle())
 	} else {
-		err = s.mapPOSIX(ctx, r)
+		err = t.mapPOSIX(ctx, r)
 	}
 	if err != nil {
 		return nil, err
@@ -441,7 +445,7 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 	t.mappedBytes += r.size
 	info := r.info()
 	t.mu.Unlock()
-	s.log.InfoContext(ctx, "shared memory registered", slog.String("region", r.name), slog.String("kind", kind.String()), slog.String("key", key),
+	t.log.InfoContext(ctx, "shared memory registered", slog.String("region", r.name), slog.String("kind", kind.String()), slog.String("key", key),
 		slog.Int64("offset", off), slog.Int64("bytes", size), slog.Bool("pinned", r.unpin != nil), slog.Uint64("conn", id))
 	return &pb.RegisterSharedMemoryResponse{Region: info}, nil
 }
@@ -450,13 +454,13 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 // page-locks it. Pinning only speeds up a GPU's copies, so a failure (a
 // RLIMIT_MEMLOCK too low, say) is logged once and the region served
 // unpinned.
-func (s *Server) mapPOSIX(ctx context.Context, r *region) error {
+func (t *shmTable) mapPOSIX(ctx context.Context, r *region) error {
 	m, err := mapShm(r.key, r.offset, r.size)
 	if err != nil {
 		return err
 	}
 	r.m = m
-	p, ok := s.backend.(HostPinner)
+	p, ok := t.backend.(HostPinner)
 	if !ok {
 		return nil
 	}
@@ -464,9 +468,9 @@ func (s *Server) mapPOSIX(ctx context.Context, r *region) error {
 	// not.
 	if r.unpin, err = p.PinHost(m.pages()); err != nil {
 		r.unpin = nil
-		s.shm.pinWarn.Do(func() {
-			s.log.WarnContext(ctx, "shared memory not page-locked: copies from and to POSIX regions go through staging buffers, and are slower (logged once)",
-				slog.String("backend", s.backend.Name()), slog.String("region", r.name), slog.String("key", r.key), slog.Int64("bytes", r.size), slog.Any("err", err))
+		t.pinWarn.Do(func() {
+			t.log.WarnContext(ctx, "shared memory not page-locked: copies from and to POSIX regions go through staging buffers, and are slower (logged once)",
+				slog.String("backend", t.backend.Name()), slog.String("region", r.name), slog.String("key", r.key), slog.Int64("bytes", r.size), slog.Any("err", err))
 		})
 	}
 	return nil
@@ -474,19 +478,19 @@ func (s *Server) mapPOSIX(ctx context.Context, r *region) error {
 
 // openIPC opens r's slice of the allocation handle names on the backend's
 // GPU, whose size the backend checks r against.
-func (s *Server) openIPC(r *region, handle []byte) error {
-	dev, err := s.backend.(IPCOpener).OpenIPC(handle, r.offset, r.size)
+func (t *shmTable) openIPC(r *region, handle []byte) error {
+	dev, err := t.backend.(IPCOpener).OpenIPC(handle, r.offset, r.size)
 	switch {
 	case errors.Is(err, kernels.ErrUnsupported):
-		return codedf(codes.FailedPrecondition, "cuda_ipc_handle", "backend %s: %v", s.backend.Name(), err)
+		return codedf(codes.FailedPrecondition, "cuda_ipc_handle", "backend %s: %v", t.backend.Name(), err)
 	case errors.Is(err, kernels.ErrOutOfMemory):
-		return exhaustedf("cuda_ipc_handle", "backend %s: %v", s.backend.Name(), err)
+		return exhaustedf("cuda_ipc_handle", "backend %s: %v", t.backend.Name(), err)
 	case err != nil:
-		return invalidf("cuda_ipc_handle", "backend %s cannot open it: %v", s.backend.Name(), err)
+		return invalidf("cuda_ipc_handle", "backend %s cannot open it: %v", t.backend.Name(), err)
 	}
 	if dev.Size() != r.size || dev.Ptr() == 0 {
 		dev.Close() //nolint:errcheck // failing already
-		return fmt.Errorf("backend %s opened %d bytes at %#x for a region of %d", s.backend.Name(), dev.Size(), dev.Ptr(), r.size)
+		return fmt.Errorf("backend %s opened %d bytes at %#x for a region of %d", t.backend.Name(), dev.Size(), dev.Ptr(), r.size)
 	}
 	r.dev = dev
 	return nil
@@ -523,12 +527,11 @@ func checkShmKey(key string) (string, error) {
 // UnregisterSharedMemory forgets one of the calling connection's regions,
 // or all of them when the name is empty.
 func (s *Server) UnregisterSharedMemory(ctx context.Context, req *pb.UnregisterSharedMemoryRequest) (*pb.UnregisterSharedMemoryResponse, error) {
-	resp, err := s.unregisterShm(ctx, req)
+	resp, err := s.shm.unregister(ctx, req)
 	return resp, s.toStatus(ctx, "UnregisterSharedMemory", err)
 }
 
-func (s *Server) unregisterShm(ctx context.Context, req *pb.UnregisterSharedMemoryRequest) (*pb.UnregisterSharedMemoryResponse, error) {
-	t := s.shm
+func (t *shmTable) unregister(ctx context.Context, req *pb.UnregisterSharedMemoryRequest) (*pb.UnregisterSharedMemoryResponse, error) {
 	if !t.enabled {
 		return nil, errShmDisabled
 	}
@@ -557,18 +560,17 @@ func (s *Server) unregisterShm(ctx context.Context, req *pb.UnregisterSharedMemo
 	}
 	t.mu.Unlock()
 	t.free(free)
-	s.log.InfoContext(ctx, "shared memory unregistered", slog.Any("regions", names), slog.Uint64("conn", id))
+	t.log.InfoContext(ctx, "shared memory unregistered", slog.Any("regions", names), slog.Uint64("conn", id))
 	return &pb.UnregisterSharedMemoryResponse{Names: names}, nil
 }
 
 // ListSharedMemory reports the calling connection's regions.
 func (s *Server) ListSharedMemory(ctx context.Context, req *pb.ListSharedMemoryRequest) (*pb.ListSharedMemoryResponse, error) {
-	resp, err := s.listShm(ctx, req)
+	resp, err := s.shm.list(ctx, req)
 	return resp, s.toStatus(ctx, "ListSharedMemory", err)
 }
 
-func (s *Server) listShm(ctx context.Context, req *pb.ListSharedMemoryRequest) (*pb.ListSharedMemoryResponse, error) {
-	t := s.shm
+func (t *shmTable) list(ctx context.Context, req *pb.ListSharedMemoryRequest) (*pb.ListSharedMemoryResponse, error) {
 	if !t.enabled {
 		return nil, errShmDisabled
 	}
@@ -664,7 +666,7 @@ func requestTensors(req *pb.FusedMoERequest) []shmTensor {
 // dtype suits the field is validate.go's business.
 var allDTypes = []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float16, kernels.Float8E4M3FN, kernels.Float8E5M2, kernels.Int32}
 
-// resolveShm finds where the request's shared-memory tensors are: views
+// resolve finds where the request's shared-memory tensors are: views
 // of the caller's POSIX regions (so validation and the backend read them
 // with no copy) or device addresses in its CUDA IPC regions, and where
 // output_shm is. The request is left as it came; fromProto reads the
@@ -674,8 +676,7 @@ var allDTypes = []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float
 // it and equal to the tensor's size, device memory only where allowed);
 // all else is left to validation, which refuses shm tensors when this is
 // disabled.
-func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmCall, error) {
-	t := s.shm
+func (t *shmTable) resolve(ctx context.Context, req *pb.FusedMoERequest) (*shmCall, error) {
 	if !t.enabled {
 		if req.GetOutputShm() != nil {
 			return nil, invalidf("output_shm", "shared memory is not enabled on this server (expertd -shared-memory); leave output_shm unset")

@@ -76,7 +76,7 @@ func TestCheckShmKey(t *testing.T) {
 	}
 }
 
-// FuzzResolveShm feeds arbitrary references and shapes to resolveShm over
+// FuzzResolveShm feeds arbitrary references and shapes to shmTable.resolve over
 // a real 4000-byte region: it must never panic, and what it accepts must
 // view bytes inside the region, of the declared size, with the output
 // apart from the input; every region it took must be released.
@@ -97,7 +97,7 @@ func FuzzResolveShm(f *testing.F) {
 	ctx := s.shm.TagConn(context.Background(), &stats.ConnTagInfo{})
 	f.Cleanup(func() { s.shm.HandleConn(ctx, &stats.ConnEnd{}) })
 	const regionOff, regionSize = 100, 4000
-	if _, err := s.registerShm(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, Offset: regionOff, ByteSize: regionSize}); err != nil {
+	if _, err := s.shm.register(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, Offset: regionOff, ByteSize: regionSize}, s.begin); err != nil {
 		f.Fatal(err)
 	}
 	reg := s.shm.conns[ctx.Value(connKey{}).(uint64)]["r"]
@@ -113,7 +113,7 @@ func FuzzResolveShm(f *testing.F) {
 			OutputDtype: pb.DataType(odt),
 			OutputShm:   &pb.SharedMemoryRef{RegionName: "r", Offset: oOff, ByteSize: oSize},
 		}
-		c, err := s.resolveShm(ctx, req)
+		c, err := s.shm.resolve(ctx, req)
 		defer func() {
 			c.release()
 			if reg.refs != 0 {
@@ -135,7 +135,7 @@ func FuzzResolveShm(f *testing.F) {
 			return p >= lo && p+uintptr(len(b)) <= lo+uintptr(len(mem))
 		}
 		if req.GetHiddenStates().GetShm() == nil {
-			t.Fatalf("resolveShm modified the request: %v", req.GetHiddenStates())
+			t.Fatalf("shmTable.resolve modified the request: %v", req.GetHiddenStates())
 		}
 		mt, ok := c.memory("hidden_states")
 		h := mt.Data
