@@ -99,6 +99,27 @@ var ErrUnsupported = errors.New("unsupported by backend")
 // service maps it to ResourceExhausted.
 var ErrOutOfMemory = errors.New("backend out of memory")
 
+// Run loads set into b, runs req, checks the result's sizes and closes
+// the set: one call from start to end, for a self-test or a test table.
+func Run(ctx context.Context, b Backend, set *ExpertSet, req *Request) (*Result, error) {
+	l, err := b.Load(ctx, set)
+	if err != nil {
+		return nil, err
+	}
+	defer l.Close()
+	res, err := b.FusedMoE(ctx, l, req)
+	if err != nil {
+		return nil, err
+	}
+	if n := req.M() * set.K * req.OutDType.Size(); len(res.Output) != n {
+		return nil, fmt.Errorf("output has %d bytes, want %d", len(res.Output), n)
+	}
+	if n := req.M() * req.Routing.TopK; len(res.TopKIDs) != n || len(res.TopKWeights) != n {
+		return nil, fmt.Errorf("topk ids/weights have %d/%d values, want %d", len(res.TopKIDs), len(res.TopKWeights), n)
+	}
+	return res, nil
+}
+
 // Factory opens a backend from the daemon's configuration.
 type Factory func(cfg Config) (Backend, error)
 

@@ -38,20 +38,20 @@ func (d DType) Size() int {
 	return 0
 }
 
+// dtypeNames are each DType's name and its expertd.v1.DataType spelling.
+var dtypeNames = [...]struct{ name, wire string }{
+	0:            {"", "DATA_TYPE_UNSPECIFIED"},
+	Float32:      {"float32", "DATA_TYPE_FLOAT32"},
+	BFloat16:     {"bfloat16", "DATA_TYPE_BFLOAT16"},
+	Float16:      {"float16", "DATA_TYPE_FLOAT16"},
+	Float8E4M3FN: {"float8_e4m3fn", "DATA_TYPE_FLOAT8_E4M3FN"},
+	Float8E5M2:   {"float8_e5m2", "DATA_TYPE_FLOAT8_E5M2"},
+	Int32:        {"int32", "DATA_TYPE_INT32"},
+}
+
 func (d DType) String() string {
-	switch d {
-	case Float32:
-		return "float32"
-	case BFloat16:
-		return "bfloat16"
-	case Float16:
-		return "float16"
-	case Float8E4M3FN:
-		return "float8_e4m3fn"
-	case Float8E5M2:
-		return "float8_e5m2"
-	case Int32:
-		return "int32"
+	if d.Valid() {
+		return dtypeNames[d].name
 	}
 	return fmt.Sprintf("DType(%d)", int(d))
 }
@@ -62,21 +62,8 @@ func (d DType) Valid() bool { return d >= Float32 && d <= Int32 }
 // WireName is d as expertd.v1.DataType spells it, which is how error
 // messages name a dtype (the service's tests check the two agree).
 func (d DType) WireName() string {
-	switch d {
-	case 0:
-		return "DATA_TYPE_UNSPECIFIED"
-	case Float32:
-		return "DATA_TYPE_FLOAT32"
-	case BFloat16:
-		return "DATA_TYPE_BFLOAT16"
-	case Float16:
-		return "DATA_TYPE_FLOAT16"
-	case Float8E4M3FN:
-		return "DATA_TYPE_FLOAT8_E4M3FN"
-	case Float8E5M2:
-		return "DATA_TYPE_FLOAT8_E5M2"
-	case Int32:
-		return "DATA_TYPE_INT32"
+	if d >= 0 && int(d) < len(dtypeNames) {
+		return dtypeNames[d].wire
 	}
 	return strconv.Itoa(int(d))
 }

@@ -49,18 +49,18 @@ func selfCheck(ctx context.Context, b kernels.Backend) error {
 		Routing:  kernels.Routing{TopK: 2, Renormalize: true, Scoring: kernels.Softmax, ScalingFactor: 1},
 		OutDType: kernels.BFloat16,
 	}
-	got, err := runOnce(ctx, b, set, req)
+	got, err := kernels.Run(ctx, b, set, req)
 	if err != nil {
 		return err
 	}
-	want, err := runOnce(ctx, cpu.New(kernels.Config{Threads: 1}), set, req)
+	want, err := kernels.Run(ctx, cpu.New(kernels.Config{Threads: 1}), set, req)
 	if err != nil {
 		return fmt.Errorf("cpu reference: %w", err)
 	}
 	var num, den float64
 	for i := range m * k {
-		g := float64(scaling.BF16ToFloat32(binary.LittleEndian.Uint16(got[2*i:])))
-		w := float64(scaling.BF16ToFloat32(binary.LittleEndian.Uint16(want[2*i:])))
+		g := float64(scaling.BF16ToFloat32(binary.LittleEndian.Uint16(got.Output[2*i:])))
+		w := float64(scaling.BF16ToFloat32(binary.LittleEndian.Uint16(want.Output[2*i:])))
 		num += (g - w) * (g - w)
 		den += w * w
 	}
@@ -68,22 +68,4 @@ func selfCheck(ctx context.Context, b kernels.Backend) error {
 		return fmt.Errorf("rel-L2 %.3g against the CPU backend, want <= %g", e, selfTestTol)
 	}
 	return nil
-}
-
-// runOnce loads set on b, runs req and returns the output, checked for
-// its length.
-func runOnce(ctx context.Context, b kernels.Backend, set *kernels.ExpertSet, req *kernels.Request) ([]byte, error) {
-	l, err := b.Load(ctx, set)
-	if err != nil {
-		return nil, err
-	}
-	defer l.Close()
-	res, err := b.FusedMoE(ctx, l, req)
-	if err != nil {
-		return nil, err
-	}
-	if want := req.M() * set.K * req.OutDType.Size(); len(res.Output) != want {
-		return nil, fmt.Errorf("output has %d bytes, want %d", len(res.Output), want)
-	}
-	return res.Output, nil
 }
