@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
@@ -106,7 +107,7 @@ const DefaultBatchMaxTokens = 256
 
 // batcher merges compatible FusedMoE calls; see the comment above.
 type batcher struct {
-	s         *Server
+	host      batchHost
 	window    time.Duration
 	maxTokens int
 
@@ -130,6 +131,42 @@ type keyState struct {
 	idle chan struct{}
 }
 
+// batchHost is what the batcher needs of the server around the backend
+// call it makes for a batch: set references, an execution slot, the call
+// itself (Server.compute), spans and metrics. It sees nothing else of the
+// server, so batching reads as one step between validation and a Backend.
+type batchHost interface {
+	hold(e *entry)
+	done(e *entry)
+	acquireSlot(ctx context.Context) error
+	releaseSlot()
+	compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error)
+	startSpan(ctx context.Context, name string) (context.Context, trace.Span)
+	recordBatch(ctx context.Context, calls, tokens int)
+	logger() *slog.Logger
+	backendName() string
+}
+
+// serverHost is the Server as the batcher's host.
+type serverHost struct{ s *Server }
+
+func (h serverHost) hold(e *entry)                         { h.s.reg.hold(e) }
+func (h serverHost) done(e *entry)                         { h.s.reg.done(e) }
+func (h serverHost) acquireSlot(ctx context.Context) error { return h.s.acquireSlot(ctx) }
+func (h serverHost) releaseSlot()                          { <-h.s.slots }
+func (h serverHost) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	return h.s.compute(ctx, setLabel, loaded, req)
+}
+func (h serverHost) startSpan(ctx context.Context, name string) (context.Context, trace.Span) {
+	return h.s.startSpan(ctx, name)
+}
+func (h serverHost) recordBatch(ctx context.Context, calls, tokens int) {
+	h.s.batchCalls.Record(ctx, int64(calls), h.s.backendAttr)
+	h.s.batchTokens.Record(ctx, int64(tokens), h.s.backendAttr)
+}
+func (h serverHost) logger() *slog.Logger { return h.s.log }
+func (h serverHost) backendName() string  { return h.s.backend.Name() }
+
 // newBatcher returns the server's batcher, nil when cfg disables batching.
 func newBatcher(s *Server, cfg Config) *batcher {
 	if cfg.BatchWindow <= 0 {
@@ -142,7 +179,7 @@ func newBatcher(s *Server, cfg Config) *batcher {
 	if cfg.MaxTokens > 0 {
 		n = min(n, cfg.MaxTokens)
 	}
-	return &batcher{s: s, window: cfg.BatchWindow, maxTokens: n, open: map[batchKey]*batch{}, busy: map[batchKey]*keyState{}}
+	return &batcher{host: serverHost{s}, window: cfg.BatchWindow, maxTokens: n, open: map[batchKey]*batch{}, busy: map[batchKey]*keyState{}}
 }
 
 // accepts reports whether req goes through the batcher: batching is on,
@@ -249,7 +286,7 @@ func (bt *batcher) start(b *batch) {
 // The batch's own queue and kernel spans are children of the batch span of
 // the call that opened it.
 func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*kernels.Result, time.Time, error) {
-	ctx, span := bt.s.startSpan(ctx, spanBatch)
+	ctx, span := bt.host.startSpan(ctx, spanBatch)
 	defer span.End()
 	m := &member{req: req, done: make(chan struct{})}
 	b, lead := bt.join(ctx, keyOf(e, req), m)
@@ -309,7 +346,7 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) (b *batch,
 		b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(ctx))
 		// The batch holds the set itself: its callers may all leave
 		// while the backend call runs, and the set must outlive it.
-		bt.s.reg.hold(key.set)
+		bt.host.hold(key.set)
 		bt.open[key] = b
 		if bt.busy[key] == nil {
 			// Idle key: nobody's batch to wait for. The batch stays open
@@ -398,14 +435,14 @@ func (s *Server) Batched() int {
 // dispatch runs batch b: wait to start, execution slot, merge, backend
 // call, split.
 func (bt *batcher) dispatch(b *batch) {
-	s := bt.s
-	defer s.reg.done(b.key.set)
+	h := bt.host
+	defer h.done(b.key.set)
 	defer b.cancel()
 	defer bt.finish(b)
 	var err error
 	if bt.await(b) {
-		_, span := s.startSpan(b.ctx, spanQueue)
-		err = s.acquireSlot(b.ctx)
+		_, span := h.startSpan(b.ctx, spanQueue)
+		err = h.acquireSlot(b.ctx)
 		span.End()
 	} else {
 		err = b.ctx.Err()
@@ -440,12 +477,11 @@ func (bt *batcher) dispatch(b *batch) {
 		return
 	}
 	if len(members) == 0 {
-		<-s.slots
+		h.releaseSlot()
 		return
 	}
 	queued := time.Now()
-	s.batchCalls.Record(b.ctx, int64(len(members)), s.backendAttr)
-	s.batchTokens.Record(b.ctx, int64(req.M()), s.backendAttr)
+	h.recordBatch(b.ctx, len(members), req.M())
 	loaded := b.key.set.loaded
 	res, err := bt.compute(b.ctx, b.key.set.info.GetName(), loaded, req)
 	if err != nil {
@@ -554,11 +590,11 @@ func (bt *batcher) finish(b *batch) {
 func (bt *batcher) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (res *kernels.Result, err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			bt.s.log.ErrorContext(ctx, "backend panicked in a batched call", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
-			res, err = nil, fmt.Errorf("backend %s panicked: %v", bt.s.backend.Name(), p)
+			bt.host.logger().ErrorContext(ctx, "backend panicked in a batched call", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			res, err = nil, fmt.Errorf("backend %s panicked: %v", bt.host.backendName(), p)
 		}
 	}()
-	return bt.s.compute(ctx, setLabel, loaded, req)
+	return bt.host.compute(ctx, setLabel, loaded, req)
 }
 
 // mergeRequests is one request with every member's tokens in member order.
