@@ -112,6 +112,8 @@ type Server struct {
 	backend kernels.Backend
 	log     *slog.Logger
 	reg     *registry
+	// weights is where loads open safetensors files and checkpoints.
+	weights weightsDir
 	// slots is a semaphore of cfg.MaxConcurrent execution slots.
 	slots chan struct{}
 	// queued counts calls waiting for a slot, bounded by cfg.MaxQueued.
@@ -183,6 +185,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 	}
 	s := &Server{
 		cfg:     cfg,
+		weights: weightsDir(cfg.WeightsDir),
 		backend: backend,
 		log:     logger,
 		reg:     newRegistry(cfg.MaxLoadedBytes),
