@@ -216,7 +216,7 @@ func referenceRouting(set *kernels.ExpertSet, req *kernels.Request) ([]int32, []
 			}
 			for i := range score {
 				if math.IsInf(mx, -1) {
-					score[i] = 0 // every expert masked: 0, as kernels/cpu.Route defines it, not 0/0
+					score[i] = 0 // every expert masked: 0, as moe.Route defines it, not 0/0
 					continue
 				}
 				score[i] /= sum
