@@ -14,8 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/expertd/expertd/kernels"
-	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/shard"
 )
@@ -218,8 +217,8 @@ func (s *Sharded) UnloadExperts(ctx context.Context, name string) (int64, error)
 
 // FusedMoE runs one MoE layer on the set name loaded with LoadExperts.
 //
-// Routing runs here, once, with the CPU backend's own code (cpu.Route), so
-// it is the server's routing bit for bit (the CUDA backend is checked to
+// Routing runs here, once, with the daemon's own code (moe.Route), so it
+// is the server's routing bit for bit (the CUDA backend is checked to
 // agree with it). Each (token, slot) pair goes to the shard that owns its
 // expert, as one row of a top_k = 1 request with its shard-local id and
 // routing weight; a shard with no pairs is not called. Shards answer in
@@ -311,144 +310,71 @@ type fanCall struct {
 	weights []float32
 }
 
-// prepare validates req against the map and routes it.
+// prepare validates req against the map and routes it. The rules are the
+// daemon's own (moe.Validate), checked against a stand-in for the set: the
+// map gives E and the hidden states K; the block size the map does not
+// know is taken from a per-group scale's group count (the smallest Bk
+// giving it, which gives it exactly when any Bk does), so the shards check
+// the count against the set itself.
 func (s *Sharded) prepare(req *FusedMoERequest) (*fanCall, error) {
 	if req.Weights != nil || req.ExpertSet == "" {
 		return nil, errors.New("experts: a sharded call needs ExpertSet (a set loaded with Sharded.LoadExperts); inline weights are not sharded")
 	}
-	out := req.OutputDType
-	switch out {
-	case 0:
-		out = BFloat16
-	case BFloat16, Float32:
-	default:
-		return nil, fmt.Errorf("output_dtype: %v: want BFloat16 (default) or Float32", req.OutputDType)
+	h, sc := req.Hidden, req.HiddenScale
+	if len(h.Shape) != 2 || h.Shape[0] < 1 || h.Shape[1] < 1 {
+		return nil, fmt.Errorf("hidden_states: shape %v: want [M, K] with M, K >= 1", h.Shape)
 	}
-	h := req.Hidden
-	if err := h.Validate(); err != nil {
-		return nil, fmt.Errorf("hidden_states: %w", err)
+	set := &moe.ExpertSet{E: s.m.NumExperts(), K: h.Shape[1]}
+	if len(sc.Shape) == 2 && sc.Shape[1] >= 1 {
+		set.Block[1] = (set.K + sc.Shape[1] - 1) / sc.Shape[1]
 	}
-	if len(h.Shape) != 2 || h.Shape[0] < 1 || h.Shape[1] < 1 ||
-		(h.DType != Float8E4M3FN && h.DType != BFloat16 && h.DType != Float32) {
-		return nil, fmt.Errorf("hidden_states: %v %v: want [M, K] with M, K >= 1 of FP8 E4M3FN, BF16 or FP32", h.DType, h.Shape)
+	in := &moe.Input{
+		Hidden: modelTensor(h), HiddenScale: modelTensor(sc), Logits: modelTensor(req.RouterLogits),
+		TopKIDs: modelTensor(req.TopKIDs), TopKWeights: modelTensor(req.TopKWeights),
+		Routing:  modelRouting(req.Routing),
+		OutDType: req.OutputDType,
 	}
-	c := &fanCall{m: h.Shape[0], k: h.Shape[1], hidden: h, out: out}
-	if h.DType == Float8E4M3FN {
-		sc := req.HiddenScale
-		if err := sc.Validate(); err != nil || sc.DType != Float32 {
-			return nil, fmt.Errorf("hidden_states_scale: FP32 scale required for FP8 hidden_states (%v %v)", sc.DType, err)
-		}
-		switch {
-		case len(sc.Shape) == 0 || len(sc.Shape) == 1 && sc.Shape[0] == 1:
-		case len(sc.Shape) == 1 && sc.Shape[0] == c.m:
-			c.perRow = 1
-		case len(sc.Shape) == 2 && sc.Shape[0] == c.m && sc.Shape[1] >= 1:
-			c.perRow = sc.Shape[1]
-		default:
-			return nil, fmt.Errorf("hidden_states_scale: shape %v: want [] or [1] (per-tensor), [%d] (per-token) or [%d, groups]", sc.Shape, c.m, c.m)
-		}
-		c.scale = sc
-	} else if !req.HiddenScale.IsZero() {
-		return nil, fmt.Errorf("hidden_states_scale: only FP8 hidden_states take a scale; %v is quantized by the server", h.DType)
-	}
-
-	e := s.m.NumExperts()
-	if !req.TopKIDs.IsZero() || !req.TopKWeights.IsZero() {
-		ids, err := req.TopKIDs.Int32s()
-		if err != nil || len(req.TopKIDs.Shape) != 2 || req.TopKIDs.Shape[0] != c.m || req.TopKIDs.Shape[1] < 1 {
-			return nil, fmt.Errorf("topk_ids: %v %v: want INT32 [%d, k] (%v)", req.TopKIDs.DType, req.TopKIDs.Shape, c.m, err)
-		}
-		c.topK = req.TopKIDs.Shape[1]
-		w, err := req.TopKWeights.Float32s()
-		if err != nil || req.TopKWeights.DType != Float32 || !equalShape(req.TopKWeights.Shape, c.m, c.topK) {
-			return nil, fmt.Errorf("topk_weights: %v %v: want FP32 [%d, %d] (%v)", req.TopKWeights.DType, req.TopKWeights.Shape, c.m, c.topK, err)
-		}
-		for i, x := range w {
-			if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
-				return nil, fmt.Errorf("topk_weights: element %d is %v: want finite", i, x)
-			}
-		}
-		c.ids, c.weights = ids, w
-		return c, nil
-	}
-
-	lg := req.RouterLogits
-	if lg.DType != Float32 && lg.DType != BFloat16 || !equalShape(lg.Shape, c.m, e) {
-		return nil, fmt.Errorf("router_logits: %v %v: want FP32 or BF16 [%d, %d] (E of the shard map)", lg.DType, lg.Shape, c.m, e)
-	}
-	logits, err := lg.Float32s()
-	if err != nil {
-		return nil, fmt.Errorf("router_logits: %w", err)
-	}
-	for i, x := range logits {
-		if x != x || math.IsInf(float64(x), 1) {
-			return nil, fmt.Errorf("router_logits: element %d is %v: want finite or -Inf", i, x)
-		}
-	}
-	r, err := kernelRouting(req.Routing, e)
+	r, err := moe.Validate(in, set, moe.Limits{})
 	if err != nil {
 		return nil, err
 	}
-	c.topK = r.TopK
-	c.ids, c.weights = make([]int32, c.m*r.TopK), make([]float32, c.m*r.TopK)
-	cpu.Route(c.ids, c.weights, logits, c.m, e, r)
+	c := &fanCall{m: r.M(), k: set.K, topK: r.Routing.TopK, hidden: h, out: r.OutDType}
+	if h.DType == Float8E4M3FN {
+		c.scale = sc
+		switch {
+		case len(sc.Shape) == 1 && sc.Shape[0] == c.m && c.m > 1:
+			c.perRow = 1
+		case len(sc.Shape) == 2:
+			c.perRow = sc.Shape[1]
+		}
+	}
+	if r.TopKIDs != nil {
+		c.ids, c.weights = r.TopKIDs, r.TopKWeights
+		return c, nil
+	}
+	logits := make([]float32, c.m*set.E)
+	for i := range logits {
+		logits[i] = moe.Element(r.Logits.DType, r.Logits.Data, i)
+	}
+	c.ids, c.weights = make([]int32, c.m*c.topK), make([]float32, c.m*c.topK)
+	moe.Route(c.ids, c.weights, logits, c.m, set.E, r.Routing)
 	return c, nil
 }
 
-// kernelRouting checks rt for E experts with the server's rules
-// (service.checkRouting) and converts it for cpu.Route.
-func kernelRouting(rt Routing, e int) (kernels.Routing, error) {
-	r := kernels.Routing{TopK: rt.TopK, Renormalize: rt.Renormalize, Scoring: rt.Scoring, ScalingFactor: rt.ScalingFactor}
-	if r.TopK < 1 || r.TopK > e {
-		return r, fmt.Errorf("routing.top_k: %d: want in [1, %d] (E of the shard map)", rt.TopK, e)
+// modelTensor is t in the request model, nil when unset.
+func modelTensor(t Tensor) *moe.Tensor {
+	if t.IsZero() {
+		return nil
 	}
-	switch r.Scoring {
-	case 0:
-		r.Scoring = kernels.Softmax
-	case kernels.Softmax, kernels.Sigmoid:
-	default:
-		return r, fmt.Errorf("routing.scoring: %v: want Softmax or Sigmoid", rt.Scoring)
+	return &moe.Tensor{DType: t.DType, Shape: t.Shape, Data: t.Data}
+}
+
+func modelRouting(rt Routing) *moe.RoutingInput {
+	return &moe.RoutingInput{
+		TopK: rt.TopK, Renormalize: rt.Renormalize, Scoring: rt.Scoring,
+		CorrectionBias: modelTensor(rt.CorrectionBias),
+		NumGroups:      rt.NumGroups, TopKGroups: rt.TopKGroups, ScalingFactor: rt.ScalingFactor,
 	}
-	if b := rt.CorrectionBias; !b.IsZero() {
-		if r.Scoring != kernels.Sigmoid {
-			return r, errors.New("routing.correction_bias: only valid with Sigmoid scoring")
-		}
-		if b.DType != Float32 && b.DType != BFloat16 || !equalShape(b.Shape, e) {
-			return r, fmt.Errorf("routing.correction_bias: %v %v: want FP32 or BF16 [%d]", b.DType, b.Shape, e)
-		}
-		v, err := b.Float32s()
-		if err != nil {
-			return r, fmt.Errorf("routing.correction_bias: %w", err)
-		}
-		for i, x := range v {
-			if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
-				return r, fmt.Errorf("routing.correction_bias: element %d is %v: want finite", i, x)
-			}
-		}
-		r.CorrectionBias = v
-	}
-	if g := rt.NumGroups; g > 1 {
-		if g > e || e%g != 0 {
-			return r, fmt.Errorf("routing.num_expert_groups: %d does not divide E = %d", g, e)
-		}
-		tg := rt.TopKGroups
-		if tg < 1 || tg > g {
-			return r, fmt.Errorf("routing.topk_groups: %d: want in [1, %d] (num_expert_groups)", tg, g)
-		}
-		if tg*(e/g) < r.TopK {
-			return r, fmt.Errorf("routing.topk_groups: %d groups of %d experts cannot supply top_k = %d", tg, e/g, r.TopK)
-		}
-		r.NumGroups, r.TopKGroups = g, tg
-	} else if g < 0 {
-		return r, fmt.Errorf("routing.num_expert_groups: %d: want >= 0", g)
-	}
-	switch sf := r.ScalingFactor; {
-	case sf == 0:
-		r.ScalingFactor = 1
-	case !(sf > 0) || math.IsInf(float64(sf), 0):
-		return r, fmt.Errorf("routing.routed_scaling_factor: %v: want finite and > 0 (0 means 1)", sf)
-	}
-	return r, nil
 }
 
 // chunkHeadroomRows is what a shard call needs beyond its rows: names,

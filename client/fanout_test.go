@@ -169,7 +169,7 @@ func TestShardedErrors(t *testing.T) {
 			r.TopKIDs = client.FromInt32([]int32{0, 1, 2, 3, 4, 5, 6, 8}, 4, 2)
 			r.TopKWeights = client.FromFloat32(make([]float32, 8), 4, 2)
 		}, "element 7 is 8"},
-		{"scale-for-bf16", func(r *client.FusedMoERequest) { r.HiddenScale = client.FromFloat32([]float32{1}) }, "only FP8 hidden_states take a scale"},
+		{"scale-for-bf16", func(r *client.FusedMoERequest) { r.HiddenScale = client.FromFloat32([]float32{1}) }, "only FLOAT8_E4M3FN hidden_states take a scale"},
 		{"output-dtype", func(r *client.FusedMoERequest) { r.OutputDType = client.Float16 }, "output_dtype"},
 	}
 	for _, tc := range bad {

@@ -5,24 +5,25 @@ import (
 	"fmt"
 	"math"
 
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
 
 // DType is the element type of a tensor's bytes. Its values mirror
-// expertd.v1.DataType, so a DType converts to it directly; it is the type
-// the server's backends use, so the two cannot drift apart.
-type DType = kernels.DType
+// expertd.v1.DataType, so a DType converts to it directly; it is the
+// request model's type (package moe), which the server uses too, so the
+// two cannot drift apart.
+type DType = moe.DType
 
 // The element types of the wire contract.
 const (
-	Float32      = kernels.Float32
-	BFloat16     = kernels.BFloat16
-	Float16      = kernels.Float16
-	Float8E4M3FN = kernels.Float8E4M3FN
-	Float8E5M2   = kernels.Float8E5M2
-	Int32        = kernels.Int32
+	Float32      = moe.Float32
+	BFloat16     = moe.BFloat16
+	Float16      = moe.Float16
+	Float8E4M3FN = moe.Float8E4M3FN
+	Float8E5M2   = moe.Float8E5M2
+	Int32        = moe.Int32
 )
 
 // Tensor is a dense, row-major, little-endian array: the SDK's form of

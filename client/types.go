@@ -4,30 +4,30 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
 // Activation is the expert MLP's nonlinearity (the backends' type).
-type Activation = kernels.Activation
+type Activation = moe.Activation
 
 const (
 	// SiluGated is silu(h[:, :N]) * h[:, N:]; W13 is [E, 2N, K] with the
 	// gate rows first (vLLM order). Qwen3-MoE, Mixtral, DeepSeek-V3.
-	SiluGated = kernels.SiluGated
+	SiluGated = moe.SiluGated
 	// Relu2 is relu(h)^2; W13 holds w1, [E, N, K]. Nemotron-H.
-	Relu2 = kernels.Relu2
+	Relu2 = moe.Relu2
 )
 
 // Scoring is how router logits become expert scores (the backends' type).
-type Scoring = kernels.Scoring
+type Scoring = moe.Scoring
 
 const (
 	// Softmax is the default: p = softmax(logits), then top-k.
-	Softmax = kernels.Softmax
+	Softmax = moe.Softmax
 	// Sigmoid ranks sigmoid(logits) + CorrectionBias and weights by the
 	// unbiased sigmoid (DeepSeek-V3, Nemotron-H).
-	Sigmoid = kernels.Sigmoid
+	Sigmoid = moe.Sigmoid
 )
 
 // ExpertWeights is one MoE layer's FP8 weights and their FP32 scales. The

@@ -11,9 +11,11 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 )
 
 // Dynamic batching: FusedMoE calls on the same loaded expert set that
@@ -54,9 +56,8 @@ import (
 // backend's tolerance against the reference either way.
 //
 // A batch that opens while its key is idle (no batch of the key started
-// and unfinished) starts at once: a lone caller pays no window, and on
-// the H200 a decode call's kernel (0.05-0.4 ms) is shorter than any
-// window worth having. A batch that opens while one of its key runs
+// and unfinished) starts at once: a lone caller pays no window, and a GPU
+// decode call's kernel is shorter than any window worth having. A batch that opens while one of its key runs
 // gathers calls until that one finishes, then waits BatchWindow more (see
 // await) and starts; it starts at once instead when it fills up to
 // BatchMaxTokens or the server drains. A batch not full keeps taking
@@ -75,43 +76,38 @@ import (
 // the backend call is over.
 //
 // Calls with a tensor or the output in device memory (a CUDA IPC region:
-// kernels.Tensor.Dev, kernels.Request.OutDev) are not batched: merging
+// a Tensor of Memory moe.Device, kernels.Request.OutDev) are not batched: merging
 // copies host bytes, and this process cannot copy device memory itself.
 // They run alone, as calls of BatchMaxTokens or more do; a caller that
 // keeps its activations on the GPU is one that already batches its
 // tokens.
 
-// SuggestedBatchWindow is the daemon's default window (-batch-window).
-// On the H200 (CUDA backend, Nemotron layer; docs/perf-notes.md, "Dynamic
-// batching") 0.2 ms brought 64 callers × 4 tokens to 97% of the tokens/s
-// of one caller × 256 tokens (40% unbatched, 87% at 0.5 ms), and on the
-// CPU backend 0.5, 2 and 5 ms did equally well (94-98% of the tokens per
-// CPU-second). Since a batch on an idle key starts at once, only calls
-// that arrived while a batch of their key ran pay the window, after it
-// finishes, so the shortest window that batches well is best.
+// SuggestedBatchWindow is the daemon's default window (-batch-window):
+// the shortest that batches many small callers about as well as one large
+// one on the GPU, where longer windows batch no better, and on the CPU
+// backend, which is insensitive to it (docs/perf-notes.md, "Dynamic
+// batching", has the sweep). Since a batch on an idle key starts at once,
+// only calls that arrived while a batch of their key ran pay the window,
+// after it finishes, so the shortest window that batches well is best.
 const SuggestedBatchWindow = 200 * time.Microsecond
 
 // timerResolution is the shortest wait a runtime timer keeps on Linux
 // when the process is otherwise idle: the runtime then sleeps in
-// epoll_pwait, whose timeout is whole milliseconds. On a 2-core host with
-// go1.26 a 0.05, 0.2, 0.5 or 1 ms timer fired after 1.14-1.17 ms (p50 of
-// 200 waits, each after 3 ms idle; time.Sleep alike), which accounts for
-// the 1.2 ms that a 0.2 or a 0.5 ms window added to a lone caller's p50 on
-// the H200. Shorter waits poll instead (pause), which took 0.202 ms for
-// 0.2 ms (mean; BenchmarkIdleWait reproduces both). docs/perf-notes.md
-// ("Dynamic batching") has what that did to batched callers.
+// epoll_pwait, whose timeout is whole milliseconds, so a shorter timer
+// fires about a millisecond late. Shorter waits poll instead (pause),
+// which keeps to the window. BenchmarkIdleWait measures both;
+// docs/perf-notes.md ("Dynamic batching") has the figures.
 const timerResolution = time.Millisecond
 
 // DefaultBatchMaxTokens bounds the tokens of one merged call when
-// Config.BatchMaxTokens is 0: on the H200 a Nemotron layer takes about
-// the same time from 256 to 1024 tokens (docs/perf-notes.md), and 256
-// keeps the latency a small caller pays for others' tokens bounded on
-// slower backends.
+// Config.BatchMaxTokens is 0: a GPU layer's time grows little beyond it
+// (docs/perf-notes.md), and it keeps the latency a small caller pays for
+// others' tokens bounded on slower backends.
 const DefaultBatchMaxTokens = 256
 
 // batcher merges compatible FusedMoE calls; see the comment above.
 type batcher struct {
-	s         *Server
+	host      batchHost
 	window    time.Duration
 	maxTokens int
 
@@ -135,6 +131,42 @@ type keyState struct {
 	idle chan struct{}
 }
 
+// batchHost is what the batcher needs of the server around the backend
+// call it makes for a batch: set references, an execution slot, the call
+// itself (Server.compute), spans and metrics. It sees nothing else of the
+// server, so batching reads as one step between validation and a Backend.
+type batchHost interface {
+	hold(e *entry)
+	done(e *entry)
+	acquireSlot(ctx context.Context) error
+	releaseSlot()
+	compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error)
+	startSpan(ctx context.Context, name string) (context.Context, trace.Span)
+	recordBatch(ctx context.Context, calls, tokens int)
+	logger() *slog.Logger
+	backendName() string
+}
+
+// serverHost is the Server as the batcher's host.
+type serverHost struct{ s *Server }
+
+func (h serverHost) hold(e *entry)                         { h.s.reg.hold(e) }
+func (h serverHost) done(e *entry)                         { h.s.reg.done(e) }
+func (h serverHost) acquireSlot(ctx context.Context) error { return h.s.acquireSlot(ctx) }
+func (h serverHost) releaseSlot()                          { <-h.s.slots }
+func (h serverHost) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	return h.s.compute(ctx, setLabel, loaded, req)
+}
+func (h serverHost) startSpan(ctx context.Context, name string) (context.Context, trace.Span) {
+	return h.s.startSpan(ctx, name)
+}
+func (h serverHost) recordBatch(ctx context.Context, calls, tokens int) {
+	h.s.batchCalls.Record(ctx, int64(calls), h.s.backendAttr)
+	h.s.batchTokens.Record(ctx, int64(tokens), h.s.backendAttr)
+}
+func (h serverHost) logger() *slog.Logger { return h.s.log }
+func (h serverHost) backendName() string  { return h.s.backend.Name() }
+
 // newBatcher returns the server's batcher, nil when cfg disables batching.
 func newBatcher(s *Server, cfg Config) *batcher {
 	if cfg.BatchWindow <= 0 {
@@ -147,14 +179,14 @@ func newBatcher(s *Server, cfg Config) *batcher {
 	if cfg.MaxTokens > 0 {
 		n = min(n, cfg.MaxTokens)
 	}
-	return &batcher{s: s, window: cfg.BatchWindow, maxTokens: n, open: map[batchKey]*batch{}, busy: map[batchKey]*keyState{}}
+	return &batcher{host: serverHost{s}, window: cfg.BatchWindow, maxTokens: n, open: map[batchKey]*batch{}, busy: map[batchKey]*keyState{}}
 }
 
 // accepts reports whether req goes through the batcher: batching is on,
 // req leaves room for another call's tokens, and its tensors and output
 // are in host memory (see the comment above).
 func (bt *batcher) accepts(req *kernels.Request) bool {
-	return bt != nil && req.M() < bt.maxTokens && req.Hidden.Dev == 0 && req.Logits.Dev == 0 && req.OutDev == 0
+	return bt != nil && req.M() < bt.maxTokens && req.Hidden.Memory != moe.Device && req.Logits.Memory != moe.Device && req.OutDev == 0
 }
 
 // batchKey is what calls must share to merge.
@@ -254,7 +286,7 @@ func (bt *batcher) start(b *batch) {
 // The batch's own queue and kernel spans are children of the batch span of
 // the call that opened it.
 func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*kernels.Result, time.Time, error) {
-	ctx, span := bt.s.startSpan(ctx, spanBatch)
+	ctx, span := bt.host.startSpan(ctx, spanBatch)
 	defer span.End()
 	m := &member{req: req, done: make(chan struct{})}
 	b, lead := bt.join(ctx, keyOf(e, req), m)
@@ -314,7 +346,7 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) (b *batch,
 		b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(ctx))
 		// The batch holds the set itself: its callers may all leave
 		// while the backend call runs, and the set must outlive it.
-		bt.s.reg.hold(key.set)
+		bt.host.hold(key.set)
 		bt.open[key] = b
 		if bt.busy[key] == nil {
 			// Idle key: nobody's batch to wait for. The batch stays open
@@ -403,14 +435,14 @@ func (s *Server) Batched() int {
 // dispatch runs batch b: wait to start, execution slot, merge, backend
 // call, split.
 func (bt *batcher) dispatch(b *batch) {
-	s := bt.s
-	defer s.reg.done(b.key.set)
+	h := bt.host
+	defer h.done(b.key.set)
 	defer b.cancel()
 	defer bt.finish(b)
 	var err error
 	if bt.await(b) {
-		_, span := s.startSpan(b.ctx, spanQueue)
-		err = s.acquireSlot(b.ctx)
+		_, span := h.startSpan(b.ctx, spanQueue)
+		err = h.acquireSlot(b.ctx)
 		span.End()
 	} else {
 		err = b.ctx.Err()
@@ -445,12 +477,11 @@ func (bt *batcher) dispatch(b *batch) {
 		return
 	}
 	if len(members) == 0 {
-		<-s.slots
+		h.releaseSlot()
 		return
 	}
 	queued := time.Now()
-	s.batchCalls.Record(b.ctx, int64(len(members)), s.backendAttr)
-	s.batchTokens.Record(b.ctx, int64(req.M()), s.backendAttr)
+	h.recordBatch(b.ctx, len(members), req.M())
 	loaded := b.key.set.loaded
 	res, err := bt.compute(b.ctx, b.key.set.info.GetName(), loaded, req)
 	if err != nil {
@@ -559,11 +590,11 @@ func (bt *batcher) finish(b *batch) {
 func (bt *batcher) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (res *kernels.Result, err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			bt.s.log.ErrorContext(ctx, "backend panicked in a batched call", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
-			res, err = nil, fmt.Errorf("backend %s panicked: %v", bt.s.backend.Name(), p)
+			bt.host.logger().ErrorContext(ctx, "backend panicked in a batched call", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			res, err = nil, fmt.Errorf("backend %s panicked: %v", bt.host.backendName(), p)
 		}
 	}()
-	return bt.s.compute(ctx, setLabel, loaded, req)
+	return bt.host.compute(ctx, setLabel, loaded, req)
 }
 
 // mergeRequests is one request with every member's tokens in member order.

@@ -12,7 +12,8 @@ import (
 // gains a field: the batcher must then decide whether calls that differ in
 // it may merge (keyOf) and how to merge it (mergeRequests), or a merged
 // call would silently compute with the first caller's value for everyone.
-// (Calls with Dev or OutDev set never reach it: accepts refuses them.)
+// (Calls with device tensors or OutDev never reach it: accepts refuses
+// them, and a merge copies host and pinned tensors into host memory.)
 func TestBatchKeyCoversRequest(t *testing.T) {
 	tests := []struct {
 		typ  reflect.Type
@@ -20,7 +21,7 @@ func TestBatchKeyCoversRequest(t *testing.T) {
 	}{
 		{reflect.TypeFor[kernels.Request](), []string{"Hidden", "HiddenScale", "Logits", "Routing", "TopKIDs", "TopKWeights", "OutDType", "Out", "OutDev"}},
 		{reflect.TypeFor[kernels.Routing](), []string{"TopK", "Renormalize", "Scoring", "CorrectionBias", "NumGroups", "TopKGroups", "ScalingFactor"}},
-		{reflect.TypeFor[kernels.Tensor](), []string{"DType", "Shape", "Data", "Dev"}},
+		{reflect.TypeFor[kernels.Tensor](), []string{"DType", "Shape", "Data", "Memory", "Dev"}},
 	}
 	for _, tt := range tests {
 		var got []string

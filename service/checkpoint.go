@@ -38,9 +38,9 @@ const (
 )
 
 // weightsIsDir reports whether rel names a directory in the weights
-// directory (with openWeights' confinement).
+// directory (with weightsDir.open's confinement).
 func (s *Server) weightsIsDir(rel string) (bool, error) {
-	f, err := s.openWeightsPath(rel, true)
+	f, err := s.weights.openPath(rel, true)
 	if err != nil {
 		return false, err
 	}
@@ -55,7 +55,7 @@ func (s *Server) weightsIsDir(rel string) (bool, error) {
 // readWeightsJSON decodes a JSON file of the checkpoint directory; a
 // missing file is (false, nil).
 func (s *Server) readWeightsJSON(rel string, v any) (bool, error) {
-	f, err := s.openWeights(rel)
+	f, err := s.weights.open(rel)
 	var re *requestError
 	if errors.As(err, &re) && re.code == codes.NotFound {
 		return false, nil
@@ -321,7 +321,7 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 			return nil, nil, invalidf("safetensors.path", "%s: shard %s: want a file name in the checkpoint directory", Quote(dir), Quote(shard))
 		}
 		rel := path.Join(dir, shard)
-		fh, err := s.openWeights(rel)
+		fh, err := s.weights.open(rel)
 		if err != nil {
 			closeAll()
 			return nil, nil, err

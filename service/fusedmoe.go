@@ -12,11 +12,11 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
-	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc"
 
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -197,84 +197,128 @@ func (sc *streamCalls) answer(seq uint64, start time.Time, req *pb.FusedMoEReque
 	}
 }
 
-// fusedMoE is one call: resolve the set, validate, wait for a slot, run.
-// out is the response's output buffer when it came from s.outputs (the
-// caller lends it to the send), nil otherwise.
+// fusedMoE is one call, in the steps every call takes: prepare (resolve
+// shared memory and the experts, convert and validate), run (through the
+// batcher or alone, on an execution slot), respond. out is the response's
+// output buffer when it came from s.outputs (the caller lends it to the
+// send), nil otherwise.
 func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoERequest) (resp *pb.FusedMoEResponse, out []byte, err error) {
 	done, err := s.begin()
 	if err != nil {
 		return nil, nil, err
 	}
 	defer done()
-	sh, err := s.resolveShm(ctx, req)
+	sh, err := s.shm.resolve(ctx, req)
 	if err != nil {
 		return nil, nil, err
 	}
 	defer sh.release()
+	c, err := s.prepare(ctx, req, sh)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer c.close()
+	res, queued, out, err := s.runCall(ctx, c, sh)
+	if err != nil {
+		return nil, nil, err
+	}
+	resp, err = s.respond(ctx, start, req, c, res, queued, sh)
+	if err != nil {
+		return nil, nil, err
+	}
+	return resp, out, nil
+}
 
-	var (
-		// ent is the named set's registry entry, nil for inline weights;
-		// setLabel is the set's expert_set label.
-		ent      *entry
-		setLabel = inlineLabel
-		loaded   kernels.Loaded
-		set      *kernels.ExpertSet
-		kreq     *kernels.Request
-		// decoded is when validation ended; loadNanos is an inline set's
-		// Load, reported as host-to-device time.
-		decoded   time.Time
-		loadNanos int64
-	)
+// fusedCall is a validated call and what it holds until it finishes.
+type fusedCall struct {
+	// ent is the named set's registry entry, nil for inline weights;
+	// setLabel is the set's expert_set label.
+	ent      *entry
+	setLabel string
+	loaded   kernels.Loaded
+	set      *kernels.ExpertSet
+	req      *kernels.Request
+	// decoded is when validation ended; loadNanos is an inline set's
+	// Load, reported as host-to-device time.
+	decoded   time.Time
+	loadNanos int64
+	// undo releases what the call holds, last first.
+	undo []func()
+}
+
+func (c *fusedCall) close() {
+	for i := len(c.undo) - 1; i >= 0; i-- {
+		c.undo[i]()
+	}
+	c.undo = nil
+}
+
+// prepare finds the call's experts (a loaded set, or inline weights it
+// loads for this call) and validates the request against them.
+func (s *Server) prepare(ctx context.Context, req *pb.FusedMoERequest, sh *shmCall) (_ *fusedCall, err error) {
+	c := &fusedCall{setLabel: inlineLabel}
+	// On failure, give back what the call took so far.
+	defer func() {
+		if err != nil {
+			c.close()
+		}
+	}()
+	lim := moe.Limits{MaxTokens: s.cfg.MaxTokens}
 	switch ex := req.GetExperts().(type) {
 	case *pb.FusedMoERequest_ExpertSet:
 		if err := checkLen("expert_set", ex.ExpertSet, maxNameBytes); err != nil {
-			return nil, nil, err
+			return nil, err
 		}
-		if ent, err = s.reg.acquire(ex.ExpertSet); err != nil {
-			return nil, nil, err
+		ent, err := s.reg.acquire(ex.ExpertSet)
+		if err != nil {
+			return nil, err
 		}
-		defer s.reg.done(ent)
-		setLabel = ex.ExpertSet
-		loaded, set = ent.loaded, ent.loaded.Set()
-		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}, sh.devices()); err != nil {
-			return nil, nil, err
+		c.undo = append(c.undo, func() { s.reg.done(ent) })
+		c.ent, c.setLabel = ent, ex.ExpertSet
+		c.loaded, c.set = ent.loaded, ent.loaded.Set()
+		if c.req, err = checkRequest(req, c.set, lim, sh); err != nil {
+			return nil, err
 		}
-		decoded = time.Now()
+		c.decoded = time.Now()
 	case *pb.FusedMoERequest_Weights:
 		// Validate the whole call before Load: a device backend copies the
 		// weights to the GPU, which a bad request should never cost.
 		var n int64
-		if set, n, err = inlineSet(ex.Weights); err != nil {
-			return nil, nil, err
+		if c.set, n, err = inlineSet(ex.Weights, sh); err != nil {
+			return nil, err
 		}
-		if kreq, err = checkRequest(req, set, limits{maxTokens: s.cfg.MaxTokens}, sh.devices()); err != nil {
-			return nil, nil, err
+		if c.req, err = checkRequest(req, c.set, lim, sh); err != nil {
+			return nil, err
 		}
 		if err := s.reg.reserve("weights", n); err != nil {
-			return nil, nil, err
+			return nil, err
 		}
-		defer s.reg.release(n)
-		decoded = time.Now()
-		loaded, err = s.backend.Load(ctx, set)
+		c.undo = append(c.undo, func() { s.reg.release(n) })
+		c.decoded = time.Now()
+		loaded, err := s.backend.Load(ctx, c.set)
 		if err = s.backendDone(ctx, "load", err); err != nil {
-			return nil, nil, err
+			return nil, err
 		}
-		loadNanos = time.Since(decoded).Nanoseconds()
-		defer func() {
+		c.loaded, c.loadNanos = loaded, time.Since(c.decoded).Nanoseconds()
+		c.undo = append(c.undo, func() {
 			if err := loaded.Close(); err != nil {
 				s.log.ErrorContext(ctx, "closing inline expert set", "err", err)
 			}
-		}()
+		})
 	default:
-		return nil, nil, invalidf("experts", "set expert_set (a loaded set's name) or weights (inline)")
+		return nil, invalidf("experts", "set expert_set (a loaded set's name) or weights (inline)")
 	}
-	// queued is when the backend call started.
-	var (
-		res    *kernels.Result
-		queued time.Time
-	)
+	return c, nil
+}
+
+// runCall places the call's output and runs it: through the batcher when it
+// takes the call, else alone on an execution slot. queued is when the
+// backend call started; out is the pooled output buffer the response
+// lends, nil when the output is elsewhere.
+func (s *Server) runCall(ctx context.Context, c *fusedCall, sh *shmCall) (res *kernels.Result, queued time.Time, out []byte, err error) {
+	kreq := c.req
 	// The backend writes the output where it is going: device memory
-	// (kreq.OutDev, set by validation), a POSIX output_shm (no copy
+	// (kreq.OutDev, from output_shm), a POSIX output_shm (no copy
 	// afterwards), or a recycled buffer, since fresh memory costs a page
 	// fault per 4 KiB on first write (codec.Pool). A batch of one call
 	// runs that call's own request, so this holds for it too; a merged
@@ -285,21 +329,26 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 	case sh.outBuffer() != nil:
 		kreq.Out = sh.outBuffer()
 	default:
-		kreq.Out = s.outputs.Get(kreq.M() * set.K * kreq.OutDType.Size())
+		kreq.Out = s.outputs.Get(kreq.M() * c.set.K * kreq.OutDType.Size())
 		pooled = true
 	}
-	if ent != nil && s.batch.accepts(kreq) {
-		res, queued, err = s.batch.do(ctx, ent, kreq)
+	if c.ent != nil && s.batch.accepts(kreq) {
+		res, queued, err = s.batch.do(ctx, c.ent, kreq)
 	} else {
 		_, span := s.startSpan(ctx, spanQueue)
 		err = s.acquireSlot(ctx)
 		span.End()
 		if err == nil {
 			queued = time.Now()
-			res, err = s.compute(ctx, setLabel, loaded, kreq)
+			res, err = s.compute(ctx, c.setLabel, c.loaded, kreq)
 		}
 	}
-	if pooled && err == nil {
+	// A failed call's buffer is dropped, never reused: the backend may
+	// have been stopped mid-write.
+	if err != nil {
+		return nil, queued, nil, err
+	}
+	if pooled {
 		out = kreq.Out
 		if len(res.Output) == 0 || &res.Output[0] != &out[0] {
 			// A merged batch's view: the buffer was never written.
@@ -307,38 +356,37 @@ func (s *Server) fusedMoE(ctx context.Context, start time.Time, req *pb.FusedMoE
 			out = nil
 		}
 	}
-	// A failed call's buffer is dropped, never reused: the backend may
-	// have been stopped mid-write.
-	if err != nil {
-		return nil, nil, err
-	}
-	m, k := int64(kreq.M()), int64(set.K)
-	topk := int64(kreq.Routing.TopK)
-	s.tokens.Add(ctx, m, s.callAttrs(set.Activation, setLabel))
+	return res, queued, out, nil
+}
 
-	resp = &pb.FusedMoEResponse{
-		Output:  &pb.Tensor{Dtype: wireDType(kreq.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
+// respond builds the response of a call that ran and records its metrics.
+func (s *Server) respond(ctx context.Context, start time.Time, req *pb.FusedMoERequest, c *fusedCall, res *kernels.Result, queued time.Time, sh *shmCall) (*pb.FusedMoEResponse, error) {
+	m, k := int64(c.req.M()), int64(c.set.K)
+	topk := int64(c.req.Routing.TopK)
+	s.tokens.Add(ctx, m, s.callAttrs(c.set.Activation, c.setLabel))
+
+	resp := &pb.FusedMoEResponse{
+		Output:  &pb.Tensor{Dtype: wireDType(c.req.OutDType), Shape: []int64{m, k}, Source: &pb.Tensor_Data{Data: res.Output}},
 		Backend: s.backend.Name(),
 	}
 	// writeOutput changes only calls with output_shm, which have no pooled
-	// buffer (out is nil): nothing goes back to the pool here.
+	// buffer: nothing goes back to the pool here.
 	if err := sh.writeOutput(resp); err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	if req.GetReturnRouting() {
 		resp.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: int32Bytes(res.TopKIDs)}}
 		resp.TopkWeights = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: float32Bytes(res.TopKWeights)}}
 	}
 	resp.Timings = &pb.Timings{
-		DecodeNanos: decoded.Sub(start).Nanoseconds(),
-		QueueNanos:  queued.Sub(decoded).Nanoseconds() - loadNanos,
-		H2DNanos:    loadNanos,
+		DecodeNanos: c.decoded.Sub(start).Nanoseconds(),
+		QueueNanos:  queued.Sub(c.decoded).Nanoseconds() - c.loadNanos,
+		H2DNanos:    c.loadNanos,
 		KernelNanos: res.KernelNanos,
 		TotalNanos:  time.Since(start).Nanoseconds(),
 	}
-	s.queueTime.Record(ctx, float64(resp.Timings.QueueNanos)/1e9, metric.WithAttributes(
-		attribute.String("backend", s.backend.Name()), attribute.String("expert_set", setLabel)))
-	return resp, out, nil
+	s.queueTime.Record(ctx, float64(resp.Timings.QueueNanos)/1e9, s.queueAttrs(c.setLabel))
+	return resp, nil
 }
 
 // compute is one backend call on req, made holding an execution slot,

@@ -19,6 +19,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -128,7 +129,7 @@ func FuzzCheckRequest(f *testing.F) {
 		if proto.Unmarshal(b, &req) != nil {
 			return
 		}
-		r, err := checkRequest(&req, set, limits{maxTokens: 64}, deviceRefs{})
+		r, err := checkRequest(&req, set, moe.Limits{MaxTokens: 64}, nil)
 		if err != nil {
 			return
 		}
@@ -155,10 +156,10 @@ func FuzzCheckRequest(f *testing.F) {
 			// weights: the rule of issue 14 end to end.
 			logits := make([]float32, m*set.E)
 			for i := range logits {
-				logits[i] = element(r.Logits.DType, r.Logits.Data, i)
+				logits[i] = moe.Element(r.Logits.DType, r.Logits.Data, i)
 			}
 			ids, w := make([]int32, m*r.Routing.TopK), make([]float32, m*r.Routing.TopK)
-			cpu.Route(ids, w, logits, m, set.E, r.Routing)
+			moe.Route(ids, w, logits, m, set.E, r.Routing)
 			for i, x := range w {
 				if x != x || math.IsInf(float64(x), 0) {
 					t.Fatalf("accepted logits %v route to weight %d = %v", logits, i, x)
@@ -211,7 +212,7 @@ func FuzzInlineSet(f *testing.F) {
 		if proto.Unmarshal(b, &w) != nil {
 			return
 		}
-		set, n, err := inlineSet(&w)
+		set, n, err := inlineSet(&w, nil)
 		if err != nil {
 			return
 		}
@@ -253,7 +254,11 @@ func FuzzDecodeTensor(f *testing.F) {
 				allowed = append(allowed, d)
 			}
 		}
-		m, data, err := checkTensor("t", &pt, allowed...)
+		m, err := checkMeta("t", &pt, allowed...)
+		if err != nil {
+			return
+		}
+		data, err := tensorBytes("t", &pt, m, nil)
 		if err != nil {
 			return
 		}
@@ -289,11 +294,11 @@ func FuzzDecodeTensor(f *testing.F) {
 			if len(m.shape) > 0 && m.shape[len(m.shape)-1] > 0 {
 				e = m.shape[len(m.shape)-1]
 			}
-			if checkLogits(m.dtype, data, e, kernels.Softmax) == nil {
+			if moe.CheckLogits(m.dtype, data, e, kernels.Softmax) == nil {
 				for row := 0; row*e < n; row++ {
 					finite := false
 					for i := row * e; i < (row+1)*e; i++ {
-						x := element(m.dtype, data, i)
+						x := moe.Element(m.dtype, data, i)
 						if x != x || math.IsInf(float64(x), 1) {
 							t.Fatalf("accepted logit %v", x)
 						}
@@ -308,9 +313,11 @@ func FuzzDecodeTensor(f *testing.F) {
 	})
 }
 
-// TestCheckRequestDevice: tensors in device memory (as resolveShm records
-// them) are checked for dtype, shape and their reference's size, and
-// become device tensors with no host bytes, as does the output.
+// TestCheckRequestDevice: tensors in device memory (as shmTable.resolve finds
+// them) are checked for dtype and shape and become device tensors with no
+// host bytes, as does the output; a reference nothing resolved is refused.
+// Their sizes against the references are shmTable.resolve's to check
+// (cudaipc_test.go).
 func TestCheckRequestDevice(t *testing.T) {
 	set := &kernels.ExpertSet{Activation: kernels.SiluGated, E: 4, K: 8, N: 4}
 	ref := func(dt pb.DataType, n int64, shape ...int64) *pb.Tensor {
@@ -321,10 +328,12 @@ func TestCheckRequestDevice(t *testing.T) {
 		RouterLogits: ref(pb.DataType_DATA_TYPE_FLOAT32, 32, 2, 4),
 		Routing:      &pb.Routing{TopK: 2},
 	}
-	onDevice := deviceRefs{hidden: deviceTensor{0x1000, 32}, logits: deviceTensor{0x2000, 32}, out: 0x3000}
+	hidden := kernels.Tensor{Memory: moe.Device, Dev: 0x1000}
+	logits := kernels.Tensor{Memory: moe.Device, Dev: 0x2000}
+	onDevice := &shmCall{mem: map[string]kernels.Tensor{"hidden_states": hidden, "router_logits": logits}, outDev: 0x3000}
 	tests := []struct {
 		name       string
-		dev        deviceRefs
+		sh         *shmCall
 		dtype      pb.DataType
 		wantHidden kernels.Tensor
 		wantLogits kernels.Tensor
@@ -332,20 +341,17 @@ func TestCheckRequestDevice(t *testing.T) {
 		wantErr    string
 	}{
 		{"on the device", onDevice, pb.DataType_DATA_TYPE_BFLOAT16,
-			kernels.Tensor{DType: kernels.BFloat16, Shape: []int{2, 8}, Dev: 0x1000}, kernels.Tensor{DType: kernels.Float32, Shape: []int{2, 4}, Dev: 0x2000}, 0x3000, ""},
-		{"hidden size", deviceRefs{hidden: deviceTensor{0x1000, 31}, logits: onDevice.logits}, pb.DataType_DATA_TYPE_BFLOAT16,
-			kernels.Tensor{}, kernels.Tensor{}, 0, "hidden_states.shm.byte_size: 31: shape [2 8] of DATA_TYPE_BFLOAT16 needs 32 bytes"},
-		{"logits size", deviceRefs{hidden: onDevice.hidden, logits: deviceTensor{0x2000, 64}}, pb.DataType_DATA_TYPE_BFLOAT16,
-			kernels.Tensor{}, kernels.Tensor{}, 0, "router_logits.shm.byte_size: 64: shape [2 4] of DATA_TYPE_FLOAT32 needs 32 bytes"},
+			kernels.Tensor{DType: kernels.BFloat16, Shape: []int{2, 8}, Memory: moe.Device, Dev: 0x1000},
+			kernels.Tensor{DType: kernels.Float32, Shape: []int{2, 4}, Memory: moe.Device, Dev: 0x2000}, 0x3000, ""},
 		{"dtype", onDevice, pb.DataType_DATA_TYPE_INT32, kernels.Tensor{}, kernels.Tensor{}, 0, "hidden_states: dtype DATA_TYPE_INT32"},
-		{"logits not resolved", deviceRefs{hidden: onDevice.hidden}, pb.DataType_DATA_TYPE_BFLOAT16,
+		{"logits not resolved", &shmCall{mem: map[string]kernels.Tensor{"hidden_states": hidden}}, pb.DataType_DATA_TYPE_BFLOAT16,
 			kernels.Tensor{}, kernels.Tensor{}, 0, "router_logits.shm: shared memory is not supported"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			r := proto.Clone(req).(*pb.FusedMoERequest)
 			r.HiddenStates.Dtype = tt.dtype
-			got, err := checkRequest(r, set, limits{}, tt.dev)
+			got, err := checkRequest(r, set, moe.Limits{}, tt.sh)
 			if tt.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
 					t.Errorf("checkRequest = %v, want an error containing %q", err, tt.wantErr)
@@ -363,6 +369,9 @@ func TestCheckRequestDevice(t *testing.T) {
 			}
 			if got.OutDev != tt.wantOutDev || got.Out != nil {
 				t.Errorf("output at %#x with %d host bytes, want %#x and none", got.OutDev, len(got.Out), tt.wantOutDev)
+			}
+			if !proto.Equal(r, req) && tt.dtype == req.GetHiddenStates().GetDtype() {
+				t.Errorf("checkRequest modified the request")
 			}
 		})
 	}

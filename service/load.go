@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/expertd/expertd/kernels"
@@ -81,8 +80,8 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 	if err := checkName("header.name", h.GetName()); err != nil {
 		return nil, err
 	}
-	if !h.GetOverwrite() && s.reg.exists(h.GetName()) {
-		return nil, codedf(codes.AlreadyExists, "header.name", "expert set %s is already loaded; set overwrite to replace it", Quote(h.GetName()))
+	if err := s.reg.checkFree("header.name", h.GetName(), h.GetOverwrite()); err != nil {
+		return nil, err
 	}
 	l, err := checkLayout("header.weights", h.GetWeights())
 	if err != nil {

@@ -67,12 +67,21 @@ func (r *registry) usedBytes() int64 {
 	return r.used
 }
 
-// exists reports whether name is loaded.
-func (r *registry) exists(name string) bool {
+// checkFree fails with AlreadyExists, naming field, when name is loaded
+// and overwrite is unset: a load checks it before reading any weights, so
+// a name clash costs nothing. put checks again when the set is ready.
+func (r *registry) checkFree(field, name string, overwrite bool) error {
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	_, ok := r.sets[name]
-	return ok
+	r.mu.Unlock()
+	if ok && !overwrite {
+		return errAlreadyLoaded(field, name)
+	}
+	return nil
+}
+
+func errAlreadyLoaded(field, name string) error {
+	return codedf(codes.AlreadyExists, field, "expert set %s is already loaded; set overwrite to replace it", Quote(name))
 }
 
 // put makes e visible under its name. The entry takes over a reservation of
@@ -83,7 +92,7 @@ func (r *registry) put(e *entry, overwrite bool) error {
 	old, ok := r.sets[e.info.GetName()]
 	if ok && !overwrite {
 		r.mu.Unlock()
-		return codedf(codes.AlreadyExists, "name", "expert set %s is already loaded; set overwrite to replace it", Quote(e.info.GetName()))
+		return errAlreadyLoaded("name", e.info.GetName())
 	}
 	r.sets[e.info.GetName()] = e
 	free := ok && r.removeLocked(old)

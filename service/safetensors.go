@@ -183,22 +183,26 @@ func (f *stFile) floats(name string) (stTensor, []float32, error) {
 // maxPathBytes bounds safetensors.path and the naming templates: PATH_MAX.
 const maxPathBytes = 4096
 
-// openWeights opens rel inside the configured weights directory. Paths
+// weightsDir is the configured weights directory ("" for none), the one
+// place a load opens files from.
+type weightsDir string
+
+// open opens rel inside the weights directory. Paths
 // with "..", absolute paths and symlinks that resolve outside the directory
 // are refused; os.Root then opens it without following anything out of
 // the root, which also closes the race between the check and the open.
 // Anything but a regular file is refused before it is read: the open is
 // non-blocking, so a FIFO (or a device) cannot stall the call, and fstat
 // on the open descriptor decides. Messages name rel, never the directory.
-func (s *Server) openWeights(rel string) (*os.File, error) {
-	return s.openWeightsPath(rel, false)
+func (d weightsDir) open(rel string) (*os.File, error) {
+	return d.openPath(rel, false)
 }
 
-// openWeightsPath is openWeights that also takes a directory when dirOK
-// (a checkpoint directory); what it refuses is the same.
-func (s *Server) openWeightsPath(rel string, dirOK bool) (*os.File, error) {
+// openPath is open that also takes a directory when dirOK (a checkpoint
+// directory); what it refuses is the same.
+func (d weightsDir) openPath(rel string, dirOK bool) (*os.File, error) {
 	const field = "safetensors.path"
-	if s.cfg.WeightsDir == "" {
+	if d == "" {
 		return nil, codedf(codes.FailedPrecondition, field, "this server has no weights directory configured")
 	}
 	if err := checkLen(field, rel, maxPathBytes); err != nil {
@@ -212,7 +216,7 @@ func (s *Server) openWeightsPath(rel string, dirOK bool) (*os.File, error) {
 			return nil, invalidf(field, "%s: may not contain \"..\"", Quote(rel))
 		}
 	}
-	root, err := filepath.EvalSymlinks(s.cfg.WeightsDir)
+	root, err := filepath.EvalSymlinks(string(d))
 	if err != nil {
 		return nil, fmt.Errorf("weights directory: %w", err)
 	}
@@ -324,8 +328,8 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 	if err := checkName("safetensors.name", src.GetName()); err != nil {
 		return nil, err
 	}
-	if !src.GetOverwrite() && s.reg.exists(src.GetName()) {
-		return nil, codedf(codes.AlreadyExists, "safetensors.name", "expert set %s is already loaded; set overwrite to replace it", Quote(src.GetName()))
+	if err := s.reg.checkFree("safetensors.name", src.GetName(), src.GetOverwrite()); err != nil {
+		return nil, err
 	}
 	for _, t := range [][2]string{{"safetensors.w13_template", src.GetW13Template()}, {"safetensors.w2_template", src.GetW2Template()},
 		{"safetensors.w13_scale_template", src.GetW13ScaleTemplate()}, {"safetensors.w2_scale_template", src.GetW2ScaleTemplate()}} {
@@ -341,7 +345,7 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 	if _, err := presetLayout(src, 0); err != nil {
 		return nil, err
 	}
-	fh, err := s.openWeights(src.GetPath())
+	fh, err := s.weights.open(src.GetPath())
 	if err != nil {
 		return nil, err
 	}

@@ -112,6 +112,8 @@ type Server struct {
 	backend kernels.Backend
 	log     *slog.Logger
 	reg     *registry
+	// weights is where loads open safetensors files and checkpoints.
+	weights weightsDir
 	// slots is a semaphore of cfg.MaxConcurrent execution slots.
 	slots chan struct{}
 	// queued counts calls waiting for a slot, bounded by cfg.MaxQueued.
@@ -183,11 +185,12 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 	}
 	s := &Server{
 		cfg:     cfg,
+		weights: weightsDir(cfg.WeightsDir),
 		backend: backend,
 		log:     logger,
 		reg:     newRegistry(cfg.MaxLoadedBytes),
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
-		shm:     newShmTable(cfg, logger),
+		shm:     newShmTable(cfg, backend, logger),
 		rings:   newRings(),
 	}
 	s.reg.closeFn = s.free
@@ -274,7 +277,7 @@ func (s *Server) initMetrics(m metric.Meter) {
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.backend.faulty"), slog.Any("err", err))
 	}
-	s.initShmMetrics(m)
+	s.shm.initMetrics(m)
 	s.initRingMetrics(m)
 }
 
@@ -463,16 +466,24 @@ func wireActivation(a kernels.Activation) pb.Activation {
 }
 
 // callAttrs are the metric attributes of a call of activation a on the
-// set labelled set (a loaded set's name, or inlineLabel).
+// set labelled set (a loaded set's name, or inlineLabel); a == 0 leaves
+// the activation out (queueAttrs).
 func (s *Server) callAttrs(a kernels.Activation, set string) metric.MeasurementOption {
 	k := callAttrKey{a, set}
 	if o, ok := s.callAttrSets.Load(k); ok {
 		return o.(metric.MeasurementOption)
 	}
-	o := metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", s.backend.Name()),
-		attribute.String("activation", a.String()), attribute.String("expert_set", set)))
+	kv := []attribute.KeyValue{attribute.String("backend", s.backend.Name()), attribute.String("expert_set", set)}
+	if a != 0 {
+		kv = append(kv, attribute.String("activation", a.String()))
+	}
+	o := metric.WithAttributeSet(attribute.NewSet(kv...))
 	if s.callAttrN.Add(1) <= maxCallAttrSets {
 		s.callAttrSets.Store(k, o)
 	}
 	return o
 }
+
+// queueAttrs are the queue-time histogram's attributes, cached as
+// callAttrs are; the histogram does not split by activation.
+func (s *Server) queueAttrs(set string) metric.MeasurementOption { return s.callAttrs(0, set) }

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -39,9 +40,9 @@ import (
 //
 // A POSIX region is a mapping of the caller's object, which the backend
 // page-locks when it can (HostPinner), so a GPU's copies from and to it
-// are DMA. A CUDA IPC region is device memory the backend opened from the
+// are DMA; its tensors reach the backend as moe.Pinned memory. A CUDA IPC region is device memory the backend opened from the
 // caller's cudaIpcMemHandle_t (IPCOpener): tensors there reach the backend
-// as device addresses (kernels.Tensor.Dev, kernels.Request.OutDev) and
+// as device addresses (moe.Device tensors, kernels.Request.OutDev) and
 // are never copied through the host. Only hidden_states, router_logits and
 // the output may live there; every other tensor is read on the host
 // (decoded scales, routing ids), so it must be in host memory.
@@ -123,7 +124,10 @@ func (r *region) info() *pb.SharedMemoryRegion {
 // shmTable holds every connection's regions. It is also the stats.Handler
 // that learns when connections come and go.
 type shmTable struct {
-	log     *slog.Logger
+	log *slog.Logger
+	// backend opens CUDA IPC memory (IPCOpener) and page-locks POSIX
+	// regions (HostPinner) when it can.
+	backend kernels.Backend
 	enabled bool
 	// pinWarn logs the first failure to pin a POSIX region; later ones
 	// would only repeat it.
@@ -143,8 +147,8 @@ type shmTable struct {
 	maxRegions, maxBytes int64
 }
 
-func newShmTable(cfg Config, log *slog.Logger) *shmTable {
-	t := &shmTable{log: log, enabled: cfg.SharedMemory, conns: map[uint64]map[string]*region{},
+func newShmTable(cfg Config, backend kernels.Backend, log *slog.Logger) *shmTable {
+	t := &shmTable{log: log, backend: backend, enabled: cfg.SharedMemory, conns: map[uint64]map[string]*region{},
 		maxRegions: int64(cfg.MaxShmRegions), maxBytes: cfg.MaxShmBytes}
 	if t.maxRegions <= 0 {
 		t.maxRegions = DefaultMaxShmRegions
@@ -306,8 +310,7 @@ func (t *shmTable) connRegions(ctx context.Context) (uint64, map[string]*region,
 
 // initShmMetrics observes the mapped regions, so a leak (mappings that
 // outlive their connections) shows on a dashboard.
-func (s *Server) initShmMetrics(m metric.Meter) {
-	t := s.shm
+func (t *shmTable) initMetrics(m metric.Meter) {
 	observe := func(get func() int64) metric.Int64Callback {
 		return func(_ context.Context, o metric.Int64Observer) error {
 			t.mu.Lock()
@@ -321,29 +324,31 @@ func (s *Server) initShmMetrics(m metric.Meter) {
 		metric.WithDescription("Shared-memory regions mapped: registered, or unregistered but still used by a call."),
 		metric.WithUnit("{region}"),
 		metric.WithInt64Callback(observe(func() int64 { return t.mapped }))); err != nil {
-		s.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.regions"), slog.Any("err", err))
+		t.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.regions"), slog.Any("err", err))
 	}
 	if _, err := m.Int64ObservableGauge("expertd.shared_memory.mapped_bytes",
 		metric.WithDescription("Bytes of the shared-memory regions mapped."),
 		metric.WithUnit("By"),
 		metric.WithInt64Callback(observe(func() int64 { return t.mappedBytes }))); err != nil {
-		s.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.mapped_bytes"), slog.Any("err", err))
+		t.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.mapped_bytes"), slog.Any("err", err))
 	}
 }
 
 // RegisterSharedMemory maps a region of a POSIX shared-memory object, or
 // opens one of a CUDA IPC allocation, for the calling connection.
 func (s *Server) RegisterSharedMemory(ctx context.Context, req *pb.RegisterSharedMemoryRequest) (*pb.RegisterSharedMemoryResponse, error) {
-	resp, err := s.registerShm(ctx, req)
+	resp, err := s.shm.register(ctx, req, s.begin)
 	return resp, s.toStatus(ctx, "RegisterSharedMemory", err)
 }
 
-func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRequest) (*pb.RegisterSharedMemoryResponse, error) {
-	t := s.shm
+// register maps or opens the region req describes; begin is the server's
+// admission (refused while it drains), taken once the request is known to
+// be for this component.
+func (t *shmTable) register(ctx context.Context, req *pb.RegisterSharedMemoryRequest, begin func() (func(), error)) (*pb.RegisterSharedMemoryResponse, error) {
 	if !t.enabled {
 		return nil, errShmDisabled
 	}
-	done, err := s.begin()
+	done, err := begin()
 	if err != nil {
 		return nil, err
 	}
@@ -371,8 +376,8 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 			return nil, err
 		}
 	case pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC:
-		if _, ok := s.backend.(IPCOpener); !ok {
-			return nil, codedf(codes.FailedPrecondition, "kind", "the %s backend cannot open CUDA IPC memory; run expertd with -backend cuda", s.backend.Name())
+		if _, ok := t.backend.(IPCOpener); !ok {
+			return nil, codedf(codes.FailedPrecondition, "kind", "the %s backend cannot open CUDA IPC memory; run expertd with -backend cuda", t.backend.Name())
 		}
 		if req.GetKey() != "" {
 			return nil, invalidf("key", "%s: must be empty for SHARED_MEMORY_KIND_CUDA_IPC (cuda_ipc_handle names the memory)", Quote(req.GetKey()))
@@ -414,9 +419,9 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 
 	r := &region{name: req.GetName(), kind: kind, key: key, offset: off, size: size, registered: time.Now()}
 	if kind == pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC {
-		err = s.openIPC(r, req.GetCudaIpcHandle())
+		err = t.openIPC(r, req.GetCudaIpcHandle())
 	} else {
-		err = s.mapPOSIX(ctx, r)
+		err = t.mapPOSIX(ctx, r)
 	}
 	if err != nil {
 		return nil, err
@@ -440,7 +445,7 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 	t.mappedBytes += r.size
 	info := r.info()
 	t.mu.Unlock()
-	s.log.InfoContext(ctx, "shared memory registered", slog.String("region", r.name), slog.String("kind", kind.String()), slog.String("key", key),
+	t.log.InfoContext(ctx, "shared memory registered", slog.String("region", r.name), slog.String("kind", kind.String()), slog.String("key", key),
 		slog.Int64("offset", off), slog.Int64("bytes", size), slog.Bool("pinned", r.unpin != nil), slog.Uint64("conn", id))
 	return &pb.RegisterSharedMemoryResponse{Region: info}, nil
 }
@@ -449,13 +454,13 @@ func (s *Server) registerShm(ctx context.Context, req *pb.RegisterSharedMemoryRe
 // page-locks it. Pinning only speeds up a GPU's copies, so a failure (a
 // RLIMIT_MEMLOCK too low, say) is logged once and the region served
 // unpinned.
-func (s *Server) mapPOSIX(ctx context.Context, r *region) error {
+func (t *shmTable) mapPOSIX(ctx context.Context, r *region) error {
 	m, err := mapShm(r.key, r.offset, r.size)
 	if err != nil {
 		return err
 	}
 	r.m = m
-	p, ok := s.backend.(HostPinner)
+	p, ok := t.backend.(HostPinner)
 	if !ok {
 		return nil
 	}
@@ -463,9 +468,9 @@ func (s *Server) mapPOSIX(ctx context.Context, r *region) error {
 	// not.
 	if r.unpin, err = p.PinHost(m.pages()); err != nil {
 		r.unpin = nil
-		s.shm.pinWarn.Do(func() {
-			s.log.WarnContext(ctx, "shared memory not page-locked: copies from and to POSIX regions go through staging buffers, and are slower (logged once)",
-				slog.String("backend", s.backend.Name()), slog.String("region", r.name), slog.String("key", r.key), slog.Int64("bytes", r.size), slog.Any("err", err))
+		t.pinWarn.Do(func() {
+			t.log.WarnContext(ctx, "shared memory not page-locked: copies from and to POSIX regions go through staging buffers, and are slower (logged once)",
+				slog.String("backend", t.backend.Name()), slog.String("region", r.name), slog.String("key", r.key), slog.Int64("bytes", r.size), slog.Any("err", err))
 		})
 	}
 	return nil
@@ -473,19 +478,19 @@ func (s *Server) mapPOSIX(ctx context.Context, r *region) error {
 
 // openIPC opens r's slice of the allocation handle names on the backend's
 // GPU, whose size the backend checks r against.
-func (s *Server) openIPC(r *region, handle []byte) error {
-	dev, err := s.backend.(IPCOpener).OpenIPC(handle, r.offset, r.size)
+func (t *shmTable) openIPC(r *region, handle []byte) error {
+	dev, err := t.backend.(IPCOpener).OpenIPC(handle, r.offset, r.size)
 	switch {
 	case errors.Is(err, kernels.ErrUnsupported):
-		return codedf(codes.FailedPrecondition, "cuda_ipc_handle", "backend %s: %v", s.backend.Name(), err)
+		return codedf(codes.FailedPrecondition, "cuda_ipc_handle", "backend %s: %v", t.backend.Name(), err)
 	case errors.Is(err, kernels.ErrOutOfMemory):
-		return exhaustedf("cuda_ipc_handle", "backend %s: %v", s.backend.Name(), err)
+		return exhaustedf("cuda_ipc_handle", "backend %s: %v", t.backend.Name(), err)
 	case err != nil:
-		return invalidf("cuda_ipc_handle", "backend %s cannot open it: %v", s.backend.Name(), err)
+		return invalidf("cuda_ipc_handle", "backend %s cannot open it: %v", t.backend.Name(), err)
 	}
 	if dev.Size() != r.size || dev.Ptr() == 0 {
 		dev.Close() //nolint:errcheck // failing already
-		return fmt.Errorf("backend %s opened %d bytes at %#x for a region of %d", s.backend.Name(), dev.Size(), dev.Ptr(), r.size)
+		return fmt.Errorf("backend %s opened %d bytes at %#x for a region of %d", t.backend.Name(), dev.Size(), dev.Ptr(), r.size)
 	}
 	r.dev = dev
 	return nil
@@ -522,12 +527,11 @@ func checkShmKey(key string) (string, error) {
 // UnregisterSharedMemory forgets one of the calling connection's regions,
 // or all of them when the name is empty.
 func (s *Server) UnregisterSharedMemory(ctx context.Context, req *pb.UnregisterSharedMemoryRequest) (*pb.UnregisterSharedMemoryResponse, error) {
-	resp, err := s.unregisterShm(ctx, req)
+	resp, err := s.shm.unregister(ctx, req)
 	return resp, s.toStatus(ctx, "UnregisterSharedMemory", err)
 }
 
-func (s *Server) unregisterShm(ctx context.Context, req *pb.UnregisterSharedMemoryRequest) (*pb.UnregisterSharedMemoryResponse, error) {
-	t := s.shm
+func (t *shmTable) unregister(ctx context.Context, req *pb.UnregisterSharedMemoryRequest) (*pb.UnregisterSharedMemoryResponse, error) {
 	if !t.enabled {
 		return nil, errShmDisabled
 	}
@@ -556,18 +560,17 @@ func (s *Server) unregisterShm(ctx context.Context, req *pb.UnregisterSharedMemo
 	}
 	t.mu.Unlock()
 	t.free(free)
-	s.log.InfoContext(ctx, "shared memory unregistered", slog.Any("regions", names), slog.Uint64("conn", id))
+	t.log.InfoContext(ctx, "shared memory unregistered", slog.Any("regions", names), slog.Uint64("conn", id))
 	return &pb.UnregisterSharedMemoryResponse{Names: names}, nil
 }
 
 // ListSharedMemory reports the calling connection's regions.
 func (s *Server) ListSharedMemory(ctx context.Context, req *pb.ListSharedMemoryRequest) (*pb.ListSharedMemoryResponse, error) {
-	resp, err := s.listShm(ctx, req)
+	resp, err := s.shm.list(ctx, req)
 	return resp, s.toStatus(ctx, "ListSharedMemory", err)
 }
 
-func (s *Server) listShm(ctx context.Context, req *pb.ListSharedMemoryRequest) (*pb.ListSharedMemoryResponse, error) {
-	t := s.shm
+func (t *shmTable) list(ctx context.Context, req *pb.ListSharedMemoryRequest) (*pb.ListSharedMemoryResponse, error) {
 	if !t.enabled {
 		return nil, errShmDisabled
 	}
@@ -597,26 +600,38 @@ func (s *Server) listShm(ctx context.Context, req *pb.ListSharedMemoryRequest) (
 }
 
 // shmCall is what one FusedMoE call holds in shared memory: the regions it
-// references (each acquired once), its tensors in device memory and where
-// its output goes. A nil *shmCall holds nothing.
+// references (each acquired once), where each of its shared-memory tensors
+// is, and where its output goes. A nil *shmCall holds nothing.
 type shmCall struct {
 	t    *shmTable
 	used []*region
-	// dev are the request's tensors in CUDA IPC regions, for validation.
-	dev deviceRefs
-	// out is a POSIX output_shm's bytes, or dev.out a CUDA IPC one's
+	// mem are the request's shared-memory tensors by field, resolved:
+	// host bytes of a POSIX region, or a CUDA IPC region's device address.
+	mem map[string]kernels.Tensor
+	// out is a POSIX output_shm's bytes, or outDev a CUDA IPC one's
 	// address; outRef is the reference the response returns. All are
 	// unset without output_shm.
 	out    []byte
+	outDev uintptr
 	outRef *pb.SharedMemoryRef
 }
 
-// devices is what validation needs to know of c's device tensors.
-func (c *shmCall) devices() deviceRefs {
+// memory is where field's shared-memory tensor is (Memory and Data or
+// Dev); ok is false when nothing resolved it (shared memory disabled).
+func (c *shmCall) memory(field string) (kernels.Tensor, bool) {
 	if c == nil {
-		return deviceRefs{}
+		return kernels.Tensor{}, false
 	}
-	return c.dev
+	t, ok := c.mem[field]
+	return t, ok
+}
+
+// outDevice is a CUDA IPC output_shm's device address, 0 for none.
+func (c *shmCall) outDevice() uintptr {
+	if c == nil {
+		return 0
+	}
+	return c.outDev
 }
 
 // deviceFields are the only request fields a CUDA IPC region may hold,
@@ -651,18 +666,17 @@ func requestTensors(req *pb.FusedMoERequest) []shmTensor {
 // dtype suits the field is validate.go's business.
 var allDTypes = []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float16, kernels.Float8E4M3FN, kernels.Float8E5M2, kernels.Int32}
 
-// resolveShm turns the request's tensors in POSIX regions into inline
-// views of the caller's regions, so validation (validate.go) and the
-// backend see plain bytes with no copy, records those in CUDA IPC regions
-// as device addresses (c.dev, which validation turns into
-// kernels.Tensor.Dev), and checks output_shm. It runs before validation
-// and holds every region it touches until release, so none is unmapped
-// under the call. References are checked here (region known, offset and
-// byte_size within it and equal to the tensor's size, device memory only
-// where allowed); all else is left to validation, which refuses shm
-// tensors when this is disabled.
-func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmCall, error) {
-	t := s.shm
+// resolve finds where the request's shared-memory tensors are: views
+// of the caller's POSIX regions (so validation and the backend read them
+// with no copy) or device addresses in its CUDA IPC regions, and where
+// output_shm is. The request is left as it came; fromProto reads the
+// answers (shmCall.memory). It runs before validation and holds every
+// region it touches until release, so none is unmapped under the call.
+// References are checked here (region known, offset and byte_size within
+// it and equal to the tensor's size, device memory only where allowed);
+// all else is left to validation, which refuses shm tensors when this is
+// disabled.
+func (t *shmTable) resolve(ctx context.Context, req *pb.FusedMoERequest) (*shmCall, error) {
 	if !t.enabled {
 		if req.GetOutputShm() != nil {
 			return nil, invalidf("output_shm", "shared memory is not enabled on this server (expertd -shared-memory); leave output_shm unset")
@@ -678,13 +692,38 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 		return nil, nil
 	}
 	c := &shmCall{t: t}
-	t.mu.Lock()
-	_, regs, err := t.connRegions(ctx)
+	views, out, err := c.acquire(ctx, req, ts)
+	if err == nil {
+		err = c.checkMappings()
+	}
 	if err != nil {
-		t.mu.Unlock()
+		c.release()
 		return nil, err
 	}
-	acquire := func(field string, ref *pb.SharedMemoryRef) (*region, error) {
+	c.place(req, views, out)
+	return c, nil
+}
+
+// shmView is a request tensor's reference into an acquired region.
+type shmView struct {
+	x   shmTensor
+	r   *region
+	ref *pb.SharedMemoryRef
+}
+
+// acquire checks the references of ts and output_shm against the
+// connection's regions and takes a reference on each region used (c.used,
+// which release gives back, on failure too). out is output_shm's region,
+// nil without one.
+func (c *shmCall) acquire(ctx context.Context, req *pb.FusedMoERequest, ts []shmTensor) (views []shmView, out *region, err error) {
+	t := c.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, regs, err := t.connRegions(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	take := func(field string, ref *pb.SharedMemoryRef) (*region, error) {
 		if err := checkLen(field+".region_name", ref.GetRegionName(), maxNameBytes); err != nil {
 			return nil, err
 		}
@@ -704,19 +743,13 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 		}
 		return r, nil
 	}
-	type view struct {
-		x   shmTensor
-		r   *region
-		ref *pb.SharedMemoryRef
-	}
-	var views []view
 	for _, x := range ts {
 		ref := x.t.GetShm()
 		if ref == nil {
 			continue
 		}
 		field := x.field + ".shm"
-		r, err := acquire(field, ref)
+		r, err := take(field, ref)
 		if err == nil && r.dev != nil && !deviceFields[x.field] {
 			err = invalidf(field, "region %s is CUDA IPC device memory; only hidden_states, router_logits and output_shm may live there", Quote(r.name))
 		}
@@ -728,15 +761,12 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 			}
 		}
 		if err != nil {
-			t.mu.Unlock()
-			c.release()
-			return nil, err
+			return nil, nil, err
 		}
-		views = append(views, view{x, r, ref})
+		views = append(views, shmView{x, r, ref})
 	}
-	var out *region
 	if ref := req.GetOutputShm(); ref != nil {
-		if out, err = acquire("output_shm", ref); err == nil {
+		if out, err = take("output_shm", ref); err == nil {
 			err = checkOutputShm(req, ref, func(r *region, lo, hi int64) (string, bool) {
 				for _, v := range views {
 					if v.r == r && lo < v.ref.GetOffset()+v.ref.GetByteSize() && v.ref.GetOffset() < hi {
@@ -747,52 +777,57 @@ func (s *Server) resolveShm(ctx context.Context, req *pb.FusedMoERequest) (*shmC
 			}, out)
 		}
 		if err != nil {
-			t.mu.Unlock()
-			c.release()
-			return nil, err
+			return nil, nil, err
 		}
 	}
-	t.mu.Unlock()
+	return views, out, nil
+}
 
-	// A caller that shrinks an object under a mapping makes reads past
-	// the new end fault (SIGBUS); check once per call, outside the lock.
-	// The check cannot close the race with a truncation while the call
-	// runs: the backend reads the inputs, and for an unbatched call writes
-	// the output, straight from and to the mapping (README, "Security").
+// checkMappings checks that no POSIX region the call uses was shrunk
+// under its mapping, which would make reads past the new end fault
+// (SIGBUS); once per call, outside the table's lock. The check cannot
+// close the race with a truncation while the call runs: the backend reads
+// the inputs, and for an unbatched call writes the output, straight from
+// and to the mapping (README, "Security").
+func (c *shmCall) checkMappings() error {
 	for _, r := range c.used {
 		if r.m == nil {
 			continue // device memory: freeing it is the caller's to avoid
 		}
 		if err := r.m.check(); err != nil {
-			c.release()
-			return nil, codedf(codes.FailedPrecondition, "", "shared-memory region %s: %v; unregister and register it again", Quote(r.name), err)
+			return codedf(codes.FailedPrecondition, "", "shared-memory region %s: %v; unregister and register it again", Quote(r.name), err)
 		}
 	}
+	return nil
+}
+
+// place records where each view's tensor and the output are: what
+// memory answers and the output goes to.
+func (c *shmCall) place(req *pb.FusedMoERequest, views []shmView, out *region) {
+	c.mem = make(map[string]kernels.Tensor, len(views))
 	for _, v := range views {
 		lo, hi := v.ref.GetOffset(), v.ref.GetOffset()+v.ref.GetByteSize()
 		if v.r.dev != nil {
-			d := deviceTensor{addr: v.r.dev.Ptr() + uintptr(lo), bytes: hi - lo}
-			if v.x.field == "hidden_states" {
-				c.dev.hidden = d
-			} else {
-				c.dev.logits = d
-			}
+			c.mem[v.x.field] = kernels.Tensor{Memory: moe.Device, Dev: v.r.dev.Ptr() + uintptr(lo)}
 			continue
 		}
+		kind := moe.Host
+		if v.r.unpin != nil {
+			kind = moe.Pinned
+		}
 		// The capacity stops an append from writing past the view.
-		v.x.t.Source = &pb.Tensor_Data{Data: v.r.m.data()[lo:hi:hi]}
+		c.mem[v.x.field] = kernels.Tensor{Memory: kind, Data: v.r.m.data()[lo:hi:hi]}
 	}
 	if out != nil {
 		ref := req.GetOutputShm()
 		lo, hi := ref.GetOffset(), ref.GetOffset()+ref.GetByteSize()
 		if out.dev != nil {
-			c.dev.out = out.dev.Ptr() + uintptr(lo)
+			c.outDev = out.dev.Ptr() + uintptr(lo)
 		} else {
 			c.out = out.m.data()[lo:hi:hi]
 		}
 		c.outRef = proto.Clone(ref).(*pb.SharedMemoryRef)
 	}
-	return c, nil
 }
 
 // checkOutputShm checks output_shm's size against [M, K] in the output
@@ -809,22 +844,13 @@ func checkOutputShm(req *pb.FusedMoERequest, ref *pb.SharedMemoryRef, overlaps f
 	if err != nil || len(hm.shape) != 2 {
 		return nil
 	}
-	var size int64
-	switch req.GetOutputDtype() {
-	case pb.DataType_DATA_TYPE_UNSPECIFIED, pb.DataType_DATA_TYPE_BFLOAT16:
-		size = 2
-	case pb.DataType_DATA_TYPE_FLOAT32:
-		size = 4
-	default:
+	outType, ok := moe.OutputDType(moe.DType(req.GetOutputDtype()))
+	if !ok {
 		return nil
 	}
-	out := hm.bytes / int64(hm.dtype.Size()) * size
+	out := hm.bytes / int64(hm.dtype.Size()) * int64(outType.Size())
 	if ref.GetByteSize() != out {
-		outType := pb.DataType_DATA_TYPE_BFLOAT16
-		if size == 4 {
-			outType = pb.DataType_DATA_TYPE_FLOAT32
-		}
-		return invalidf("output_shm.byte_size", "%d: the output [%d %d] of %v needs %d bytes", ref.GetByteSize(), hm.shape[0], hm.shape[1], outType, out)
+		return invalidf("output_shm.byte_size", "%d: the output [%d %d] of %v needs %d bytes", ref.GetByteSize(), hm.shape[0], hm.shape[1], outType.WireName(), out)
 	}
 	return nil
 }
@@ -858,9 +884,8 @@ func (c *shmCall) release() {
 }
 
 // outBuffer is where an unbatched call's backend should write the output
-// itself: a POSIX output_shm's bytes, which saves writeOutput's copy
-// (M*K*2 bytes for BF16, 0.1-0.6 ms at M = 256 on the GPU host); nil
-// otherwise.
+// itself: a POSIX output_shm's bytes, which saves writeOutput's copy of
+// M*K output elements; nil otherwise.
 func (c *shmCall) outBuffer() []byte {
 	if c == nil {
 		return nil

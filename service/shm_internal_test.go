@@ -17,6 +17,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -75,7 +76,7 @@ func TestCheckShmKey(t *testing.T) {
 	}
 }
 
-// FuzzResolveShm feeds arbitrary references and shapes to resolveShm over
+// FuzzResolveShm feeds arbitrary references and shapes to shmTable.resolve over
 // a real 4000-byte region: it must never panic, and what it accepts must
 // view bytes inside the region, of the declared size, with the output
 // apart from the input; every region it took must be released.
@@ -96,7 +97,7 @@ func FuzzResolveShm(f *testing.F) {
 	ctx := s.shm.TagConn(context.Background(), &stats.ConnTagInfo{})
 	f.Cleanup(func() { s.shm.HandleConn(ctx, &stats.ConnEnd{}) })
 	const regionOff, regionSize = 100, 4000
-	if _, err := s.registerShm(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, Offset: regionOff, ByteSize: regionSize}); err != nil {
+	if _, err := s.shm.register(ctx, &pb.RegisterSharedMemoryRequest{Name: "r", Key: key, Offset: regionOff, ByteSize: regionSize}, s.begin); err != nil {
 		f.Fatal(err)
 	}
 	reg := s.shm.conns[ctx.Value(connKey{}).(uint64)]["r"]
@@ -112,7 +113,7 @@ func FuzzResolveShm(f *testing.F) {
 			OutputDtype: pb.DataType(odt),
 			OutputShm:   &pb.SharedMemoryRef{RegionName: "r", Offset: oOff, ByteSize: oSize},
 		}
-		c, err := s.resolveShm(ctx, req)
+		c, err := s.shm.resolve(ctx, req)
 		defer func() {
 			c.release()
 			if reg.refs != 0 {
@@ -133,8 +134,12 @@ func FuzzResolveShm(f *testing.F) {
 			p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
 			return p >= lo && p+uintptr(len(b)) <= lo+uintptr(len(mem))
 		}
-		h := req.GetHiddenStates().GetData()
-		if int64(len(h)) != hSize || int64(cap(h)) != hSize || !inside(h) {
+		if req.GetHiddenStates().GetShm() == nil {
+			t.Fatalf("shmTable.resolve modified the request: %v", req.GetHiddenStates())
+		}
+		mt, ok := c.memory("hidden_states")
+		h := mt.Data
+		if !ok || mt.Memory == moe.Device || int64(len(h)) != hSize || int64(cap(h)) != hSize || !inside(h) {
 			t.Fatalf("hidden view of %d bytes (cap %d) for byte_size %d, inside the region: %v", len(h), cap(h), hSize, inside(h))
 		}
 		if int64(len(c.out)) != oSize || !inside(c.out) {

@@ -1,35 +1,26 @@
 package service
 
 import (
-	"encoding/binary"
-	"fmt"
-	"math"
+	"errors"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
 
-// This file is the one place requests are checked and turned into kernels
-// types. Everything downstream trusts what it returns.
+// This file converts protobuf to the request model (package moe) once:
+// fromProto for a FusedMoE call, whose rules moe.Validate holds, and the
+// expert-set layout checks of a load. Everything downstream trusts what
+// they return.
 
-// maxElements bounds any declared tensor. It is far above a real layer
-// (Nemotron's w13 is 6e8 elements) and keeps numel*itemsize and sums of
-// several tensors well inside int64, so a hostile shape cannot overflow.
-const maxElements = int64(1) << 40
+// maxElements bounds any declared tensor (moe.MaxElements).
+const maxElements = moe.MaxElements
 
 // maxDim bounds K and N of an expert set.
 const maxDim = 1 << 20
 
-// dtypeOf maps the wire enum to the kernels type; the values mirror.
-func dtypeOf(d pb.DataType) (kernels.DType, bool) {
-	if d < pb.DataType_DATA_TYPE_FLOAT32 || d > pb.DataType_DATA_TYPE_INT32 {
-		return 0, false
-	}
-	return kernels.DType(d), true
-}
-
-// wireDType maps a kernels type back to the wire enum.
+// wireDType maps a model type to the wire enum; the values mirror.
 func wireDType(d kernels.DType) pb.DataType { return pb.DataType(d) }
 
 // tensorMeta is a tensor's declared type and size, checked.
@@ -39,111 +30,81 @@ type tensorMeta struct {
 	bytes int64
 }
 
+// declared is t's declaration in the model, without its bytes.
+func declared(t *pb.Tensor) *moe.Tensor {
+	shape := make([]int, len(t.GetShape()))
+	for i, d := range t.GetShape() {
+		shape[i] = int(d)
+	}
+	return &moe.Tensor{DType: moe.DType(t.GetDtype()), Shape: shape}
+}
+
 // checkMeta checks t's dtype against allowed and its shape for sign and
 // size, without looking at data.
 func checkMeta(field string, t *pb.Tensor, allowed ...kernels.DType) (tensorMeta, error) {
-	dt, ok := dtypeOf(t.GetDtype())
-	if !ok {
-		return tensorMeta{}, invalidf(field, "dtype %v: want one of %v", t.GetDtype(), wireNames(allowed))
+	d := declared(t)
+	n, err := moe.Meta(field, d, allowed...)
+	if err != nil {
+		return tensorMeta{}, fromModel(err)
 	}
-	legal := false
-	for _, a := range allowed {
-		legal = legal || a == dt
-	}
-	if !legal {
-		return tensorMeta{}, invalidf(field, "dtype %v: want one of %v", t.GetDtype(), wireNames(allowed))
-	}
-	n := int64(1)
-	shape := make([]int, len(t.GetShape()))
-	for i, d := range t.GetShape() {
-		if d < 0 {
-			return tensorMeta{}, invalidf(field, "shape %v: dimension %d is negative", t.GetShape(), i)
-		}
-		if d != 0 && n > maxElements/d {
-			return tensorMeta{}, invalidf(field, "shape %v: more than 2^40 elements", t.GetShape())
-		}
-		n *= d
-		shape[i] = int(d)
-	}
-	return tensorMeta{dtype: dt, shape: shape, bytes: n * int64(dt.Size())}, nil
+	return tensorMeta{dtype: d.DType, shape: d.Shape, bytes: n}, nil
 }
 
-func wireNames(ds []kernels.DType) []string {
-	names := make([]string, len(ds))
-	for i, d := range ds {
-		names[i] = wireDType(d).String()
+// fromModel maps the model's validation errors to the service's, with
+// their fields and messages unchanged.
+func fromModel(err error) error {
+	var fe *moe.FieldError
+	if errors.As(err, &fe) {
+		return invalidf(fe.Field, "%s", fe.Msg)
 	}
-	return names
+	var le *moe.LimitError
+	if errors.As(err, &le) {
+		return limitf(le.Field, le.Quota, le.Limit, 0, "%s", le.Msg)
+	}
+	return err
 }
 
-// tensorBytes returns t's inline bytes, checked against m's size. The slice
-// aliases the request: no copy.
-func tensorBytes(field string, t *pb.Tensor, m tensorMeta) ([]byte, error) {
+// errNoShm refuses a shared-memory tensor that no region resolved: this
+// server has shared memory disabled.
+func errNoShm(field string) error {
+	return invalidf(field+".shm", "shared memory is not supported by this server; send data inline")
+}
+
+// tensorFromProto is t in the model, nil for an unset tensor: its bytes
+// inline (aliasing the request, no copy) or where sh resolved its
+// shared-memory reference. A tensor without a source has nil Data, which
+// moe.Check reports.
+func tensorFromProto(field string, t *pb.Tensor, sh *shmCall) (*moe.Tensor, error) {
+	if t == nil {
+		return nil, nil
+	}
+	mt := declared(t)
 	switch src := t.GetSource().(type) {
 	case *pb.Tensor_Data:
-		if int64(len(src.Data)) != m.bytes {
-			return nil, invalidf(field, "shape %v needs %d bytes, got %d", t.GetShape(), m.bytes, len(src.Data))
+		mt.Data = src.Data
+		if mt.Data == nil {
+			mt.Data = []byte{} // inline and empty is not missing
 		}
-		return src.Data, nil
 	case *pb.Tensor_Shm:
-		return nil, invalidf(field+".shm", "shared memory is not supported by this server; send data inline")
+		mem, ok := sh.memory(field)
+		if !ok {
+			return nil, errNoShm(field)
+		}
+		mt.Memory, mt.Data, mt.Dev = mem.Memory, mem.Data, mem.Dev
 	}
-	return nil, invalidf(field+".data", "is required")
+	return mt, nil
 }
 
-// checkTensor is checkMeta followed by tensorBytes.
-func checkTensor(field string, t *pb.Tensor, allowed ...kernels.DType) (tensorMeta, []byte, error) {
-	return checkTensorOn(field, t, deviceTensor{}, allowed...)
-}
-
-// deviceTensor is a request tensor in a CUDA IPC region, as resolveShm
-// found it: its device address and the byte_size of its reference. The
-// zero value means the tensor is not in device memory.
-type deviceTensor struct {
-	addr  uintptr
-	bytes int64
-}
-
-// deviceRefs are the request's tensors and output in device memory; the
-// zero value has none. Only these fields may be there (resolveShm).
-type deviceRefs struct {
-	hidden, logits deviceTensor
-	// out is output_shm's device address, 0 when the output goes to host
-	// memory.
-	out uintptr
-}
-
-// checkTensorOn is checkTensor for a tensor that may be in device memory
-// (dev set): its declaration is checked against the reference's size and
-// there are no bytes to return, nor to scan.
-func checkTensorOn(field string, t *pb.Tensor, dev deviceTensor, allowed ...kernels.DType) (tensorMeta, []byte, error) {
-	if t == nil {
-		return tensorMeta{}, nil, invalidf(field, "is required")
-	}
-	m, err := checkMeta(field, t, allowed...)
+// tensorBytes returns t's host bytes, checked against m's size.
+func tensorBytes(field string, t *pb.Tensor, m tensorMeta, sh *shmCall) ([]byte, error) {
+	mt, err := tensorFromProto(field, t, sh)
 	if err != nil {
-		return m, nil, err
+		return nil, err
 	}
-	if dev.addr != 0 {
-		if m.bytes != dev.bytes {
-			return m, nil, invalidf(field+".shm.byte_size", "%d: shape %v of %v needs %d bytes", dev.bytes, t.GetShape(), t.GetDtype(), m.bytes)
-		}
-		return m, nil, nil
+	if err := moe.Check(field, mt, m.dtype); err != nil {
+		return nil, fromModel(err)
 	}
-	b, err := tensorBytes(field, t, m)
-	return m, b, err
-}
-
-func wantShape(field string, got []int, want ...int) error {
-	if len(got) != len(want) {
-		return invalidf(field, "shape %v: want %v", got, want)
-	}
-	for i := range got {
-		if got[i] != want[i] {
-			return invalidf(field, "shape %v: want %v", got, want)
-		}
-	}
-	return nil
+	return mt.Data, nil
 }
 
 // Tensor indices within an expert set, in ExpertWeights field order; the
@@ -254,8 +215,8 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*layout, error) {
 		}
 		l.n = w13[1] / 2
 	}
-	if err := wantShape(f(tW2), l.metas[tW2].shape, l.e, l.k, l.n); err != nil {
-		return nil, err
+	if err := moe.WantShape(f(tW2), l.metas[tW2].shape, l.e, l.k, l.n); err != nil {
+		return nil, fromModel(err)
 	}
 	// Far beyond any model (DeepSeek-V3 has E = 256, K = 7168), and keeps
 	// the sizes in ExpertSetInfo's int32 fields.
@@ -319,19 +280,10 @@ func (l *layout) weightScale(prefix string, si int, values []float32) (scaling.W
 	return ws, nil
 }
 
-// decodeScales decodes little-endian FP32 scales, requiring each to be
-// finite and > 0, then clamps them to scaling.MinScale (near-zero scales
-// give NaN in FP8 kernels).
+// decodeScales is moe.DecodeScales with the service's errors.
 func decodeScales(field string, b []byte) ([]float32, error) {
-	v := make([]float32, len(b)/4)
-	for i := range v {
-		x := math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
-		if !(x > 0) || math.IsInf(float64(x), 0) {
-			return nil, invalidf(field, "element %d is %v: scales must be finite and > 0", i, x)
-		}
-		v[i] = scaling.ClampScale(x)
-	}
-	return v, nil
+	v, err := moe.DecodeScales(field, b)
+	return v, fromModel(err)
 }
 
 // buildSet turns a checked layout and its tensors' bytes (data[i] for each
@@ -382,8 +334,9 @@ func staticScale(field string, present bool, b []byte) (*float32, error) {
 	return &s, nil
 }
 
-// inlineSet validates ExpertWeights carried in a FusedMoE request.
-func inlineSet(w *pb.ExpertWeights) (*kernels.ExpertSet, int64, error) {
+// inlineSet validates ExpertWeights carried in a FusedMoE request, whose
+// tensors may be in shared memory (sh).
+func inlineSet(w *pb.ExpertWeights, sh *shmCall) (*kernels.ExpertSet, int64, error) {
 	l, err := checkLayout("weights", w)
 	if err != nil {
 		return nil, 0, err
@@ -393,7 +346,7 @@ func inlineSet(w *pb.ExpertWeights) (*kernels.ExpertSet, int64, error) {
 		if !l.present[i] {
 			continue
 		}
-		if data[i], err = tensorBytes("weights."+tensorNames[i], t, l.metas[i]); err != nil {
+		if data[i], err = tensorBytes("weights."+tensorNames[i], t, l.metas[i], sh); err != nil {
 			return nil, 0, err
 		}
 	}
@@ -401,235 +354,74 @@ func inlineSet(w *pb.ExpertWeights) (*kernels.ExpertSet, int64, error) {
 	return set, l.totalBytes(), err
 }
 
-// limits are the bounds checkRequest enforces.
-type limits struct {
-	maxTokens int
-}
-
-// checkRequest validates a FusedMoE request against a loaded set and
-// converts it. Tensors alias the request's bytes; those in dev become
-// device tensors (kernels.Tensor.Dev), checked for dtype, shape and size
-// but not for values, which are in memory this process cannot read.
-func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim limits, dev deviceRefs) (*kernels.Request, error) {
-	fp8, bf16, f32, i32 := kernels.Float8E4M3FN, kernels.BFloat16, kernels.Float32, kernels.Int32
-	hm, hb, err := checkTensorOn("hidden_states", req.GetHiddenStates(), dev.hidden, fp8, bf16, f32)
-	if err != nil {
-		return nil, err
-	}
-	if len(hm.shape) != 2 || hm.shape[1] != set.K {
-		return nil, invalidf("hidden_states", "shape %v: want [M, %d] (K of the expert set)", hm.shape, set.K)
-	}
-	m := hm.shape[0]
-	if m < 1 {
-		return nil, invalidf("hidden_states", "shape %v: want M >= 1 tokens", hm.shape)
-	}
-	if lim.maxTokens > 0 && m > lim.maxTokens {
-		return nil, limitf("hidden_states", "max-tokens", int64(lim.maxTokens), 0, "M = %d tokens exceeds the server's max tokens per call %d; split the batch", m, lim.maxTokens)
-	}
-	r := &kernels.Request{Hidden: kernels.Tensor{DType: hm.dtype, Shape: hm.shape, Data: hb, Dev: dev.hidden.addr}, OutDev: dev.out}
-
-	if hm.dtype == fp8 {
-		if r.HiddenScale, err = hiddenScale(req.GetHiddenStatesScale(), m, set); err != nil {
+// fromProto is the FusedMoE call in the model, its tensors where they are:
+// inline in the request or in the shared memory sh resolved. The request
+// itself is never modified.
+func fromProto(req *pb.FusedMoERequest, sh *shmCall) (*moe.Input, error) {
+	in := &moe.Input{OutDType: moe.DType(req.GetOutputDtype())}
+	for _, f := range []struct {
+		field string
+		t     *pb.Tensor
+		dst   **moe.Tensor
+	}{
+		{"hidden_states", req.GetHiddenStates(), &in.Hidden},
+		{"hidden_states_scale", req.GetHiddenStatesScale(), &in.HiddenScale},
+		{"router_logits", req.GetRouterLogits(), &in.Logits},
+		{"topk_ids", req.GetTopkIds(), &in.TopKIDs},
+		{"topk_weights", req.GetTopkWeights(), &in.TopKWeights},
+	} {
+		var err error
+		if *f.dst, err = tensorFromProto(f.field, f.t, sh); err != nil {
 			return nil, err
 		}
-	} else if req.GetHiddenStatesScale() != nil {
-		return nil, invalidf("hidden_states_scale", "only FLOAT8_E4M3FN hidden_states take a scale; %v is quantized by the server", req.GetHiddenStates().GetDtype())
 	}
+	var err error
+	in.Routing, err = routingFromProto(req.GetRouting(), sh)
+	return in, err
+}
 
-	switch req.GetOutputDtype() {
-	case pb.DataType_DATA_TYPE_UNSPECIFIED, pb.DataType_DATA_TYPE_BFLOAT16:
-		r.OutDType = bf16
-	case pb.DataType_DATA_TYPE_FLOAT32:
-		r.OutDType = f32
-	default:
-		return nil, invalidf("output_dtype", "%v: want DATA_TYPE_BFLOAT16 (default) or DATA_TYPE_FLOAT32", req.GetOutputDtype())
+// routingFromProto is rt in the model, nil when unset.
+func routingFromProto(rt *pb.Routing, sh *shmCall) (*moe.RoutingInput, error) {
+	if rt == nil {
+		return nil, nil
 	}
-
-	if req.GetTopkIds() != nil || req.GetTopkWeights() != nil {
-		return r, precomputed(req, r, m, set.E, i32, f32)
-	}
-
-	lm, lb, err := checkTensorOn("router_logits", req.GetRouterLogits(), dev.logits, f32, bf16)
+	bias, err := tensorFromProto("routing.correction_bias", rt.GetCorrectionBias(), sh)
 	if err != nil {
 		return nil, err
 	}
-	if err := wantShape("router_logits", lm.shape, m, set.E); err != nil {
+	return &moe.RoutingInput{
+		TopK:           int(rt.GetTopK()),
+		Renormalize:    rt.GetRenormalize(),
+		Scoring:        moe.Scoring(rt.GetScoring()),
+		CorrectionBias: bias,
+		NumGroups:      int(rt.GetNumExpertGroups()),
+		TopKGroups:     int(rt.GetTopkGroups()),
+		ScalingFactor:  rt.GetRoutedScalingFactor(),
+	}, nil
+}
+
+// checkRequest converts a FusedMoE request (fromProto) and validates it
+// against a loaded set (moe.Validate). Its output goes where sh says
+// (device memory), or to a buffer the caller provides.
+func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim moe.Limits, sh *shmCall) (*kernels.Request, error) {
+	in, err := fromProto(req, sh)
+	if err != nil {
 		return nil, err
 	}
-	if r.Routing, err = checkRouting(req.GetRouting(), set.E); err != nil {
-		return nil, err
+	r, err := moe.Validate(in, set, lim)
+	if err != nil {
+		return nil, fromModel(err)
 	}
-	// Logits in device memory go unscanned (lb is nil): the proto says a
-	// NaN or +Inf, or a softmax row of -Inf, there leaves its token's
-	// routing unspecified.
-	if err := checkLogits(lm.dtype, lb, set.E, r.Routing.Scoring); err != nil {
-		return nil, err
-	}
-	r.Logits = kernels.Tensor{DType: lm.dtype, Shape: lm.shape, Data: lb, Dev: dev.logits.addr}
+	r.OutDev = sh.outDevice()
 	return r, nil
-}
-
-// precomputed fills r from topk_ids and topk_weights, which bypass routing.
-func precomputed(req *pb.FusedMoERequest, r *kernels.Request, m, e int, i32, f32 kernels.DType) error {
-	im, ib, err := checkTensor("topk_ids", req.GetTopkIds(), i32)
-	if err != nil {
-		return err
-	}
-	wm, wb, err := checkTensor("topk_weights", req.GetTopkWeights(), f32)
-	if err != nil {
-		return err
-	}
-	if len(im.shape) != 2 || im.shape[0] != m || im.shape[1] < 1 || im.shape[1] > e {
-		return invalidf("topk_ids", "shape %v: want [%d, k] with k in [1, %d]", im.shape, m, e)
-	}
-	k := im.shape[1]
-	if err := wantShape("topk_weights", wm.shape, m, k); err != nil {
-		return err
-	}
-	if tk := req.GetRouting().GetTopK(); tk != 0 && int(tk) != k {
-		return invalidf("routing.top_k", "%d disagrees with topk_ids' k = %d", tk, k)
-	}
-	r.TopKIDs = make([]int32, m*k)
-	r.TopKWeights = make([]float32, m*k)
-	for i := range r.TopKIDs {
-		id := int32(binary.LittleEndian.Uint32(ib[4*i:]))
-		if id < 0 || int(id) >= e {
-			return invalidf("topk_ids", "element %d is %d: want an expert id in [0, %d)", i, id, e)
-		}
-		// An expert chosen twice for one token would run twice and count
-		// double; no router produces that, so it is a caller's bug.
-		for j := i - i%k; j < i; j++ {
-			if r.TopKIDs[j] == id {
-				return invalidf("topk_ids", "element %d repeats expert %d of token %d: want distinct ids per token", i, id, i/k)
-			}
-		}
-		w := math.Float32frombits(binary.LittleEndian.Uint32(wb[4*i:]))
-		if math.IsNaN(float64(w)) || math.IsInf(float64(w), 0) {
-			return invalidf("topk_weights", "element %d is %v: want finite", i, w)
-		}
-		r.TopKIDs[i], r.TopKWeights[i] = id, w
-	}
-	r.Routing = kernels.Routing{TopK: k, Scoring: kernels.Softmax, ScalingFactor: 1}
-	return nil
-}
-
-// hiddenScale decodes the scale of FP8 hidden states: per-tensor, per-token
-// or per-group (block mode only).
-func hiddenScale(t *pb.Tensor, m int, set *kernels.ExpertSet) ([]float32, error) {
-	const field = "hidden_states_scale"
-	if t == nil {
-		return nil, invalidf(field, "is required for FLOAT8_E4M3FN hidden_states")
-	}
-	sm, sb, err := checkTensor(field, t, kernels.Float32)
-	if err != nil {
-		return nil, err
-	}
-	s := sm.shape
-	ok := len(s) == 0 || (len(s) == 1 && (s[0] == 1 || s[0] == m))
-	want := fmt.Sprintf("[] or [1] (per-tensor) or [%d] (per-token)", m)
-	if bk := set.Block[1]; bk > 0 {
-		g := (set.K + bk - 1) / bk
-		ok = ok || (len(s) == 2 && s[0] == m && s[1] == g)
-		want += fmt.Sprintf(" or [%d, %d] (per-group of %d)", m, g, bk)
-	}
-	if !ok {
-		return nil, invalidf(field, "shape %v: want %s", s, want)
-	}
-	return decodeScales(field, sb)
 }
 
 // checkRouting validates routing for E experts.
 func checkRouting(rt *pb.Routing, e int) (kernels.Routing, error) {
-	if rt == nil {
-		return kernels.Routing{}, invalidf("routing", "is required with router_logits")
+	in, err := routingFromProto(rt, nil)
+	if err != nil {
+		return kernels.Routing{}, err
 	}
-	r := kernels.Routing{TopK: int(rt.GetTopK()), Renormalize: rt.GetRenormalize()}
-	if r.TopK < 1 || r.TopK > e {
-		return r, invalidf("routing.top_k", "%d: want in [1, %d] (E of the expert set)", rt.GetTopK(), e)
-	}
-	switch rt.GetScoring() {
-	case pb.Scoring_SCORING_UNSPECIFIED, pb.Scoring_SCORING_SOFTMAX:
-		r.Scoring = kernels.Softmax
-	case pb.Scoring_SCORING_SIGMOID:
-		r.Scoring = kernels.Sigmoid
-	default:
-		return r, invalidf("routing.scoring", "%v: want SCORING_SOFTMAX or SCORING_SIGMOID", rt.GetScoring())
-	}
-	if b := rt.GetCorrectionBias(); b != nil {
-		if r.Scoring != kernels.Sigmoid {
-			return r, invalidf("routing.correction_bias", "only valid with SCORING_SIGMOID")
-		}
-		bm, bb, err := checkTensor("routing.correction_bias", b, kernels.Float32, kernels.BFloat16)
-		if err != nil {
-			return r, err
-		}
-		if err := wantShape("routing.correction_bias", bm.shape, e); err != nil {
-			return r, err
-		}
-		r.CorrectionBias = make([]float32, e)
-		for i := range r.CorrectionBias {
-			x := element(bm.dtype, bb, i)
-			if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
-				return r, invalidf("routing.correction_bias", "element %d is %v: want finite", i, x)
-			}
-			r.CorrectionBias[i] = x
-		}
-	}
-	if g := int(rt.GetNumExpertGroups()); g > 1 {
-		if g > e || e%g != 0 {
-			return r, invalidf("routing.num_expert_groups", "%d does not divide E = %d", g, e)
-		}
-		tg := int(rt.GetTopkGroups())
-		if tg < 1 || tg > g {
-			return r, invalidf("routing.topk_groups", "%d: want in [1, %d] (num_expert_groups)", tg, g)
-		}
-		if tg*(e/g) < r.TopK {
-			return r, invalidf("routing.topk_groups", "%d groups of %d experts cannot supply top_k = %d", tg, e/g, r.TopK)
-		}
-		r.NumGroups, r.TopKGroups = g, tg
-	} else if g < 0 {
-		return r, invalidf("routing.num_expert_groups", "%d: want >= 0", g)
-	}
-	sf := rt.GetRoutedScalingFactor()
-	switch {
-	case sf == 0:
-		r.ScalingFactor = 1
-	case sf > 0 && !math.IsInf(float64(sf), 0):
-		r.ScalingFactor = sf
-	default:
-		return r, invalidf("routing.routed_scaling_factor", "%v: want finite and > 0 (0 means 1)", sf)
-	}
-	return r, nil
-}
-
-// element decodes element i of FP32 or BF16 bytes.
-func element(d kernels.DType, b []byte, i int) float32 {
-	if d == kernels.BFloat16 {
-		return scaling.BF16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
-	}
-	return math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
-}
-
-// checkLogits scans FP32 or BF16 logits of rows of e experts. -Inf is
-// legal (it masks an expert), but NaN would make top-k selection
-// meaningless and +Inf turns a softmax row into NaN (inf - inf); and a
-// softmax row needs one finite logit, since softmax of a row of -Inf is
-// 0/0. Sigmoid scores a -Inf as 0, so a sigmoid row may be all -Inf (its
-// weights are 0).
-func checkLogits(d kernels.DType, b []byte, e int, scoring kernels.Scoring) error {
-	n := len(b) / d.Size()
-	for row := 0; row*e < n; row++ {
-		finite := false
-		for i := row * e; i < (row+1)*e; i++ {
-			x := element(d, b, i)
-			if x != x || math.IsInf(float64(x), 1) {
-				return invalidf("router_logits", "element %d is %v: want finite or -Inf", i, x)
-			}
-			finite = finite || !math.IsInf(float64(x), -1)
-		}
-		if !finite && scoring == kernels.Softmax {
-			return invalidf("router_logits", "row %d is all -Inf; softmax routing needs at least one finite logit", row)
-		}
-	}
-	return nil
+	r, err := moe.ValidateRouting(in, e)
+	return r, fromModel(err)
 }

@@ -7,6 +7,7 @@ import (
 	"math"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -84,7 +85,7 @@ func (b *Backend) run(ctx context.Context, set *kernels.ExpertSet, req *kernels.
 		chunk := max(1, 4096/e) // tokens per work item: keep items ~µs-sized
 		parallelFor(b.workers, (m+chunk-1)/chunk, func(_, c int) {
 			t0, t1 := c*chunk, min((c+1)*chunk, m)
-			Route(ids[t0*topK:t1*topK], weights[t0*topK:t1*topK], logits[t0*e:t1*e], t1-t0, e, req.Routing)
+			moe.Route(ids[t0*topK:t1*topK], weights[t0*topK:t1*topK], logits[t0*e:t1*e], t1-t0, e, req.Routing)
 		})
 	}
 	out := req.Out
@@ -172,32 +173,9 @@ func (b *Backend) quantizeHidden(set *kernels.ExpertSet, req *kernels.Request, t
 	aS := make([]float32, m*nseg)
 	if req.Hidden.DType == kernels.Float8E4M3FN {
 		decodeFP8(a, req.Hidden.Data[t0*k:t1*k])
-		hs := req.HiddenScale
-		switch len(hs) {
-		case 0, 1:
-		case req.M():
-			hs = hs[t0:t1]
-		default:
-			hs = hs[t0*nseg : t1*nseg]
-		}
-		switch {
-		case len(hs) == 0 && set.A13Scale != nil:
-			hs = []float32{*set.A13Scale}
-		case len(hs) == 0:
-			hs = []float32{1}
-		}
 		for t := range m {
 			for s := range nseg {
-				var v float32
-				switch len(hs) {
-				case 1:
-					v = hs[0]
-				case m:
-					v = hs[t]
-				default: // m*nseg, block mode
-					v = hs[t*nseg+s]
-				}
-				aS[t*nseg+s] = scaling.ClampScale(v)
+				aS[t*nseg+s] = req.HiddenScaleAt(set, t0+t, s)
 			}
 		}
 		return a, aS

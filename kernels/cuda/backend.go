@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"math/rand/v2"
 	"os"
 	"runtime"
 	"strconv"
@@ -22,8 +21,6 @@ import (
 	"unsafe"
 
 	"github.com/expertd/expertd/kernels"
-	"github.com/expertd/expertd/kernels/cpu"
-	"github.com/expertd/expertd/kernels/kerneltest"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -126,33 +123,6 @@ func codeError(op string, rc int32, msg string) error {
 		return fmt.Errorf("%w: %w", err, kernels.ErrOutOfMemory)
 	}
 	return err
-}
-
-// selfTest runs one small random case and compares it with the CPU
-// backend: a library that loads but computes garbage must not serve.
-func (b *Backend) selfTest() error {
-	shape := kerneltest.Shape{Name: "selftest", Activation: kernels.SiluGated, E: 8, TopK: 2, K: 96, N: 64,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
-	rng := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
-	set, req := kerneltest.NewCase(rng, shape, 5, kerneltest.WithGranularity(scaling.PerExpert))
-	ctx := context.Background()
-	got, err := kerneltest.RunCase(ctx, b, set, req)
-	if err != nil {
-		return err
-	}
-	want, err := kerneltest.RunCase(ctx, cpu.New(kernels.Config{Threads: 1}), set, req)
-	if err != nil {
-		return fmt.Errorf("cpu reference: %w", err)
-	}
-	w := kerneltest.DecodeOutput(req.OutDType, want.Output)
-	w64 := make([]float64, len(w))
-	for i, x := range w {
-		w64[i] = float64(x)
-	}
-	if e := kerneltest.RelL2(kerneltest.DecodeOutput(req.OutDType, got.Output), w64); !(e <= kerneltest.FP8Tol) {
-		return fmt.Errorf("rel-L2 %.3g against the CPU backend, want <= %g", e, kerneltest.FP8Tol)
-	}
-	return nil
 }
 
 // Name implements kernels.Backend.

@@ -151,22 +151,11 @@ func CheckBackend(t TB, b kernels.Backend, cases ...Case) {
 }
 
 // RunCase loads set into b, runs req, checks the result's sizes, and
-// closes the set.
+// closes the set (kernels.Run).
 func RunCase(ctx context.Context, b kernels.Backend, set *kernels.ExpertSet, req *kernels.Request) (*kernels.Result, error) {
-	l, err := b.Load(ctx, set)
+	res, err := kernels.Run(ctx, b, set, req)
 	if err != nil {
-		return nil, err
-	}
-	defer l.Close()
-	res, err := b.FusedMoE(ctx, l, req)
-	if err != nil {
-		return nil, err
-	}
-	if n := req.M() * set.K * req.OutDType.Size(); len(res.Output) != n {
-		return nil, fmt.Errorf("kerneltest: output has %d bytes, want %d", len(res.Output), n)
-	}
-	if n := req.M() * req.Routing.TopK; len(res.TopKIDs) != n || len(res.TopKWeights) != n {
-		return nil, fmt.Errorf("kerneltest: topk ids/weights have %d/%d values, want %d", len(res.TopKIDs), len(res.TopKWeights), n)
+		return nil, fmt.Errorf("kerneltest: %w", err)
 	}
 	return res, nil
 }

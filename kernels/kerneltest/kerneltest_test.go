@@ -236,7 +236,7 @@ func TestCheckBackendCatches(t *testing.T) {
 }
 
 // TestReferenceMaskedRow: the reference routes a row of -Inf logits to
-// weight 0, as kernels/cpu.Route does, never NaN, with or without
+// weight 0, as moe.Route does, never NaN, with or without
 // renormalization.
 func TestReferenceMaskedRow(t *testing.T) {
 	set := &kernels.ExpertSet{E: 4}

@@ -63,25 +63,13 @@ func referenceHidden(set *kernels.ExpertSet, req *kernels.Request) []float64 {
 	bk := set.Block[1]
 	out := make([]float64, m*kk)
 	if req.Hidden.DType == kernels.Float8E4M3FN {
-		hs := req.HiddenScale
-		if len(hs) == 0 {
-			hs = []float32{1}
-			if set.A13Scale != nil {
-				hs = []float32{*set.A13Scale}
-			}
-		}
 		for t := range m {
 			for c := range kk {
-				var s float32
-				switch len(hs) {
-				case 1:
-					s = hs[0]
-				case m:
-					s = hs[t]
-				default:
-					s = hs[t*ceilDiv(kk, bk)+c/bk]
+				g := 0
+				if bk > 0 {
+					g = c / bk
 				}
-				out[t*kk+c] = float64(scaling.E4M3Table[req.Hidden.Data[t*kk+c]]) * float64(scaling.ClampScale(s))
+				out[t*kk+c] = float64(scaling.E4M3Table[req.Hidden.Data[t*kk+c]]) * float64(req.HiddenScaleAt(set, t, g))
 			}
 		}
 		return out
@@ -228,7 +216,7 @@ func referenceRouting(set *kernels.ExpertSet, req *kernels.Request) ([]int32, []
 			}
 			for i := range score {
 				if math.IsInf(mx, -1) {
-					score[i] = 0 // every expert masked: 0, as kernels/cpu.Route defines it, not 0/0
+					score[i] = 0 // every expert masked: 0, as moe.Route defines it, not 0/0
 					continue
 				}
 				score[i] /= sum

@@ -1,12 +1,10 @@
-package cpu
+package moe
 
 import (
 	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
-
-	"github.com/expertd/expertd/kernels"
 )
 
 // TestRoute checks every routing mode against small hand-computed examples.
@@ -16,49 +14,49 @@ func TestRoute(t *testing.T) {
 	tests := []struct {
 		name    string
 		logits  []float32
-		r       kernels.Routing
+		r       Routing
 		wantIDs []int32
 		wantW   []float32
 	}{
 		{
 			name:    "softmax renormalize",
 			logits:  []float32{1, 2, 3, 0},
-			r:       kernels.Routing{TopK: 2, Renormalize: true, Scoring: kernels.Softmax, ScalingFactor: 1},
+			r:       Routing{TopK: 2, Renormalize: true, Scoring: Softmax, ScalingFactor: 1},
 			wantIDs: []int32{2, 1},
 			wantW:   []float32{0.7310585786, 0.2689414214}, // e^3/(e^3+e^2), e^2/(e^3+e^2)
 		},
 		{
 			name:    "softmax plain",
 			logits:  []float32{1, 2, 3, 0},
-			r:       kernels.Routing{TopK: 2, Scoring: kernels.Softmax, ScalingFactor: 1},
+			r:       Routing{TopK: 2, Scoring: Softmax, ScalingFactor: 1},
 			wantIDs: []int32{2, 1},
 			wantW:   []float32{0.6439142599, 0.2368828181}, // e^3/Σ, e^2/Σ
 		},
 		{
 			name:    "softmax renormalize scaled",
 			logits:  []float32{1, 2, 3, 0},
-			r:       kernels.Routing{TopK: 2, Renormalize: true, Scoring: kernels.Softmax, ScalingFactor: 2.5},
+			r:       Routing{TopK: 2, Renormalize: true, Scoring: Softmax, ScalingFactor: 2.5},
 			wantIDs: []int32{2, 1},
 			wantW:   []float32{2.5 * 0.7310585786, 2.5 * 0.2689414214},
 		},
 		{
 			name:    "softmax ties go to the lower id",
 			logits:  []float32{1, 1, 1, 1},
-			r:       kernels.Routing{TopK: 2, Scoring: kernels.Softmax, ScalingFactor: 1},
+			r:       Routing{TopK: 2, Scoring: Softmax, ScalingFactor: 1},
 			wantIDs: []int32{0, 1},
 			wantW:   []float32{0.25, 0.25},
 		},
 		{
 			name:    "softmax top_k = E",
 			logits:  []float32{0.5, -1, 2},
-			r:       kernels.Routing{TopK: 3, Scoring: kernels.Softmax, ScalingFactor: 1},
+			r:       Routing{TopK: 3, Scoring: Softmax, ScalingFactor: 1},
 			wantIDs: []int32{2, 0, 1},
 			wantW:   []float32{0.7855970346, 0.1752903921, 0.0391125733},
 		},
 		{
 			name:    "sigmoid renormalize scaled",
 			logits:  []float32{0, 2, -1, 1},
-			r:       kernels.Routing{TopK: 2, Renormalize: true, Scoring: kernels.Sigmoid, ScalingFactor: 2.5},
+			r:       Routing{TopK: 2, Renormalize: true, Scoring: Sigmoid, ScalingFactor: 2.5},
 			wantIDs: []int32{1, 3},
 			wantW:   []float32{1.3661227579, 1.1338772421}, // 2.5·σ(2)/(σ(2)+σ(1)), 2.5·σ(1)/(…)
 		},
@@ -67,14 +65,14 @@ func TestRoute(t *testing.T) {
 			// the weights stay the unbiased σ(-1), σ(0).
 			name:    "sigmoid bias selects, weights unbiased",
 			logits:  []float32{0, 2, -1, 1},
-			r:       kernels.Routing{TopK: 2, Scoring: kernels.Sigmoid, CorrectionBias: []float32{0.5, 0, 0.9, 0}, ScalingFactor: 1},
+			r:       Routing{TopK: 2, Scoring: Sigmoid, CorrectionBias: []float32{0.5, 0, 0.9, 0}, ScalingFactor: 1},
 			wantIDs: []int32{2, 0},
 			wantW:   []float32{0.2689414214, 0.5},
 		},
 		{
 			name:    "sigmoid bias renormalize",
 			logits:  []float32{0, 2, -1, 1},
-			r:       kernels.Routing{TopK: 2, Renormalize: true, Scoring: kernels.Sigmoid, CorrectionBias: []float32{0.5, 0, 0.9, 0}, ScalingFactor: 1},
+			r:       Routing{TopK: 2, Renormalize: true, Scoring: Sigmoid, CorrectionBias: []float32{0.5, 0, 0.9, 0}, ScalingFactor: 1},
 			wantIDs: []int32{2, 0},
 			wantW:   []float32{0.3497554091, 0.6502445909},
 		},
@@ -84,7 +82,7 @@ func TestRoute(t *testing.T) {
 			// so experts 0 and 7, the two best, are not eligible.
 			name:   "sigmoid groups by top-2 sum",
 			logits: make([]float32, 8),
-			r: kernels.Routing{TopK: 3, Renormalize: true, Scoring: kernels.Sigmoid, ScalingFactor: 2.5,
+			r: Routing{TopK: 3, Renormalize: true, Scoring: Sigmoid, ScalingFactor: 2.5,
 				CorrectionBias: []float32{0.4, -0.4, 0.2, 0.2, 0.1, 0, -0.5, 0.35}, NumGroups: 4, TopKGroups: 2},
 			wantIDs: []int32{2, 3, 4},
 			wantW:   []float32{2.5 / 3, 2.5 / 3, 2.5 / 3},
@@ -94,7 +92,7 @@ func TestRoute(t *testing.T) {
 			// group 0 wins the tie and expert 3 is out despite the top score.
 			name:   "sigmoid group ties go to the lower group",
 			logits: make([]float32, 4),
-			r: kernels.Routing{TopK: 1, Scoring: kernels.Sigmoid, ScalingFactor: 1,
+			r: Routing{TopK: 1, Scoring: Sigmoid, ScalingFactor: 1,
 				CorrectionBias: []float32{0.125, 0.25, 0, 0.375}, NumGroups: 2, TopKGroups: 1},
 			wantIDs: []int32{1},
 			wantW:   []float32{0.5},
@@ -103,7 +101,7 @@ func TestRoute(t *testing.T) {
 			// One expert per group: the group score is that expert's score.
 			name:   "sigmoid singleton groups",
 			logits: []float32{0, 2, -1, 1},
-			r: kernels.Routing{TopK: 2, Scoring: kernels.Sigmoid, ScalingFactor: 1,
+			r: Routing{TopK: 2, Scoring: Sigmoid, ScalingFactor: 1,
 				NumGroups: 4, TopKGroups: 2},
 			wantIDs: []int32{1, 3},
 			wantW:   []float32{0.8807970780, 0.7310585786},
@@ -111,24 +109,24 @@ func TestRoute(t *testing.T) {
 		{
 			name:    "sigmoid ties go to the lower id",
 			logits:  []float32{-1, 3, 3, 3},
-			r:       kernels.Routing{TopK: 2, Scoring: kernels.Sigmoid, ScalingFactor: 1},
+			r:       Routing{TopK: 2, Scoring: Sigmoid, ScalingFactor: 1},
 			wantIDs: []int32{1, 2},
 			wantW:   []float32{0.9525741268, 0.9525741268},
 		},
 		{
 			name:    "NaN never wins",
 			logits:  []float32{nan, 1, 0},
-			r:       kernels.Routing{TopK: 2, Scoring: kernels.Sigmoid, ScalingFactor: 1},
+			r:       Routing{TopK: 2, Scoring: Sigmoid, ScalingFactor: 1},
 			wantIDs: []int32{1, 2},
 			wantW:   []float32{0.7310585786, 0.5},
 		},
 		// -Inf masks an expert: weight 0 exactly, never NaN, even with fewer
 		// unmasked experts than top_k or none (issue 14).
-		{"softmax all masked", []float32{ninf, ninf, ninf, ninf}, kernels.Routing{TopK: 2, Scoring: kernels.Softmax, ScalingFactor: 1}, []int32{0, 1}, []float32{0, 0}},
-		{"softmax all masked renormalized", []float32{ninf, ninf, ninf, ninf}, kernels.Routing{TopK: 2, Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}, []int32{0, 1}, []float32{0, 0}},
-		{"softmax one unmasked of top 3", []float32{ninf, 0.5, ninf, ninf}, kernels.Routing{TopK: 3, Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}, []int32{1, 0, 2}, []float32{1, 0, 0}},
-		{"sigmoid all masked renormalized", []float32{ninf, ninf, ninf, ninf}, kernels.Routing{TopK: 2, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 1}, []int32{0, 1}, []float32{0, 0}},
-		{"sigmoid grouped masked", []float32{ninf, ninf, 0, ninf}, kernels.Routing{TopK: 2, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 1, NumGroups: 2, TopKGroups: 1}, []int32{2, 3}, []float32{1, 0}},
+		{"softmax all masked", []float32{ninf, ninf, ninf, ninf}, Routing{TopK: 2, Scoring: Softmax, ScalingFactor: 1}, []int32{0, 1}, []float32{0, 0}},
+		{"softmax all masked renormalized", []float32{ninf, ninf, ninf, ninf}, Routing{TopK: 2, Scoring: Softmax, Renormalize: true, ScalingFactor: 1}, []int32{0, 1}, []float32{0, 0}},
+		{"softmax one unmasked of top 3", []float32{ninf, 0.5, ninf, ninf}, Routing{TopK: 3, Scoring: Softmax, Renormalize: true, ScalingFactor: 1}, []int32{1, 0, 2}, []float32{1, 0, 0}},
+		{"sigmoid all masked renormalized", []float32{ninf, ninf, ninf, ninf}, Routing{TopK: 2, Scoring: Sigmoid, Renormalize: true, ScalingFactor: 1}, []int32{0, 1}, []float32{0, 0}},
+		{"sigmoid grouped masked", []float32{ninf, ninf, 0, ninf}, Routing{TopK: 2, Scoring: Sigmoid, Renormalize: true, ScalingFactor: 1, NumGroups: 2, TopKGroups: 1}, []int32{2, 3}, []float32{1, 0}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -153,7 +151,7 @@ func TestRoute(t *testing.T) {
 // TestRouteRows checks that tokens are routed independently, row by row.
 func TestRouteRows(t *testing.T) {
 	logits := []float32{1, 2, 3, 0, 3, 2, 1, 0}
-	r := kernels.Routing{TopK: 2, Renormalize: true, Scoring: kernels.Softmax, ScalingFactor: 1}
+	r := Routing{TopK: 2, Renormalize: true, Scoring: Softmax, ScalingFactor: 1}
 	ids := make([]int32, 4)
 	w := make([]float32, 4)
 	Route(ids, w, logits, 2, 4, r)
@@ -167,10 +165,10 @@ func TestRouteRows(t *testing.T) {
 
 // sortRoute is a sort-based oracle for Route: stable sorts over ascending
 // ids give "lower id wins" for experts and groups alike.
-func sortRoute(logits []float32, r kernels.Routing) ([]int32, []float64) {
+func sortRoute(logits []float32, r Routing) ([]int32, []float64) {
 	e := len(logits)
 	score := make([]float64, e)
-	if r.Scoring == kernels.Sigmoid {
+	if r.Scoring == Sigmoid {
 		for i, x := range logits {
 			score[i] = 1 / (1 + math.Exp(-float64(x)))
 		}
@@ -252,12 +250,12 @@ func TestRouteTies(t *testing.T) {
 	rng := rand.New(rand.NewPCG(9, 9))
 	levels := []float32{-1, 0, 0.5, 1}
 	biasLevels := []float32{0, 0.25, 0.5}
-	modes := []kernels.Routing{
-		{TopK: 3, Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1},
-		{TopK: 3, Scoring: kernels.Sigmoid, ScalingFactor: 2.5},
-		{TopK: 4, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 2.5, NumGroups: 4, TopKGroups: 2},
-		{TopK: 2, Scoring: kernels.Softmax, ScalingFactor: 1, NumGroups: 8, TopKGroups: 3},
-		{TopK: 16, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 1},
+	modes := []Routing{
+		{TopK: 3, Scoring: Softmax, Renormalize: true, ScalingFactor: 1},
+		{TopK: 3, Scoring: Sigmoid, ScalingFactor: 2.5},
+		{TopK: 4, Scoring: Sigmoid, Renormalize: true, ScalingFactor: 2.5, NumGroups: 4, TopKGroups: 2},
+		{TopK: 2, Scoring: Softmax, ScalingFactor: 1, NumGroups: 8, TopKGroups: 3},
+		{TopK: 16, Scoring: Sigmoid, Renormalize: true, ScalingFactor: 1},
 	}
 	const e = 16
 	for mi, r := range modes {
@@ -307,10 +305,10 @@ func FuzzRoute(f *testing.F) {
 				logits[i], masked = float32(math.Inf(-1)), true
 			}
 		}
-		r := []kernels.Routing{
-			{TopK: 2, Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1},
-			{TopK: 3, Scoring: kernels.Sigmoid, ScalingFactor: 2.5},
-			{TopK: 3, Scoring: kernels.Sigmoid, Renormalize: true, ScalingFactor: 1, NumGroups: 4, TopKGroups: 2},
+		r := []Routing{
+			{TopK: 2, Scoring: Softmax, Renormalize: true, ScalingFactor: 1},
+			{TopK: 3, Scoring: Sigmoid, ScalingFactor: 2.5},
+			{TopK: 3, Scoring: Sigmoid, Renormalize: true, ScalingFactor: 1, NumGroups: 4, TopKGroups: 2},
 		}[int(mode)%3]
 		ids := make([]int32, r.TopK)
 		w := make([]float32, r.TopK)

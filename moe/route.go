@@ -1,9 +1,7 @@
-package cpu
+package moe
 
 import (
 	"math"
-
-	"github.com/expertd/expertd/kernels"
 )
 
 // Route computes top-k expert ids and weights for m tokens from their
@@ -36,7 +34,7 @@ import (
 // precision keeps near-ties from depending on rounding order.
 //
 // ids and weights must hold m*r.TopK values.
-func Route(ids []int32, weights []float32, logits []float32, m, e int, r kernels.Routing) {
+func Route(ids []int32, weights []float32, logits []float32, m, e int, r Routing) {
 	var sc router
 	for t := range m {
 		sc.token(ids[t*r.TopK:(t+1)*r.TopK], weights[t*r.TopK:(t+1)*r.TopK], logits[t*e:(t+1)*e], r)
@@ -78,18 +76,18 @@ func better(a, b float64) bool {
 	return a > b
 }
 
-func (sc *router) token(ids []int32, weights []float32, logits []float32, r kernels.Routing) {
+func (sc *router) token(ids []int32, weights []float32, logits []float32, r Routing) {
 	e := len(logits)
 	sc.score = grow(sc.score, e)
 	sc.sel = grow(sc.sel, e)
 	score, sel := sc.score, sc.sel
 
 	switch r.Scoring {
-	case kernels.Sigmoid:
+	case Sigmoid:
 		for i, x := range logits {
 			score[i] = 1 / (1 + math.Exp(-float64(x)))
 		}
-	default: // kernels.Softmax
+	default: // Softmax
 		mx := math.Inf(-1)
 		for _, x := range logits {
 			if float64(x) > mx {
