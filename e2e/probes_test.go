@@ -171,8 +171,22 @@ waitForFiles: 2m
 	}}}); err != nil {
 		t.Fatal(err)
 	}
-	d.cmd.Process.Signal(syscall.SIGTERM)
+	// The header may still be in flight when Send returns: signal only once
+	// the daemon counts the upload as running, or the drain finds nothing to
+	// wait for and the daemon exits before the probes below.
 	deadline := time.Now().Add(defaultTimeout)
+	for {
+		_, metrics := httpGet(t, admin+"/metrics")
+		if metricValue(metrics, "expertd_calls_running") == "1" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/metrics: expertd_calls_running = %q, want 1 while the upload is open", metricValue(metrics, "expertd_calls_running"))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	deadline = time.Now().Add(defaultTimeout)
 	for {
 		code, body := httpGet(t, admin+"/readyz")
 		if code == http.StatusServiceUnavailable && strings.Contains(body, "draining") {

@@ -265,6 +265,15 @@ func (s *Server) initMetrics(m metric.Meter) {
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.queued_calls"), slog.Any("err", err))
 	}
+	if _, err = m.Int64ObservableGauge("expertd.calls.running",
+		metric.WithDescription("Calls admitted and not yet finished (FusedMoE, stream requests, loads); a drain waits for them."),
+		metric.WithUnit("{call}"),
+		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+			o.Observe(s.running.Load())
+			return nil
+		})); err != nil {
+		s.log.Warn("metric not recorded", slog.String("metric", "expertd.calls.running"), slog.Any("err", err))
+	}
 	if _, err = m.Int64ObservableGauge("expertd.backend.faulty",
 		metric.WithDescription("1 while the backend keeps failing (health NOT_SERVING until a call succeeds), else 0."),
 		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
