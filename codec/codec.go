@@ -100,11 +100,9 @@ func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !ok {
 		return fmt.Errorf("codec: cannot unmarshal into %T: not a proto.Message", v)
 	}
-	if n := data.Len(); n >= AliasBytes && c.Recycle != nil && c.Recycle(m) {
-		buf := received.Get(n)
-		data.CopyTo(buf)
-		if err := Unmarshal(buf, m); err != nil {
-			received.Put(buf)
+	if data.Len() >= AliasBytes && c.Recycle != nil && c.Recycle(m) {
+		buf, err := unmarshalPooled(data, m)
+		if err != nil {
 			return err
 		}
 		held.Store(m, buf)
@@ -120,8 +118,63 @@ func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
 	return Unmarshal(bytes.Join(pieces, nil), m)
 }
 
-// received recycles the buffers of messages Codec.Recycle picked.
+// unmarshalPooled parses data into m from a buffer of the received pool,
+// which it returns (to nothing when it fails).
+func unmarshalPooled(data mem.BufferSlice, m proto.Message) ([]byte, error) {
+	buf := received.Get(data.Len())
+	data.CopyTo(buf)
+	if err := Unmarshal(buf, m); err != nil {
+		received.Put(buf)
+		return nil, err
+	}
+	return buf, nil
+}
+
+// received recycles the buffers of messages Codec.Recycle or a Receiver
+// picked.
 var received Pool
+
+// Receiver is the codec of one call (grpc.ForceCodecV2 as a call
+// option) whose large received message is parsed from a pooled buffer
+// instead of a fresh allocation, which the caller takes afterwards: a
+// client's response buffer belongs to whatever the caller keeps of the
+// response, so only the caller can say when it is free. Take the buffer
+// after each received message (a stream's RecvMsg returns in one
+// goroutine at a time); a message received while one is still held is
+// parsed as Codec does.
+type Receiver struct {
+	Codec
+	buf []byte
+}
+
+var _ encoding.CodecV2 = (*Receiver)(nil)
+
+// Unmarshal implements encoding.CodecV2.
+func (r *Receiver) Unmarshal(data mem.BufferSlice, v any) error {
+	m, ok := v.(proto.Message)
+	if !ok || data.Len() < AliasBytes || r.buf != nil {
+		return r.Codec.Unmarshal(data, v)
+	}
+	buf, err := unmarshalPooled(data, m)
+	if err != nil {
+		return err
+	}
+	r.buf = buf
+	return nil
+}
+
+// Take returns the pooled buffer the last message was parsed from, nil
+// when there is none, and forgets it. The caller owns it: PutReceived
+// returns it once nothing refers to the message or its bytes fields, and
+// dropping it instead is safe.
+func (r *Receiver) Take() []byte {
+	b := r.buf
+	r.buf = nil
+	return b
+}
+
+// PutReceived returns a buffer from Receiver.Take to the pool.
+func PutReceived(b []byte) { received.Put(b) }
 
 // held maps each such message to its buffer until Release.
 var held sync.Map
