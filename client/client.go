@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/experimental"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
@@ -205,6 +206,7 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
 		grpc.WithInitialConnWindowSize(codec.ConnWindowBytes),
 		grpc.WithReadBufferSize(codec.IOBufferBytes),
 		grpc.WithWriteBufferSize(codec.IOBufferBytes),
+		experimental.WithBufferPool(codec.BufferPool()),
 		// The retry policy is the SDK's, not whatever a resolver serves.
 		grpc.WithDisableServiceConfig(),
 		grpc.WithDefaultServiceConfig(retryServiceConfig(o.maxAttempts)),
