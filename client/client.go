@@ -278,10 +278,11 @@ func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoER
 	ctx, cancel := c.callContext(ctx)
 	defer cancel()
 	var resp *pb.FusedMoEResponse
+	recv := &codec.Receiver{}
 	for attempt := 1; ; attempt++ {
-		resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+		resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes), grpc.ForceCodecV2(recv))
 		if err != nil && c.reregister(ctx, err) {
-			resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+			resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes), grpc.ForceCodecV2(recv))
 		}
 		if err == nil || attempt >= c.opts.maxAttempts || status.Code(err) != codes.ResourceExhausted || !retryAfter(ctx, err) {
 			break
@@ -292,8 +293,10 @@ func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoER
 	}
 	res, err := resultFromProto(resp)
 	if err != nil {
+		codec.PutReceived(recv.Take())
 		return nil, wrap("FusedMoE", fmt.Errorf("malformed response: %w", err))
 	}
+	res.recv = recv.Take()
 	c.viewOutputs(res)
 	return res, nil
 }

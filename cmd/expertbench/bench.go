@@ -261,6 +261,7 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 					return
 				}
 				rec.add(d, res, ct)
+				res.Release() // only its timings are kept
 			}
 		}()
 	}
@@ -336,6 +337,7 @@ func streamWorker(ctx context.Context, c *client.Client, cfg config, reqs []*cli
 			return fmt.Errorf("FusedMoEStream call failed after %d calls: %w", rec.count(), err)
 		}
 		rec.add(d, res, &callTrace{})
+		res.Release() // only its timings are kept
 		return nil
 	}
 	for i := 0; ; i++ {

@@ -132,6 +132,7 @@ func BenchmarkCallPath(b *testing.B) {
 		if err != nil {
 			return client.Timings{}, err
 		}
+		defer res.Release()
 		return res.Timings, nil
 	}
 	fused := func(c *client.Client) func() (client.Timings, error) {
