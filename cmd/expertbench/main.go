@@ -21,7 +21,8 @@
 // the latencies: a bare grpc-go health server in this process on
 // loopback TCP (the floor of any gRPC call on this host) and the
 // daemon's health service on the same connection as the calls. -trace
-// writes a Go execution trace of the load.
+// writes a Go execution trace of the load. -conns spreads the callers
+// over several client connections (one by default).
 //
 // -soak turns it into a soak test (soak.go): three small layers (gated,
 // ReLU², block-scaled) called with mixed token counts, a share of
