@@ -18,6 +18,8 @@
 // which it must do only when nothing refers to the message any more. The
 // server recycles FusedMoE requests only (service.ServerOptions), because
 // fresh multi-megabyte buffers cost a page fault per 4 KiB on first write.
+// A Receiver does the same for one call's large responses and hands the
+// buffer to the caller (the SDK's FusedMoEResult.Release returns it).
 // A sent message must not change until gRPC is done with it, which
 // grpc-go already requires of every message passed to SendMsg; a buffer
 // lent to Marshal (Pool.Lend) goes back to its pool when gRPC frees the
