@@ -286,7 +286,7 @@ func (w *writer) message(m protoreflect.Message, depth int) error {
 	if depth > recursionLimit {
 		return errRecursion
 	}
-	var fds []protoreflect.FieldDescriptor
+	fds := make([]protoreflect.FieldDescriptor, 0, m.Descriptor().Fields().Len())
 	m.Range(func(fd protoreflect.FieldDescriptor, _ protoreflect.Value) bool {
 		fds = append(fds, fd)
 		return true
@@ -300,30 +300,49 @@ func (w *writer) message(m protoreflect.Message, depth int) error {
 		}
 		return int(a.Number()) - int(b.Number())
 	})
+	// run gathers consecutive small fields, marshalled by protobuf in one
+	// go: a message's encoding is its fields' in this order, so a run of
+	// them encodes as the fields one by one would, for one allocation.
+	var run protoreflect.Message
+	flushRun := func() error {
+		if run == nil {
+			return nil
+		}
+		var err error
+		w.small, err = (proto.MarshalOptions{}).MarshalAppend(w.small, run.Interface())
+		run = nil
+		return err
+	}
 	for _, fd := range fds {
 		v := m.Get(fd)
 		singular := fd.Cardinality() != protoreflect.Repeated
 		switch {
 		case singular && fd.Kind() == protoreflect.BytesKind && len(v.Bytes()) >= aliasBytes:
+			if err := flushRun(); err != nil {
+				return err
+			}
 			w.small = protowire.AppendTag(w.small, fd.Number(), protowire.BytesType)
 			w.small = protowire.AppendVarint(w.small, uint64(len(v.Bytes())))
 			w.flush()
 			w.out = append(w.out, sendBuffer(v.Bytes()))
 		case singular && fd.Kind() == protoreflect.MessageKind && hasLarge(v.Message(), depth+1):
+			if err := flushRun(); err != nil {
+				return err
+			}
 			w.small = protowire.AppendTag(w.small, fd.Number(), protowire.BytesType)
 			w.small = protowire.AppendVarint(w.small, uint64(proto.Size(v.Message().Interface())))
 			if err := w.message(v.Message(), depth+1); err != nil {
 				return err
 			}
 		default:
-			// One field alone, marshalled by protobuf into the run.
-			one := m.New()
-			one.Set(fd, v)
-			var err error
-			if w.small, err = (proto.MarshalOptions{}).MarshalAppend(w.small, one.Interface()); err != nil {
-				return err
+			if run == nil {
+				run = m.New()
 			}
+			run.Set(fd, v)
 		}
+	}
+	if err := flushRun(); err != nil {
+		return err
 	}
 	w.small = append(w.small, m.GetUnknown()...)
 	return nil
