@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/experimental"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
@@ -205,6 +206,7 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
 		grpc.WithInitialConnWindowSize(codec.ConnWindowBytes),
 		grpc.WithReadBufferSize(codec.IOBufferBytes),
 		grpc.WithWriteBufferSize(codec.IOBufferBytes),
+		experimental.WithBufferPool(codec.BufferPool()),
 		// The retry policy is the SDK's, not whatever a resolver serves.
 		grpc.WithDisableServiceConfig(),
 		grpc.WithDefaultServiceConfig(retryServiceConfig(o.maxAttempts)),
@@ -276,10 +278,11 @@ func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoER
 	ctx, cancel := c.callContext(ctx)
 	defer cancel()
 	var resp *pb.FusedMoEResponse
+	recv := &codec.Receiver{}
 	for attempt := 1; ; attempt++ {
-		resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+		resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes), grpc.ForceCodecV2(recv))
 		if err != nil && c.reregister(ctx, err) {
-			resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes))
+			resp, err = c.rpc.FusedMoE(ctx, p, grpc.MaxRetryRPCBufferSize(retryBufferBytes), grpc.ForceCodecV2(recv))
 		}
 		if err == nil || attempt >= c.opts.maxAttempts || status.Code(err) != codes.ResourceExhausted || !retryAfter(ctx, err) {
 			break
@@ -290,8 +293,10 @@ func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoER
 	}
 	res, err := resultFromProto(resp)
 	if err != nil {
+		codec.PutReceived(recv.Take())
 		return nil, wrap("FusedMoE", fmt.Errorf("malformed response: %w", err))
 	}
+	res.recv = recv.Take()
 	c.viewOutputs(res)
 	return res, nil
 }

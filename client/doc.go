@@ -23,6 +23,7 @@
 //		OutputDType:  client.Float32,
 //	})
 //	out, err := res.Output.Float32s() // [M, K]
+//	res.Release() // optional: the next call reuses its receive buffer
 //
 // FusedMoEStream keeps many calls in flight on one stream, answered in
 // order. On the daemon's host (which needs -shared-memory),

@@ -7,9 +7,11 @@ import (
 	"io"
 	"sync"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/expertd/expertd/codec"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -22,18 +24,22 @@ type Stream struct {
 	s      pb.ExpertService_FusedMoEStreamClient
 	cancel context.CancelFunc
 	c      *Client
+	// recv parses each response from a pooled buffer (see
+	// FusedMoEResult.Release); only the goroutine in Recv uses it.
+	recv *codec.Receiver
 }
 
 // FusedMoEStream opens a stream of FusedMoE calls; ctx bounds the whole
 // stream. Close it with CloseSend, then Recv until io.EOF, or cancel ctx.
 func (c *Client) FusedMoEStream(ctx context.Context) (*Stream, error) {
 	ctx, cancel := c.callContext(ctx)
-	s, err := c.rpc.FusedMoEStream(ctx)
+	recv := &codec.Receiver{}
+	s, err := c.rpc.FusedMoEStream(ctx, grpc.ForceCodecV2(recv))
 	if err != nil {
 		cancel()
 		return nil, wrap("FusedMoEStream", err)
 	}
-	return &Stream{s: s, cancel: cancel, c: c}, nil
+	return &Stream{s: s, cancel: cancel, c: c, recv: recv}, nil
 }
 
 // Send queues one request. A request the client refuses locally is an
@@ -70,8 +76,10 @@ func (s *Stream) Recv() (*FusedMoEResult, error) {
 	}
 	res, err := resultFromProto(resp)
 	if err != nil {
+		codec.PutReceived(s.recv.Take())
 		return nil, wrap("FusedMoEStream", fmt.Errorf("malformed response: %w", err))
 	}
+	res.recv = s.recv.Take()
 	s.c.viewOutputs(res)
 	return res, nil
 }

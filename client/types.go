@@ -217,6 +217,8 @@ type FusedMoEResult struct {
 	Timings              Timings
 	// Backend names what ran the call ("cpu", "cuda").
 	Backend string
+
+	recv []byte // the pooled receive buffer the tensors alias; see Release
 }
 
 func resultFromProto(p *pb.FusedMoEResponse) (*FusedMoEResult, error) {

@@ -18,6 +18,8 @@
 // which it must do only when nothing refers to the message any more. The
 // server recycles FusedMoE requests only (service.ServerOptions), because
 // fresh multi-megabyte buffers cost a page fault per 4 KiB on first write.
+// A Receiver does the same for one call's large responses and hands the
+// buffer to the caller (the SDK's FusedMoEResult.Release returns it).
 // A sent message must not change until gRPC is done with it, which
 // grpc-go already requires of every message passed to SendMsg; a buffer
 // lent to Marshal (Pool.Lend) goes back to its pool when gRPC frees the
@@ -100,11 +102,9 @@ func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !ok {
 		return fmt.Errorf("codec: cannot unmarshal into %T: not a proto.Message", v)
 	}
-	if n := data.Len(); n >= AliasBytes && c.Recycle != nil && c.Recycle(m) {
-		buf := received.Get(n)
-		data.CopyTo(buf)
-		if err := Unmarshal(buf, m); err != nil {
-			received.Put(buf)
+	if data.Len() >= AliasBytes && c.Recycle != nil && c.Recycle(m) {
+		buf, err := unmarshalPooled(data, m)
+		if err != nil {
 			return err
 		}
 		held.Store(m, buf)
@@ -120,8 +120,63 @@ func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
 	return Unmarshal(bytes.Join(pieces, nil), m)
 }
 
-// received recycles the buffers of messages Codec.Recycle picked.
+// unmarshalPooled parses data into m from a buffer of the received pool,
+// which it returns (to nothing when it fails).
+func unmarshalPooled(data mem.BufferSlice, m proto.Message) ([]byte, error) {
+	buf := received.Get(data.Len())
+	data.CopyTo(buf)
+	if err := Unmarshal(buf, m); err != nil {
+		received.Put(buf)
+		return nil, err
+	}
+	return buf, nil
+}
+
+// received recycles the buffers of messages Codec.Recycle or a Receiver
+// picked.
 var received Pool
+
+// Receiver is the codec of one call (grpc.ForceCodecV2 as a call
+// option) whose large received message is parsed from a pooled buffer
+// instead of a fresh allocation, which the caller takes afterwards: a
+// client's response buffer belongs to whatever the caller keeps of the
+// response, so only the caller can say when it is free. Take the buffer
+// after each received message (a stream's RecvMsg returns in one
+// goroutine at a time); a message received while one is still held is
+// parsed as Codec does.
+type Receiver struct {
+	Codec
+	buf []byte
+}
+
+var _ encoding.CodecV2 = (*Receiver)(nil)
+
+// Unmarshal implements encoding.CodecV2.
+func (r *Receiver) Unmarshal(data mem.BufferSlice, v any) error {
+	m, ok := v.(proto.Message)
+	if !ok || data.Len() < AliasBytes || r.buf != nil {
+		return r.Codec.Unmarshal(data, v)
+	}
+	buf, err := unmarshalPooled(data, m)
+	if err != nil {
+		return err
+	}
+	r.buf = buf
+	return nil
+}
+
+// Take returns the pooled buffer the last message was parsed from, nil
+// when there is none, and forgets it. The caller owns it: PutReceived
+// returns it once nothing refers to the message or its bytes fields, and
+// dropping it instead is safe.
+func (r *Receiver) Take() []byte {
+	b := r.buf
+	r.buf = nil
+	return b
+}
+
+// PutReceived returns a buffer from Receiver.Take to the pool.
+func PutReceived(b []byte) { received.Put(b) }
 
 // held maps each such message to its buffer until Release.
 var held sync.Map
@@ -231,7 +286,7 @@ func (w *writer) message(m protoreflect.Message, depth int) error {
 	if depth > recursionLimit {
 		return errRecursion
 	}
-	var fds []protoreflect.FieldDescriptor
+	fds := make([]protoreflect.FieldDescriptor, 0, m.Descriptor().Fields().Len())
 	m.Range(func(fd protoreflect.FieldDescriptor, _ protoreflect.Value) bool {
 		fds = append(fds, fd)
 		return true
@@ -245,30 +300,49 @@ func (w *writer) message(m protoreflect.Message, depth int) error {
 		}
 		return int(a.Number()) - int(b.Number())
 	})
+	// run gathers consecutive small fields, marshalled by protobuf in one
+	// go: a message's encoding is its fields' in this order, so a run of
+	// them encodes as the fields one by one would, for one allocation.
+	var run protoreflect.Message
+	flushRun := func() error {
+		if run == nil {
+			return nil
+		}
+		var err error
+		w.small, err = (proto.MarshalOptions{}).MarshalAppend(w.small, run.Interface())
+		run = nil
+		return err
+	}
 	for _, fd := range fds {
 		v := m.Get(fd)
 		singular := fd.Cardinality() != protoreflect.Repeated
 		switch {
 		case singular && fd.Kind() == protoreflect.BytesKind && len(v.Bytes()) >= aliasBytes:
+			if err := flushRun(); err != nil {
+				return err
+			}
 			w.small = protowire.AppendTag(w.small, fd.Number(), protowire.BytesType)
 			w.small = protowire.AppendVarint(w.small, uint64(len(v.Bytes())))
 			w.flush()
 			w.out = append(w.out, sendBuffer(v.Bytes()))
 		case singular && fd.Kind() == protoreflect.MessageKind && hasLarge(v.Message(), depth+1):
+			if err := flushRun(); err != nil {
+				return err
+			}
 			w.small = protowire.AppendTag(w.small, fd.Number(), protowire.BytesType)
 			w.small = protowire.AppendVarint(w.small, uint64(proto.Size(v.Message().Interface())))
 			if err := w.message(v.Message(), depth+1); err != nil {
 				return err
 			}
 		default:
-			// One field alone, marshalled by protobuf into the run.
-			one := m.New()
-			one.Set(fd, v)
-			var err error
-			if w.small, err = (proto.MarshalOptions{}).MarshalAppend(w.small, one.Interface()); err != nil {
-				return err
+			if run == nil {
+				run = m.New()
 			}
+			run.Set(fd, v)
 		}
+	}
+	if err := flushRun(); err != nil {
+		return err
 	}
 	w.small = append(w.small, m.GetUnknown()...)
 	return nil

@@ -32,9 +32,10 @@ type Pool struct {
 }
 
 const (
-	// minClass is the smallest pooled capacity (2^minClass bytes): below
-	// AliasBytes Marshal copies a field anyway, so pooling buys nothing.
-	minClass = 14
+	// minClass is the smallest pooled capacity (2^minClass bytes), 1 KiB:
+	// grpc-go allocates smaller transport buffers without a pool, and an
+	// output below AliasBytes, copied by Marshal anyway, is never lent.
+	minClass = 10
 	// maxClass is the largest pooled capacity, 2^30 bytes; larger
 	// buffers are allocated and dropped.
 	maxClass = 30
@@ -60,15 +61,22 @@ func class(n int) int {
 }
 
 // Get returns a buffer of length n; its contents are undefined.
-func (p *Pool) Get(n int) []byte {
+func (p *Pool) Get(n int) []byte { return *p.get(n) }
+
+// get is Get keeping the pointer the pool stores, so that a user of
+// pointers (mem.BufferPool) allocates nothing per buffer.
+func (p *Pool) get(n int) *[]byte {
 	c := class(n)
 	if c < 0 {
-		return make([]byte, n)
+		b := make([]byte, n)
+		return &b
 	}
 	if b, ok := p.classes[c].Get().(*[]byte); ok {
-		return (*b)[:n]
+		*b = (*b)[:n]
+		return b
 	}
-	return make([]byte, n, 1<<c)
+	b := make([]byte, n, 1<<c)
+	return &b
 }
 
 // putHook, when set (tests), sees every buffer Put keeps: sync.Pool may
@@ -77,16 +85,19 @@ func (p *Pool) Get(n int) []byte {
 var putHook func([]byte)
 
 // Put returns b, which the caller no longer uses, to the pool.
-func (p *Pool) Put(b []byte) {
-	c := class(cap(b))
-	if c < 0 || cap(b) != 1<<c {
+func (p *Pool) Put(b []byte) { p.put(&b) }
+
+// put is Put of a pointer that the pool may keep.
+func (p *Pool) put(b *[]byte) {
+	c := class(cap(*b))
+	if c < 0 || cap(*b) != 1<<c {
 		return // not one of Get's
 	}
-	b = b[:cap(b)]
+	*b = (*b)[:cap(*b)]
 	if putHook != nil {
-		putHook(b)
+		putHook(*b)
 	}
-	p.classes[c].Put(&b)
+	p.classes[c].Put(b)
 }
 
 // Lend hands b to the next Marshal that sends it: gRPC returns it to p
@@ -126,9 +137,6 @@ func sendBuffer(b []byte) mem.Buffer {
 // returner is the mem.BufferPool that gRPC releases a lent buffer to.
 type returner struct{ p *Pool }
 
-func (r returner) Get(n int) *[]byte {
-	b := r.p.Get(n)
-	return &b
-}
+func (r returner) Get(n int) *[]byte { return r.p.get(n) }
 
-func (r returner) Put(b *[]byte) { r.p.Put(*b) }
+func (r returner) Put(b *[]byte) { r.p.put(b) }

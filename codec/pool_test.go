@@ -1,6 +1,7 @@
 package codec
 
 import (
+	"bytes"
 	"testing"
 	"unsafe"
 
@@ -142,5 +143,79 @@ func TestRecycleRelease(t *testing.T) {
 	Release(&gotResp)
 	if len(returned) != 1 {
 		t.Error("a message Recycle did not pick was pooled")
+	}
+}
+
+// TestReceiver: a large message is parsed from a pooled buffer that Take
+// hands over (its bytes fields alias it) and PutReceived returns; a
+// message received while one is held, and a small one, are parsed as
+// Codec does.
+func TestReceiver(t *testing.T) {
+	var returned [][]byte
+	putHook = func(b []byte) { returned = append(returned, b) }
+	defer func() { putHook = nil }()
+
+	resp := &pb.FusedMoEResponse{Backend: "cpu", Output: &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_BFLOAT16, Shape: []int64{2, AliasBytes},
+		Source: &pb.Tensor_Data{Data: bytes.Repeat([]byte{7}, 4*AliasBytes)}}}
+	enc, err := Codec{}.Marshal(resp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &Receiver{}
+	var got pb.FusedMoEResponse
+	if err := r.Unmarshal(enc, &got); err != nil {
+		t.Fatal(err)
+	}
+	if !proto.Equal(&got, resp) {
+		t.Fatal("Receiver's unmarshal differs from the message sent")
+	}
+	var again pb.FusedMoEResponse
+	if err := r.Unmarshal(enc, &again); err != nil || !proto.Equal(&again, resp) {
+		t.Fatalf("second unmarshal while one is held: %v", err)
+	}
+	buf := r.Take()
+	if buf == nil {
+		t.Fatal("Take after a large message: nil")
+	}
+	data := got.GetOutput().GetData()
+	if lo, hi := uintptr(unsafe.Pointer(unsafe.SliceData(buf))), uintptr(unsafe.Pointer(unsafe.SliceData(data))); hi < lo || hi+uintptr(len(data)) > lo+uintptr(len(buf)) {
+		t.Error("the output does not alias the taken buffer")
+	}
+	if again := again.GetOutput().GetData(); unsafe.SliceData(again) == unsafe.SliceData(data) {
+		t.Error("the second message shares the held buffer")
+	}
+	if r.Take() != nil {
+		t.Error("a second Take returned the buffer again")
+	}
+	PutReceived(buf)
+	if len(returned) != 1 || unsafe.SliceData(returned[0]) != unsafe.SliceData(buf) {
+		t.Fatalf("after PutReceived: %d buffers returned, want the taken one", len(returned))
+	}
+
+	small, err := Codec{}.Marshal(&pb.FusedMoEResponse{Backend: "cpu"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Unmarshal(small, &got); err != nil || got.GetBackend() != "cpu" {
+		t.Fatalf("small message: %v", err)
+	}
+	if r.Take() != nil {
+		t.Error("a small message was pooled")
+	}
+}
+
+// TestBufferPoolAllocs: the transport's pool recycles its buffers without
+// an allocation per buffer (grpc-go takes one per HTTP/2 frame) and hands
+// them out without zeroing them.
+func TestBufferPoolAllocs(t *testing.T) {
+	p := BufferPool()
+	b := p.Get(1 << 14)
+	(*b)[0] = 1
+	p.Put(b)
+	if n := testing.AllocsPerRun(100, func() { p.Put(p.Get(1 << 14)) }); n != 0 {
+		t.Errorf("Get+Put: %v allocations, want 0", n)
+	}
+	if got := p.Get(100); len(*got) != 100 {
+		t.Errorf("Get(100): len %d", len(*got))
 	}
 }

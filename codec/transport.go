@@ -1,5 +1,7 @@
 package codec
 
+import "google.golang.org/grpc/mem"
+
 // HTTP/2 flow control and socket buffers for tensor-sized messages, used
 // by the server (service.Server.ServerOptions) and the Go SDK alike.
 //
@@ -21,3 +23,17 @@ const (
 	// (32 KiB by default), so a large message moves in fewer syscalls.
 	IOBufferBytes = 256 << 10
 )
+
+// transport backs BufferPool.
+var transport Pool
+
+// BufferPool is the pool grpc-go's transport takes its buffers from on
+// the server (experimental.BufferPool) and the SDK
+// (experimental.WithBufferPool): every HTTP/2 data frame read, every read
+// of the socket and every small message marshalled. Unlike grpc-go's
+// default pool it does not zero a buffer it hands out again: each user
+// writes a buffer whole before reading it (a frame is read into exactly
+// its length, a message marshalled into exactly its size), and zeroing
+// is a third pass over every received byte, besides the socket read and
+// the copy out of the read buffer.
+func BufferPool() mem.BufferPool { return returner{&transport} }

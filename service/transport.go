@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/stats"
 
 	"google.golang.org/protobuf/proto"
@@ -21,7 +22,8 @@ import (
 // a stats
 // handler that times each call's receive for Timings.receive_nanos;
 // flow-control windows and socket buffers sized for tensors (see
-// codec.StreamWindowBytes); and, with Config.SharedMemory, the stats
+// codec.StreamWindowBytes) and a transport buffer pool that does not
+// zero what it recycles (codec.BufferPool); and, with Config.SharedMemory, the stats
 // handler that tells the service when a connection ends, since
 // shared-memory regions belong to connections. The codec replaces the
 // protobuf codec for every service on the server (health and reflection
@@ -37,6 +39,7 @@ func (s *Server) ServerOptions() []grpc.ServerOption {
 		grpc.InitialConnWindowSize(codec.ConnWindowBytes),
 		grpc.ReadBufferSize(codec.IOBufferBytes),
 		grpc.WriteBufferSize(codec.IOBufferBytes),
+		experimental.BufferPool(codec.BufferPool()),
 	}
 	if s.shm.enabled {
 		opts = append(opts, grpc.StatsHandler(s.shm))

@@ -97,6 +97,7 @@ type result struct {
 	TotalP50    time.Duration `json:"server_total_p50_ns"`
 	Stream      bool          `json:"stream"`
 	Inflight    int           `json:"inflight"`
+	Conns       int           `json:"conns"`
 	RTT         rttPair       `json:"rtt"`
 	QueueP50    time.Duration `json:"queue_p50_ns"`
 	Breakdown   breakdown     `json:"breakdown"`
@@ -202,7 +203,17 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 		}
 		defer gpu.Close()
 	}
+	conns := []*client.Client{c}
+	for range cfg.conns - 1 {
+		more, err := client.Dial(ctx, cfg.addr, cfg.dialOpts...)
+		if err != nil {
+			return nil, fmt.Errorf("-conns: %w", err)
+		}
+		defer more.Close()
+		conns = append(conns, more)
+	}
 	for w := range cfg.concurrency {
+		c := conns[w%len(conns)]
 		rng := rand.New(rand.NewPCG(cfg.seed, uint64(w)+1))
 		reqs := make([]*client.FusedMoERequest, requestsPerWorker)
 		for i := range reqs {
@@ -261,6 +272,7 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 					return
 				}
 				rec.add(d, res, ct)
+				res.Release() // only its timings are kept
 			}
 		}()
 	}
@@ -311,7 +323,7 @@ loop:
 	}
 	r.Breakdown = summarize(rec.calls)
 	r.KernelP50, r.QueueP50, r.TotalP50 = r.Breakdown.Kernel, r.Breakdown.Queue, r.Breakdown.Total
-	r.Stream, r.Inflight = cfg.stream, cfg.inflight
+	r.Stream, r.Inflight, r.Conns = cfg.stream, cfg.inflight, cfg.conns
 	return r, nil
 }
 
@@ -336,6 +348,7 @@ func streamWorker(ctx context.Context, c *client.Client, cfg config, reqs []*cli
 			return fmt.Errorf("FusedMoEStream call failed after %d calls: %w", rec.count(), err)
 		}
 		rec.add(d, res, &callTrace{})
+		res.Release() // only its timings are kept
 		return nil
 	}
 	for i := 0; ; i++ {
@@ -408,8 +421,12 @@ breakdown    (p50 of each)
 
 // mode says how the calls were made.
 func (r *result) mode() string {
+	m := "unary FusedMoE"
 	if r.Stream {
-		return fmt.Sprintf("FusedMoEStream, %d in flight per caller", r.Inflight)
+		m = fmt.Sprintf("FusedMoEStream, %d in flight per caller", r.Inflight)
 	}
-	return "unary FusedMoE"
+	if r.Conns > 1 {
+		m += fmt.Sprintf(", %d connections", r.Conns)
+	}
+	return m
 }

@@ -21,7 +21,8 @@
 // the latencies: a bare grpc-go health server in this process on
 // loopback TCP (the floor of any gRPC call on this host) and the
 // daemon's health service on the same connection as the calls. -trace
-// writes a Go execution trace of the load.
+// writes a Go execution trace of the load. -conns spreads the callers
+// over several client connections (one by default).
 //
 // -soak turns it into a soak test (soak.go): three small layers (gated,
 // ReLU², block-scaled) called with mixed token counts, a share of
@@ -111,6 +112,10 @@ type config struct {
 	// inflight calls in flight on it (client.Pipeline).
 	stream   bool
 	inflight int
+	// conns is how many client connections the callers take turns on
+	// (caller w uses connection w mod conns), dialed with dialOpts.
+	conns    int
+	dialOpts []client.Option
 	// traceFile receives a Go execution trace of the run.
 	traceFile string
 	// noRTT skips the round-trip measurements at start.
@@ -162,6 +167,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.soak.maxGoroutineGrowth, "max-goroutine-growth", 16, "with -soak and -admin-addr: fail when the idle server has more goroutines than this over its count before the load")
 	fs.DurationVar(&c.soak.warmup, "warmup", 0, "with -soak: load time before RSS samples count toward growth (0: a fifth of -duration, at most 1m)")
 	fs.BoolVar(&c.soak.busyOK, "busy-ok", true, "with -soak: count ResourceExhausted on good calls (the daemon's bounded queue) as expected back-pressure")
+	fs.IntVar(&c.conns, "conns", 1, "client connections the callers take turns on (caller i uses connection i mod conns): each HTTP/2 connection moves its bytes through one writer and one reader goroutine per side")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -229,6 +235,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	if c.concurrency < 1 || c.concurrency > maxConcurrency {
 		errs = append(errs, fmt.Errorf("-c %d: want 1..%d", c.concurrency, maxConcurrency))
 	}
+	if c.conns < 1 || c.conns > c.concurrency {
+		errs = append(errs, fmt.Errorf("-conns %d: want 1..%d (-c)", c.conns, c.concurrency))
+	}
 	if c.duration <= 0 || c.duration > maxDuration {
 		errs = append(errs, fmt.Errorf("-duration %v: want > 0 and <= %v", c.duration, maxDuration))
 	}
@@ -291,7 +300,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	dialCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	c, err := client.Dial(dialCtx, cfg.addr, client.WithDialOptions(grpc.WithStatsHandler(traceHandler{})))
+	cfg.dialOpts = []client.Option{client.WithDialOptions(grpc.WithStatsHandler(traceHandler{}))}
+	c, err := client.Dial(dialCtx, cfg.addr, cfg.dialOpts...)
 	if err != nil {
 		return err
 	}

@@ -8,7 +8,9 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,6 +18,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/stats"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
@@ -148,6 +151,9 @@ func TestFlags(t *testing.T) {
 		{[]string{"-duration", "2h"}, "want > 0 and <= 30m0s"},
 		{[]string{"-calls", "-1"}, "-calls -1"},
 		{[]string{"-c", "0"}, "-c 0"},
+		{[]string{"-c", "2", "-conns", "3"}, "-conns 3: want 1..2 (-c)"},
+		{[]string{"-conns", "0"}, "-conns 0"},
+		{[]string{"-c", "4", "-conns", "4"}, ""},
 		{[]string{"-m", "0"}, "-m 0"},
 		{[]string{"-out", "fp8"}, `-out "fp8"`},
 		{[]string{"-model", "deepseek", "-load"}, "is 10.50 GiB, above -max-load-gib 8"},
@@ -254,7 +260,8 @@ func TestBenchStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	svc := service.New(service.Config{MaxConcurrent: 2}, cpu.New(kernels.Config{}), nil)
-	gs := grpc.NewServer(svc.ServerOptions()...)
+	var conns connCounter
+	gs := grpc.NewServer(append(svc.ServerOptions(), grpc.StatsHandler(&conns))...)
 	svc.Register(gs)
 	healthpb.RegisterHealthServer(gs, health.NewServer())
 	go gs.Serve(lis) //nolint:errcheck // returns when stopped
@@ -269,8 +276,11 @@ func TestBenchStream(t *testing.T) {
 		{"inflight", tcp, []string{"-inflight", "3"}, "FusedMoEStream, 3 in flight per caller"},
 		{"unix unary", "unix://" + sock, nil, "unary FusedMoE"},
 		{"unix inflight", "unix:" + sock, []string{"-inflight", "2"}, "FusedMoEStream, 2 in flight per caller"},
+		{"unix conns", "unix:" + sock, []string{"-conns", "2"}, "unary FusedMoE, 2 connections"},
+		{"unix conns stream", "unix:" + sock, []string{"-conns", "2", "-stream"}, "FusedMoEStream, 1 in flight per caller, 2 connections"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			before := conns.n.Load()
 			traceFile := filepath.Join(t.TempDir(), "trace.out")
 			args := append([]string{"-addr", tc.addr, "-model", "qwen3", "-e", "8", "-k", "64", "-n", "32", "-load", "-m", "3", "-c", "2",
 				"-calls", "13", "-duration", "20s", "-trace", traceFile}, tc.args...)
@@ -287,6 +297,30 @@ func TestBenchStream(t *testing.T) {
 			if fi, err := os.Stat(traceFile); err != nil || fi.Size() == 0 {
 				t.Errorf("-trace file: %v, %v; want a trace", fi, err)
 			}
+			if tc.addr != tcp {
+				want := int64(1)
+				if slices.Contains(tc.args, "-conns") {
+					want = 2
+				}
+				if got := conns.n.Load() - before; got != want {
+					t.Errorf("the run opened %d connections, want %d", got, want)
+				}
+			}
 		})
 	}
 }
+
+// connCounter is a stats.Handler counting the connections a server saw.
+type connCounter struct{ n atomic.Int64 }
+
+func (c *connCounter) HandleConn(_ context.Context, s stats.ConnStats) {
+	if _, ok := s.(*stats.ConnBegin); ok {
+		c.n.Add(1)
+	}
+}
+
+func (*connCounter) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
+
+func (*connCounter) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
+
+func (*connCounter) HandleRPC(context.Context, stats.RPCStats) {}

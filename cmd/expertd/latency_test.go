@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/stats"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
@@ -41,7 +43,7 @@ import (
 //	           interceptors and OpenTelemetry (chain, at each log level,
 //	           and with -stream-workers)
 //	null/m256  M = 256 at K = 2688 (1.4 MB each way), TCP and Unix socket,
-//	           unary and stream
+//	           unary and stream, each call split into stages (below)
 //	daemon     FusedMoE on the real daemon (run, -log-level as given by
 //	           the sub-benchmark), SDK client
 //	stream     the same over a client.Pipeline of depth 1
@@ -50,7 +52,13 @@ import (
 // mean) and the medians of the server's kernel time, of what its handler
 // adds (handler-ns: total - kernel) and of everything outside the
 // handler (outside-ns: latency - total: both sides' gRPC, the SDK,
-// loopback, wake-ups).
+// loopback, wake-ups). The m256 variants also report the medians of
+// stages of a call, from the stats handlers of both sides (one process,
+// one clock): send-ns (the SDK's request build and marshal, until gRPC
+// has queued the message), req-ns (the request on the wire, read and
+// unmarshalled by the server), serve-ns (the handler, until its
+// response is queued), resp-ns (the response's bytes on the wire, read
+// and unmarshalled by the client) and result-ns (the SDK's result).
 //
 //	go test -run '^$' -bench CallPath -benchtime 3000x ./cmd/expertd
 func BenchmarkCallPath(b *testing.B) {
@@ -88,10 +96,12 @@ func BenchmarkCallPath(b *testing.B) {
 		}
 		return ""
 	}
-	// measure times call, which returns the server's Timings (zero for
-	// health checks).
-	measure := func(b *testing.B, call func() (client.Timings, error)) {
+	// measureStages times call, which returns the server's Timings (zero
+	// for health checks), and, with st, splits each call at the points
+	// both sides' stats handlers see.
+	measureStages := func(b *testing.B, st *stages, call func() (client.Timings, error)) {
 		var d, outside, handler, kernel []time.Duration
+		var split [numStages][]time.Duration
 		for range 200 { // warm-up: connections, pools
 			if _, err := call(); err != nil {
 				b.Fatal(err)
@@ -104,7 +114,13 @@ func BenchmarkCallPath(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			l := time.Since(t0)
+			end := time.Now()
+			l := end.Sub(t0)
+			if st != nil {
+				for i, v := range st.split(t0, end) {
+					split[i] = append(split[i], v)
+				}
+			}
 			d = append(d, l)
 			outside = append(outside, l-t.Total)
 			handler = append(handler, t.Total-t.Kernel)
@@ -120,7 +136,13 @@ func BenchmarkCallPath(b *testing.B) {
 		b.ReportMetric(p(kernel, 0.5), "kernel-ns")
 		b.ReportMetric(p(handler, 0.5), "handler-ns")
 		b.ReportMetric(p(outside, 0.5), "outside-ns")
+		if st != nil {
+			for i, name := range stageNames {
+				b.ReportMetric(p(split[i], 0.5), name+"-ns")
+			}
+		}
 	}
+	measure := func(b *testing.B, call func() (client.Timings, error)) { measureStages(b, nil, call) }
 	check := func(conn grpc.ClientConnInterface) func() (client.Timings, error) {
 		hc := healthpb.NewHealthClient(conn)
 		return func() (client.Timings, error) {
@@ -132,6 +154,7 @@ func BenchmarkCallPath(b *testing.B) {
 		if err != nil {
 			return client.Timings{}, err
 		}
+		defer res.Release()
 		return res.Timings, nil
 	}
 	fused := func(c *client.Client) func() (client.Timings, error) {
@@ -236,11 +259,13 @@ func BenchmarkCallPath(b *testing.B) {
 				}
 				svc := service.New(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow, MaxTokens: 8192},
 					nullBackend{cpu.New(kernels.Config{Threads: 1})}, nil)
-				gs := grpc.NewServer(append(svc.ServerOptions(), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))...)
+				st := &stages{}
+				gs := grpc.NewServer(append(svc.ServerOptions(), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20),
+					grpc.StatsHandler(stageHandler{st, true}))...)
 				svc.Register(gs)
 				go gs.Serve(lis) //nolint:errcheck // returns when stopped
 				b.Cleanup(gs.Stop)
-				c, err := client.Dial(ctx, grpcTarget(lis.Addr()))
+				c, err := client.Dial(ctx, grpcTarget(lis.Addr()), client.WithDialOptions(grpc.WithStatsHandler(stageHandler{st, false})))
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -257,7 +282,7 @@ func BenchmarkCallPath(b *testing.B) {
 					b.Cleanup(func() { p.Close() })
 					call = func() (client.Timings, error) { return timed(p.Call(bigReq)) }
 				}
-				measure(b, call)
+				measureStages(b, st, call)
 			})
 		}
 	}
@@ -328,3 +353,59 @@ func (nullBackend) FusedMoE(_ context.Context, l kernels.Loaded, req *kernels.Re
 	return &kernels.Result{Output: out[:m*k*req.OutDType.Size()], TopKIDs: make([]int32, m*req.Routing.TopK),
 		TopKWeights: make([]float32, m*req.Routing.TopK), KernelNanos: 1}, nil
 }
+
+// stageNames name the stages stages.split returns, in order.
+var stageNames = [...]string{"send", "req", "serve", "resp", "result"}
+
+const numStages = len(stageNames)
+
+// stages holds when the last call passed each point that the client's and
+// the server's stats handlers see, in nanoseconds since epoch; calls are
+// sequential, so the last call's points are the current call's.
+type stages struct {
+	clientSent, serverRecv, serverSent, clientRecv atomic.Int64
+}
+
+var epoch = time.Now()
+
+// split is the current call's stage durations; start and end are when
+// the caller began and ended it.
+func (s *stages) split(start, end time.Time) [numStages]time.Duration {
+	at := func(v *atomic.Int64) time.Time { return epoch.Add(time.Duration(v.Load())) }
+	points := []time.Time{start, at(&s.clientSent), at(&s.serverRecv), at(&s.serverSent), at(&s.clientRecv), end}
+	var d [numStages]time.Duration
+	for i := range d {
+		d[i] = points[i+1].Sub(points[i])
+	}
+	return d
+}
+
+// stageHandler is a stats.Handler noting one side's points in a stages.
+type stageHandler struct {
+	s      *stages
+	server bool
+}
+
+func (h stageHandler) HandleRPC(_ context.Context, st stats.RPCStats) {
+	now := int64(time.Since(epoch))
+	switch st.(type) {
+	case *stats.OutPayload:
+		if h.server {
+			h.s.serverSent.Store(now)
+		} else {
+			h.s.clientSent.Store(now)
+		}
+	case *stats.InPayload:
+		if h.server {
+			h.s.serverRecv.Store(now)
+		} else {
+			h.s.clientRecv.Store(now)
+		}
+	}
+}
+
+func (stageHandler) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
+
+func (stageHandler) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
+
+func (stageHandler) HandleConn(context.Context, stats.ConnStats) {}

@@ -1,0 +1,87 @@
+package client_test
+
+import (
+	"testing"
+	"unsafe"
+
+	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/service"
+)
+
+// within reports whether b lies inside buf.
+func within(b, buf []byte) bool {
+	lo, p := uintptr(unsafe.Pointer(unsafe.SliceData(buf))), uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	return len(b) > 0 && p >= lo && p+uintptr(len(b)) <= lo+uintptr(len(buf))
+}
+
+// TestReleaseReceiveBuffer: a large inline result, unary or streamed,
+// holds the pooled buffer its output aliases until Release, which clears
+// the tensors; a small result holds none.
+func TestReleaseReceiveBuffer(t *testing.T) {
+	rng := newRand(t)
+	ctx := testContext(t)
+	c := startServer(t, service.Config{})
+	// BF16 output of 16 x 1024: 32 KiB, above the codec's aliasing size.
+	shape := kerneltest.Nemotron.Scaled(1024, 16)
+	shape.E, shape.TopK = 8, 2
+	set, req := kerneltest.NewCase(rng, shape, 16)
+	if _, err := c.LoadExperts(ctx, "big", clienttest.Weights(set)); err != nil {
+		t.Fatal(err)
+	}
+	p, err := c.Pipeline(ctx, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	for _, v := range []struct {
+		name string
+		call func(*client.FusedMoERequest) (*client.FusedMoEResult, error)
+	}{
+		{"unary", func(r *client.FusedMoERequest) (*client.FusedMoEResult, error) { return c.FusedMoE(ctx, r) }},
+		{"stream", p.Call},
+	} {
+		t.Run(v.name, func(t *testing.T) {
+			r := clienttest.Request("big", set, req)
+			r.ReturnRouting = true
+			for i := range 3 { // later calls reuse released buffers
+				res, err := v.call(r)
+				if err != nil {
+					t.Fatal(err)
+				}
+				checkOutput(t, res, set, req)
+				buf := client.ReceiveBuffer(res)
+				if buf == nil {
+					t.Fatalf("call %d: no receive buffer held", i)
+				}
+				if !within(res.Output.Data, buf) || !within(res.TopKIDs.Data, buf) {
+					t.Errorf("call %d: output or routing does not alias the receive buffer", i)
+				}
+				res.Release()
+				if client.ReceiveBuffer(res) != nil || res.Output.Data != nil || res.TopKIDs.Data != nil {
+					t.Errorf("call %d: after Release the result still refers to the buffer", i)
+				}
+				res.Release() // a second Release does nothing
+			}
+		})
+	}
+
+	shape = kerneltest.Nemotron.Scaled(32, 16)
+	shape.E, shape.TopK = 8, 2
+	small, sreq := kerneltest.NewCase(rng, shape, 1)
+	if _, err := c.LoadExperts(ctx, "small", clienttest.Weights(small)); err != nil {
+		t.Fatal(err)
+	}
+	res, err := c.FusedMoE(ctx, clienttest.Request("small", small, sreq))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if client.ReceiveBuffer(res) != nil {
+		t.Error("a small result holds a pooled buffer")
+	}
+	res.Release()
+	checkOutput(t, res, small, sreq) // nothing pooled: the output stays
+	var nilRes *client.FusedMoEResult
+	nilRes.Release()
+}
