@@ -12,6 +12,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -171,6 +172,27 @@ type soakState struct {
 	res        soakResult
 	good, bad  []time.Duration
 	windowGood int
+	kinds      atomic.Uint64 // malformed calls started, which picks the next kind
+}
+
+// nextMalformed picks the malformed kinds in turn across all workers, so a
+// soak of n malformed calls covers min(n, kinds) of them whatever its rate,
+// and an entry of the pool the kind applies to, from e on.
+func (s *soakState) nextMalformed(pool []*poolEntry, e *poolEntry, maxTokens int) (*malformed, *poolEntry) {
+	for range malformedKinds {
+		kind := &malformedKinds[(s.kinds.Add(1)-1)%uint64(len(malformedKinds))]
+		if kind.applies == nil || kind.applies(e, maxTokens) {
+			return kind, e
+		}
+		for _, other := range pool {
+			if kind.applies(other, maxTokens) {
+				return kind, other
+			}
+		}
+	}
+	// No kind applies to this pool (TestMalformedKinds rules that out for
+	// the built-in sets): the unconditional first kind.
+	return &malformedKinds[0], e
 }
 
 func (s *soakState) expected(code codes.Code, bad bool, d time.Duration) {
@@ -485,11 +507,7 @@ func soakWorker(ctx context.Context, c *client.Client, cfg config, maxTokens int
 		e := pool[rng.IntN(len(pool))]
 		callCtx, cancel := context.WithTimeout(ctx, callTimeout)
 		if rng.Float64() < sc.badShare {
-			kind := &malformedKinds[rng.IntN(len(malformedKinds))]
-			for kind.applies != nil && !kind.applies(e, maxTokens) {
-				e = pool[rng.IntN(len(pool))]
-				kind = &malformedKinds[rng.IntN(len(malformedKinds))]
-			}
+			kind, e := st.nextMalformed(pool, e, maxTokens)
 			p := breakRequest(kind, e, maxTokens)
 			t0 := time.Now()
 			_, err := c.RPC().FusedMoE(callCtx, p)
