@@ -140,9 +140,11 @@ EXPERTD_API int expertd_set_free(uint64_t handle);
 /* expertd_moe runs one fused MoE layer, synchronously, on one of the set's
  * streams (waiting for one when all are busy).
  * Each buffer may be pageable host memory (staged through pinned memory),
- * page-locked host memory (expertd_host_register; copied by DMA with no
- * staging) or device memory (e.g. from expertd_ipc_open; copied on the
- * device). The library tells them apart by address.
+ * page-locked host memory (expertd_host_register; copied by DMA, small
+ * buffers staged) or device memory (e.g. from expertd_ipc_open; read and
+ * written in place, the addresses keying the call's graph). The library
+ * tells them apart by address. Routing results and a host output come
+ * back in one copy.
  * hidden is [M, K] of iparams[EXPERTD_P_HIDDEN_DTYPE]; hidden_scale has
  * iparams[EXPERTD_P_N_HIDDEN_SCALE] floats (FP8 hidden only, else NULL):
  * [1], [M] or, for block sets, [M, ceil(K/block_k)] row-major. FP8 hidden

@@ -16,8 +16,9 @@
 //
 // Small-M decode would be launch-bound (7 launches), so the host-pointer
 // entry captures the pipeline into a CUDA graph per (set, call shape) the
-// second time that shape is seen and replays it afterwards; the workspace
-// only grows, and a regrow drops the set's graphs.
+// second time that shape (and the caller's device buffers it reads in
+// place) is seen and replays it afterwards; the workspace only grows, and
+// a regrow drops the set's graphs.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -70,24 +71,31 @@ int cuda_fail(cudaError_t err, const char* what) {
     if (err_ != cudaSuccess) return cuda_fail(err_, #call); \
   } while (0)
 
+bool host_trace_on() {
+  static const bool on = std::getenv("EXPERTD_CUDA_HOST_TRACE") != nullptr;
+  return on;
+}
+
 // HostTrace prints the host-side stages of one expertd_moe call to stderr
 // when EXPERTD_CUDA_HOST_TRACE is set: staging copies in, enqueue, the wait
 // for the stream, copies out. It is a diagnostic for the host path (the
 // device time is kernel_ms); nothing about the tensors is printed.
 struct HostTrace {
-  bool on = std::getenv("EXPERTD_CUDA_HOST_TRACE") != nullptr;
+  bool on = host_trace_on();
   std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
   char buf[256];
   int n = 0;
+  double total = 0;
   void mark(const char* what) {
     if (!on) return;
     const auto now = std::chrono::steady_clock::now();
     const double us = std::chrono::duration<double, std::micro>(now - t).count();
     t = now;
+    total += us;
     if (n < int(sizeof buf) - 40) n += snprintf(buf + n, sizeof buf - n, " %s=%.1fus", what, us);
   }
   void print(int m) {
-    if (on) fprintf(stderr, "expertd_moe host m=%d%s\n", m, buf);
+    if (on) fprintf(stderr, "expertd_moe host m=%d%s total=%.1fus\n", m, buf, total);
   }
 };
 
@@ -96,13 +104,12 @@ size_t align_up(size_t n) { return (n + 255) & ~size_t(255); }
 float clamp_scale_host(float s) { return s > kMinScale ? s : kMinScale; }
 
 // Call is the shape of one expertd_moe call: everything that changes kernel
-// arguments other than the workspace pointers. It keys the graph cache.
+// arguments other than the buffer addresses.
 struct Call {
   int m, hidden_dtype, n_hidden_scale, logits_dtype, out_dtype, top_k, renormalize, scoring,
       num_groups, topk_groups, gemm;
   int have_logits, have_bias;
   float scaling;
-  bool operator<(const Call& o) const { return std::memcmp(this, &o, sizeof(Call)) < 0; }
 };
 
 // Layout is the workspace carve-up for one (M, block_rows).
@@ -110,8 +117,21 @@ struct Layout {
   int p, block_rows, max_blocks, max_rows;
   size_t hidden, hscale, logits, bias, ids, w;  // inputs (host path copies into these)
   size_t sorted, block_expert, num_blocks, a1q, a1s, act, a2q, a2s, y, out;
-  size_t in_begin, in_end, total;
+  size_t in_begin, in_end, out_end, total;
 };
+
+// GraphKey is what a captured graph bakes in: the call's shape and the
+// caller's device buffers the pipeline reads or writes in place (null for
+// buffers in the workspace).
+struct GraphKey {
+  Call call;
+  const void* in[4];  // hidden, hidden_scale, bias or topk ids, logits or topk weights
+  const void* out;
+  bool operator<(const GraphKey& o) const { return std::memcmp(this, &o, sizeof(GraphKey)) < 0; }
+};
+
+// kMaxGraphs bounds a lane's graph cache; past it the cache starts over.
+constexpr size_t kMaxGraphs = 64;
 
 struct Graph {
   cudaGraphExec_t exec = nullptr;
@@ -127,14 +147,15 @@ struct Graph {
 struct Lane {
   int device = 0;
   cudaStream_t stream = nullptr;
-  cudaEvent_t ev0 = nullptr, ev1 = nullptr;
+  cudaEvent_t ev0 = nullptr, ev1 = nullptr;  // kernel_ms
+  cudaEvent_t ev_done = nullptr;             // the call's last copy, untimed
   uint8_t* ws = nullptr;
   size_t ws_bytes = 0;
   uint8_t* pin_in = nullptr;
   size_t pin_in_bytes = 0;
   uint8_t* pin_out = nullptr;
   size_t pin_out_bytes = 0;
-  std::map<Call, Graph> graphs;
+  std::map<GraphKey, Graph> graphs;
 
   void drop_graphs() {
     for (auto& kv : graphs) {
@@ -151,6 +172,7 @@ struct Lane {
     if (pin_out) cudaFreeHost(pin_out);
     if (ev0) cudaEventDestroy(ev0);
     if (ev1) cudaEventDestroy(ev1);
+    if (ev_done) cudaEventDestroy(ev_done);
     if (stream) cudaStreamDestroy(stream);
   }
 };
@@ -292,6 +314,7 @@ int LaneLease::acquire() {
   CK(cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking));
   CK(cudaEventCreate(&l->ev0));
   CK(cudaEventCreate(&l->ev1));
+  CK(cudaEventCreateWithFlags(&l->ev_done, cudaEventDisableTiming));
   lane_ = l.get();
   s_.lanes.push_back(std::move(l));
   return EXPERTD_OK;
@@ -396,7 +419,10 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.ids = take(P * 4);
   L.w = take(P * 4);
   L.in_end = off;
+  // The output follows the routing results, so the host path copies
+  // [ids | w | out] back in one piece.
   L.out = take(m * K * 4);
+  L.out_end = off;
   L.sorted = take(R * 4);
   L.block_expert = take(size_t(L.max_blocks) * 4);
   L.num_blocks = take(4);
@@ -433,6 +459,49 @@ int ensure_pinned(uint8_t** p, size_t* have, size_t want) {
   want = want + want / 4;
   CK(cudaHostAlloc(reinterpret_cast<void**>(p), want, cudaHostAllocDefault));
   *have = want;
+  return EXPERTD_OK;
+}
+
+// Place is how one host-path buffer moves: read or written where it is
+// (device memory), copied by DMA from or to where it is (large page-locked
+// memory), or through the lane's pinned staging, coalesced with its
+// neighbours into one copy (pageable memory, and page-locked buffers small
+// enough that one copy fewer beats a memcpy).
+enum class Place { kInPlace, kDirect, kStaged };
+
+constexpr size_t kStageBelow = 64 << 10;
+
+Place place(Mem kind, size_t bytes) {
+  switch (kind) {
+    case Mem::kDevice:
+      return Place::kInPlace;
+    case Mem::kPinned:
+      return bytes < kStageBelow ? Place::kStaged : Place::kDirect;
+    case Mem::kPageable:
+      break;
+  }
+  return Place::kStaged;
+}
+
+// g_sync_spin_us is how long a host-path call polls its completion event
+// before it blocks on it.
+std::atomic<int> g_sync_spin_us{0};
+
+// wait_event waits for ev: polling it for up to g_sync_spin_us, which
+// costs that much of one core per call but saves the blocking wait's
+// wake-up, then blocking.
+int wait_event(cudaEvent_t ev) {
+  const int spin = g_sync_spin_us.load(std::memory_order_relaxed);
+  if (spin > 0) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin);
+    for (;;) {
+      const cudaError_t q = cudaEventQuery(ev);
+      if (q == cudaSuccess) return EXPERTD_OK;
+      if (q != cudaErrorNotReady) return cuda_fail(q, "cudaEventQuery");
+      if (std::chrono::steady_clock::now() >= until) break;
+    }
+  }
+  CK(cudaEventSynchronize(ev));
   return EXPERTD_OK;
 }
 
@@ -803,7 +872,9 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   if (!sp) return fail(EXPERTD_ERR_NOT_FOUND, "moe: unknown handle %llu", (unsigned long long)handle);
   Set& s = *sp;
   const bool have_topk = topk_ids_in && topk_w_in;
-  Call c;
+  GraphKey key;
+  std::memset(&key, 0, sizeof key);
+  Call& c = key.call;
   if (int rc = parse_call(s, iparams, n_iparams, fparams, n_fparams, logits != nullptr, have_topk,
                           correction_bias != nullptr, &c))
     return rc;
@@ -825,28 +896,40 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   const size_t m = c.m, K = s.K, P = L.p;
   const size_t lsz = c.logits_dtype == EXPERTD_DTYPE_BFLOAT16 ? 2 : 4;
   if (int rc = ensure_pinned(&ln.pin_in, &ln.pin_in_bytes, L.in_end)) return rc;
-  if (int rc = ensure_pinned(&ln.pin_out, &ln.pin_out_bytes, align_up(m * K * 4) + 2 * align_up(P * 4))) return rc;
+  if (int rc = ensure_pinned(&ln.pin_out, &ln.pin_out_bytes, L.out_end - L.ids)) return rc;
   cudaStream_t st = ln.stream;
 
-  // Inputs in workspace order. Device memory (a CUDA IPC region) and
-  // page-locked host memory (a registered shared-memory region) are copied
-  // straight into the workspace; pageable memory goes through the lane's
-  // pinned staging, where consecutive staged inputs share one copy. Copying
-  // even device inputs keeps the workspace addresses the graphs baked in.
+  // Inputs. Device memory (a CUDA IPC region) is read where it is: its
+  // address joins the graph key, so a caller that reuses its buffers
+  // replays one graph. Host inputs land in the workspace: pageable ones
+  // and small page-locked ones through the lane's pinned staging, where
+  // consecutive staged inputs share one copy; large page-locked ones (a
+  // registered shared-memory region) by DMA straight from where they are.
+  Ptrs p;
+  p.hidden = ln.ws + L.hidden;
+  p.hidden_scale = reinterpret_cast<const float*>(ln.ws + L.hscale);
+  p.logits = ln.ws + L.logits;
+  p.bias = c.have_bias ? reinterpret_cast<const float*>(ln.ws + L.bias) : nullptr;
+  p.ids = reinterpret_cast<int32_t*>(ln.ws + L.ids);
+  p.w = reinterpret_cast<float*>(ln.ws + L.w);
+  p.out = ln.ws + L.out;
   struct In {
     size_t off;
     const void* src;
     size_t bytes;
+    const void** key;  // its key.in slot: set when it is read in place
   } ins[4];
   int nin = 0;
-  ins[nin++] = {L.hidden, hidden, m * K * hsz};
-  if (c.n_hidden_scale > 0) ins[nin++] = {L.hscale, hidden_scale, size_t(c.n_hidden_scale) * 4};
+  ins[nin++] = {L.hidden, hidden, m * K * hsz, &key.in[0]};
+  if (c.n_hidden_scale > 0)
+    ins[nin++] = {L.hscale, hidden_scale, size_t(c.n_hidden_scale) * 4, &key.in[1]};
   if (c.have_logits) {
-    if (c.have_bias) ins[nin++] = {L.bias, correction_bias, size_t(s.E) * 4};
-    ins[nin++] = {L.logits, logits, m * s.E * lsz};
+    if (c.have_bias)
+      ins[nin++] = {L.bias, correction_bias, size_t(s.E) * 4, &key.in[2]};
+    ins[nin++] = {L.logits, logits, m * s.E * lsz, &key.in[3]};
   } else {
-    ins[nin++] = {L.ids, topk_ids_in, P * 4};
-    ins[nin++] = {L.w, topk_w_in, P * 4};
+    ins[nin++] = {L.ids, topk_ids_in, P * 4, &key.in[2]};
+    ins[nin++] = {L.w, topk_w_in, P * 4, &key.in[3]};
   }
   uint8_t* pin = ln.pin_in;
   size_t lo = 0, hi = 0;  // the staged range not yet copied
@@ -857,33 +940,47 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   };
   for (int i = 0; i < nin; ++i) {
     const In& x = ins[i];
-    if (mem_kind(x.src) == Mem::kPageable) {
-      std::memcpy(pin + x.off, x.src, x.bytes);
-      if (hi == 0) lo = x.off;
-      hi = x.off + x.bytes;
-    } else {
-      if (int rc = flush()) return rc;
-      CK(cudaMemcpyAsync(ln.ws + x.off, x.src, x.bytes, cudaMemcpyDefault, st));
+    switch (place(mem_kind(x.src), x.bytes)) {
+      case Place::kInPlace:
+        *x.key = x.src;
+        break;
+      case Place::kStaged:
+        std::memcpy(pin + x.off, x.src, x.bytes);
+        if (hi == 0) lo = x.off;
+        hi = x.off + x.bytes;
+        break;
+      case Place::kDirect:
+        if (int rc = flush()) return rc;
+        CK(cudaMemcpyAsync(ln.ws + x.off, x.src, x.bytes, cudaMemcpyHostToDevice, st));
+        break;
     }
   }
   if (int rc = flush()) return rc;
+  if (key.in[0]) p.hidden = key.in[0];
+  if (key.in[1]) p.hidden_scale = static_cast<const float*>(key.in[1]);
+  if (c.have_logits) {
+    if (key.in[2]) p.bias = static_cast<const float*>(key.in[2]);
+    if (key.in[3]) p.logits = key.in[3];
+  } else {
+    // The pipeline only reads precomputed routing (Ptrs has them mutable
+    // because the route kernel writes its own).
+    if (key.in[2]) p.ids = const_cast<int32_t*>(static_cast<const int32_t*>(key.in[2]));
+    if (key.in[3]) p.w = const_cast<float*>(static_cast<const float*>(key.in[3]));
+  }
+  // Device output: the combine kernel writes it in place.
+  const Mem out_kind = mem_kind(out);
+  if (out_kind == Mem::kDevice) {
+    p.out = out;
+    key.out = out;
+  }
   tr.mark("stage_in");
 
-  Ptrs p;
-  p.hidden = ln.ws + L.hidden;
-  p.hidden_scale = reinterpret_cast<const float*>(ln.ws + L.hscale);
-  p.logits = ln.ws + L.logits;
-  p.bias = c.have_bias ? reinterpret_cast<const float*>(ln.ws + L.bias) : nullptr;
-  p.ids = reinterpret_cast<int32_t*>(ln.ws + L.ids);
-  p.w = reinterpret_cast<float*>(ln.ws + L.w);
-  p.out = ln.ws + L.out;
-
   const bool use_graph = iparams[EXPERTD_P_USE_GRAPH] != 0;
-  CK(cudaEventRecord(ln.ev0, st));
+  if (kernel_ms) CK(cudaEventRecord(ln.ev0, st));
   Graph* g = nullptr;
   if (use_graph) {
-    if (ln.graphs.size() >= 64 && !ln.graphs.count(c)) ln.drop_graphs();
-    g = &ln.graphs[c];
+    if (ln.graphs.size() >= kMaxGraphs && !ln.graphs.count(key)) ln.drop_graphs();
+    g = &ln.graphs[key];
     g->seen++;
   }
   if (g && g->exec) {
@@ -913,31 +1010,49 @@ int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const fl
   } else {
     if (int rc = enqueue(s, ln.ws, c, L, p, st)) return rc;
   }
-  CK(cudaEventRecord(ln.ev1, st));
+  if (kernel_ms) CK(cudaEventRecord(ln.ev1, st));
 
-  // Outputs: as the inputs, straight to device or page-locked memory, else
-  // through pinned staging and a host copy after the stream is done.
+  // Outputs. Routing results and a host output lie next to each other in
+  // the workspace ([ids | w | out]); those bound for pageable or small
+  // page-locked memory come back in one copy through the lane's pinned
+  // staging. A large page-locked output is copied straight to its place; a
+  // device output is already there (routing results bound for device
+  // memory are copied on the device).
   uint8_t* po = ln.pin_out;
   struct Out {
     void* dst;
     const void* src;
-    size_t bytes, pin_off;
-    bool staged;
+    size_t bytes;
+    Place how;
   } outs[3];
   int nout = 0;
-  outs[nout++] = {out, p.out, m * K * osz, 0, false};
-  if (topk_ids_out) outs[nout++] = {topk_ids_out, p.ids, P * 4, align_up(m * K * osz), false};
-  if (topk_w_out) outs[nout++] = {topk_w_out, p.w, P * 4, align_up(m * K * osz) + align_up(P * 4), false};
+  if (out_kind != Mem::kDevice) outs[nout++] = {out, p.out, m * K * osz, place(out_kind, m * K * osz)};
+  if (topk_ids_out) outs[nout++] = {topk_ids_out, p.ids, P * 4, place(mem_kind(topk_ids_out), P * 4)};
+  if (topk_w_out) outs[nout++] = {topk_w_out, p.w, P * 4, place(mem_kind(topk_w_out), P * 4)};
+  const uint8_t* ws_lo = ln.ws + L.ids;
+  const uint8_t* ws_hi = ln.ws + L.out_end;
+  size_t olo = SIZE_MAX, ohi = 0;  // staged workspace range, relative to ws_lo
   for (int i = 0; i < nout; ++i) {
     Out& o = outs[i];
-    o.staged = mem_kind(o.dst) == Mem::kPageable;
-    CK(cudaMemcpyAsync(o.staged ? po + o.pin_off : o.dst, o.src, o.bytes, cudaMemcpyDefault, st));
+    const uint8_t* src = static_cast<const uint8_t*>(o.src);
+    if (o.how == Place::kStaged && src >= ws_lo && src + o.bytes <= ws_hi) {
+      olo = std::min(olo, size_t(src - ws_lo));
+      ohi = std::max(ohi, size_t(src - ws_lo) + o.bytes);
+      continue;
+    }
+    // Not staged, or a routing input read in place: a copy of its own.
+    o.how = Place::kDirect;
+    CK(cudaMemcpyAsync(o.dst, o.src, o.bytes, cudaMemcpyDefault, st));
   }
-  tr.mark("enqueue");
-  CK(cudaStreamSynchronize(st));
-  tr.mark("sync");
+  if (ohi > 0) CK(cudaMemcpyAsync(po + olo, ws_lo + olo, ohi - olo, cudaMemcpyDeviceToHost, st));
+  CK(cudaEventRecord(ln.ev_done, st));
+  tr.mark("launch");
+  if (int rc = wait_event(ln.ev_done)) return rc;
+  tr.mark("wait");
   for (int i = 0; i < nout; ++i) {
-    if (outs[i].staged) std::memcpy(outs[i].dst, po + outs[i].pin_off, outs[i].bytes);
+    const Out& o = outs[i];
+    if (o.how == Place::kStaged)
+      std::memcpy(o.dst, po + (static_cast<const uint8_t*>(o.src) - ws_lo), o.bytes);
   }
   if (kernel_ms) {
     float ms = 0;
