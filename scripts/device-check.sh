@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 build="${EXPERTD_BUILD:-build}"  # the folder carried to the device
 out="${OUT:-$build/device-out}"
 mkdir -p "$out"
-export EXPERTD_CUDA_LIB="$PWD/$build/libexpertd_cuda.so" EXPERTD_CUDA_REQUIRE=1
+export EXPERTD_LIBRARY_PATH="$PWD/$build/libexpertd_cuda.so" EXPERTD_CUDA_REQUIRE=1
 summary="$out/summary.txt"
 : > "$summary"
 say() { echo "$*" | tee -a "$summary"; }

@@ -2,8 +2,10 @@ package cuda
 
 import (
 	"os"
+	"reflect"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -12,13 +14,7 @@ import (
 func TestHeaderMatchesGo(t *testing.T) {
 	// go test runs in the package directory; the device check runs the test
 	// binary from the repository root.
-	src, err := os.ReadFile("csrc/expertd_cuda.h")
-	if err != nil {
-		src, err = os.ReadFile("kernels/cuda/csrc/expertd_cuda.h")
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	src := readHeader(t)
 	goVals := map[string]int{
 		"EXPERTD_ABI_VERSION": abiVersion,
 
@@ -44,22 +40,15 @@ func TestHeaderMatchesGo(t *testing.T) {
 		"EXPERTD_GEMM_PORTABLE_F16": gemmPortableF16,
 		"EXPERTD_GEMM_SM90":         gemmSM90,
 
-		"EXPERTD_P_M":              pM,
-		"EXPERTD_P_HIDDEN_DTYPE":   pHiddenDType,
-		"EXPERTD_P_N_HIDDEN_SCALE": pNHiddenScale,
-		"EXPERTD_P_LOGITS_DTYPE":   pLogitsDType,
-		"EXPERTD_P_OUT_DTYPE":      pOutDType,
-		"EXPERTD_P_TOP_K":          pTopK,
-		"EXPERTD_P_RENORMALIZE":    pRenormalize,
-		"EXPERTD_P_SCORING":        pScoring,
-		"EXPERTD_P_NUM_GROUPS":     pNumGroups,
-		"EXPERTD_P_TOPK_GROUPS":    pTopKGroups,
-		"EXPERTD_P_GEMM":           pGEMM,
-		"EXPERTD_P_USE_GRAPH":      pUseGraph,
-		"EXPERTD_NUM_IPARAMS":      numIParams,
+		"EXPERTD_MEM_UNKNOWN":  memUnknown,
+		"EXPERTD_MEM_PAGEABLE": memPageable,
+		"EXPERTD_MEM_PINNED":   memPinned,
+		"EXPERTD_MEM_DEVICE":   memDevice,
 
-		"EXPERTD_F_SCALING_FACTOR": fScalingFactor,
-		"EXPERTD_NUM_FPARAMS":      numFParams,
+		"EXPERTD_CALL_BYTES":    callBytes,
+		"EXPERTD_BUF_BYTES":     bufBytes,
+		"EXPERTD_OPTIONS_BYTES": optionsBytes,
+		"EXPERTD_MAX_SPIN_US":   maxSpinUS,
 
 		"EXPERTD_MAX_EXPERTS":      maxExperts,
 		"EXPERTD_MAX_TOP_K":        maxTopK,
@@ -88,6 +77,99 @@ func TestHeaderMatchesGo(t *testing.T) {
 	}
 	if len(seen) < 30 {
 		t.Errorf("parsed only %d defines from the header; is the regexp stale?", len(seen))
+	}
+}
+
+func readHeader(t *testing.T) []byte {
+	t.Helper()
+	// go test runs in the package directory; the device check runs the test
+	// binary from the repository root.
+	src, err := os.ReadFile("csrc/expertd_cuda.h")
+	if err != nil {
+		src, err = os.ReadFile("kernels/cuda/csrc/expertd_cuda.h")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src
+}
+
+// cField is one field of a C struct of the header.
+type cField struct {
+	name          string
+	offset, bytes uintptr
+}
+
+// cStructLayout parses `typedef struct name { ... } name;` from the header
+// and lays it out as a C compiler does for the header's field types (each
+// aligned to its size; the struct to its largest field).
+func cStructLayout(t *testing.T, src []byte, name string) ([]cField, uintptr) {
+	t.Helper()
+	re := regexp.MustCompile(`(?s)typedef struct ` + name + ` \{(.*?)\} ` + name + `;`)
+	m := re.FindSubmatch(src)
+	if m == nil {
+		t.Fatalf("header has no typedef struct %s", name)
+	}
+	sizes := map[string]uintptr{"uint32_t": 4, "int32_t": 4, "float": 4, "uint64_t": 8, "void*": 8, "float*": 8,
+		"expertd_buf": bufBytes}
+	body := regexp.MustCompile(`(?s)/\*.*?\*/`).ReplaceAllString(string(m[1]), "")
+	field := regexp.MustCompile(`^\s*(\w+\s*\*?)\s*(\*?\w+);\s*$`)
+	var fields []cField
+	var off, align uintptr = 0, 1
+	for _, line := range strings.Split(body, "\n") {
+		if strings.TrimSpace(line) == "" {
+			continue
+		}
+		f := field.FindStringSubmatch(line)
+		if f == nil {
+			t.Fatalf("struct %s: cannot parse field line %q", name, line)
+		}
+		typ, fname := strings.ReplaceAll(f[1], " ", ""), f[2]
+		if strings.HasPrefix(fname, "*") {
+			typ, fname = typ+"*", fname[1:]
+		}
+		n, ok := sizes[typ]
+		if !ok {
+			t.Fatalf("struct %s: field %s has type %s, which this test does not size", name, fname, typ)
+		}
+		a := min(n, 8)
+		off = (off + a - 1) / a * a
+		fields = append(fields, cField{fname, off, n})
+		off += n
+		align = max(align, a)
+	}
+	return fields, (off + align - 1) / align * align
+}
+
+// TestStructsMatchGo checks the Go mirrors of the header's structs field by
+// field: same names (ignoring case and underscores), offsets and sizes.
+func TestStructsMatchGo(t *testing.T) {
+	src := readHeader(t)
+	norm := func(s string) string { return strings.ToLower(strings.ReplaceAll(s, "_", "")) }
+	for _, tc := range []struct {
+		c    string
+		goT  reflect.Type
+		size uintptr
+	}{
+		{"expertd_buf", reflect.TypeOf(cBuf{}), bufBytes},
+		{"expertd_call", reflect.TypeOf(cCall{}), callBytes},
+		{"expertd_options", reflect.TypeOf(cOptions{}), optionsBytes},
+	} {
+		fields, size := cStructLayout(t, src, tc.c)
+		if size != tc.size || tc.goT.Size() != tc.size {
+			t.Errorf("%s: C layout %d bytes, Go %d, header's define %d", tc.c, size, tc.goT.Size(), tc.size)
+		}
+		if len(fields) != tc.goT.NumField() {
+			t.Errorf("%s: %d fields in C, %d in Go", tc.c, len(fields), tc.goT.NumField())
+			continue
+		}
+		for i, f := range fields {
+			g := tc.goT.Field(i)
+			if norm(g.Name) != norm(f.name) || g.Offset != f.offset || g.Type.Size() != f.bytes {
+				t.Errorf("%s field %d: C %s at %d (%d bytes), Go %s at %d (%d bytes)", tc.c, i, f.name, f.offset, f.bytes,
+					g.Name, g.Offset, g.Type.Size())
+			}
+		}
 	}
 }
 
