@@ -363,14 +363,20 @@ func registerReflection(gs *grpc.Server, log *slog.Logger) {
 // serves (slowly) instead of crash-looping.
 func openBackend(cfg Config, log *slog.Logger) (kernels.Backend, error) {
 	kcfg := kernels.Config{LibraryPath: cfg.LibraryPath, Device: cfg.Device, Threads: cfg.Threads}
+	ccfg := kcfg
+	ccfg.Options = cfg.CUDA.Map()
 	if cfg.Backend != "auto" {
-		b, err := kernels.Open(cfg.Backend, kcfg)
+		open := kcfg
+		if cfg.Backend == "cuda" {
+			open = ccfg
+		}
+		b, err := kernels.Open(cfg.Backend, open)
 		if err != nil {
 			return nil, fmt.Errorf("backend %s: %w", cfg.Backend, err)
 		}
 		return b, nil
 	}
-	b, err := kernels.Open("cuda", kcfg)
+	b, err := kernels.Open("cuda", ccfg)
 	if err == nil {
 		return b, nil
 	}
