@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <vector>
 
-#include "moe_kernels.cuh"
 #include "moe_state.h"
 
 namespace expertd {
