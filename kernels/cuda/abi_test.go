@@ -4,6 +4,7 @@ import (
 	"os"
 	"reflect"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -185,6 +186,55 @@ func TestCodeNames(t *testing.T) {
 	} {
 		if got := codeName(tc.rc); got != tc.want {
 			t.Errorf("codeName(%d) = %q, want %q", tc.rc, got, tc.want)
+		}
+	}
+}
+
+// TestLibraryChecksStructs calls the built library (skipped where there is
+// none) with malformed structs: each is refused as invalid, naming what is
+// wrong, before any device is touched, so it runs without a GPU.
+func TestLibraryChecksStructs(t *testing.T) {
+	lib, err := openLibrary("")
+	if err != nil {
+		t.Skipf("no library: %v", err)
+	}
+	call := func(f func() int32) (int32, string) {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		rc := f()
+		return rc, lib.lastError()
+	}
+	good := func() *cCall { return &cCall{size: callBytes, version: abiVersion} }
+	short, old, badMem := good(), good(), good()
+	short.size = 16
+	old.version = abiVersion - 1
+	badMem.out.mem = 7
+	for _, tc := range []struct {
+		name string
+		c    *cCall
+		want string
+	}{
+		{"short", short, "call of 16 bytes"},
+		{"old version", old, "ABI " + strconv.Itoa(abiVersion-1)},
+		{"memory kind", badMem, "memory kind 7"},
+	} {
+		rc, msg := call(func() int32 { return lib.moe(1, tc.c) })
+		if rc != codeInvalid || !strings.Contains(msg, tc.want) {
+			t.Errorf("moe with a %s call: rc %s, %q; want ERR_INVALID naming %q", tc.name, codeName(rc), msg, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		o    cOptions
+		want string
+	}{
+		{"short", cOptions{size: 8, version: abiVersion, streams: 1}, "options of 8 bytes"},
+		{"no streams", cOptions{size: optionsBytes, version: abiVersion}, "0 streams"},
+		{"long spin", cOptions{size: optionsBytes, version: abiVersion, streams: 1, syncSpinUS: maxSpinUS + 1}, "sync_spin_us"},
+	} {
+		rc, msg := call(func() int32 { return lib.init(0, &tc.o) })
+		if rc != codeInvalid || !strings.Contains(msg, tc.want) {
+			t.Errorf("init with %s options: rc %s, %q; want ERR_INVALID naming %q", tc.name, codeName(rc), msg, tc.want)
 		}
 	}
 }
