@@ -316,7 +316,7 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
   const size_t src0 = size_t(tok) * K;
   if (p.hidden_dtype == 4) {
     const uint8_t* src = static_cast<const uint8_t*>(hidden) + src0;
-    // 16-byte copies when rows allow them: byte copies made this kernel
+    // 16-byte copies when rows allow them: byte copies make this kernel
     // issue-bound (one instruction per 32 bytes of a warp).
     if (K % 16 == 0 && aligned16(src) && aligned16(dst)) {
       for (int i = threadIdx.x; i < K / 16; i += blockDim.x) {
