@@ -49,8 +49,13 @@ struct Switches {
   std::atomic<int> sync_spin_us{0};
 };
 
-// switches is the process's one set of them (moe_state.cu).
-Switches& switches();
+// switches is the process's one set of them (an inline function's static:
+// one object however many files include this, the GEMM check tool's
+// included).
+inline Switches& switches() {
+  static Switches s;
+  return s;
+}
 
 // GemmEpilogue is what a GEMM does with its FP32 accumulators.
 enum class GemmEpilogue : int {

@@ -33,11 +33,6 @@ int cuda_fail(cudaError_t err, const char* what) {
   return fail(code, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
 }
 
-Switches& switches() {
-  static Switches s;
-  return s;
-}
-
 int set_options(const expertd_options* o) {
   expertd_options d;
   if (!o) {
