@@ -413,22 +413,28 @@ int parse_call(const Set& s, const expertd_call& k, Call* c) {
   return EXPERTD_OK;
 }
 
+// begin_call checks a call, finds its set and parses it against the set.
+int begin_call(uint64_t handle, const expertd_call* call, const char* op, std::shared_ptr<Set>* sp, Call* c) {
+  if (int rc = check_call(call, op)) return rc;
+  *sp = find_set(handle);
+  if (!*sp) return fail(EXPERTD_ERR_NOT_FOUND, "%s: unknown handle %llu", op, (unsigned long long)handle);
+  if (int rc = parse_call(**sp, *call, c)) return rc;
+  if (!call->hidden.data || !call->out.data) return fail(EXPERTD_ERR_INVALID, "%s: NULL hidden or out", op);
+  if (c->n_hidden_scale > 0 && !call->hidden_scale.data) return fail(EXPERTD_ERR_INVALID, "%s: NULL hidden_scale", op);
+  return EXPERTD_OK;
+}
+
 }  // namespace
 
 int run_host(uint64_t handle, const expertd_call* call) {
-  if (int rc = check_call(call, "moe")) return rc;
-  auto sp = find_set(handle);
-  if (!sp) return fail(EXPERTD_ERR_NOT_FOUND, "moe: unknown handle %llu", (unsigned long long)handle);
-  Set& s = *sp;
-  const expertd_call& k = *call;
   GraphKey key;
   std::memset(&key, 0, sizeof key);
   Call& c = key.call;
-  if (int rc = parse_call(s, k, &c)) return rc;
-  const void* hidden = k.hidden.data;
+  std::shared_ptr<Set> sp;
+  if (int rc = begin_call(handle, call, "moe", &sp, &c)) return rc;
+  Set& s = *sp;
+  const expertd_call& k = *call;
   void* out = k.out.data;
-  if (!hidden || !out) return fail(EXPERTD_ERR_INVALID, "moe: NULL hidden or out");
-  if (c.n_hidden_scale > 0 && !k.hidden_scale.data) return fail(EXPERTD_ERR_INVALID, "moe: NULL hidden_scale");
   float* kernel_ms = k.kernel_ms;
   CK(cudaSetDevice(s.device));
   HostTrace tr;
@@ -616,22 +622,18 @@ int run_host(uint64_t handle, const expertd_call* call) {
 }
 
 int run_device(uint64_t handle, const expertd_call* call) {
-  if (int rc = check_call(call, "moe_device")) return rc;
-  auto sp = find_set(handle);
-  if (!sp) return fail(EXPERTD_ERR_NOT_FOUND, "moe_device: unknown handle %llu", (unsigned long long)handle);
+  Call c;
+  std::shared_ptr<Set> sp;
+  if (int rc = begin_call(handle, call, "moe_device", &sp, &c)) return rc;
   Set& s = *sp;
   const expertd_call& k = *call;
   const bool have_topk = k.topk_ids_in.data && k.topk_weights_in.data;
-  Call c;
-  if (int rc = parse_call(s, k, &c)) return rc;
   const void* hidden = k.hidden.data;
   void* out = k.out.data;
   const auto* topk_ids_in = static_cast<const int32_t*>(k.topk_ids_in.data);
   const auto* topk_w_in = static_cast<const float*>(k.topk_weights_in.data);
   auto* topk_ids_out = static_cast<int32_t*>(k.topk_ids_out.data);
   auto* topk_w_out = static_cast<float*>(k.topk_weights_out.data);
-  if (!hidden || !out) return fail(EXPERTD_ERR_INVALID, "moe_device: NULL hidden or out");
-  if (c.n_hidden_scale > 0 && !k.hidden_scale.data) return fail(EXPERTD_ERR_INVALID, "moe_device: NULL hidden_scale");
   CK(cudaSetDevice(s.device));
   // Its own lane, apart from the host entry's: the caller orders these
   // calls (one stream at a time), and the work may be captured into the
