@@ -65,6 +65,9 @@ type Capabilities struct {
 	Devices []string
 	// MaxTokens is the largest M per call the backend accepts, 0 for no limit.
 	MaxTokens int
+	// Details are the backend's settings in force, by name, for
+	// GetServerInfo (the cuda backend reports its Options).
+	Details map[string]string
 }
 
 // Loaded is an expert set resident in a backend (host or device memory).
@@ -131,6 +134,9 @@ type Config struct {
 	Device int
 	// Threads bounds CPU parallelism; 0 means GOMAXPROCS.
 	Threads int
+	// Options are switches of the backend being opened, by name (the cuda
+	// backend's are cuda.OptionKeys, and it refuses others).
+	Options map[string]string
 }
 
 var (

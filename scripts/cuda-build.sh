@@ -37,10 +37,12 @@ gencode=(-gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_
 flags=(-O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -Xptxas -v
        --expt-relaxed-constexpr -I"$src")
 
-srcs=(moe.cu gemm_portable.cu)
+# Every .cu in the source folder is part of the library; gemm_sm90.cu's
+# presence turns on the Hopper path in the others.
+srcs=()
+for f in "$src"/*.cu; do srcs+=("$(basename "$f")"); done
 if [[ -f "$src/gemm_sm90.cu" ]]; then
   flags+=(-DEXPERTD_HAVE_SM90)
-  srcs+=(gemm_sm90.cu)
 fi
 
 : > "$out/ptxas.txt"
@@ -70,6 +72,13 @@ g++ -shared -o "$out/libexpertd_cuda.so" "${objs[@]}" "$cudart" \
 echo "cuda-build: $out/libexpertd_cuda.so ($(du -h "$out/libexpertd_cuda.so" | cut -f1)), $(grep -c 'spill' "$out/ptxas.txt" || true) ptxas reports in build/ptxas.txt"
 if grep -E '[1-9][0-9]* bytes spill' "$out/ptxas.txt" >/dev/null; then
   echo "cuda-build: warning: some kernels spill registers (see build/ptxas.txt)" >&2
+fi
+
+# The host-path timer (kernels/cuda/csrc/tools/host_path.cc): plain C++
+# that loads the library with dlopen, so it times libraries of either ABI.
+if [[ -f "$src/tools/host_path.cc" ]]; then
+  g++ -O2 -std=c++17 -Wall -Wextra -I"$src" -o "$out/host_path" "$src/tools/host_path.cc" -ldl
+  echo "cuda-build: $out/host_path"
 fi
 
 # The Hopper GEMM's own check-and-time tool (kernels/cuda/csrc/tools), linked

@@ -154,6 +154,7 @@ func (b *fakeBackend) Capabilities() kernels.Capabilities {
 		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2},
 		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert},
 		Devices:       []string{"fake device"},
+		Details:       map[string]string{"streams": "2"},
 	}
 }
 func (b *fakeBackend) Load(_ context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {

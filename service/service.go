@@ -441,6 +441,7 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 		Name:      s.backend.Name(),
 		Devices:   caps.Devices,
 		MaxTokens: int32(caps.MaxTokens),
+		Details:   caps.Details,
 	}
 	for _, a := range caps.Activations {
 		bi.Activations = append(bi.Activations, wireActivation(a))

@@ -30,6 +30,7 @@ func TestGetServerInfo(t *testing.T) {
 			Activations:   []pb.Activation{pb.Activation_ACTIVATION_SILU_GATED, pb.Activation_ACTIVATION_RELU2},
 			Granularities: []string{"per-tensor", "per-expert"},
 			Devices:       []string{"fake device"},
+			Details:       map[string]string{"streams": "2"},
 		}},
 		Devices: []string{"fake device"},
 		Limits:  &pb.ServerInfo_Limits{MaxMessageBytes: 1 << 26, MaxTokens: 8192, MaxLoadedBytes: 1 << 30, MaxConcurrent: 3},

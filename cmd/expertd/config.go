@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/expertd/expertd/kernels/cuda"
 	"github.com/expertd/expertd/service"
 )
 
@@ -33,6 +34,12 @@ type Config struct {
 	LibraryPath string
 	// Device is the GPU ordinal (-device, EXPERTD_DEVICE).
 	Device int
+	// CUDA are the cuda backend's switches, each a flag and a variable:
+	// -cuda-gemm, -cuda-streams, -cuda-pdl, -cuda-sm90-block,
+	// -cuda-sm90-grid, -cuda-sm90-toka, -cuda-sync-spin, -cuda-host-trace
+	// (EXPERTD_CUDA_GEMM, ...). They reach the backend as
+	// kernels.Config.Options and GetServerInfo reports them.
+	CUDA cuda.Options
 	// Threads bounds CPU backend goroutines per call, 0 for GOMAXPROCS
 	// (-threads, EXPERTD_THREADS).
 	Threads int
@@ -276,8 +283,8 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	fs.IntVar(&c.ShardIndex, "shard-index", c.ShardIndex, "shard of a sharded -manifest to load; -1 takes the ordinal at the end of the host name (a StatefulSet pod's expertd-2 is 2) ($EXPERTD_SHARD_INDEX)")
 	fs.BoolVar(&c.ShowVersion, "version", false, "print the version and exit")
 	fs.StringVar(&c.Probe, "probe", "", "GET this URL (e.g. http://127.0.0.1:9090/livez), exit 0 on 200 and 1 otherwise, instead of serving")
-	boolean := func(p *bool, name, help string) {
-		env, def := envName(name), false
+	booleanDef := func(p *bool, name string, def bool, help string) {
+		env := envName(name)
 		if v := getenv(env); v != "" {
 			b, err := strconv.ParseBool(v)
 			if err != nil {
@@ -287,6 +294,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 		}
 		fs.BoolVar(p, name, def, help+" ($"+env+")")
 	}
+	boolean := func(p *bool, name, help string) { booleanDef(p, name, false, help) }
 	boolean(&c.SharedMemory, "shared-memory", "serve RegisterSharedMemory: callers on this host may pass tensors and receive outputs in POSIX shared memory (/dev/shm) or, with the cuda backend, in GPU memory shared through CUDA IPC")
 	boolean(&c.Ring, "ring", "serve AttachRing: shared-memory callers may post FusedMoE calls through a call ring in a POSIX region (docs/ring.md), each ring polled by one thread; needs -shared-memory")
 	integer(&c.RingMaxPerConn, "ring-max-per-conn", service.DefaultRingMaxPerConn, "call rings one connection may attach")
@@ -317,6 +325,15 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	duration(&c.KeepaliveTimeout, "keepalive-timeout", defaultKeepaliveTimeout, "close a connection whose ping is not answered within this")
 	duration(&c.MaxConnectionAge, "max-connection-age", defaultMaxConnectionAge, "send GOAWAY to a connection this old (±10% jitter) so clients rebalance over replicas; 0 never ages connections; with -shared-memory the default is 0")
 	duration(&c.MaxConnectionAgeGrace, "max-connection-age-grace", defaultMaxConnectionGrace, "how long calls in flight on an aged connection have to finish; 0 waits for them without limit")
+	cudaDef := cuda.DefaultOptions()
+	str(&c.CUDA.GEMM, "cuda-gemm", cudaDef.GEMM, "cuda backend: GEMM path of every call: auto (the Hopper wgmma kernels where the card and shape allow, else portable), portable, portable-f16 or sm90")
+	integer(&c.CUDA.Streams, "cuda-streams", cudaDef.Streams, "cuda backend: calls on one expert set that run at once, each with its own stream and workspace (1-16)")
+	booleanDef(&c.CUDA.PDL, "cuda-pdl", cudaDef.PDL, "cuda backend: launch a call's kernels with programmatic dependent launch (sm_90+)")
+	booleanDef(&c.CUDA.SM90Block, "cuda-sm90-block", cudaDef.SM90Block, "cuda backend: run block-scaled sets on the Hopper kernels under -cuda-gemm auto")
+	str(&c.CUDA.SM90Grid, "cuda-sm90-grid", cudaDef.SM90Grid, "cuda backend: Hopper GEMM grid: persistent (as many CTAs as fit) or full (one per tile)")
+	booleanDef(&c.CUDA.SM90TokA, "cuda-sm90-toka", cudaDef.SM90TokA, "cuda backend: put tokens on wgmma's M side for block-scaled 128-token tiles")
+	duration(&c.CUDA.SyncSpin, "cuda-sync-spin", cudaDef.SyncSpin, "cuda backend: how long a call polls for its completion (one core busy) before it blocks; 0 blocks at once (at most 10ms)")
+	booleanDef(&c.CUDA.HostTrace, "cuda-host-trace", cudaDef.HostTrace, "cuda backend: print each call's host-side stage times to stderr (never tensor contents)")
 
 	if err := errors.Join(envErrs...); err != nil {
 		return c, err
@@ -385,6 +402,9 @@ func parseBytes(s string) (int64, error) {
 // validate checks ranges and enumerations.
 func (c Config) validate() error {
 	var errs []error
+	if _, err := cuda.ParseOptions(c.CUDA.Map()); err != nil {
+		errs = append(errs, fmt.Errorf("%w (option x is -cuda-x, $EXPERTD_CUDA_X)", err))
+	}
 	switch c.Backend {
 	case "auto", "cpu", "cuda":
 	default:

@@ -8,6 +8,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/expertd/expertd/kernels/cuda"
 	"github.com/expertd/expertd/service"
 )
 
@@ -23,6 +24,7 @@ func defaults() Config {
 		RingMaxSlotBytes: service.DefaultRingMaxSlotBytes,
 		MaxShmRegions:    service.DefaultMaxShmRegions, MaxShmBytes: service.DefaultMaxShmBytes,
 		IdleFreeMemory: 30 * time.Second,
+		CUDA:           cuda.DefaultOptions(),
 	}
 }
 
@@ -51,6 +53,16 @@ func TestParseConfig(t *testing.T) {
 		{"flag beats env", []string{"-max-tokens", "32"}, map[string]string{"EXPERTD_MAX_TOKENS": "64"},
 			func(c *Config) { c.MaxTokens, c.MaxMessageBytes = 32, messageBytesFor(32) }},
 		{"queue flag", []string{"-max-queued", "12"}, nil, func(c *Config) { c.MaxQueued = 12 }},
+		{"cuda flags", []string{"-cuda-gemm", "portable", "-cuda-streams", "4", "-cuda-pdl=false", "-cuda-sm90-block=false",
+			"-cuda-sm90-grid", "full", "-cuda-sm90-toka=false", "-cuda-sync-spin", "50us", "-cuda-host-trace"}, nil,
+			func(c *Config) {
+				c.CUDA = cuda.Options{GEMM: "portable", Streams: 4, SM90Grid: "full", SyncSpin: 50 * time.Microsecond, HostTrace: true}
+			}},
+		{"cuda env", nil, map[string]string{"EXPERTD_CUDA_GEMM": "sm90", "EXPERTD_CUDA_STREAMS": "1", "EXPERTD_CUDA_PDL": "0",
+			"EXPERTD_CUDA_SYNC_SPIN": "20us", "EXPERTD_CUDA_HOST_TRACE": "1"},
+			func(c *Config) {
+				c.CUDA.GEMM, c.CUDA.Streams, c.CUDA.PDL, c.CUDA.SyncSpin, c.CUDA.HostTrace = "sm90", 1, false, 20*time.Microsecond, true
+			}},
 		{"queue env", nil, map[string]string{"EXPERTD_MAX_QUEUED": "3"}, func(c *Config) { c.MaxQueued = 3 }},
 		{"shared memory flag", []string{"-shared-memory"}, nil, func(c *Config) { c.SharedMemory, c.MaxConnectionAge = true, 0 }},
 		{"shared memory env", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "true"}, func(c *Config) { c.SharedMemory, c.MaxConnectionAge = true, 0 }},
@@ -115,6 +127,11 @@ func TestParseConfigErrors(t *testing.T) {
 		wantErr string
 	}{
 		{"bad backend", []string{"-backend", "tpu"}, nil, `-backend "tpu": want auto, cpu or cuda`},
+		{"bad cuda gemm", []string{"-cuda-gemm", "fastest"}, nil, `option gemm="fastest": want auto, portable, portable-f16 or sm90`},
+		{"bad cuda streams", nil, map[string]string{"EXPERTD_CUDA_STREAMS": "17"}, "option streams=\"17\": want 1..16"},
+		{"cuda spin too long", []string{"-cuda-sync-spin", "1s"}, nil, "option sync-spin"},
+		{"bad cuda grid", []string{"-cuda-sm90-grid", "half"}, nil, "option sm90-grid"},
+		{"bad cuda env bool", nil, map[string]string{"EXPERTD_CUDA_PDL": "off"}, `$EXPERTD_CUDA_PDL: "off" is not true or false`},
 		{"bad number", []string{"-max-tokens", "many"}, nil, `"many" is not a whole number`},
 		{"bad env number", nil, map[string]string{"EXPERTD_MAX_LOADED_BYTES": "1XB"}, "$EXPERTD_MAX_LOADED_BYTES"},
 		{"bad env bool", nil, map[string]string{"EXPERTD_SHARED_MEMORY": "yes"}, `$EXPERTD_SHARED_MEMORY: "yes" is not true or false`},

@@ -219,8 +219,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	defer stopReclaim()
 	go reclaimIdle(reclaimCtx, cfg.IdleFreeMemory, svc.Activity, log)
 	log.Info("expertd serving", slog.String("grpc", addrs.grpc), slog.String("admin", addrs.admin),
-		slog.String("backend", backend.Name()), slog.String("version", version()),
-		slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
+		slog.String("backend", backend.Name()), slog.Any("backend_details", backend.Capabilities().Details),
+		slog.String("version", version()), slog.Int("max_tokens", cfg.MaxTokens), slog.Int64("max_message_bytes", cfg.MaxMessageBytes),
 		slog.Int64("max_loaded_bytes", cfg.MaxLoadedBytes), slog.Int("max_concurrent", cfg.MaxConcurrent), slog.Int("max_queued", cfg.MaxQueued),
 		slog.Duration("batch_window", cfg.BatchWindow), slog.Int("batch_max_tokens", cfg.BatchMaxTokens),
 		slog.String("weights_dir", cfg.WeightsDir), slog.Bool("shared_memory", cfg.SharedMemory),
@@ -363,14 +363,20 @@ func registerReflection(gs *grpc.Server, log *slog.Logger) {
 // serves (slowly) instead of crash-looping.
 func openBackend(cfg Config, log *slog.Logger) (kernels.Backend, error) {
 	kcfg := kernels.Config{LibraryPath: cfg.LibraryPath, Device: cfg.Device, Threads: cfg.Threads}
+	ccfg := kcfg
+	ccfg.Options = cfg.CUDA.Map()
 	if cfg.Backend != "auto" {
-		b, err := kernels.Open(cfg.Backend, kcfg)
+		open := kcfg
+		if cfg.Backend == "cuda" {
+			open = ccfg
+		}
+		b, err := kernels.Open(cfg.Backend, open)
 		if err != nil {
 			return nil, fmt.Errorf("backend %s: %w", cfg.Backend, err)
 		}
 		return b, nil
 	}
-	b, err := kernels.Open("cuda", kcfg)
+	b, err := kernels.Open("cuda", ccfg)
 	if err == nil {
 		return b, nil
 	}

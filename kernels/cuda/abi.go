@@ -4,7 +4,7 @@ package cuda
 // parses the header and checks that every #define there has this value, so
 // the two cannot drift apart silently.
 const (
-	abiVersion = 3
+	abiVersion = 4
 
 	codeOK          = 0
 	codeInvalid     = 1
@@ -29,22 +29,15 @@ const (
 	gemmPortableF16 = 2
 	gemmSM90        = 3
 
-	pM            = 0
-	pHiddenDType  = 1
-	pNHiddenScale = 2
-	pLogitsDType  = 3
-	pOutDType     = 4
-	pTopK         = 5
-	pRenormalize  = 6
-	pScoring      = 7
-	pNumGroups    = 8
-	pTopKGroups   = 9
-	pGEMM         = 10
-	pUseGraph     = 11
-	numIParams    = 12
+	memUnknown  = 0
+	memPageable = 1
+	memPinned   = 2
+	memDevice   = 3
 
-	fScalingFactor = 0
-	numFParams     = 1
+	callBytes    = 208
+	bufBytes     = 16
+	optionsBytes = 40
+	maxSpinUS    = 10000
 
 	maxExperts = 1024
 	maxTopK    = 32
@@ -52,6 +45,54 @@ const (
 
 	ipcHandleBytes = 64
 )
+
+// cBuf mirrors struct expertd_buf: one tensor of a call.
+type cBuf struct {
+	data  uintptr
+	dtype int32
+	mem   int32
+}
+
+// cCall mirrors struct expertd_call (abi_test.go checks the layout).
+type cCall struct {
+	size                uint32
+	version             uint32
+	m                   int32
+	topK                int32
+	renormalize         int32
+	scoring             int32
+	numGroups           int32
+	topKGroups          int32
+	gemm                int32
+	useGraph            int32
+	routedScalingFactor float32
+	nHiddenScale        int32
+	hidden              cBuf
+	hiddenScale         cBuf
+	logits              cBuf
+	correctionBias      cBuf
+	topKIDsIn           cBuf
+	topKWeightsIn       cBuf
+	out                 cBuf
+	topKIDsOut          cBuf
+	topKWeightsOut      cBuf
+	kernelMS            uintptr
+	stream              uint64
+}
+
+// cOptions mirrors struct expertd_options (abi_test.go checks the layout).
+type cOptions struct {
+	size           uint32
+	version        uint32
+	streams        int32
+	pdl            int32
+	sm90Block      int32
+	sm90Persistent int32
+	sm90TokA       int32
+	poison         int32
+	hostTrace      int32
+	syncSpinUS     int32
+}
 
 // codeName is the header's name for a return code, for error messages.
 func codeName(rc int32) string {

@@ -13,9 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"os"
 	"runtime"
-	"strconv"
 	"strings"
 	"sync"
 	"unsafe"
@@ -39,7 +37,8 @@ type Backend struct {
 	lib    *library
 	device int
 	info   string
-	// gemm is the EXPERTD_GEMM_* path every call asks for ($EXPERTD_CUDA_GEMM).
+	opts   Options
+	// gemm is the EXPERTD_GEMM_* path every call asks for (opts.GEMM).
 	gemm int64
 
 	mu     sync.Mutex
@@ -47,37 +46,10 @@ type Backend struct {
 	live   map[*loaded]struct{} // sets to free on Close
 }
 
-// gemmPaths maps $EXPERTD_CUDA_GEMM values to the ABI's path choice.
-var gemmPaths = map[string]int64{
-	"": gemmAuto, "auto": gemmAuto, "portable": gemmPortable, "portable-f16": gemmPortableF16, "sm90": gemmSM90,
-}
-
-// DefaultStreams is how many calls on one expert set run at once unless
-// $EXPERTD_CUDA_STREAMS says otherwise: two let one call's host copies
-// overlap the other's kernels.
-const DefaultStreams = 2
-
-// streams parses $EXPERTD_CUDA_STREAMS.
-func streams() (int, error) {
-	v := os.Getenv("EXPERTD_CUDA_STREAMS")
-	if v == "" {
-		return DefaultStreams, nil
-	}
-	n, err := strconv.Atoi(v)
-	if err != nil || n < 1 || n > maxStreams {
-		return 0, fmt.Errorf("cuda: EXPERTD_CUDA_STREAMS=%q: want 1..%d", v, maxStreams)
-	}
-	return n, nil
-}
-
 // New opens the library named by cfg.LibraryPath (or found by the default
 // search, see findLibrary) on GPU cfg.Device and self-tests it.
 func New(cfg kernels.Config) (*Backend, error) {
-	gemm, ok := gemmPaths[os.Getenv("EXPERTD_CUDA_GEMM")]
-	if !ok {
-		return nil, fmt.Errorf("cuda: EXPERTD_CUDA_GEMM=%q: want auto, portable, portable-f16 or sm90", os.Getenv("EXPERTD_CUDA_GEMM"))
-	}
-	nstreams, err := streams()
+	opts, err := ParseOptions(cfg.Options)
 	if err != nil {
 		return nil, err
 	}
@@ -85,10 +57,10 @@ func New(cfg kernels.Config) (*Backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &Backend{lib: lib, device: cfg.Device, gemm: gemm, live: map[*loaded]struct{}{}}
+	b := &Backend{lib: lib, device: cfg.Device, opts: opts, gemm: gemmPaths[opts.GEMM], live: map[*loaded]struct{}{}}
 	buf := make([]byte, 256)
 	err = b.call("init", func() int32 {
-		if rc := lib.init(int32(cfg.Device), int32(nstreams)); rc != codeOK {
+		if rc := lib.init(int32(cfg.Device), opts.c()); rc != codeOK {
 			return rc
 		}
 		return lib.deviceInfo(int32(cfg.Device), &buf[0], int32(len(buf)))
@@ -134,6 +106,7 @@ func (b *Backend) Capabilities() kernels.Capabilities {
 		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2},
 		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block},
 		Devices:       []string{b.info},
+		Details:       b.opts.Map(),
 	}
 }
 
@@ -342,6 +315,116 @@ func addr(t kernels.Tensor) uintptr {
 
 func setOf(l kernels.Loaded) *kernels.ExpertSet { return l.Set() }
 
+// dtypeCode is the ABI's code for a tensor element type the library takes
+// in that place, or 0.
+func dtypeCode(dt kernels.DType, allowed ...kernels.DType) int32 {
+	for _, a := range allowed {
+		if dt != a {
+			continue
+		}
+		switch dt {
+		case kernels.Float32:
+			return dtypeFloat32
+		case kernels.BFloat16:
+			return dtypeBFloat16
+		case kernels.Float8E4M3FN:
+			return dtypeFloat8
+		}
+	}
+	return 0
+}
+
+// tensorBuf describes a request tensor to the library: device tensors say
+// so; host bytes may be Go memory or a page-locked shared-memory mapping,
+// which only the driver can tell apart.
+func tensorBuf(t kernels.Tensor, dtype int32) cBuf {
+	if t.Dev != 0 {
+		return cBuf{data: t.Dev, dtype: dtype, mem: memDevice}
+	}
+	return cBuf{data: addr(t), dtype: dtype, mem: memUnknown}
+}
+
+// goBuf describes a Go slice's bytes (pageable host memory), or an absent
+// buffer for an empty slice.
+func goBuf[T any](s []T) cBuf {
+	if len(s) == 0 {
+		return cBuf{}
+	}
+	return cBuf{data: uintptr(unsafe.Pointer(&s[0])), mem: memPageable}
+}
+
+// packCall checks req against the set and describes it, with out as the
+// host output (unless req.OutDev is set), as the library's expertd_call.
+// The routing results come back in the returned slices, the kernel time in
+// *ms.
+func packCall(meta *kernels.ExpertSet, req *kernels.Request, out []byte, gemm int64, graph bool, ms *float32) (*cCall, []int32, []float32, error) {
+	m, topK := req.M(), req.Routing.TopK
+	if topK < 1 || topK > maxTopK || topK > meta.E {
+		return nil, nil, nil, fmt.Errorf("cuda: top_k %d with %d experts (max %d): %w", topK, meta.E, maxTopK, kernels.ErrUnsupported)
+	}
+	c := &cCall{size: callBytes, version: abiVersion, m: int32(m), topK: int32(topK), gemm: int32(gemm)}
+	hd := dtypeCode(req.Hidden.DType, kernels.Float32, kernels.BFloat16, kernels.Float8E4M3FN)
+	if hd == 0 {
+		return nil, nil, nil, fmt.Errorf("cuda: hidden dtype %v: %w", req.Hidden.DType, kernels.ErrUnsupported)
+	}
+	if hd == dtypeFloat8 {
+		n, bk := len(req.HiddenScale), meta.Block[1]
+		if n > 1 && n != m && (bk == 0 || n != m*((meta.K+bk-1)/bk)) {
+			return nil, nil, nil, fmt.Errorf("cuda: %d hidden scales for M=%d, K=%d, block %v", n, m, meta.K, meta.Block)
+		}
+		c.nHiddenScale = int32(n)
+		c.hiddenScale = goBuf(req.HiddenScale)
+	}
+	od := dtypeCode(req.OutDType, kernels.Float32, kernels.BFloat16)
+	if od == 0 {
+		return nil, nil, nil, fmt.Errorf("cuda: output dtype %v: %w", req.OutDType, kernels.ErrUnsupported)
+	}
+	r := req.Routing
+	if r.Renormalize {
+		c.renormalize = 1
+	}
+	c.scoring = scoringSoftmax
+	if r.Scoring == kernels.Sigmoid {
+		c.scoring = scoringSigmoid
+	}
+	c.numGroups, c.topKGroups = int32(r.NumGroups), int32(r.TopKGroups)
+	c.routedScalingFactor = r.ScalingFactor
+	if graph {
+		c.useGraph = 1
+	}
+	if req.TopKIDs != nil {
+		if len(req.TopKIDs) != m*topK || len(req.TopKWeights) != m*topK {
+			return nil, nil, nil, fmt.Errorf("cuda: topk ids/weights have %d/%d values, want %d", len(req.TopKIDs), len(req.TopKWeights), m*topK)
+		}
+		c.topKIDsIn, c.topKWeightsIn = goBuf(req.TopKIDs), goBuf(req.TopKWeights)
+	} else {
+		ld := dtypeCode(req.Logits.DType, kernels.Float32, kernels.BFloat16)
+		if ld == 0 {
+			return nil, nil, nil, fmt.Errorf("cuda: logits dtype %v: %w", req.Logits.DType, kernels.ErrUnsupported)
+		}
+		if req.Logits.Dev == 0 && len(req.Logits.Data) != m*meta.E*req.Logits.DType.Size() {
+			return nil, nil, nil, fmt.Errorf("cuda: logits have %d bytes, want %d", len(req.Logits.Data), m*meta.E*req.Logits.DType.Size())
+		}
+		c.logits = tensorBuf(req.Logits, ld)
+		c.correctionBias = goBuf(r.CorrectionBias)
+	}
+	if (req.Hidden.Dev == 0 && len(req.Hidden.Data) != m*meta.K*req.Hidden.DType.Size()) ||
+		(req.OutDev == 0 && len(out) != m*meta.K*req.OutDType.Size()) {
+		return nil, nil, nil, fmt.Errorf("cuda: hidden/output sizes %d/%d do not match M=%d K=%d", len(req.Hidden.Data), len(out), m, meta.K)
+	}
+	c.hidden = tensorBuf(req.Hidden, hd)
+	if req.OutDev != 0 {
+		c.out = cBuf{data: req.OutDev, dtype: od, mem: memDevice}
+	} else {
+		c.out = tensorBuf(kernels.Tensor{Data: out}, od)
+	}
+	ids := make([]int32, m*topK)
+	w := make([]float32, m*topK)
+	c.topKIDsOut, c.topKWeightsOut = goBuf(ids), goBuf(w)
+	c.kernelMS = uintptr(unsafe.Pointer(ms))
+	return c, ids, w, nil
+}
+
 // run is FusedMoE with the output buffer, GEMM path and graph use chosen by
 // the caller (tests poison out and compare paths).
 func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Request, out []byte, gemm int64, graph bool) (*kernels.Result, error) {
@@ -352,96 +435,14 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	meta := l.meta
-	m, topK := req.M(), req.Routing.TopK
-	if topK < 1 || topK > maxTopK || topK > meta.E {
-		return nil, fmt.Errorf("cuda: top_k %d with %d experts (max %d): %w", topK, meta.E, maxTopK, kernels.ErrUnsupported)
+	var ms float32
+	c, ids, w, err := packCall(l.meta, req, out, gemm, graph, &ms)
+	if err != nil {
+		return nil, err
 	}
-	ip := make([]int64, numIParams)
-	ip[pM] = int64(m)
-	switch req.Hidden.DType {
-	case kernels.Float32:
-		ip[pHiddenDType] = dtypeFloat32
-	case kernels.BFloat16:
-		ip[pHiddenDType] = dtypeBFloat16
-	case kernels.Float8E4M3FN:
-		ip[pHiddenDType] = dtypeFloat8
-		n, bk := len(req.HiddenScale), meta.Block[1]
-		if n > 1 && n != m && (bk == 0 || n != m*((meta.K+bk-1)/bk)) {
-			return nil, fmt.Errorf("cuda: %d hidden scales for M=%d, K=%d, block %v", n, m, meta.K, meta.Block)
-		}
-		ip[pNHiddenScale] = int64(len(req.HiddenScale))
-	default:
-		return nil, fmt.Errorf("cuda: hidden dtype %v: %w", req.Hidden.DType, kernels.ErrUnsupported)
-	}
-	switch req.OutDType {
-	case kernels.Float32:
-		ip[pOutDType] = dtypeFloat32
-	case kernels.BFloat16:
-		ip[pOutDType] = dtypeBFloat16
-	default:
-		return nil, fmt.Errorf("cuda: output dtype %v: %w", req.OutDType, kernels.ErrUnsupported)
-	}
-	r := req.Routing
-	ip[pTopK] = int64(topK)
-	if r.Renormalize {
-		ip[pRenormalize] = 1
-	}
-	ip[pScoring] = scoringSoftmax
-	if r.Scoring == kernels.Sigmoid {
-		ip[pScoring] = scoringSigmoid
-	}
-	ip[pNumGroups] = int64(r.NumGroups)
-	ip[pTopKGroups] = int64(r.TopKGroups)
-	ip[pGEMM] = gemm
-	if graph {
-		ip[pUseGraph] = 1
-	}
-	fp := []float32{r.ScalingFactor}
-
-	var logits uintptr
-	var bias *float32
-	var idsIn *int32
-	var wIn *float32
-	if req.TopKIDs != nil {
-		if len(req.TopKIDs) != m*topK || len(req.TopKWeights) != m*topK {
-			return nil, fmt.Errorf("cuda: topk ids/weights have %d/%d values, want %d", len(req.TopKIDs), len(req.TopKWeights), m*topK)
-		}
-		idsIn, wIn = &req.TopKIDs[0], &req.TopKWeights[0]
-	} else {
-		switch req.Logits.DType {
-		case kernels.Float32:
-			ip[pLogitsDType] = dtypeFloat32
-		case kernels.BFloat16:
-			ip[pLogitsDType] = dtypeBFloat16
-		default:
-			return nil, fmt.Errorf("cuda: logits dtype %v: %w", req.Logits.DType, kernels.ErrUnsupported)
-		}
-		if req.Logits.Dev == 0 && len(req.Logits.Data) != m*meta.E*req.Logits.DType.Size() {
-			return nil, fmt.Errorf("cuda: logits have %d bytes, want %d", len(req.Logits.Data), m*meta.E*req.Logits.DType.Size())
-		}
-		logits = addr(req.Logits)
-		if r.CorrectionBias != nil {
-			bias = &r.CorrectionBias[0]
-		}
-	}
-	var hs *float32
-	if len(req.HiddenScale) > 0 && req.Hidden.DType == kernels.Float8E4M3FN {
-		hs = &req.HiddenScale[0]
-	}
-	if (req.Hidden.Dev == 0 && len(req.Hidden.Data) != m*meta.K*req.Hidden.DType.Size()) ||
-		(req.OutDev == 0 && len(out) != m*meta.K*req.OutDType.Size()) {
-		return nil, fmt.Errorf("cuda: hidden/output sizes %d/%d do not match M=%d K=%d", len(req.Hidden.Data), len(out), m, meta.K)
-	}
-	outAddr := req.OutDev
-	if outAddr == 0 {
-		outAddr = uintptr(unsafe.Pointer(&out[0]))
-	} else {
+	if req.OutDev != 0 {
 		out = nil
 	}
-	ids := make([]int32, m*topK)
-	w := make([]float32, m*topK)
-	var ms float32
 
 	l.mu.RLock()
 	defer l.mu.RUnlock()
@@ -449,12 +450,11 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 		return nil, errors.New("cuda: expert set is closed")
 	}
 	h := l.handle
-	err := b.call("moe", func() int32 {
-		return b.lib.moe(h, &ip[0], int32(len(ip)), &fp[0], int32(len(fp)), addr(req.Hidden), hs,
-			logits, bias, idsIn, wIn, outAddr, &ids[0], &w[0], &ms)
-	})
+	err = b.call("moe", func() int32 { return b.lib.moe(h, c) })
 	runtime.KeepAlive(req)
 	runtime.KeepAlive(out)
+	runtime.KeepAlive(ids)
+	runtime.KeepAlive(w)
 	if err != nil {
 		return nil, err
 	}

@@ -33,7 +33,7 @@ var (
 
 func gpuBackend(t *testing.T) *Backend {
 	t.Helper()
-	testOnce.Do(func() { testBackend, testErr = New(kernels.Config{}) })
+	testOnce.Do(func() { testBackend, testErr = New(kernels.Config{Options: envOptions()}) })
 	if testErr != nil {
 		if os.Getenv("EXPERTD_CUDA_REQUIRE") == "1" {
 			t.Fatalf("cuda backend: %v", testErr)
@@ -53,10 +53,51 @@ func TestOpenWithoutLibraryIsAnError(t *testing.T) {
 	}
 }
 
-func TestOpenRejectsBadGEMMEnv(t *testing.T) {
-	t.Setenv("EXPERTD_CUDA_GEMM", "fastest")
-	if _, err := New(kernels.Config{}); err == nil || !strings.Contains(err.Error(), "EXPERTD_CUDA_GEMM") {
-		t.Errorf("New with EXPERTD_CUDA_GEMM=fastest: %v, want an error naming the variable", err)
+// envOptions are the test binary's backend options: each OptionKeys entry
+// from its daemon variable (gemm from EXPERTD_CUDA_GEMM, poison from
+// EXPERTD_CUDA_POISON, ...), as scripts/device-check.sh sets them.
+func envOptions() map[string]string {
+	kv := map[string]string{}
+	for _, k := range OptionKeys {
+		if v := os.Getenv("EXPERTD_CUDA_" + strings.ToUpper(strings.ReplaceAll(k, "-", "_"))); v != "" {
+			kv[k] = v
+		}
+	}
+	return kv
+}
+
+func TestOpenRejectsBadOptions(t *testing.T) {
+	for _, tc := range []struct {
+		kv   map[string]string
+		want string
+	}{
+		{map[string]string{"gemm": "fastest"}, "gemm"},
+		{map[string]string{"streams": "0"}, "streams"},
+		{map[string]string{"streams": "x"}, "streams"},
+		{map[string]string{"sync-spin": "1s"}, "sync-spin"},
+		{map[string]string{"sm90-grid": "half"}, "sm90-grid"},
+		{map[string]string{"pdl": "maybe"}, "pdl"},
+		{map[string]string{"warp-speed": "1"}, "unknown option"},
+	} {
+		if _, err := New(kernels.Config{Options: tc.kv}); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("New with %v: %v, want an error naming %q", tc.kv, err, tc.want)
+		}
+	}
+}
+
+func TestOptionsRoundTrip(t *testing.T) {
+	o := DefaultOptions()
+	o.GEMM, o.Streams, o.PDL, o.SM90Grid, o.SyncSpin, o.HostTrace = "sm90", 3, false, "full", 50*time.Microsecond, true
+	got, err := ParseOptions(o.Map())
+	if err != nil || got != o {
+		t.Errorf("ParseOptions(%v) = %+v, %v; want %+v", o.Map(), got, err, o)
+	}
+	if len(o.Map()) != len(OptionKeys) {
+		t.Errorf("Map has %d keys, OptionKeys %d", len(o.Map()), len(OptionKeys))
+	}
+	c := o.c()
+	if c.streams != 3 || c.pdl != 0 || c.sm90Persistent != 0 || c.syncSpinUS != 50 || c.hostTrace != 1 || c.size != optionsBytes {
+		t.Errorf("c() = %+v", *c)
 	}
 }
 

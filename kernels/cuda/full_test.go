@@ -93,10 +93,10 @@ func tokenRequest(req *kernels.Request, k, e int, toks []int) *kernels.Request {
 // groups / top-4 groups, K=7168, N=2048, [128, 128] blocks: 11.3 GB of FP8
 // weights) at M=64 with BF16 and with per-group FP8 hidden states, on
 // AUTO's GEMM (sm90 for block sets where it takes them, unless
-// EXPERTD_SM90_BLOCK=0) and, on a card that has sm90, the portable GEMM
+// the sm90-block option is off) and, on a card that has sm90, the portable GEMM
 // too, three calls each: against
 // the CPU backend on every token and the float64 reference on two. It needs
-// EXPERTD_CUDA_LIB and a GPU with >= 24 GiB, and about a minute, most of it
+// EXPERTD_LIBRARY_PATH and a GPU with >= 24 GiB, and about a minute, most of it
 // making and uploading the weights and the references.
 func TestDeepSeekV3Full(t *testing.T) {
 	if testing.Short() {

@@ -4,6 +4,7 @@ package cuda
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"sync"
@@ -14,17 +15,27 @@ import (
 var (
 	libMu    sync.Mutex
 	libCache = map[string]*library{}
+	// deprecatedLibVar warns once per process about $EXPERTD_CUDA_LIB.
+	deprecatedLibVar sync.Once
 )
 
 // findLibrary resolves the library path: configured, then
-// $EXPERTD_CUDA_LIB, then build/libexpertd_cuda.so next to the executable
-// (or beside it, or ../lib beside it), then in the repository the working
-// directory is in.
+// $EXPERTD_LIBRARY_PATH (the daemon's -library-path variable, for
+// processes that configure none: test binaries, expertbench), then
+// build/libexpertd_cuda.so next to the executable (or beside it, or ../lib
+// beside it), then in the repository the working directory is in.
+// $EXPERTD_CUDA_LIB is a deprecated alias of $EXPERTD_LIBRARY_PATH.
 func findLibrary(configured string) (string, error) {
 	if configured != "" {
 		return configured, nil
 	}
+	if p := os.Getenv("EXPERTD_LIBRARY_PATH"); p != "" {
+		return p, nil
+	}
 	if p := os.Getenv("EXPERTD_CUDA_LIB"); p != "" {
+		deprecatedLibVar.Do(func() {
+			slog.Warn("EXPERTD_CUDA_LIB is deprecated: set EXPERTD_LIBRARY_PATH (or -library-path) instead", slog.String("path", p))
+		})
 		return p, nil
 	}
 	var tried []string
@@ -57,7 +68,7 @@ func findLibrary(configured string) (string, error) {
 			}
 		}
 	}
-	return "", fmt.Errorf("%w (set $EXPERTD_CUDA_LIB or run scripts/cuda-build.sh; tried %v)", errNoLibrary, tried)
+	return "", fmt.Errorf("%w (set -library-path or $EXPERTD_LIBRARY_PATH, or run scripts/cuda-build.sh; tried %v)", errNoLibrary, tried)
 }
 
 // openLibrary loads (once per path) and binds the library and checks its

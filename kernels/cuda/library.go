@@ -15,16 +15,14 @@ type library struct {
 	path string
 
 	abiVersion func() int32
-	init       func(device, streams int32) int32
+	init       func(device int32, opts *cOptions) int32
 	deviceInfo func(device int32, buf *byte, n int32) int32
 	setCreate  func(device, e, k, n, act int32, w13, w2 *byte, s13 *float32, n13 int32,
 		s2 *float32, n2, blockN, blockK int32, a13, a2 float32, out *uint64) int32
 	setFree func(h uint64) int32
-	// moe's hidden, logits and out are addresses: of Go memory, of a
-	// host mapping, or of device memory (the library tells them apart).
-	moe func(h uint64, ip *int64, nip int32, fp *float32, nfp int32, hidden uintptr,
-		hiddenScale *float32, logits uintptr, bias *float32, idsIn *int32, wIn *float32,
-		out uintptr, idsOut *int32, wOut *float32, ms *float32) int32
+	// moe's buffers are addresses: of Go memory, of a host mapping, or of
+	// device memory (each says which, or the library asks the driver).
+	moe            func(h uint64, c *cCall) int32
 	hostRegister   func(device int32, p unsafe.Pointer, n uint64) int32
 	hostUnregister func(device int32, p unsafe.Pointer) int32
 	ipcOpen        func(device int32, handle *byte, n int32, ptr, bytes *uint64) int32

@@ -12,6 +12,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -119,8 +120,8 @@ func TestCUDAIPC(t *testing.T) {
 
 	hb, lb := int64(len(req.Hidden.Data)), int64(len(req.Logits.Data))
 	ob := int64(len(want.Output))
-	const off = 4096 // a region that does not start its allocation
-	total := off + hb + lb + ob
+	const off = 4096                 // a region that does not start its allocation
+	total := off + hb + lb + ob + hb // the last hb: other hidden states
 	handle, done := ipcPeer(t, total)
 	defer done()
 
@@ -159,13 +160,33 @@ func TestCUDAIPC(t *testing.T) {
 	dreq.Hidden.Data, dreq.Hidden.Dev = nil, r.Ptr()
 	dreq.Logits.Data, dreq.Logits.Dev = nil, r.Ptr()+uintptr(hb)
 	dreq.OutDev = r.Ptr() + uintptr(hb+lb)
-	for call := range 3 { // the third replays a graph
-		res, err := b.FusedMoE(ctx, l, &dreq)
+	// Device tensors are read in place and their addresses key the graph:
+	// other hidden states at another address must not replay the first
+	// address's graph, and going back must replay it.
+	_, other := sharedCase(rand.Uint64())
+	oreq := *req
+	oreq.Hidden = other.Hidden
+	wantOther, err := b.FusedMoE(ctx, l, &oreq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Equal(wantOther.Output, want.Output) {
+		t.Fatal("the two hidden states give one output; the address check would prove nothing")
+	}
+	put(r.Ptr()+uintptr(hb+lb+ob), other.Hidden.Data)
+	dother := dreq
+	dother.Hidden.Dev = r.Ptr() + uintptr(hb+lb+ob)
+	for i, tc := range []struct {
+		req  *kernels.Request
+		want *kernels.Result
+	}{{&dreq, want}, {&dreq, want}, {&dreq, want}, {&dother, wantOther}, {&dother, wantOther}, {&dother, wantOther}, {&dreq, want}} {
+		// The third call of each address replays a graph.
+		res, err := b.FusedMoE(ctx, l, tc.req)
 		if err != nil {
-			t.Fatalf("call %d: %v", call, err)
+			t.Fatalf("call %d: %v", i, err)
 		}
 		if res.Output != nil {
-			t.Errorf("call %d: Output has %d bytes with OutDev set, want nil", call, len(res.Output))
+			t.Errorf("call %d: Output has %d bytes with OutDev set, want nil", i, len(res.Output))
 		}
 		got := make([]byte, ob)
 		kerneltest.Poison(got)
@@ -174,8 +195,11 @@ func TestCUDAIPC(t *testing.T) {
 		}); err != nil {
 			t.Fatal(err)
 		}
-		if !bytes.Equal(got, want.Output) {
-			t.Errorf("call %d: output through CUDA IPC differs from the host call's", call)
+		if !bytes.Equal(got, tc.want.Output) {
+			t.Errorf("call %d: output through CUDA IPC differs from the host call's", i)
+		}
+		if !slices.Equal(res.TopKIDs, tc.want.TopKIDs) || !slices.Equal(res.TopKWeights, tc.want.TopKWeights) {
+			t.Errorf("call %d: routing through CUDA IPC differs from the host call's", i)
 		}
 	}
 }

@@ -2,7 +2,7 @@
  * fault tests (kernels/cuda, cmd/expertd) with the system C compiler. Each
  * macro picks one way a real library or device can fail:
  *
- *   FAKE_ABI=n        expertd_abi_version returns n (default 3, the ABI)
+ *   FAKE_ABI=n        expertd_abi_version returns n (default: the header's ABI)
  *   FAKE_INIT_RC=c    expertd_init returns code c (5: ERR_NO_DEVICE)
  *   FAKE_MOE_RC=c     expertd_moe returns c (4: ERR_CUDA); with 0 it
  *                     "succeeds" without writing its output (a kernel that
@@ -12,8 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../../kernels/cuda/csrc/expertd_cuda.h"
+
 #ifndef FAKE_ABI
-#define FAKE_ABI 3
+#define FAKE_ABI EXPERTD_ABI_VERSION
 #endif
 #ifndef FAKE_INIT_RC
 #define FAKE_INIT_RC 0
@@ -26,8 +28,8 @@ static const char* last = "";
 
 int expertd_abi_version(void) { return FAKE_ABI; }
 
-int expertd_init(int device, int streams) {
-  (void)device; (void)streams;
+int expertd_init(int device, const expertd_options* opts) {
+  (void)device; (void)opts;
   if (FAKE_INIT_RC != 0) last = "fake: no CUDA device";
   return FAKE_INIT_RC;
 }
@@ -50,12 +52,9 @@ int expertd_set_create(int device, int e, int k, int n, int act, const uint8_t* 
 int expertd_set_free(uint64_t h) { (void)h; return 0; }
 
 #ifndef FAKE_OMIT_MOE
-int expertd_moe(uint64_t h, const int64_t* ip, int nip, const float* fp, int nfp, const void* hidden,
-                const float* hidden_scale, const void* logits, const float* bias, const int32_t* ids_in,
-                const float* w_in, void* out, int32_t* ids_out, float* w_out, float* ms) {
-  (void)h; (void)ip; (void)nip; (void)fp; (void)nfp; (void)hidden; (void)hidden_scale; (void)logits;
-  (void)bias; (void)ids_in; (void)w_in; (void)out; (void)ids_out; (void)w_out;
-  if (ms) *ms = 0.01f;
+int expertd_moe(uint64_t h, const expertd_call* call) {
+  (void)h;
+  if (call->kernel_ms) *call->kernel_ms = 0.01f;
   if (FAKE_MOE_RC != 0) last = "fake: an illegal memory access was encountered";
   return FAKE_MOE_RC;
 }

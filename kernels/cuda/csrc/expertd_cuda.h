@@ -1,15 +1,20 @@
 /* expertd_cuda.h: the C ABI of libexpertd_cuda.so, expertd's fused-MoE GPU
  * kernels.
  *
- * The ABI is flat on purpose: ints, floats, uint64 handles and pointers; no
- * structs by value, no callbacks. Host pointers passed in are read (or
- * written) only during the call and never retained. Every function returns
- * an EXPERTD_* code; on failure expertd_last_error() describes the failure
- * for the calling thread. Nothing here exits or aborts.
+ * The ABI is plain C: ints, floats, uint64 handles, pointers and two
+ * structs passed by pointer (expertd_options, expertd_call), each starting
+ * with its size and the ABI version so that a caller built against another
+ * header is refused instead of misread. No callbacks. Host pointers passed
+ * in are read (or written) only during the call and never retained. Every
+ * function returns an EXPERTD_* code; on failure expertd_last_error()
+ * describes the failure for the calling thread. Nothing here exits or
+ * aborts.
  *
  * The Go mirror is kernels/cuda/abi.go; abi_test.go checks that every
- * #define below has the same value there. Bump EXPERTD_ABI_VERSION on any
- * change to a signature or a constant's meaning.
+ * #define below has the same value there and that the Go structs have the
+ * layout of the C ones (field order, offsets, sizes). Bump
+ * EXPERTD_ABI_VERSION on any change to a signature, a struct or a
+ * constant's meaning.
  */
 #ifndef EXPERTD_CUDA_H_
 #define EXPERTD_CUDA_H_
@@ -27,7 +32,7 @@ extern "C" {
 #define EXPERTD_API
 #endif
 
-#define EXPERTD_ABI_VERSION 3
+#define EXPERTD_ABI_VERSION 4
 
 /* Return codes. */
 #define EXPERTD_OK 0
@@ -50,35 +55,24 @@ extern "C" {
 #define EXPERTD_SCORING_SOFTMAX 1
 #define EXPERTD_SCORING_SIGMOID 2
 
-/* GEMM implementation choice (iparams[EXPERTD_P_GEMM]). AUTO is sm90 where
- * the card and shape allow it, else portable; the others force a path
- * (tests compare them). SM90 on a card or shape without it is UNSUPPORTED. */
+/* GEMM implementation choice (expertd_call.gemm). AUTO is sm90 where the
+ * card and shape allow it, else portable; the others force a path (tests
+ * compare them). SM90 on a card or shape without it is UNSUPPORTED. */
 #define EXPERTD_GEMM_AUTO 0
 #define EXPERTD_GEMM_PORTABLE 1     /* mma.sync e4m3 in the sm_90a cubin, else FP16 mma */
 #define EXPERTD_GEMM_PORTABLE_F16 2 /* FP8 decoded to FP16 mma (the sm_80 path) */
 #define EXPERTD_GEMM_SM90 3         /* wgmma + TMA (sm_90a builds only) */
 
-/* Integer parameters of expertd_moe, by index into iparams. */
-#define EXPERTD_P_M 0              /* tokens, >= 1 */
-#define EXPERTD_P_HIDDEN_DTYPE 1   /* EXPERTD_DTYPE_*: FP8, BF16 or FP32 */
-#define EXPERTD_P_N_HIDDEN_SCALE 2 /* FP8 hidden: 1 (per-tensor), M (per-token) or, for block
-                                      sets, M*ceil(K/block_k) (per token and K group) */
-#define EXPERTD_P_LOGITS_DTYPE 3   /* FP32 or BF16; ignored with topk_ids_in */
-#define EXPERTD_P_OUT_DTYPE 4      /* BF16 or FP32 */
-#define EXPERTD_P_TOP_K 5
-#define EXPERTD_P_RENORMALIZE 6    /* 0 or 1 */
-#define EXPERTD_P_SCORING 7        /* EXPERTD_SCORING_* */
-#define EXPERTD_P_NUM_GROUPS 8     /* 0 or 1: no grouping */
-#define EXPERTD_P_TOPK_GROUPS 9
-#define EXPERTD_P_GEMM 10          /* EXPERTD_GEMM_* */
-#define EXPERTD_P_USE_GRAPH 11     /* 1: capture and replay a CUDA graph per (set, call shape) */
-#define EXPERTD_NUM_IPARAMS 12
+/* Where a buffer's bytes are (expertd_buf.mem). UNKNOWN lets the library
+ * ask the driver (cudaPointerGetAttributes, about a microsecond); a caller
+ * that knows says so and saves the question. A wrong answer is the
+ * caller's bug: device memory called host memory is a crash. */
+#define EXPERTD_MEM_UNKNOWN 0
+#define EXPERTD_MEM_PAGEABLE 1 /* ordinary host memory */
+#define EXPERTD_MEM_PINNED 2   /* page-locked host memory (expertd_host_register) */
+#define EXPERTD_MEM_DEVICE 3   /* device memory (expertd_ipc_open, expertd_dev_alloc) */
 
-/* Float parameters of expertd_moe, by index into fparams. */
-#define EXPERTD_F_SCALING_FACTOR 0 /* routed_scaling_factor, > 0 */
-#define EXPERTD_NUM_FPARAMS 1
-
-/* Limits of this build. */
+/* Limits of this build. *//* Limits of this build. */
 #define EXPERTD_MAX_EXPERTS 1024
 #define EXPERTD_MAX_TOP_K 32
 #define EXPERTD_MAX_STREAMS 16 /* expertd_init's streams per set */
@@ -86,15 +80,100 @@ extern "C" {
 /* Bytes in a CUDA IPC handle (cudaIpcMemHandle_t). */
 #define EXPERTD_IPC_HANDLE_BYTES 64
 
+/* expertd_buf is one tensor of a call: its address (NULL: absent), its
+ * element type where the call lets it vary (else 0) and where it lives. */
+typedef struct expertd_buf {
+  void* data;
+  int32_t dtype; /* EXPERTD_DTYPE_* */
+  int32_t mem;   /* EXPERTD_MEM_* */
+} expertd_buf;
+
+/* expertd_call is one fused MoE call. expertd_call_init fills in size and
+ * version and zeroes the rest; a zero field is its default.
+ *
+ * hidden is [M, K] of hidden.dtype (FP8, BF16 or FP32); hidden_scale has
+ * n_hidden_scale floats (FP8 hidden only, else absent): [1], [M] or, for
+ * block sets, [M, ceil(K/block_k)] row-major. FP8 hidden with no scale uses
+ * the static a13_scale, else 1. Either logits [M, E] of logits.dtype (FP32
+ * or BF16), with correction_bias [E] floats or absent, or topk_ids_in
+ * (int32) and topk_weights_in (float) [M, top_k] are given. out is [M, K]
+ * of out.dtype (BF16 or FP32); topk_ids_out, topk_weights_out [M, top_k]
+ * and kernel_ms (the device time of the pipeline, one float, host memory)
+ * may be absent. */
+typedef struct expertd_call {
+  uint32_t size;    /* sizeof(expertd_call) */
+  uint32_t version; /* EXPERTD_ABI_VERSION */
+  int32_t m;        /* tokens, >= 1 */
+  int32_t top_k;
+  int32_t renormalize; /* 0 or 1 */
+  int32_t scoring;     /* EXPERTD_SCORING_*; logits only */
+  int32_t num_groups;  /* 0 or 1: no grouping */
+  int32_t topk_groups;
+  int32_t gemm;      /* EXPERTD_GEMM_* */
+  int32_t use_graph; /* 1: capture and replay a CUDA graph per (set, call shape) */
+  float routed_scaling_factor; /* > 0; 0 means 1 */
+  int32_t n_hidden_scale;
+  expertd_buf hidden;
+  expertd_buf hidden_scale;
+  expertd_buf logits;
+  expertd_buf correction_bias;
+  expertd_buf topk_ids_in;
+  expertd_buf topk_weights_in;
+  expertd_buf out;
+  expertd_buf topk_ids_out;
+  expertd_buf topk_weights_out;
+  float* kernel_ms;
+  uint64_t stream; /* expertd_moe_device: a cudaStream_t; 0 is the legacy default stream */
+} expertd_call;
+
+#define EXPERTD_CALL_BYTES 208
+#define EXPERTD_BUF_BYTES 16
+
+/* expertd_options are the library's switches, given at expertd_init.
+ * expertd_options_default fills in size, version and the defaults (noted
+ * below); the daemon sets each from its configuration. */
+typedef struct expertd_options {
+  uint32_t size;    /* sizeof(expertd_options) */
+  uint32_t version; /* EXPERTD_ABI_VERSION */
+  int32_t streams;  /* calls on one set at once, 1..EXPERTD_MAX_STREAMS (2) */
+  int32_t pdl;      /* 1: programmatic dependent launch on sm_90+ (1) */
+  int32_t sm90_block;      /* 1: AUTO runs block-scaled sets on the sm90 GEMM (1) */
+  int32_t sm90_persistent; /* 1: persistent sm90 grid; 0: one CTA per tile (1) */
+  int32_t sm90_toka;       /* 1: tokens on wgmma's M side for 128-token block tiles (1) */
+  int32_t poison;          /* 1: NaN-fill outputs and intermediates before each run (0; tests) */
+  int32_t host_trace;      /* 1: print each host-path call's stage times to stderr (0) */
+  int32_t sync_spin_us;    /* host path: poll completion this long before blocking, 0..EXPERTD_MAX_SPIN_US (0) */
+} expertd_options;
+
+#define EXPERTD_OPTIONS_BYTES 40
+#define EXPERTD_MAX_SPIN_US 10000
+
+#ifdef __cplusplus
+static_assert(sizeof(expertd_buf) == EXPERTD_BUF_BYTES, "expertd_buf layout");
+static_assert(sizeof(expertd_call) == EXPERTD_CALL_BYTES, "expertd_call layout");
+static_assert(sizeof(expertd_options) == EXPERTD_OPTIONS_BYTES, "expertd_options layout");
+#else
+_Static_assert(sizeof(expertd_buf) == EXPERTD_BUF_BYTES, "expertd_buf layout");
+_Static_assert(sizeof(expertd_call) == EXPERTD_CALL_BYTES, "expertd_call layout");
+_Static_assert(sizeof(expertd_options) == EXPERTD_OPTIONS_BYTES, "expertd_options layout");
+#endif
+
 /* expertd_abi_version returns EXPERTD_ABI_VERSION of the built library. */
 EXPERTD_API int expertd_abi_version(void);
 
-/* expertd_init makes device current for the calling thread and creates its
- * context. streams (1..EXPERTD_MAX_STREAMS) is how many expertd_moe calls
- * on one set run at once, each with its own stream, workspace and pinned
- * staging, so one call's copies overlap another's kernels; it applies to
- * every set (the last init wins). Any thread may call the library. */
-EXPERTD_API int expertd_init(int device, int streams);
+/* expertd_options_default and expertd_call_init fill in a struct's size,
+ * version and defaults. */
+EXPERTD_API void expertd_options_default(expertd_options* opts);
+EXPERTD_API void expertd_call_init(expertd_call* call);
+
+/* expertd_init makes device current for the calling thread, creates its
+ * context and sets the library's options (NULL: the defaults). streams is
+ * how many expertd_moe calls on one set run at once, each with its own
+ * stream, workspace and pinned staging, so one call's copies overlap
+ * another's kernels. The options apply to the whole process (the last init
+ * wins; sets created before keep their poison switch). Any thread may call
+ * the library. */
+EXPERTD_API int expertd_init(int device, const expertd_options* opts);
 
 /* expertd_device_info writes a NUL-terminated description of device into buf
  * (at most buflen bytes, truncated), e.g.
@@ -121,9 +200,8 @@ EXPERTD_API int expertd_device_info(int device, char* buf, int buflen);
  * loads); the sm90 GEMM takes block_k = 128 (any block_n) with K and N
  * multiples of 16, and EXPERTD_GEMM_SM90 on other block sets is
  * EXPERTD_ERR_UNSUPPORTED. AUTO runs block sets on the sm90 GEMM where it
- * takes them (the portable one when the environment has
- * EXPERTD_SM90_BLOCK=0). The sm90 GEMM runs per-channel scales outside
- * block mode.
+ * takes them (the portable one with the sm90_block option off). The sm90
+ * GEMM runs per-channel scales outside block mode.
  *
  * a13_scale and a2_scale are static activation scales, used for every token
  * (and every group in block mode); <= 0 means dynamic quantization (amax /
@@ -137,37 +215,23 @@ EXPERTD_API int expertd_set_create(int device, int num_experts, int hidden, int 
 /* expertd_set_free releases a set's device memory and cached graphs. */
 EXPERTD_API int expertd_set_free(uint64_t handle);
 
-/* expertd_moe runs one fused MoE layer, synchronously, on one of the set's
+/* expertd_moe runs one fused MoE call, synchronously, on one of the set's
  * streams (waiting for one when all are busy).
  * Each buffer may be pageable host memory (staged through pinned memory),
- * page-locked host memory (expertd_host_register; copied by DMA with no
- * staging) or device memory (e.g. from expertd_ipc_open; copied on the
- * device). The library tells them apart by address.
- * hidden is [M, K] of iparams[EXPERTD_P_HIDDEN_DTYPE]; hidden_scale has
- * iparams[EXPERTD_P_N_HIDDEN_SCALE] floats (FP8 hidden only, else NULL):
- * [1], [M] or, for block sets, [M, ceil(K/block_k)] row-major. FP8 hidden
- * with no scale uses the static a13_scale, else 1.
- * Either logits [M, E] (with correction_bias [E] or NULL) or topk_ids_in and
- * topk_w_in [M, top_k] are given. out is [M, K] of the out dtype;
- * topk_ids_out, topk_w_out [M, top_k] and kernel_ms (the device time of the
- * pipeline, one float) may be NULL. */
-EXPERTD_API int expertd_moe(uint64_t handle, const int64_t* iparams, int n_iparams, const float* fparams,
-                int n_fparams, const void* hidden, const float* hidden_scale, const void* logits,
-                const float* correction_bias, const int32_t* topk_ids_in, const float* topk_w_in,
-                void* out, int32_t* topk_ids_out, float* topk_w_out, float* kernel_ms);
+ * page-locked host memory (expertd_host_register; copied by DMA, small
+ * buffers staged) or device memory (e.g. from expertd_ipc_open; read and
+ * written in place, the addresses keying the call's graph), as its mem
+ * says or the driver answers. Routing results and a host output come back
+ * in one copy. call->stream is ignored. */
+EXPERTD_API int expertd_moe(uint64_t handle, const expertd_call* call);
 
-/* expertd_moe_device is expertd_moe with device pointers, enqueued on stream
- * (a cudaStream_t as an integer; 0 is the legacy default stream) with no
- * host synchronization and no graph, so it may be captured into the
- * caller's graph. These calls share one workspace per set (apart from
- * expertd_moe's), so the caller must not overlap them on one set across
- * streams. */
-EXPERTD_API int expertd_moe_device(uint64_t handle, const int64_t* iparams, int n_iparams,
-                       const float* fparams, int n_fparams, const void* hidden,
-                       const float* hidden_scale, const void* logits,
-                       const float* correction_bias, const int32_t* topk_ids_in,
-                       const float* topk_w_in, void* out, int32_t* topk_ids_out,
-                       float* topk_w_out, uintptr_t stream);
+/* expertd_moe_device is expertd_moe with device buffers (the routing
+ * results too), enqueued on call->stream with no host synchronization and
+ * no graph, so it may be captured into the caller's graph; use_graph and
+ * kernel_ms are ignored. These calls share one workspace per set (apart
+ * from expertd_moe's), so the caller must not overlap them on one set
+ * across streams. */
+EXPERTD_API int expertd_moe_device(uint64_t handle, const expertd_call* call);
 
 /* expertd_host_register page-locks [ptr, ptr+bytes) of host memory (e.g. a
  * POSIX shared-memory mapping) for every device, so expertd_moe copies it

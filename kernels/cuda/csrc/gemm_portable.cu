@@ -380,9 +380,7 @@ cudaError_t launch_tm(const MoeGemmArgs& a, bool f16, cudaStream_t s) {
 }
 
 // launch_epi picks the kernel for one epilogue. Per-channel scales run as
-// the block kernel with blocks of one row by all of K. kAct1BF16 has no
-// block instantiation: the pipeline asks no GEMM for it (dynamic a2 takes
-// kAct1F32).
+// the block kernel with blocks of one row by all of K.
 template <GemmEpilogue kEpi>
 cudaError_t launch_epi(MoeGemmArgs a, bool gated, bool f16, cudaStream_t s) {
   if (a.w_mode == WScale::kPerChannel) {
@@ -394,11 +392,7 @@ cudaError_t launch_epi(MoeGemmArgs a, bool gated, bool f16, cudaStream_t s) {
   if (a.w_mode == WScale::kPerExpert) {
     return gated ? launch_tm<true, kEpi, false>(a, f16, s) : launch_tm<false, kEpi, false>(a, f16, s);
   }
-  if constexpr (kEpi == GemmEpilogue::kAct1BF16) {
-    return cudaErrorInvalidValue;
-  } else {
-    return gated ? launch_tm<true, kEpi, true>(a, f16, s) : launch_tm<false, kEpi, true>(a, f16, s);
-  }
+  return gated ? launch_tm<true, kEpi, true>(a, f16, s) : launch_tm<false, kEpi, true>(a, f16, s);
 }
 
 bool args_ok(const MoeGemmArgs& a) {
@@ -429,8 +423,6 @@ cudaError_t launch_gemm1_portable(const MoeGemmArgs& a, bool use_f16, cudaStream
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
       return launch_epi<GemmEpilogue::kAct1FP8>(a, gated, use_f16, stream);
-    case GemmEpilogue::kAct1BF16:
-      return launch_epi<GemmEpilogue::kAct1BF16>(a, gated, use_f16, stream);
     case GemmEpilogue::kAct1F32:
       return launch_epi<GemmEpilogue::kAct1F32>(a, gated, use_f16, stream);
     default:

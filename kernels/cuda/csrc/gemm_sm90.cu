@@ -47,6 +47,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
 #include <mutex>
 
 #include "launch.cuh"
@@ -603,13 +604,7 @@ cudaError_t encode(CUtensorMap* map, const void* base, int rank, const cuuint64_
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-bool persistent_grid() {
-  static const bool persistent = [] {
-    const char* v = std::getenv("EXPERTD_SM90_GRID");
-    return v == nullptr || std::strcmp(v, "full") != 0;
-  }();
-  return persistent;
-}
+bool persistent_grid() { return switches().sm90_persistent.load(std::memory_order_relaxed); }
 
 template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
@@ -676,23 +671,25 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   p.w_row_blocks = kBlk ? (a.w_rows + a.block_n - 1) / a.block_n : 0;
   p.w_k_blocks = kBlk ? (a.k + a.block_k - 1) / a.block_k : 0;
 
-  // Persistent grid: as many CTAs as fit on the device at once, never more
-  // than the largest possible tile count (the real count is on the device).
-  static int resident = 0;
-  static std::once_flag once;
-  std::call_once(once, [&] {
-    int dev = 0, sms = 0, per_sm = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, (kNWG + 1) * 128, smem) ==
-            cudaSuccess) {
+  // Persistent grid: as many CTAs as fit on the current device at once,
+  // never more than the largest possible tile count (the real count is on
+  // the device). Computed once per device; racing threads store the same.
+  static std::atomic<int> resident_by_device[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  int resident = resident_by_device[dev].load(std::memory_order_relaxed);
+  if (resident <= 0) {
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, (kNWG + 1) * 128, smem) == cudaSuccess) {
       resident = sms * per_sm;
+      resident_by_device[dev].store(resident, std::memory_order_relaxed);
     }
-  });
+  }
   if (resident <= 0) return cudaErrorInvalidConfiguration;
   const long tiles = long((a.n_out + kOC - 1) / kOC) * a.max_blocks;
-  // EXPERTD_SM90_GRID=full gives one CTA per tile instead, for timing the
-  // two schedules against each other.
+  // sm90_persistent off gives one CTA per tile instead, for timing the two
+  // schedules against each other.
   const int grid = int(tiles < resident || !persistent_grid() ? tiles : resident);
   err = launch_kernel(a.pdl, kernel, grid, (kNWG + 1) * 128, smem, stream, tm_w, tm_a, p);
   if (err != cudaSuccess) return err;
@@ -700,21 +697,12 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
 }
 
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
-// kAct1BF16, which the pipeline no longer asks for, has no per-channel or
-// block instantiation.
 template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
       return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA>(a, s)
                    : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA>(a, s);
-    case GemmEpilogue::kAct1BF16:
-      if constexpr (kPC || kBlk) {
-        return cudaErrorInvalidValue;
-      } else {
-        return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1BF16, false, false>(a, s)
-                     : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1BF16, false, false>(a, s);
-      }
     case GemmEpilogue::kAct1F32:
       return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA>(a, s)
                    : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA>(a, s);
@@ -726,11 +714,10 @@ cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
 
 // toka_ok says whether a block-scaled 128-token tile can put the tokens on
 // wgmma's M side (kTokA): each tile's weight rows (128, or 64 gate and 64
-// up channels) must lie in one scale block. EXPERTD_SM90_TOKA=0 turns it
+// up channels) must lie in one scale block. The sm90_toka option turns it
 // off, to time the two layouts against each other.
 bool toka_ok(const MoeGemmArgs& a, bool gated) {
-  static const bool on = switch_on("EXPERTD_SM90_TOKA");
-  if (!on) return false;
+  if (!switches().sm90_toka.load(std::memory_order_relaxed)) return false;
   return gated ? a.block_n % 64 == 0 && a.n_out % 64 == 0 : a.block_n % 128 == 0;
 }
 

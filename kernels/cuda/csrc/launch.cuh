@@ -37,7 +37,7 @@ __device__ __forceinline__ void pdl_trigger() {
 
 // launch_kernel launches kernel<<<grid, block, smem, stream>>>(args...),
 // allowing it to overlap its predecessor's tail when pdl is set (the set's
-// card is sm_90 or later and EXPERTD_CUDA_PDL is not 0).
+// card is sm_90 or later and the pdl option is on).
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                           cudaStream_t stream, Args&&... args) {

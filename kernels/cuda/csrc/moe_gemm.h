@@ -11,7 +11,7 @@
 //
 // GEMM1: act[r, :] = epilogue((a1q[r] . W13[e]^T) * a_scale(r) * w_scale[e])
 //   written in sorted order, FP8 (static a2) or FP32 (dynamic a2 runs a
-//   separate per-row quantize pass, see moe.cu).
+//   separate per-row quantize pass, see moe_pipeline.cu).
 // GEMM2: y[pair, :] = (a2q[r] . W2[e]^T) * a_scale(r) * w_scale[e] * topk_w[pair]
 // With per-channel weight scales w_scale depends on the output channel's
 // weight row; in block mode the product is a sum over K blocks of the
@@ -26,18 +26,35 @@
 // pointers and ints; no templates leak across the boundary.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <cuda_runtime.h>
 
 namespace expertd {
 
-// switch_on reads a diagnostic switch from the environment: on unless it
-// is set to "0" (callers read it once and keep the answer).
-inline bool switch_on(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || std::strcmp(v, "0") != 0;
+// kMaxDevices bounds the GPU ordinals whose per-device state the GEMMs keep.
+constexpr int kMaxDevices = 64;
+
+// Switches are the library's options (expertd_options, set by
+// expertd_init) as the kernels and the pipeline read them: relaxed atomics,
+// since a call may read them while another thread initializes.
+struct Switches {
+  std::atomic<int> streams{2};
+  std::atomic<bool> pdl{true};
+  std::atomic<bool> sm90_block{true};
+  std::atomic<bool> sm90_persistent{true};
+  std::atomic<bool> sm90_toka{true};
+  std::atomic<bool> poison{false};
+  std::atomic<bool> host_trace{false};
+  std::atomic<int> sync_spin_us{0};
+};
+
+// switches is the process's one set of them (an inline function's static:
+// one object however many files include this, the GEMM check tool's
+// included).
+inline Switches& switches() {
+  static Switches s;
+  return s;
 }
 
 // GemmEpilogue is what a GEMM does with its FP32 accumulators.
@@ -45,15 +62,12 @@ enum class GemmEpilogue : int {
   // GEMM1: dequantize, activation, quantize to FP8 E4M3 (satfinite) with
   // out_inv_scale = 1/a2_scale; out is FP8 [sorted row, ld_out].
   kAct1FP8 = 0,
-  // GEMM1: dequantize, activation, BF16 out [sorted row, ld_out].
-  kAct1BF16 = 1,
   // GEMM2: dequantize, times pair_weight[pair], BF16 out [pair, ld_out].
   kWeightedBF16 = 2,
-  // GEMM1: dequantize, activation, FP32 out [sorted row, ld_out]. The dynamic
-  // a2 path uses it where the GEMM has it: rounding the intermediate to BF16
-  // before the per-row FP8 quantization flips ~3% of the FP8 roundings and
-  // measured 1.0-1.6e-2 rel-L2 against the reference (3.2e-2 at top_k=E)
-  // instead of 2-8e-3 (device check, 2026-12-02).
+  // GEMM1: dequantize, activation, FP32 out [sorted row, ld_out], for the
+  // dynamic a2 path: quantizing the FP32 intermediate per row keeps the FP8
+  // roundings the reference's, which a BF16 intermediate would move
+  // (docs/perf-notes.md has the error figures).
   kAct1F32 = 3,
 };
 
@@ -127,11 +141,10 @@ struct MoeGemmArgs {
   bool pdl;
 };
 
-// Portable path (gemm_portable.cu), all four epilogues: mma.sync m16n8k32 e4m3 on sm_89+, or
+// Portable path (gemm_portable.cu), every epilogue: mma.sync m16n8k32 e4m3 on sm_89+, or
 // FP8 decoded to FP16 and mma.sync m16n8k16 on sm_80..sm_88. Any k, n_out;
 // block_rows must be one of PortableBlockRows' answers (16, 32 or 64).
-// Every WScale, any block_n and block_k; per-channel and block scales with
-// the kAct1FP8, kAct1F32 and kWeightedBF16 epilogues only.
+// Every WScale, any block_n and block_k.
 // use_f16 forces the FP16 inner product on sm_89+ too (tests use it to cover
 // the sm_80 code path on a Hopper card).
 cudaError_t launch_gemm1_portable(const MoeGemmArgs& args, bool use_f16, cudaStream_t stream);

@@ -316,7 +316,7 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
   const size_t src0 = size_t(tok) * K;
   if (p.hidden_dtype == 4) {
     const uint8_t* src = static_cast<const uint8_t*>(hidden) + src0;
-    // 16-byte copies when rows allow them: byte copies made this kernel
+    // 16-byte copies when rows allow them: byte copies make this kernel
     // issue-bound (one instruction per 32 bytes of a warp).
     if (K % 16 == 0 && aligned16(src) && aligned16(dst)) {
       for (int i = threadIdx.x; i < K / 16; i += blockDim.x) {
@@ -349,28 +349,19 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
   for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = to_e4m3(load_float(hidden, src0 + i, p.hidden_dtype) / s);
 }
 
-// requant_kernel: dynamic FP8 quantization of GEMM1's output (FP32, or BF16
-// from a GEMM without the FP32 epilogue) per sorted row and group of
-// `group` columns (block_k in block mode, else n), one block per row; a2s is
-// [row, ceil(n/group)].
-template <typename T>
-__device__ __forceinline__ float to_f(T v);
-template <>
-__device__ __forceinline__ float to_f<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__global__ void requant_kernel(const T* act, int n, int group, const int32_t* sorted_pairs,
+// requant_kernel: dynamic FP8 quantization of GEMM1's FP32 output per
+// sorted row and group of `group` columns (block_k in block mode, else n),
+// one block per row; a2s is [row, ceil(n/group)].
+__global__ void requant_kernel(const float* act, int n, int group, const int32_t* sorted_pairs,
                                const int32_t* num_blocks, int block_rows, uint8_t* a2q, float* a2s) {
   pdl_wait();
   pdl_trigger();
   const int row = blockIdx.x;
   if (row >= *num_blocks * block_rows) return;
   if (sorted_pairs[row] < 0) return;
-  const T* src = act + size_t(row) * n;
+  const float* src = act + size_t(row) * n;
   const int ng = (n + group - 1) / group;
-  quantize_groups([&](int i) { return to_f(src[i]); }, n, group, a2q + size_t(row) * n, a2s + size_t(row) * ng);
+  quantize_groups([&](int i) { return src[i]; }, n, group, a2q + size_t(row) * n, a2s + size_t(row) * ng);
 }
 
 // combine_kernel: out[t] = sum over slots of y[t*top_k + j] (weights already

@@ -2740,7 +2740,12 @@ type ServerInfo_BackendInfo struct {
 	// Its hardware.
 	Devices []string `protobuf:"bytes,4,rep,name=devices,proto3" json:"devices,omitempty"`
 	// Largest M per call it accepts; 0 means no backend limit.
-	MaxTokens     int32 `protobuf:"varint,5,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
+	MaxTokens int32 `protobuf:"varint,5,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
+	// Its settings in force, by name: the cuda backend's library options
+	// ("gemm", "streams", "pdl", "sm90-block", "sm90-grid", "sm90-toka",
+	// "sync-spin", "host-trace", "poison"), as the daemon's -cuda-* flags
+	// set them.
+	Details       map[string]string `protobuf:"bytes,6,rep,name=details,proto3" json:"details,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2808,6 +2813,13 @@ func (x *ServerInfo_BackendInfo) GetMaxTokens() int32 {
 		return x.MaxTokens
 	}
 	return 0
+}
+
+func (x *ServerInfo_BackendInfo) GetDetails() map[string]string {
+	if x != nil {
+		return x.Details
+	}
+	return nil
 }
 
 // Limits are the server's configured bounds.
@@ -3138,21 +3150,25 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x15UnloadExpertsResponse\x12\x1f\n" +
 	"\vfreed_bytes\x18\x01 \x01(\x03R\n" +
 	"freedBytes\"\x16\n" +
-	"\x14GetServerInfoRequest\"\xe1\x06\n" +
+	"\x14GetServerInfoRequest\"\xe8\a\n" +
 	"\n" +
 	"ServerInfo\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12>\n" +
 	"\bbackends\x18\x02 \x03(\v2\".expertd.v1.ServerInfo.BackendInfoR\bbackends\x12\x18\n" +
 	"\adevices\x18\x03 \x03(\tR\adevices\x125\n" +
 	"\x06limits\x18\x04 \x01(\v2\x1d.expertd.v1.ServerInfo.LimitsR\x06limits\x123\n" +
-	"\x04ring\x18\x05 \x01(\v2\x1f.expertd.v1.ServerInfo.RingInfoR\x04ring\x1a\xba\x01\n" +
+	"\x04ring\x18\x05 \x01(\v2\x1f.expertd.v1.ServerInfo.RingInfoR\x04ring\x1a\xc1\x02\n" +
 	"\vBackendInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x128\n" +
 	"\vactivations\x18\x02 \x03(\x0e2\x16.expertd.v1.ActivationR\vactivations\x12$\n" +
 	"\rgranularities\x18\x03 \x03(\tR\rgranularities\x12\x18\n" +
 	"\adevices\x18\x04 \x03(\tR\adevices\x12\x1d\n" +
 	"\n" +
-	"max_tokens\x18\x05 \x01(\x05R\tmaxTokens\x1a\xf0\x01\n" +
+	"max_tokens\x18\x05 \x01(\x05R\tmaxTokens\x12I\n" +
+	"\adetails\x18\x06 \x03(\v2/.expertd.v1.ServerInfo.BackendInfo.DetailsEntryR\adetails\x1a:\n" +
+	"\fDetailsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a\xf0\x01\n" +
 	"\x06Limits\x12*\n" +
 	"\x11max_message_bytes\x18\x01 \x01(\x03R\x0fmaxMessageBytes\x12\x1d\n" +
 	"\n" +
@@ -3261,7 +3277,7 @@ func file_expertd_v1_expert_proto_rawDescGZIP() []byte {
 }
 
 var file_expertd_v1_expert_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_expertd_v1_expert_proto_goTypes = []any{
 	(DataType)(0),                                // 0: expertd.v1.DataType
 	(Activation)(0),                              // 1: expertd.v1.Activation
@@ -3298,7 +3314,8 @@ var file_expertd_v1_expert_proto_goTypes = []any{
 	(*ServerInfo_BackendInfo)(nil),               // 32: expertd.v1.ServerInfo.BackendInfo
 	(*ServerInfo_Limits)(nil),                    // 33: expertd.v1.ServerInfo.Limits
 	(*ServerInfo_RingInfo)(nil),                  // 34: expertd.v1.ServerInfo.RingInfo
-	(*timestamppb.Timestamp)(nil),                // 35: google.protobuf.Timestamp
+	nil,                                          // 35: expertd.v1.ServerInfo.BackendInfo.DetailsEntry
+	(*timestamppb.Timestamp)(nil),                // 36: google.protobuf.Timestamp
 }
 var file_expertd_v1_expert_proto_depIdxs = []int32{
 	0,  // 0: expertd.v1.Tensor.dtype:type_name -> expertd.v1.DataType
@@ -3329,7 +3346,7 @@ var file_expertd_v1_expert_proto_depIdxs = []int32{
 	30, // 25: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
 	31, // 26: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
 	1,  // 27: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
-	35, // 28: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
+	36, // 28: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
 	8,  // 29: expertd.v1.ExpertSetInfo.routing:type_name -> expertd.v1.Routing
 	13, // 30: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
 	32, // 31: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
@@ -3338,37 +3355,38 @@ var file_expertd_v1_expert_proto_depIdxs = []int32{
 	4,  // 34: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
 	22, // 35: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
 	4,  // 36: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
-	35, // 37: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
+	36, // 37: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
 	22, // 38: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
 	7,  // 39: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
 	3,  // 40: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
 	1,  // 41: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
 	1,  // 42: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
-	12, // 43: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
-	14, // 44: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
-	16, // 45: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
-	9,  // 46: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
-	9,  // 47: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
-	18, // 48: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
-	20, // 49: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
-	23, // 50: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
-	25, // 51: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
-	27, // 52: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
-	13, // 53: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
-	15, // 54: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
-	17, // 55: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
-	10, // 56: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
-	10, // 57: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
-	19, // 58: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
-	21, // 59: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
-	24, // 60: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
-	26, // 61: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
-	28, // 62: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
-	53, // [53:63] is the sub-list for method output_type
-	43, // [43:53] is the sub-list for method input_type
-	43, // [43:43] is the sub-list for extension type_name
-	43, // [43:43] is the sub-list for extension extendee
-	0,  // [0:43] is the sub-list for field type_name
+	35, // 43: expertd.v1.ServerInfo.BackendInfo.details:type_name -> expertd.v1.ServerInfo.BackendInfo.DetailsEntry
+	12, // 44: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
+	14, // 45: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
+	16, // 46: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
+	9,  // 47: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
+	9,  // 48: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
+	18, // 49: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
+	20, // 50: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
+	23, // 51: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
+	25, // 52: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
+	27, // 53: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
+	13, // 54: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
+	15, // 55: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
+	17, // 56: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
+	10, // 57: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
+	10, // 58: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
+	19, // 59: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
+	21, // 60: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
+	24, // 61: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
+	26, // 62: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
+	28, // 63: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
+	54, // [54:64] is the sub-list for method output_type
+	44, // [44:54] is the sub-list for method input_type
+	44, // [44:44] is the sub-list for extension type_name
+	44, // [44:44] is the sub-list for extension extendee
+	0,  // [0:44] is the sub-list for field type_name
 }
 
 func init() { file_expertd_v1_expert_proto_init() }
@@ -3395,7 +3413,7 @@ func file_expertd_v1_expert_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_expertd_v1_expert_proto_rawDesc), len(file_expertd_v1_expert_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   30,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

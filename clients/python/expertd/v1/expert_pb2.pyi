@@ -327,18 +327,27 @@ class GetServerInfoRequest(_message.Message):
 class ServerInfo(_message.Message):
     __slots__ = ("version", "backends", "devices", "limits", "ring")
     class BackendInfo(_message.Message):
-        __slots__ = ("name", "activations", "granularities", "devices", "max_tokens")
+        __slots__ = ("name", "activations", "granularities", "devices", "max_tokens", "details")
+        class DetailsEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
         NAME_FIELD_NUMBER: _ClassVar[int]
         ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
         GRANULARITIES_FIELD_NUMBER: _ClassVar[int]
         DEVICES_FIELD_NUMBER: _ClassVar[int]
         MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        DETAILS_FIELD_NUMBER: _ClassVar[int]
         name: str
         activations: _containers.RepeatedScalarFieldContainer[Activation]
         granularities: _containers.RepeatedScalarFieldContainer[str]
         devices: _containers.RepeatedScalarFieldContainer[str]
         max_tokens: int
-        def __init__(self, name: _Optional[str] = ..., activations: _Optional[_Iterable[_Union[Activation, str]]] = ..., granularities: _Optional[_Iterable[str]] = ..., devices: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+        details: _containers.ScalarMap[str, str]
+        def __init__(self, name: _Optional[str] = ..., activations: _Optional[_Iterable[_Union[Activation, str]]] = ..., granularities: _Optional[_Iterable[str]] = ..., devices: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., details: _Optional[_Mapping[str, str]] = ...) -> None: ...
     class Limits(_message.Message):
         __slots__ = ("max_message_bytes", "max_tokens", "max_loaded_bytes", "max_concurrent", "max_shm_regions", "max_shm_bytes")
         MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]

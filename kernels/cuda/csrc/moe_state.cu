@@ -1,0 +1,373 @@
+// Process state of the library: see moe_state.h.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <vector>
+
+#include "moe_state.h"
+
+namespace expertd {
+
+thread_local std::string g_last_error;
+
+int fail(int code, const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  g_last_error = buf;
+  return code;
+}
+
+int cuda_fail(cudaError_t err, const char* what) {
+  cudaGetLastError();  // clear a non-sticky error so the next call starts clean
+  const int code = err == cudaErrorMemoryAllocation ? EXPERTD_ERR_OOM
+                   : (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
+                      err == cudaErrorInvalidDevice)
+                       ? EXPERTD_ERR_NO_DEVICE
+                       : EXPERTD_ERR_CUDA;
+  return fail(code, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+
+int set_options(const expertd_options* o) {
+  expertd_options d;
+  if (!o) {
+    expertd_options_default(&d);
+    o = &d;
+  }
+  if (o->size < sizeof(expertd_options) || o->version != EXPERTD_ABI_VERSION)
+    return fail(EXPERTD_ERR_INVALID, "init: options of %u bytes, ABI %u; this library takes %zu bytes, ABI %d",
+                o->size, o->version, sizeof(expertd_options), EXPERTD_ABI_VERSION);
+  if (o->streams < 1 || o->streams > EXPERTD_MAX_STREAMS)
+    return fail(EXPERTD_ERR_INVALID, "init: %d streams per set, want 1..%d", o->streams, EXPERTD_MAX_STREAMS);
+  if (o->sync_spin_us < 0 || o->sync_spin_us > EXPERTD_MAX_SPIN_US)
+    return fail(EXPERTD_ERR_INVALID, "init: sync_spin_us=%d, want 0..%d", o->sync_spin_us, EXPERTD_MAX_SPIN_US);
+  Switches& s = switches();
+  s.streams = o->streams;
+  s.pdl = o->pdl != 0;
+  s.sm90_block = o->sm90_block != 0;
+  s.sm90_persistent = o->sm90_persistent != 0;
+  s.sm90_toka = o->sm90_toka != 0;
+  s.poison = o->poison != 0;
+  s.host_trace = o->host_trace != 0;
+  s.sync_spin_us = o->sync_spin_us;
+  return EXPERTD_OK;
+}
+
+namespace {
+std::mutex g_sets_mu;
+std::map<uint64_t, std::shared_ptr<Set>> g_sets;
+uint64_t g_next_handle = 1;
+}  // namespace
+
+
+uint64_t add_set(std::shared_ptr<Set> s) {
+  std::lock_guard<std::mutex> lk(g_sets_mu);
+  const uint64_t h = g_next_handle++;
+  g_sets[h] = std::move(s);
+  return h;
+}
+
+std::shared_ptr<Set> take_set(uint64_t h) {
+  std::lock_guard<std::mutex> lk(g_sets_mu);
+  auto it = g_sets.find(h);
+  if (it == g_sets.end()) return nullptr;
+  std::shared_ptr<Set> s = std::move(it->second);
+  g_sets.erase(it);
+  return s;
+}
+
+std::shared_ptr<Set> find_set(uint64_t h) {
+  std::lock_guard<std::mutex> lk(g_sets_mu);
+  auto it = g_sets.find(h);
+  return it == g_sets.end() ? nullptr : it->second;
+}
+
+int device_count(int* n) {
+  const cudaError_t err = cudaGetDeviceCount(n);
+  if (err != cudaSuccess) return cuda_fail(err, "cudaGetDeviceCount");
+  if (*n <= 0) return fail(EXPERTD_ERR_NO_DEVICE, "no CUDA device");
+  return EXPERTD_OK;
+}
+
+int check_device(int device) {
+  int n = 0;
+  if (int rc = device_count(&n)) return rc;
+  if (device < 0 || device >= n) return fail(EXPERTD_ERR_NO_DEVICE, "device %d out of range (have %d)", device, n);
+  return EXPERTD_OK;
+}
+
+
+Mem mem_kind(const void* p) {
+  cudaPointerAttributes a;
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return Mem::kPageable;
+  }
+  switch (a.type) {
+    case cudaMemoryTypeDevice:
+    case cudaMemoryTypeManaged:
+      return Mem::kDevice;
+    case cudaMemoryTypeHost:
+      return Mem::kPinned;
+    default:
+      return Mem::kPageable;
+  }
+}
+
+// IPC mappings by handle bytes: CUDA maps a handle once per process, so
+// repeated opens share the mapping and the last close unmaps it.
+struct IpcMapping {
+  void* ptr;
+  size_t bytes;
+  int device;
+  int refs;
+};
+namespace {
+std::mutex g_ipc_mu;
+std::map<std::string, IpcMapping> g_ipc;
+}  // namespace
+
+// allocation_size is the size of the allocation starting at base, from the
+// driver's cuMemGetAddressRange (the runtime has no equivalent).
+int allocation_size(void* base, size_t* size) {
+  using Fn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static Fn fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    cudaDriverEntryPointQueryResult q;
+    void* f = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess) {
+      fn = reinterpret_cast<Fn>(f);
+    }
+  });
+  if (!fn) return fail(EXPERTD_ERR_CUDA, "cuMemGetAddressRange is not available from the driver");
+  CUdeviceptr b = 0;
+  size_t n = 0;
+  if (fn(&b, &n, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS)
+    return fail(EXPERTD_ERR_CUDA, "cuMemGetAddressRange failed on an opened IPC handle");
+  if (b != reinterpret_cast<CUdeviceptr>(base))
+    return fail(EXPERTD_ERR_INVALID, "the IPC mapping does not start its allocation");
+  *size = n;
+  return EXPERTD_OK;
+}
+
+int LaneLease::acquire() {
+  std::unique_lock<std::mutex> lk(s_.mu);
+  for (;;) {
+    if (!s_.idle.empty()) {
+      lane_ = s_.idle.back();
+      s_.idle.pop_back();
+      return EXPERTD_OK;
+    }
+    if (int(s_.lanes.size()) < std::max(1, switches().streams.load())) break;
+    s_.cv.wait(lk);
+  }
+  auto l = std::make_unique<Lane>();
+  l->device = s_.device;
+  CK(cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking));
+  CK(cudaEventCreate(&l->ev0));
+  CK(cudaEventCreate(&l->ev1));
+  CK(cudaEventCreateWithFlags(&l->ev_done, cudaEventDisableTiming));
+  lane_ = l.get();
+  s_.lanes.push_back(std::move(l));
+  return EXPERTD_OK;
+}
+
+// groups is the number of activation scale groups in a row of n values:
+// ceil(n/block_k) in block mode, else one.
+int groups(const Set& s, int n) { return s.block_k > 0 ? (n + s.block_k - 1) / s.block_k : 1; }
+
+bool e4m3_mma(const Set& s) {
+  // The e4m3 mma.sync lives in the sm_90a cubin only; every other card runs
+  // the sm_80 cubin or its PTX, which has the FP16 path.
+  return s.cc_major == 9 && s.cc_minor == 0;
+}
+
+// sm90_ok says whether the Hopper kernels can run the set: the card, the
+// shape, and in block mode the block shape (Bk = 128, any Bn).
+bool sm90_ok(const Set& s) {
+#ifdef EXPERTD_HAVE_SM90
+  return s.cc_major == 9 && s.cc_minor == 0 && sm90_supported(s.K, s.N) &&
+         (s.block_k == 0 || sm90_block_supported(s.block_n, s.block_k));
+#else
+  (void)s;
+  return false;
+#endif
+}
+
+// sm90_block_default says whether AUTO runs block sets on the Hopper
+// kernels (EXPERTD_GEMM_SM90 takes them either way); off keeps them on the
+// portable path.
+bool sm90_block_default() {
+  return switches().sm90_block.load(std::memory_order_relaxed);
+}
+
+// use_pdl says whether a set's kernels launch with programmatic dependent
+// launch (launch.cuh): on sm_90 and later unless switched off, which times
+// the chain both ways.
+bool use_pdl(const Set& s) {
+  return switches().pdl.load(std::memory_order_relaxed) && s.cc_major >= 9;
+}
+
+// use_sm90 is the GEMM path a call takes: the Hopper kernels when asked for,
+// or by default where the card and shape allow them.
+bool use_sm90(const Set& s, const Call& c) {
+  return c.gemm == EXPERTD_GEMM_SM90 ||
+         (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s) && (s.block_k == 0 || sm90_block_default()));
+}
+
+int block_rows_for(const Set& s, const Call& c, bool sm90) {
+#ifdef EXPERTD_HAVE_SM90
+  if (sm90) return sm90_block_rows(c.m, c.top_k, s.E, s.block_k > 0);
+#endif
+  (void)sm90;
+  return portable_block_rows(c.m, c.top_k, s.E);
+}
+
+int set_create(int device, int num_experts, int hidden, int inter, int activation, const uint8_t* w13,
+                       const uint8_t* w2, const float* w13_scale, int n_w13_scale, const float* w2_scale,
+                       int n_w2_scale, int block_n, int block_k, float a13_scale, float a2_scale,
+                       uint64_t* out_handle) {
+  if (!out_handle) return fail(EXPERTD_ERR_INVALID, "set_create: out_handle is NULL");
+  *out_handle = 0;
+  if (num_experts < 1 || num_experts > EXPERTD_MAX_EXPERTS)
+    return fail(EXPERTD_ERR_UNSUPPORTED, "num_experts=%d (1..%d)", num_experts, EXPERTD_MAX_EXPERTS);
+  if (hidden < 1 || inter < 1 || hidden > (1 << 20) || inter > (1 << 20))
+    return fail(EXPERTD_ERR_INVALID, "hidden=%d inter=%d", hidden, inter);
+  if (activation != EXPERTD_ACT_SILU_GATED && activation != EXPERTD_ACT_RELU2)
+    return fail(EXPERTD_ERR_UNSUPPORTED, "activation %d", activation);
+  if (!w13 || !w2 || !w13_scale || !w2_scale) return fail(EXPERTD_ERR_INVALID, "set_create: NULL weights or scales");
+  const int64_t E = num_experts, rows1 = activation == EXPERTD_ACT_SILU_GATED ? 2 * int64_t(inter) : inter;
+  WScale m13, m2;
+  if (block_n < 0 || block_k < 0 || (block_n > 0) != (block_k > 0))
+    return fail(EXPERTD_ERR_INVALID, "block %d x %d: want both > 0 (block mode) or both 0", block_n, block_k);
+  if (block_n > 0) {
+    auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+    const int64_t want13 = E * cdiv(rows1, block_n) * cdiv(hidden, block_k);
+    const int64_t want2 = E * cdiv(hidden, block_n) * cdiv(inter, block_k);
+    if (n_w13_scale != want13 || n_w2_scale != want2)
+      return fail(EXPERTD_ERR_INVALID,
+                  "block %d x %d: weight scales have %d and %d values, want [E, ceil(rows/%d), ceil(cols/%d)] = %lld "
+                  "and %lld",
+                  block_n, block_k, n_w13_scale, n_w2_scale, block_n, block_k, (long long)want13, (long long)want2);
+    m13 = m2 = WScale::kBlock;
+  } else {
+    // Per-tensor (1) and per-expert (E) scales both become [E]; E*rows is
+    // per-channel (when rows is 1 the two agree).
+    auto mode = [&](int n, int64_t rows, WScale* m) {
+      if (n == 1 || n == E) {
+        *m = WScale::kPerExpert;
+      } else if (n == E * rows) {
+        *m = WScale::kPerChannel;
+      } else {
+        return false;
+      }
+      return true;
+    };
+    if (!mode(n_w13_scale, rows1, &m13) || !mode(n_w2_scale, hidden, &m2))
+      return fail(EXPERTD_ERR_INVALID,
+                  "weight scales: %d and %d values, want 1, E=%lld or E*rows (%lld and %lld) without a block",
+                  n_w13_scale, n_w2_scale, (long long)E, (long long)(E * rows1), (long long)(E * hidden));
+  }
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+
+  auto s = std::make_shared<Set>();
+  s->device = device;
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, device));
+  s->cc_major = prop.major;
+  s->cc_minor = prop.minor;
+  if (prop.major < 8) return fail(EXPERTD_ERR_UNSUPPORTED, "%s is sm_%d%d; need sm_80 or newer", prop.name, prop.major, prop.minor);
+  s->E = num_experts;
+  s->K = hidden;
+  s->N = inter;
+  s->act = activation;
+  s->w13_mode = m13;
+  s->w2_mode = m2;
+  s->block_n = block_n;
+  s->block_k = block_k;
+  s->a13_scale = a13_scale;
+  s->a2_scale = a2_scale;
+  s->poison = switches().poison.load();
+  const size_t n13 = size_t(num_experts) * rows1 * hidden, n2 = size_t(num_experts) * hidden * inter;
+  CK(cudaMalloc(&s->w13, n13));
+  CK(cudaMalloc(&s->w2, n2));
+  CK(cudaMemcpy(s->w13, w13, n13, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(s->w2, w2, n2, cudaMemcpyHostToDevice));
+  // upload_scale copies a scale to the device, a per-tensor one expanded to
+  // one per expert so the kernels index per-expert scales alike.
+  auto upload_scale = [&](float** dst, const float* src, int n, WScale m) -> int {
+    std::vector<float> sc;
+    if (m == WScale::kPerExpert && n == 1) {
+      sc.assign(num_experts, src[0]);
+    } else {
+      sc.assign(src, src + n);
+    }
+    CK(cudaMalloc(dst, sc.size() * sizeof(float)));
+    CK(cudaMemcpy(*dst, sc.data(), sc.size() * sizeof(float), cudaMemcpyHostToDevice));
+    return EXPERTD_OK;
+  };
+  if (int rc = upload_scale(&s->w13_scale, w13_scale, n_w13_scale, m13)) return rc;
+  if (int rc = upload_scale(&s->w2_scale, w2_scale, n_w2_scale, m2)) return rc;
+
+  *out_handle = add_set(std::move(s));
+  return EXPERTD_OK;
+}
+
+int set_free(uint64_t handle) {
+  if (!take_set(handle)) return fail(EXPERTD_ERR_NOT_FOUND, "set_free: unknown handle %llu", (unsigned long long)handle);
+  return EXPERTD_OK;  // ~Set frees when the last call in flight lets go of it
+}
+
+int ipc_map(int device, const uint8_t* handle, int handle_len, uint64_t* dev_ptr, uint64_t* bytes) {
+  if (!handle || !dev_ptr || !bytes) return fail(EXPERTD_ERR_INVALID, "ipc_open: NULL argument");
+  if (handle_len != EXPERTD_IPC_HANDLE_BYTES)
+    return fail(EXPERTD_ERR_INVALID, "ipc_open: handle has %d bytes, want %d", handle_len, EXPERTD_IPC_HANDLE_BYTES);
+  *dev_ptr = *bytes = 0;
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  const std::string key(reinterpret_cast<const char*>(handle), size_t(handle_len));
+  std::lock_guard<std::mutex> lk(g_ipc_mu);
+  auto it = g_ipc.find(key);
+  if (it == g_ipc.end()) {
+    // One mapping per handle per process (CUDA refuses to map a handle
+    // twice in one process); later opens share it.
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle, sizeof h);
+    void* p = nullptr;
+    CK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    size_t size = 0;
+    if (int rc = allocation_size(p, &size)) {
+      cudaIpcCloseMemHandle(p);
+      return rc;
+    }
+    it = g_ipc.emplace(key, IpcMapping{p, size, device, 0}).first;
+  }
+  it->second.refs++;
+  *dev_ptr = reinterpret_cast<uint64_t>(it->second.ptr);
+  *bytes = it->second.bytes;
+  return EXPERTD_OK;
+}
+
+int ipc_unmap(uint64_t dev_ptr) {
+  std::lock_guard<std::mutex> lk(g_ipc_mu);
+  for (auto it = g_ipc.begin(); it != g_ipc.end(); ++it) {
+    if (reinterpret_cast<uint64_t>(it->second.ptr) != dev_ptr) continue;
+    if (--it->second.refs > 0) return EXPERTD_OK;
+    CK(cudaSetDevice(it->second.device));
+    const cudaError_t err = cudaIpcCloseMemHandle(it->second.ptr);
+    g_ipc.erase(it);
+    if (err != cudaSuccess) return cuda_fail(err, "cudaIpcCloseMemHandle");
+    return EXPERTD_OK;
+  }
+  return fail(EXPERTD_ERR_NOT_FOUND, "ipc_close: 0x%llx is not an opened handle", (unsigned long long)dev_ptr);
+}
+
+}  // namespace expertd

@@ -1,0 +1,206 @@
+// The library's process state: expert sets and their lanes (stream,
+// workspace, staging and graphs of one call in flight), CUDA IPC mappings,
+// the thread's last error, and the per-set policy that picks kernels. The
+// C ABI (expertd_abi.cu) and the pipeline (moe_pipeline.cu) share it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "expertd_cuda.h"
+#include "moe_gemm.h"
+
+namespace expertd {
+
+// g_last_error is the calling thread's expertd_last_error().
+extern thread_local std::string g_last_error;
+
+// fail records a formatted message for the thread and returns code.
+int fail(int code, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+// cuda_fail maps a CUDA error to a return code and records it with what.
+int cuda_fail(cudaError_t err, const char* what);
+
+#define CK(call)                                   \
+  do {                                             \
+    const cudaError_t err_ = (call);               \
+    if (err_ != cudaSuccess) return cuda_fail(err_, #call); \
+  } while (0)
+
+// Call is the shape of one expertd_moe call: everything that changes kernel
+// arguments other than the buffer addresses.
+struct Call {
+  int m, hidden_dtype, n_hidden_scale, logits_dtype, out_dtype, top_k, renormalize, scoring,
+      num_groups, topk_groups, gemm;
+  int have_logits, have_bias;
+  float scaling;
+};
+
+// Layout is the workspace carve-up for one (M, block_rows).
+struct Layout {
+  int p, block_rows, max_blocks, max_rows;
+  size_t hidden, hscale, logits, bias, ids, w;  // inputs (host path copies into these)
+  size_t sorted, block_expert, num_blocks, a1q, a1s, act, a2q, a2s, y, out;
+  size_t in_begin, in_end, out_end, total;
+};
+
+// GraphKey is what a captured graph bakes in: the call's shape and the
+// caller's device buffers the pipeline reads or writes in place (null for
+// buffers in the workspace).
+struct GraphKey {
+  Call call;
+  const void* in[4];  // hidden, hidden_scale, bias or topk ids, logits or topk weights
+  const void* out;
+  bool operator<(const GraphKey& o) const { return std::memcmp(this, &o, sizeof(GraphKey)) < 0; }
+};
+
+// kMaxGraphs bounds a lane's graph cache; past it the cache starts over.
+constexpr size_t kMaxGraphs = 64;
+
+struct Graph {
+  cudaGraphExec_t exec = nullptr;
+  int seen = 0;  // calls of this shape so far
+  bool failed = false;
+};
+
+// Lane is what one call in flight on a set needs to itself: a stream, its
+// timing events, the device workspace, pinned staging and the graphs that
+// bake its addresses in. A set has up to switches().streams of them, so
+// calls on one set overlap (one's copies with another's kernels); each call
+// holds one lane from its first copy to its last.
+struct Lane {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ev0 = nullptr, ev1 = nullptr;  // kernel_ms
+  cudaEvent_t ev_done = nullptr;             // the call's last copy, untimed
+  uint8_t* ws = nullptr;
+  size_t ws_bytes = 0;
+  uint8_t* pin_in = nullptr;
+  size_t pin_in_bytes = 0;
+  uint8_t* pin_out = nullptr;
+  size_t pin_out_bytes = 0;
+  std::map<GraphKey, Graph> graphs;
+
+  void drop_graphs() {
+    for (auto& kv : graphs) {
+      if (kv.second.exec) cudaGraphExecDestroy(kv.second.exec);
+    }
+    graphs.clear();
+  }
+  ~Lane() {
+    cudaSetDevice(device);
+    if (stream) cudaStreamSynchronize(stream);
+    drop_graphs();
+    cudaFree(ws);
+    if (pin_in) cudaFreeHost(pin_in);
+    if (pin_out) cudaFreeHost(pin_out);
+    if (ev0) cudaEventDestroy(ev0);
+    if (ev1) cudaEventDestroy(ev1);
+    if (ev_done) cudaEventDestroy(ev_done);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+struct Set {
+  int device, cc_major, cc_minor;
+  int E, K, N, act;  // act: EXPERTD_ACT_*
+  uint8_t* w13 = nullptr;
+  uint8_t* w2 = nullptr;
+  // Per-expert scales are [E] (a per-tensor one expanded), per-channel
+  // [E, rows], block [E, row blocks, K blocks]; see WScale.
+  float* w13_scale = nullptr;
+  float* w2_scale = nullptr;
+  WScale w13_mode, w2_mode;
+  int block_n = 0, block_k = 0;  // block mode when > 0 (then both modes are kBlock)
+  float a13_scale, a2_scale;   // <= 0: dynamic
+  bool poison = false;  // the poison option when the set was made: NaN-fill before each run
+
+  // Lanes, created on first need; idle holds those no call holds.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::unique_ptr<Lane>> lanes;
+  std::vector<Lane*> idle;
+  // expertd_moe_device's lane (its workspace), under dev_mu.
+  std::mutex dev_mu;
+  std::unique_ptr<Lane> dev_lane;
+
+  ~Set() {
+    lanes.clear();  // each waits for its stream
+    dev_lane.reset();
+    cudaSetDevice(device);
+    cudaFree(w13);
+    cudaFree(w2);
+    cudaFree(w13_scale);
+    cudaFree(w2_scale);
+  }
+};
+
+// LaneLease holds one of a set's lanes for a call and gives it back.
+class LaneLease {
+ public:
+  explicit LaneLease(Set& s) : s_(s) {}
+  LaneLease(const LaneLease&) = delete;
+  LaneLease& operator=(const LaneLease&) = delete;
+  ~LaneLease() {
+    if (!lane_) return;
+    {
+      std::lock_guard<std::mutex> lk(s_.mu);
+      s_.idle.push_back(lane_);
+    }
+    s_.cv.notify_one();
+  }
+  // acquire waits for an idle lane, creating one while the set has fewer
+  // than switches().streams; the caller has made the set's device current.
+  int acquire();
+  Lane& lane() { return *lane_; }
+
+ private:
+  Set& s_;
+  Lane* lane_ = nullptr;
+};
+
+// Mem is where a pointer the caller passed points.
+enum class Mem { kPageable, kPinned, kDevice };
+
+// mem_kind asks the driver where p points.
+Mem mem_kind(const void* p);
+
+// find_set is the set named by handle, or null; add_set names a new set;
+// take_set removes one (it is freed when the last call holding it ends).
+std::shared_ptr<Set> find_set(uint64_t h);
+uint64_t add_set(std::shared_ptr<Set> s);
+std::shared_ptr<Set> take_set(uint64_t h);
+
+// check_device fails unless device is a usable ordinal.
+int check_device(int device);
+
+// Policy: which kernels run a set's calls.
+int groups(const Set& s, int n);
+bool e4m3_mma(const Set& s);
+bool sm90_ok(const Set& s);
+bool use_pdl(const Set& s);
+bool use_sm90(const Set& s, const Call& c);
+int block_rows_for(const Set& s, const Call& c, bool sm90);
+
+// The bodies of the C entry points of the same names (expertd_cuda.h
+// documents them); the entry points clear the thread's error first.
+int set_create(int device, int num_experts, int hidden, int inter, int activation, const uint8_t* w13,
+               const uint8_t* w2, const float* w13_scale, int n_w13_scale, const float* w2_scale, int n_w2_scale,
+               int block_n, int block_k, float a13_scale, float a2_scale, uint64_t* out_handle);
+int set_free(uint64_t handle);
+int ipc_map(int device, const uint8_t* handle, int handle_len, uint64_t* dev_ptr, uint64_t* bytes);
+int ipc_unmap(uint64_t dev_ptr);
+int set_options(const expertd_options* opts);
+int run_host(uint64_t handle, const expertd_call* call);
+int run_device(uint64_t handle, const expertd_call* call);
+
+}  // namespace expertd
