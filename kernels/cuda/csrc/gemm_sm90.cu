@@ -116,6 +116,9 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
+__device__ __forceinline__ void wgmma_wait1() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+}
 template <int kRegs>
 __device__ __forceinline__ void fence_acc(float* acc) {
 #pragma unroll
@@ -475,6 +478,11 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
         }
       }
     } else {
+      // One wgmma group stays in flight: stage kt's MMAs are issued before
+      // stage kt-1's are waited for, so the tensor cores run on while this
+      // warpgroup waits for the next stage and issues it; a stage goes back
+      // to the producer once the group that read it has completed.
+      int prev = -1;
       for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
         const int s = it % kStages;
         mbar_wait(&full[s], (it / kStages) & 1);
@@ -487,10 +495,14 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
           Mma::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
         }
         wgmma_commit();
-        wgmma_wait0();
+        wgmma_wait1();
         fence_acc<kRegs>(acc);
-        if (threadIdx.x % 128 == 0) mbar_arrive(&empty[s]);
+        if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
+        prev = s;
       }
+      wgmma_wait0();
+      fence_acc<kRegs>(acc);
+      if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
     }
 
     // Epilogue, kStageRows tokens at a time: registers -> staging tile
