@@ -50,6 +50,7 @@
 #include <mutex>
 
 #include "launch.cuh"
+#include "sm90_tiles.h"
 #include "wgmma_fp8.cuh"
 
 namespace expertd {
@@ -183,6 +184,22 @@ __device__ __forceinline__ void load_as(float* as, const float* stage_sc, int q,
     as[1] = v.y;
   }
 }
+// promote_toka adds a tokens-as-A stage's partial products into acc:
+// sc = {a0*w0, a1*w0, a0*w1, a1*w1} for the thread's two token rows (a) and
+// the tile's gate (w0) and up (w1) scale blocks; gated column group i holds
+// gate rows (i even) or up rows (odd).
+template <int BN, bool kGated>
+__device__ __forceinline__ void promote_toka(float* acc, const float* part, const float* sc) {
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+    const bool up = kGated && (i & 1);
+    const float sa = up ? sc[2] : sc[0], sb = up ? sc[3] : sc[1];
+    acc[4 * i + 0] += part[4 * i + 0] * sa;
+    acc[4 * i + 1] += part[4 * i + 1] * sa;
+    acc[4 * i + 2] += part[4 * i + 2] * sb;
+    acc[4 * i + 3] += part[4 * i + 3] * sb;
+  }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // out_size is the bytes of one output element.
@@ -251,7 +268,7 @@ __device__ __forceinline__ bool tile_of(const Params& p, int num_blocks, int uni
 // on across tiles, so while the consumers run a tile's epilogue the next
 // tile's operands are already streaming in.
 template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
-          bool kPair>
+          bool kPair, bool kPipe>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
@@ -300,6 +317,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
   static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
   static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
+  static_assert(!kPipe || kTokA, "the pipelined promotion is the tokens-as-A block tile's");
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -466,6 +484,65 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
           }
         }
         const bool has_as = p.a_scale_rows != nullptr;
+        if constexpr (kPipe) {
+          // Two partial sets: stage kt's wgmmas run into one while the
+          // other, stage kt-1's, is promoted into acc (wait_group 1), so
+          // the promotion's FMAs and the wait for the next stage overlap
+          // the tensor cores instead of idling them.
+          float part0[kRegs], part1[kRegs];
+          const int r0 = wg * kWGRows + 16 * warp + lane / 4;
+          float sc[4] = {0.f, 0.f, 0.f, 0.f};  // stage kt-1's s0g, s1g, s0u, s1u
+          int prev = -1;
+          // step issues stage kt into cur, then promotes other (stage kt-1).
+          auto step = [&](int kt, float(&cur)[kRegs], float(&other)[kRegs]) {
+            const int s = it % kStages;
+            const float w0 = wsb[0] ? __ldg(wsb[0] + kt) : 0.f;
+            const float w1 = wsb[1] ? __ldg(wsb[1] + kt) : 0.f;
+            mbar_wait(&full[s], (it / kStages) & 1);
+            float a0 = 1.f, a1 = 1.f;
+            if (has_as) {
+              const float* asc = a_sc + s * kAsStage;
+              a0 = asc[as_slot<BN>(r0)];
+              a1 = asc[as_slot<BN>(r0 + 8)];
+            }
+            const uint64_t da = smem_desc(a_smem + s * kATile + wg * kWGRows * kBK);
+            const uint64_t db = smem_desc(w_smem + s * kWTile);
+            fence_acc<kRegs>(cur);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBK / 32; ++kk) Mma::mma(cur, da + 2 * kk, db + 2 * kk, kk > 0 ? 1 : 0);
+            wgmma_commit();
+            wgmma_wait1();
+            fence_acc<kRegs>(other);
+            if (prev >= 0) {
+              __syncwarp();
+              if (lane == 0) mbar_arrive(&empty[prev]);
+              promote_toka<BN, kGated>(acc, other, sc);
+            }
+            sc[0] = a0 * w0, sc[1] = a1 * w0, sc[2] = a0 * w1, sc[3] = a1 * w1;
+            prev = s;
+            ++it;
+          };
+          int kt = 0;
+          for (; kt + 1 < p.num_k_iters; kt += 2) {
+            step(kt, part0, part1);
+            step(kt + 1, part1, part0);
+          }
+          // The last stage's partials: part0 after an odd count, else part1
+          // (two static branches; a reference chosen at run time would put
+          // both sets in local memory).
+          if (kt < p.num_k_iters) step(kt, part0, part1);
+          wgmma_wait0();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[prev]);
+          if (p.num_k_iters & 1) {
+            fence_acc<kRegs>(part0);
+            promote_toka<BN, kGated>(acc, part0, sc);
+          } else {
+            fence_acc<kRegs>(part1);
+            promote_toka<BN, kGated>(acc, part1, sc);
+          }
+        } else {
         float part[kRegs];
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
@@ -529,39 +606,44 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             }
           }
         }
+        }
       } else {
         // One wgmma group stays in flight: stage kt's MMAs are issued before
         // stage kt-1's are waited for, so the tensor cores run on while this
         // warpgroup waits for the next stage and issues it; a stage goes back
-        // to the producer once the group that read it has completed.
-        int prev = -1;
-        for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-          const int s = it % kStages;
-          mbar_wait(&full[s], (it / kStages) & 1);
-          const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
-          const uint64_t da = smem_desc(a_smem + s * kATile);
-          fence_acc<kRegs>(acc);
-          wgmma_fence();
-          if (half_tile) {
+        // to the producer once the group that read it has completed. One
+        // loop per wgmma shape (kPair's half tiles have their own): ptxas
+        // serializes wgmmas of different shapes on one accumulator in one
+        // loop.
+        auto mainloop = [&](auto mma) {
+          using M = decltype(mma);
+          int prev = -1;
+          for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+            const int s = it % kStages;
+            mbar_wait(&full[s], (it / kStages) & 1);
+            const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
+            const uint64_t da = smem_desc(a_smem + s * kATile);
+            fence_acc<kRegs>(acc);
+            wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kBK / 32; ++kk) {
-              MmaHalf::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+              M::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
             }
-          } else {
-#pragma unroll
-            for (int kk = 0; kk < kBK / 32; ++kk) {
-              Mma::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
-            }
+            wgmma_commit();
+            wgmma_wait1();
+            fence_acc<kRegs>(acc);
+            if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
+            prev = s;
           }
-          wgmma_commit();
-          wgmma_wait1();
+          wgmma_wait0();
           fence_acc<kRegs>(acc);
           if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
-          prev = s;
+        };
+        if (half_tile) {
+          mainloop(MmaHalf{});
+        } else {
+          mainloop(Mma{});
         }
-        wgmma_wait0();
-        fence_acc<kRegs>(acc);
-        if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
       }
 
       // Epilogue, kStageRows tokens at a time: registers -> staging tile
@@ -685,7 +767,7 @@ bool persistent_grid() {
 }
 
 template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
-          bool kPair = false>
+          bool kPair = false, bool kPipe = false>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   constexpr int kWTile = kNWG * kWGRows * kBK;
   constexpr int kATile = BN * kBK;
@@ -725,7 +807,7 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA, kPair>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA, kPair, kPipe>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
@@ -776,12 +858,12 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
 // kAct1BF16, which the pipeline no longer asks for, has no per-channel or
 // block instantiation.
-template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false>
+template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false, bool kPipe = false>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPipe>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPipe>(a, s);
     case GemmEpilogue::kAct1BF16:
       if constexpr (kPC || kBlk) {
         return cudaErrorInvalidValue;
@@ -790,10 +872,10 @@ cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
                      : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1BF16, false, false, false, kPair>(a, s);
       }
     case GemmEpilogue::kAct1F32:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPipe>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPipe>(a, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair>(a, s);
+      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair, kPipe>(a, s);
   }
   return cudaErrorInvalidValue;
 }
@@ -809,11 +891,25 @@ bool toka_ok(const MoeGemmArgs& a, bool gated) {
 }
 
 // pair_tiles says whether 128-row alignment blocks run as 256-token tiles
-// of two blocks (kPair; per-expert and per-channel scales).
-// EXPERTD_SM90_PAIR=0 runs them as 128-token tiles, to time the two
-// against each other.
+// of two blocks (kPair; per-expert and per-channel scales). Off unless
+// EXPERTD_SM90_PAIR=1: the first timing (whose build serialized the
+// paired kernels' wgmmas) lost to 128- and 256-token tiles at M >= 4096.
+// switch_set reads an opt-in switch: on only when set to "1".
+bool switch_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 bool pairs_on() {
-  static const bool on = switch_on("EXPERTD_SM90_PAIR");
+  static const bool on = switch_set("EXPERTD_SM90_PAIR");
+  return on;
+}
+
+// blk_pipe_on says whether block-scaled tokens-as-A tiles promote with two
+// partial sets (kPipe). Off unless EXPERTD_SM90_BLKPIPE=1: not yet timed
+// on the card.
+bool blk_pipe_on() {
+  static const bool on = switch_set("EXPERTD_SM90_BLKPIPE");
   return on;
 }
 bool pair_tiles(const MoeGemmArgs& a) { return pairs_on() && a.w_mode != WScale::kBlock; }
@@ -836,8 +932,9 @@ cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
       if constexpr (BN > 128) {
         return cudaErrorInvalidValue;
       } else if constexpr (BN == 128 && kNWG == 2) {
-        return toka_ok(a, gated) ? launch_epi<BN, kNWG, false, true, true>(a, gated, s)
-                                 : launch_epi<BN, kNWG, false, true>(a, gated, s);
+        if (!toka_ok(a, gated)) return launch_epi<BN, kNWG, false, true>(a, gated, s);
+        return blk_pipe_on() ? launch_epi<BN, kNWG, false, true, true, false, true>(a, gated, s)
+                             : launch_epi<BN, kNWG, false, true, true>(a, gated, s);
       } else {
         return launch_epi<BN, kNWG, false, true>(a, gated, s);
       }
@@ -888,8 +985,22 @@ bool sm90_supported(int hidden, int inter) { return hidden % 16 == 0 && inter % 
 
 bool sm90_block_supported(int block_n, int block_k) { return block_n > 0 && block_k == kBK; }
 
-int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales) {
+int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden, int inter, bool gated) {
   const int per_expert = (m * top_k + num_experts - 1) / num_experts;
+  // The measured table: the row of the shape with the least per_expert at
+  // or above this call's (its last row past the end); below the shape's
+  // first row, which is where no tile was timed, the rule. A row's tile
+  // must be one the call can take (block mode: at most 128).
+  int tile = 0;
+  bool first = true;
+  for (const Sm90TileRow& r : kSm90Tiles) {
+    if (r.hidden != hidden || r.inter != inter || r.gated != gated || r.block != block_scales) continue;
+    if (first && per_expert < r.per_expert) break;
+    first = false;
+    tile = r.tile;
+    if (r.per_expert >= per_expert) break;
+  }
+  if (tile > 0 && !(block_scales && tile > 128)) return tile;
   // Routing is not uniform: an expert with more tokens than one tile runs
   // two tiles and streams its weights twice, so decode tiles hold about
   // twice the mean. Measured against tiles of the mean (perf-notes, "Token

@@ -6,6 +6,9 @@
 //   gemm_sm90_check quick      correctness only
 //   gemm_sm90_check block ...  the same with [128, 128] block scales (and
 //                              DeepSeek-V3 timings)
+//   gemm_sm90_check tiles      times each layer of the table's shapes at each
+//                              token tile and prints sm90_tiles.h (stdout;
+//                              progress on stderr)
 //   gemm_sm90_check ab [block] times the tree's kernels against a baseline
 //                              copy linked into the same binary (see
 //                              gemm_sm90_base.cu and scripts/sm90-ab-build.sh)
@@ -62,6 +65,7 @@ int cdiv(int a, int b) { return (a + b - 1) / b; }
 // token tile (BN, BNS).
 bool g_base = false;
 int g_force_bn = 0;
+FILE* g_log = stdout;  // timing lines (stderr under "tiles", whose stdout is a header)
 
 __device__ float fp8f(uint8_t b) {
   __nv_fp8_e4m3 v;
@@ -153,7 +157,7 @@ Layout make_layout(const Case& c, std::mt19937& rng) {
     counts[e]++;
   }
   L.block_rows = g_base ? expertd_base_block_rows(c.M, c.topk, c.E, g_block)
-                       : expertd::sm90_block_rows(c.M, c.topk, c.E, g_block);
+                       : expertd::sm90_block_rows(c.M, c.topk, c.E, g_block, c.K, c.N, c.gated);
   if (g_force_bn > 0) L.block_rows = g_force_bn;  // force a tile, for timing
   int bound = std::min(c.E, L.pairs) + L.pairs / L.block_rows;
   L.max_blocks = bound;
@@ -362,7 +366,7 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
         if (b == 0 || L.block_expert[b] != L.block_expert[b - 1]) hit++;
       double flops = 2.0 * L.pairs * g.k * (second ? c.K : w1_rows);
       double wbytes = double(hit) * g.w_rows * g.k;
-      std::printf("  time %-4s %-12s epi=%d M=%5d BN=%3d  %.4f ms  %7.1f TFLOP/s (%.0f%% of 1471)  %5.2f TB/s weights (%.0f%% of 4.28)\n",
+      std::fprintf(g_log, "  time %-4s %-12s epi=%d M=%5d BN=%3d  %.4f ms  %7.1f TFLOP/s (%.0f%% of 1471)  %5.2f TB/s weights (%.0f%% of 4.28)\n",
                   g_base ? "base" : "new", c.name, epi, c.M, L.block_rows, med, flops / med / 1e9,
                   flops / med / 1e9 / 14.71, wbytes / med / 1e9, wbytes / med / 1e6 / 42.8);
       g_sum_ms += med;
@@ -433,12 +437,90 @@ bool time_ab(std::mt19937& rng) {
   return true;
 }
 
+// tiles_table sweeps the token tile for Nemotron, Qwen3 and DeepSeek-V3
+// (per-expert scales, and block scales) over the M of TILES_M and prints
+// the generated sm90_tiles.h: per shape and mean tokens per expert, the
+// tile with the least GEMM1 + GEMM2 time. Candidates are the tiles within
+// 4x of the mean (and the rule's own choice), so the sweep skips tiles that
+// re-read every expert's weights dozens of times.
+int tiles_table(std::mt19937& rng) {
+  struct Shape {
+    const char* name;
+    Case c;
+    bool block;
+  };
+  const Shape shapes[] = {
+      {"nemotron", {"nemotron", 128, 2688, 1856, 0, 6, false, 0}, false},
+      {"qwen3", {"qwen3", 128, 2048, 768, 0, 8, true, 0}, false},
+      {"deepseek-v3", {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0}, false},
+      {"deepseek-v3-block", {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0}, true},
+  };
+  const auto ms = split(std::getenv("TILES_M"), "1,16,64,256,512,1024,2048,4096,8192");
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::string rows;
+  for (const auto& sh : shapes) {
+    g_block = sh.block;
+    int last_pe = -1;
+    std::string last_row;
+    for (const auto& mstr : ms) {
+      Case c = sh.c;
+      c.M = std::atoi(mstr.c_str());
+      const int pe = (c.M * c.topk + c.E - 1) / c.E;
+      const int rule = expertd::sm90_block_rows(c.M, c.topk, c.E, sh.block);
+      const unsigned point_seed = rng();
+      int best = 0;
+      double best_ms = 1e30, rule_ms = 0;
+      std::string tried;
+      for (int bn : {8, 16, 32, 64, 128, 256}) {
+        if (sh.block && bn > 128) continue;
+        if (bn != rule && (bn > 4 * pe && bn > 8 || 4 * bn < pe)) continue;
+        g_force_bn = bn;
+        std::mt19937 r(point_seed);
+        run(c, false, true, r);
+        tried += " " + std::to_string(bn) + ":" + std::to_string(g_sum_ms).substr(0, 6);
+        if (bn == rule) rule_ms = g_sum_ms;
+        if (g_sum_ms < best_ms) best_ms = g_sum_ms, best = bn;
+      }
+      std::fprintf(stderr, "tiles %s M=%d per_expert=%d best %d (%.4f ms), rule %d (%.4f ms);%s\n", sh.name, c.M, pe,
+                   best, best_ms, rule, rule_ms, tried.c_str());
+      char row[256];
+      std::snprintf(row, sizeof row, "    {%d, %d, %s, %s, %d, %d},  // M=%d: %.4f ms; ms by tile:%s\n", c.K, c.N,
+                    c.gated ? "true" : "false", sh.block ? "true" : "false", pe, best, c.M, best_ms, tried.c_str());
+      // Equal means (M=1 and M=16 for 128 experts): the larger M decides.
+      if (pe == last_pe) {
+        last_row = row;
+        continue;
+      }
+      rows += last_row;
+      last_row = row;
+      last_pe = pe;
+    }
+    rows += last_row;
+  }
+  g_force_bn = 0;
+  time_t now = time(nullptr);
+  char when[64];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  std::printf("// Code generated by gemm_sm90_check tiles on %s, %s. DO NOT EDIT.\n", prop.name, when);
+  std::printf("// Regenerate on the target card: build/gemm_sm90_check tiles > kernels/cuda/csrc/sm90_tiles.h\n");
+  std::printf("#pragma once\nnamespace expertd {\n");
+  std::printf("// Sm90TileRow: for a layer shape, the fastest token tile (GEMM1 + GEMM2,\n");
+  std::printf("// L2 flushed, uniform random routing) at a mean of per_expert tokens per\n");
+  std::printf("// expert (ceil(M * top_k / E)); rows of a shape ascend in per_expert.\n");
+  std::printf("struct Sm90TileRow {\n  int hidden, inter;\n  bool gated, block;\n  int per_expert, tile;\n};\n");
+  std::printf("constexpr Sm90TileRow kSm90Tiles[] = {\n%s", rows.c_str());
+  std::printf("    {-1, -1, false, false, 0, 0},  // end (matches no shape)\n};\n}  // namespace expertd\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);
-  bool quick = false, ab = false;
+  bool quick = false, ab = false, tiles = false;
   for (int i = 1; i < argc; ++i) {
     quick = quick || std::strcmp(argv[i], "quick") == 0;
     ab = ab || std::strcmp(argv[i], "ab") == 0;
+    tiles = tiles || std::strcmp(argv[i], "tiles") == 0;
     g_block = g_block || std::strcmp(argv[i], "block") == 0;
   }
   if (const char* bn = std::getenv("BN")) g_force_bn = std::atoi(bn);
@@ -448,8 +530,14 @@ int main(int argc, char** argv) {
   }
   std::random_device rd;
   unsigned seed = rd();
-  std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
+  // The table goes to stdout as a header: nothing else may.
+  if (tiles) {
+    g_log = stderr;
+    std::fprintf(stderr, "seed %u\n", seed);
+    return tiles_table(rng);
+  }
+  std::printf("seed %u\n", seed);
   // PROFILE_M=m: only time DeepSeek-V3 at M=m (block scales with "block",
   // else per-expert ones), for a profiler to pick its kernels;
   // PROFILE_CASE=nemotron or qwen3 times that layer instead.
