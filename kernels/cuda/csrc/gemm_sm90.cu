@@ -184,22 +184,6 @@ __device__ __forceinline__ void load_as(float* as, const float* stage_sc, int q,
     as[1] = v.y;
   }
 }
-// promote_toka adds a tokens-as-A stage's partial products into acc:
-// sc = {a0*w0, a1*w0, a0*w1, a1*w1} for the thread's two token rows (a) and
-// the tile's gate (w0) and up (w1) scale blocks; gated column group i holds
-// gate rows (i even) or up rows (odd).
-template <int BN, bool kGated>
-__device__ __forceinline__ void promote_toka(float* acc, const float* part, const float* sc) {
-#pragma unroll
-  for (int i = 0; i < BN / 8; ++i) {
-    const bool up = kGated && (i & 1);
-    const float sa = up ? sc[2] : sc[0], sb = up ? sc[3] : sc[1];
-    acc[4 * i + 0] += part[4 * i + 0] * sa;
-    acc[4 * i + 1] += part[4 * i + 1] * sa;
-    acc[4 * i + 2] += part[4 * i + 2] * sb;
-    acc[4 * i + 3] += part[4 * i + 3] * sb;
-  }
-}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // out_size is the bytes of one output element.
@@ -268,7 +252,7 @@ __device__ __forceinline__ bool tile_of(const Params& p, int num_blocks, int uni
 // on across tiles, so while the consumers run a tile's epilogue the next
 // tile's operands are already streaming in.
 template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
-          bool kPair, bool kPipe>
+          bool kPair>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
@@ -317,7 +301,6 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
   static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
   static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
-  static_assert(!kPipe || kTokA, "the pipelined promotion is the tokens-as-A block tile's");
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -484,65 +467,6 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
           }
         }
         const bool has_as = p.a_scale_rows != nullptr;
-        if constexpr (kPipe) {
-          // Two partial sets: stage kt's wgmmas run into one while the
-          // other, stage kt-1's, is promoted into acc (wait_group 1), so
-          // the promotion's FMAs and the wait for the next stage overlap
-          // the tensor cores instead of idling them.
-          float part0[kRegs], part1[kRegs];
-          const int r0 = wg * kWGRows + 16 * warp + lane / 4;
-          float sc[4] = {0.f, 0.f, 0.f, 0.f};  // stage kt-1's s0g, s1g, s0u, s1u
-          int prev = -1;
-          // step issues stage kt into cur, then promotes other (stage kt-1).
-          auto step = [&](int kt, float(&cur)[kRegs], float(&other)[kRegs]) {
-            const int s = it % kStages;
-            const float w0 = wsb[0] ? __ldg(wsb[0] + kt) : 0.f;
-            const float w1 = wsb[1] ? __ldg(wsb[1] + kt) : 0.f;
-            mbar_wait(&full[s], (it / kStages) & 1);
-            float a0 = 1.f, a1 = 1.f;
-            if (has_as) {
-              const float* asc = a_sc + s * kAsStage;
-              a0 = asc[as_slot<BN>(r0)];
-              a1 = asc[as_slot<BN>(r0 + 8)];
-            }
-            const uint64_t da = smem_desc(a_smem + s * kATile + wg * kWGRows * kBK);
-            const uint64_t db = smem_desc(w_smem + s * kWTile);
-            fence_acc<kRegs>(cur);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kBK / 32; ++kk) Mma::mma(cur, da + 2 * kk, db + 2 * kk, kk > 0 ? 1 : 0);
-            wgmma_commit();
-            wgmma_wait1();
-            fence_acc<kRegs>(other);
-            if (prev >= 0) {
-              __syncwarp();
-              if (lane == 0) mbar_arrive(&empty[prev]);
-              promote_toka<BN, kGated>(acc, other, sc);
-            }
-            sc[0] = a0 * w0, sc[1] = a1 * w0, sc[2] = a0 * w1, sc[3] = a1 * w1;
-            prev = s;
-            ++it;
-          };
-          int kt = 0;
-          for (; kt + 1 < p.num_k_iters; kt += 2) {
-            step(kt, part0, part1);
-            step(kt + 1, part1, part0);
-          }
-          // The last stage's partials: part0 after an odd count, else part1
-          // (two static branches; a reference chosen at run time would put
-          // both sets in local memory).
-          if (kt < p.num_k_iters) step(kt, part0, part1);
-          wgmma_wait0();
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&empty[prev]);
-          if (p.num_k_iters & 1) {
-            fence_acc<kRegs>(part0);
-            promote_toka<BN, kGated>(acc, part0, sc);
-          } else {
-            fence_acc<kRegs>(part1);
-            promote_toka<BN, kGated>(acc, part1, sc);
-          }
-        } else {
         float part[kRegs];
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
@@ -605,7 +529,6 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
               acc[4 * i + 3] += part[4 * i + 3] * (w1 * as[2 * i + 1]);
             }
           }
-        }
         }
       } else {
         // One wgmma group stays in flight: stage kt's MMAs are issued before
@@ -767,7 +690,7 @@ bool persistent_grid() {
 }
 
 template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
-          bool kPair = false, bool kPipe = false>
+          bool kPair = false>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   constexpr int kWTile = kNWG * kWGRows * kBK;
   constexpr int kATile = BN * kBK;
@@ -807,7 +730,7 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA, kPair, kPipe>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA, kPair>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
@@ -858,12 +781,12 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
 // kAct1BF16, which the pipeline no longer asks for, has no per-channel or
 // block instantiation.
-template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false, bool kPipe = false>
+template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPipe>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPipe>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair>(a, s);
     case GemmEpilogue::kAct1BF16:
       if constexpr (kPC || kBlk) {
         return cudaErrorInvalidValue;
@@ -872,10 +795,10 @@ cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
                      : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1BF16, false, false, false, kPair>(a, s);
       }
     case GemmEpilogue::kAct1F32:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPipe>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPipe>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair>(a, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair, kPipe>(a, s);
+      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair>(a, s);
   }
   return cudaErrorInvalidValue;
 }
@@ -890,26 +813,18 @@ bool toka_ok(const MoeGemmArgs& a, bool gated) {
   return gated ? a.block_n % 64 == 0 && a.n_out % 64 == 0 : a.block_n % 128 == 0;
 }
 
-// pair_tiles says whether 128-row alignment blocks run as 256-token tiles
-// of two blocks (kPair; per-expert and per-channel scales). Off unless
-// EXPERTD_SM90_PAIR=1: the first timing (whose build serialized the
-// paired kernels' wgmmas) lost to 128- and 256-token tiles at M >= 4096.
 // switch_set reads an opt-in switch: on only when set to "1".
 bool switch_set(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+// pair_tiles says whether 128-row alignment blocks run as 256-token tiles
+// of two blocks (kPair; per-expert and per-channel scales). Off unless
+// EXPERTD_SM90_PAIR=1: the first timing (whose build serialized the
+// paired kernels' wgmmas) lost to 128- and 256-token tiles at M >= 4096.
 bool pairs_on() {
   static const bool on = switch_set("EXPERTD_SM90_PAIR");
-  return on;
-}
-
-// blk_pipe_on says whether block-scaled tokens-as-A tiles promote with two
-// partial sets (kPipe). Off unless EXPERTD_SM90_BLKPIPE=1: not yet timed
-// on the card.
-bool blk_pipe_on() {
-  static const bool on = switch_set("EXPERTD_SM90_BLKPIPE");
   return on;
 }
 bool pair_tiles(const MoeGemmArgs& a) { return pairs_on() && a.w_mode != WScale::kBlock; }
@@ -932,9 +847,8 @@ cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
       if constexpr (BN > 128) {
         return cudaErrorInvalidValue;
       } else if constexpr (BN == 128 && kNWG == 2) {
-        if (!toka_ok(a, gated)) return launch_epi<BN, kNWG, false, true>(a, gated, s);
-        return blk_pipe_on() ? launch_epi<BN, kNWG, false, true, true, false, true>(a, gated, s)
-                             : launch_epi<BN, kNWG, false, true, true>(a, gated, s);
+        return toka_ok(a, gated) ? launch_epi<BN, kNWG, false, true, true>(a, gated, s)
+                                 : launch_epi<BN, kNWG, false, true>(a, gated, s);
       } else {
         return launch_epi<BN, kNWG, false, true>(a, gated, s);
       }
