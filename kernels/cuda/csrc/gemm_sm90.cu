@@ -37,6 +37,11 @@
 // promotion is four products and one FMA per accumulator instead of an
 // FMUL and an FMA each. Decode tiles keep the weights on the M side.
 //
+// Per-expert and per-channel mainloops keep one wgmma group in flight
+// (wait_group 1). With EXPERTD_SM90_PAIR=1, 128-row alignment blocks run as
+// 256-token tiles of two blocks of one expert (kPair, see tile_of). The
+// token tile per layer shape comes from the measured table in sm90_tiles.h.
+//
 // It implements the sm90 half of moe_gemm.h.
 #include "moe_gemm.h"
 
