@@ -37,6 +37,11 @@
 // promotion is four products and one FMA per accumulator instead of an
 // FMUL and an FMA each. Decode tiles keep the weights on the M side.
 //
+// Per-expert and per-channel mainloops keep one wgmma group in flight
+// (wait_group 1). With EXPERTD_SM90_PAIR=1, 128-row alignment blocks run as
+// 256-token tiles of two blocks of one expert (kPair, see tile_of). The
+// token tile per layer shape comes from the measured table in sm90_tiles.h.
+//
 // It implements the sm90 half of moe_gemm.h.
 #include "moe_gemm.h"
 
@@ -51,6 +56,7 @@
 #include <mutex>
 
 #include "launch.cuh"
+#include "sm90_tiles.h"
 #include "wgmma_fp8.cuh"
 
 namespace expertd {
@@ -116,6 +122,9 @@ __device__ __forceinline__ void wgmma_commit() {
 }
 __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait1() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
 }
 template <int kRegs>
 __device__ __forceinline__ void fence_acc(float* acc) {
@@ -192,7 +201,7 @@ struct Params {
   int k;
   int n_out;
   int w_rows;
-  int block_rows;
+  int block_rows;  // rows per alignment block (kPair: half the tile)
   int num_k_iters;
   const int32_t* block_expert;
   const int32_t* num_blocks;
@@ -211,13 +220,45 @@ struct Params {
   int w_k_blocks;    // ceil(k / 128)
 };
 
+// TileRef is one tile's token rows: nblk alignment blocks from blk on, all
+// of one expert.
+struct TileRef {
+  int blk, nblk, expert;
+};
+
+// tile_of names sub-tile sub of tile unit `unit`, or returns false where
+// there is none. Without kPair a unit is one block. With kPair (BN-token
+// tiles over BN/2-row alignment blocks) unit u covers blocks 2u and 2u+1:
+// one tile of both where they belong to the same expert, else one
+// half-width tile each. An expert's last block is then the only one that
+// can leave a tile half empty, so an expert with 384 tokens fills three
+// 128-token halves instead of two 256-token tiles with 128 slots idle,
+// while most tiles still read the weights once per 256 tokens.
+template <bool kPair>
+__device__ __forceinline__ bool tile_of(const Params& p, int num_blocks, int unit, int sub, TileRef& t) {
+  if (!kPair) {
+    t = {unit, 1, p.block_expert[unit]};
+    return sub == 0 && t.expert >= 0;
+  }
+  const int b0 = 2 * unit, b1 = 2 * unit + 1;
+  const int e0 = p.block_expert[b0];
+  const int e1 = b1 < num_blocks ? p.block_expert[b1] : -1;
+  if (e0 >= 0 && e0 == e1) {
+    t = {b0, 2, e0};
+    return sub == 0;
+  }
+  t = sub == 0 ? TileRef{b0, 1, e0} : TileRef{b1, 1, e1};
+  return t.expert >= 0;
+}
+
 // Persistent: each CTA walks tiles t = blockIdx.x, +gridDim.x, ... of the
 // (token block, weight tile) grid; a tile is kNWG*64 weight rows x BN tokens
 // of one expert. Warpgroups 0..kNWG-1 consume (wgmma + epilogue); warpgroup
 // kNWG produces (one thread issues the TMA loads). The producer's ring runs
 // on across tiles, so while the consumers run a tile's epilogue the next
 // tile's operands are already streaming in.
-template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA>
+template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
+          bool kPair>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
@@ -231,12 +272,14 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   constexpr int kStageRows = BN < 128 ? BN : 128;  // tokens staged at a time
   constexpr int kAsStage = 4 * as_pitch<BN>();  // kBlk: floats of activation scales per stage
   using Mma = WgmmaE4M3<BN>;
+  using MmaHalf = WgmmaE4M3<kPair ? BN / 2 : BN>;  // kPair: a tile of one block
 
   pdl_wait();
   pdl_trigger();
   const int num_blocks = *p.num_blocks;
   const int n_wtiles = (p.n_out + kOC - 1) / kOC;
-  const int num_tiles = num_blocks * n_wtiles;
+  constexpr int kSubs = kPair ? 2 : 1;  // sub-tiles per tile unit (tile_of)
+  const int num_tiles = (kPair ? (num_blocks + 1) / 2 : num_blocks) * n_wtiles;
   if (static_cast<int>(blockIdx.x) >= num_tiles) return;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -263,6 +306,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   float* a_sc = reinterpret_cast<float*>(row_dst + BN);
   static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
   static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
+  static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -282,24 +326,34 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     if (threadIdx.x == kNWG * 128) {
       int it = 0;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const int blk = t / n_wtiles;
         const int wtile = t % n_wtiles;
-        const int expert = p.block_expert[blk];
-        if (expert < 0) continue;
-        for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-          const int s = it % kStages;
-          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-          mbar_expect_tx(&full[s], kWTile + kATile);
-          const int kb = kt * kBK;
-          if (kGated) {
-            // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
-            // group holds 8 gate channels then the same 8 up channels, so a
-            // thread's accumulator rows r and r+8 are a gate/up pair.
-            tma_load_5d(w_smem + s * kWTile, &tm_w, &full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
-          } else {
-            tma_load_3d(w_smem + s * kWTile, &tm_w, &full[s], kb, wtile * kNWG * kWGRows, expert);
+        for (int sub = 0; sub < kSubs; ++sub) {
+          TileRef tr;
+          if (!tile_of<kPair>(p, num_blocks, t / n_wtiles, sub, tr)) continue;
+          const int expert = tr.expert;
+          const int row0 = tr.blk * p.block_rows;
+          for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+            const int s = it % kStages;
+            mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+            mbar_expect_tx(&full[s], kWTile + (kPair ? tr.nblk * (BN / 2) * kBK : kATile));
+            const int kb = kt * kBK;
+            if (kGated) {
+              // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
+              // group holds 8 gate channels then the same 8 up channels, so a
+              // thread's accumulator rows r and r+8 are a gate/up pair.
+              tma_load_5d(w_smem + s * kWTile, &tm_w, &full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
+            } else {
+              tma_load_3d(w_smem + s * kWTile, &tm_w, &full[s], kb, wtile * kNWG * kWGRows, expert);
+            }
+            if (kPair) {
+              // Box of BN/2 rows: one load per block of the tile.
+              for (int h = 0; h < tr.nblk; ++h) {
+                tma_load_2d(a_smem + s * kATile + h * (BN / 2) * kBK, &tm_a, &full[s], kb, row0 + h * (BN / 2));
+              }
+            } else {
+              tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, row0);
+            }
           }
-          tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, blk * BN);
         }
       }
     } else if (kBlk && (threadIdx.x % 128) / 32 == 1) {
@@ -312,15 +366,15 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       const int lane = threadIdx.x % 32;
       int it = 0;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const int blk = t / n_wtiles;
-        const int expert = p.block_expert[blk];
-        if (expert < 0) continue;
+        TileRef tr;
+        if (!tile_of<kPair>(p, num_blocks, t / n_wtiles, 0, tr)) continue;
+        const int blk = tr.blk;
         for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
           const int s = it % kStages;
           mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
           if (p.a_scale_rows != nullptr && lane < BN) {
             for (int r = lane; r < BN; r += 32) {
-              const float* src = p.a_scale_rows + size_t(blk * BN + r) * p.a_scale_ld + kt;
+              const float* src = p.a_scale_rows + size_t(blk * p.block_rows + r) * p.a_scale_ld + kt;
               float* dst = a_sc + s * kAsStage + as_slot<BN>(r);
               asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src)
                            : "memory");
@@ -343,234 +397,263 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   const int lane = threadIdx.x % 32;
   int it = 0;
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const int blk = t / n_wtiles;
     const int wtile = t % n_wtiles;
-    const int expert = p.block_expert[blk];
-    if (expert < 0) continue;
+    for (int sub = 0; sub < kSubs; ++sub) {
+      TileRef tr;
+      if (!tile_of<kPair>(p, num_blocks, t / n_wtiles, sub, tr)) continue;
+      const int expert = tr.expert;
+      const int row0 = tr.blk * p.block_rows;
+      // kPair: a tile of one block fills the first BN/2 token columns only.
+      const bool half_tile = kPair && tr.nblk == 1;
 
-    // The previous tile's copy-out has read row_dst and the staging tile.
-    asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
-    if (threadIdx.x < BN) {
-      const int srow = blk * BN + threadIdx.x;
-      const int pair = p.sorted_pairs[srow];
-      // kBlk: the activation and weight scales are applied per K block.
-      float sc = kBlk ? (p.a_scale_rows ? 1.f : p.a_scale) : p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale;
-      if (!kPC && !kBlk) sc *= p.w_scale[expert];
-      if (kEpi == GemmEpilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
-      row_scale[threadIdx.x] = sc;
-      row_dst[threadIdx.x] = pair < 0 ? -1 : (kEpi == GemmEpilogue::kWeightedBF16 ? pair : srow);
-    }
+      // The previous tile's copy-out has read row_dst and the staging tile.
+      asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+      if (half_tile && threadIdx.x >= BN / 2 && threadIdx.x < BN) {
+        row_scale[threadIdx.x] = 0.f;
+        row_dst[threadIdx.x] = -1;
+      } else if (threadIdx.x < BN) {
+        const int srow = row0 + threadIdx.x;
+        const int pair = p.sorted_pairs[srow];
+        // kBlk: the activation and weight scales are applied per K block.
+        float sc = kBlk ? (p.a_scale_rows ? 1.f : p.a_scale) : p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale;
+        if (!kPC && !kBlk) sc *= p.w_scale[expert];
+        if (kEpi == GemmEpilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
+        row_scale[threadIdx.x] = sc;
+        row_dst[threadIdx.x] = pair < 0 ? -1 : (kEpi == GemmEpilogue::kWeightedBF16 ? pair : srow);
+      }
 
-    // kPC: the scales of this thread's two accumulator rows (see the
-    // epilogue for which weight rows they are); 0 past the last channel,
-    // whose outputs are never stored.
-    const int oc0 = wtile * kOC;  // first output channel of the tile
-    float wsc[2] = {1.f, 1.f};
-    if (kPC) {
-      const float* ws = p.w_scale + size_t(expert) * p.w_rows;
-      if (kGated) {
-        const int ch = oc0 + wg * 32 + 8 * warp + lane / 4;
-        wsc[0] = ch < p.n_out ? ws[ch] : 0.f;
-        wsc[1] = ch < p.n_out ? ws[p.n_out + ch] : 0.f;
-      } else {
+      // kPC: the scales of this thread's two accumulator rows (see the
+      // epilogue for which weight rows they are); 0 past the last channel,
+      // whose outputs are never stored.
+      const int oc0 = wtile * kOC;  // first output channel of the tile
+      float wsc[2] = {1.f, 1.f};
+      if (kPC) {
+        const float* ws = p.w_scale + size_t(expert) * p.w_rows;
+        if (kGated) {
+          const int ch = oc0 + wg * 32 + 8 * warp + lane / 4;
+          wsc[0] = ch < p.n_out ? ws[ch] : 0.f;
+          wsc[1] = ch < p.n_out ? ws[p.n_out + ch] : 0.f;
+        } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int ch = oc0 + wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
-          wsc[h] = ch < p.n_out ? ws[ch] : 0.f;
+          for (int h = 0; h < 2; ++h) {
+            const int ch = oc0 + wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+            wsc[h] = ch < p.n_out ? ws[ch] : 0.f;
+          }
         }
       }
-    }
 
-    float acc[kRegs];
+      float acc[kRegs];
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-    if constexpr (kBlk) {
-      // The scale blocks of this thread's two accumulator rows (the same
-      // rows as kPC's), null past the last channel.
-      const float* wsb[2];
-      if constexpr (kTokA) {
-        // Tokens on wgmma's M side: the tile's weight rows are the
-        // accumulator's columns and lie in one scale block (the gate's
-        // rows in one, the up's in one; launch checks block_n).
-        const float* base = p.w_scale + size_t(expert) * p.w_row_blocks * p.w_k_blocks;
-        wsb[0] = base + (oc0 / p.block_n) * p.w_k_blocks;
-        wsb[1] = kGated ? base + ((p.n_out + oc0) / p.block_n) * p.w_k_blocks : wsb[0];
-      } else {
+      for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+      if constexpr (kBlk) {
+        // The scale blocks of this thread's two accumulator rows (the same
+        // rows as kPC's), null past the last channel.
+        const float* wsb[2];
+        if constexpr (kTokA) {
+          // Tokens on wgmma's M side: the tile's weight rows are the
+          // accumulator's columns and lie in one scale block (the gate's
+          // rows in one, the up's in one; launch checks block_n).
+          const float* base = p.w_scale + size_t(expert) * p.w_row_blocks * p.w_k_blocks;
+          wsb[0] = base + (oc0 / p.block_n) * p.w_k_blocks;
+          wsb[1] = kGated ? base + ((p.n_out + oc0) / p.block_n) * p.w_k_blocks : wsb[0];
+        } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int row, ch;
-          if (kGated) {
-            ch = oc0 + wg * 32 + 8 * warp + lane / 4;
-            row = h == 0 ? ch : p.n_out + ch;
+          for (int h = 0; h < 2; ++h) {
+            int row, ch;
+            if (kGated) {
+              ch = oc0 + wg * 32 + 8 * warp + lane / 4;
+              row = h == 0 ? ch : p.n_out + ch;
+            } else {
+              ch = oc0 + wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+              row = ch;
+            }
+            wsb[h] = ch < p.n_out
+                         ? p.w_scale + (size_t(expert) * p.w_row_blocks + row / p.block_n) * p.w_k_blocks
+                         : nullptr;
+          }
+        }
+        const bool has_as = p.a_scale_rows != nullptr;
+        float part[kRegs];
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
+        for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+          const int s = it % kStages;
+          const float w0 = wsb[0] ? __ldg(wsb[0] + kt) : 0.f;
+          const float w1 = wsb[1] ? __ldg(wsb[1] + kt) : 0.f;
+          mbar_wait(&full[s], (it / kStages) & 1);
+          // The activation scales this thread needs, read before the wgmmas
+          // are issued so the loads' latency hides behind them. kTokA: its
+          // two token rows' (tokens are wgmma's A operand); else its token
+          // columns' (as[2i + j] is column 8i + 2(lane%4) + j; see as_slot).
+          float a0 = 1.f, a1 = 1.f, as[BN / 4];
+          uint64_t da, db;  // wgmma's A and B operands
+          if constexpr (kTokA) {
+            const int r0 = wg * kWGRows + 16 * warp + lane / 4;
+            const float* asc = a_sc + s * kAsStage;
+            if (has_as) {
+              a0 = asc[as_slot<BN>(r0)];
+              a1 = asc[as_slot<BN>(r0 + 8)];
+            }
+            da = smem_desc(a_smem + s * kATile + wg * kWGRows * kBK);
+            db = smem_desc(w_smem + s * kWTile);
           } else {
-            ch = oc0 + wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
-            row = ch;
+            load_as<BN>(as, a_sc + s * kAsStage, lane % 4, has_as);
+            da = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
+            db = smem_desc(a_smem + s * kATile);
           }
-          wsb[h] = ch < p.n_out
-                       ? p.w_scale + (size_t(expert) * p.w_row_blocks + row / p.block_n) * p.w_k_blocks
-                       : nullptr;
-        }
-      }
-      const bool has_as = p.a_scale_rows != nullptr;
-      float part[kRegs];
+          fence_acc<kRegs>(part);
+          wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) part[i] = 0.f;
-      for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-        const int s = it % kStages;
-        const float w0 = wsb[0] ? __ldg(wsb[0] + kt) : 0.f;
-        const float w1 = wsb[1] ? __ldg(wsb[1] + kt) : 0.f;
-        mbar_wait(&full[s], (it / kStages) & 1);
-        // The activation scales this thread needs, read before the wgmmas
-        // are issued so the loads' latency hides behind them. kTokA: its
-        // two token rows' (tokens are wgmma's A operand); else its token
-        // columns' (as[2i + j] is column 8i + 2(lane%4) + j; see as_slot).
-        float a0 = 1.f, a1 = 1.f, as[BN / 4];
-        uint64_t da, db;  // wgmma's A and B operands
-        if constexpr (kTokA) {
-          const int r0 = wg * kWGRows + 16 * warp + lane / 4;
-          const float* asc = a_sc + s * kAsStage;
-          if (has_as) {
-            a0 = asc[as_slot<BN>(r0)];
-            a1 = asc[as_slot<BN>(r0 + 8)];
+          for (int kk = 0; kk < kBK / 32; ++kk) {
+            Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0 ? 1 : 0);
           }
-          da = smem_desc(a_smem + s * kATile + wg * kWGRows * kBK);
-          db = smem_desc(w_smem + s * kWTile);
-        } else {
-          load_as<BN>(as, a_sc + s * kAsStage, lane % 4, has_as);
-          da = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
-          db = smem_desc(a_smem + s * kATile);
-        }
-        fence_acc<kRegs>(part);
-        wgmma_fence();
+          wgmma_commit();
+          wgmma_wait0();
+          fence_acc<kRegs>(part);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[s]);
+          if constexpr (kTokA) {
+            // Four products a stage, then one FMA per accumulator (against
+            // two when tokens are the columns). Gated: column group i holds
+            // gate rows (i even) or up rows (odd).
+            const float s0g = a0 * w0, s1g = a1 * w0, s0u = a0 * w1, s1u = a1 * w1;
 #pragma unroll
-        for (int kk = 0; kk < kBK / 32; ++kk) {
-          Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-        wgmma_wait0();
-        fence_acc<kRegs>(part);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
-        if constexpr (kTokA) {
-          // Four products a stage, then one FMA per accumulator (against
-          // two when tokens are the columns). Gated: column group i holds
-          // gate rows (i even) or up rows (odd).
-          const float s0g = a0 * w0, s1g = a1 * w0, s0u = a0 * w1, s1u = a1 * w1;
+            for (int i = 0; i < BN / 8; ++i) {
+              const bool up = kGated && (i & 1);
+              const float sa = up ? s0u : s0g, sb = up ? s1u : s1g;
+              acc[4 * i + 0] += part[4 * i + 0] * sa;
+              acc[4 * i + 1] += part[4 * i + 1] * sa;
+              acc[4 * i + 2] += part[4 * i + 2] * sb;
+              acc[4 * i + 3] += part[4 * i + 3] * sb;
+            }
+          } else {
 #pragma unroll
-          for (int i = 0; i < BN / 8; ++i) {
-            const bool up = kGated && (i & 1);
-            const float sa = up ? s0u : s0g, sb = up ? s1u : s1g;
-            acc[4 * i + 0] += part[4 * i + 0] * sa;
-            acc[4 * i + 1] += part[4 * i + 1] * sa;
-            acc[4 * i + 2] += part[4 * i + 2] * sb;
-            acc[4 * i + 3] += part[4 * i + 3] * sb;
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < BN / 8; ++i) {
-            acc[4 * i + 0] += part[4 * i + 0] * (w0 * as[2 * i]);
-            acc[4 * i + 1] += part[4 * i + 1] * (w0 * as[2 * i + 1]);
-            acc[4 * i + 2] += part[4 * i + 2] * (w1 * as[2 * i]);
-            acc[4 * i + 3] += part[4 * i + 3] * (w1 * as[2 * i + 1]);
-          }
-        }
-      }
-    } else {
-      for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-        const int s = it % kStages;
-        mbar_wait(&full[s], (it / kStages) & 1);
-        const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
-        const uint64_t da = smem_desc(a_smem + s * kATile);
-        fence_acc<kRegs>(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 32; ++kk) {
-          Mma::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
-        }
-        wgmma_commit();
-        wgmma_wait0();
-        fence_acc<kRegs>(acc);
-        if (threadIdx.x % 128 == 0) mbar_arrive(&empty[s]);
-      }
-    }
-
-    // Epilogue, kStageRows tokens at a time: registers -> staging tile
-    // [token][channel] -> coalesced 16-byte stores.
-#pragma unroll
-    for (int half = 0; half < BN / kStageRows; ++half) {
-      asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
-      if constexpr (kTokA) {
-        // Accumulator (token row r0 + 8h, column 8i + 2(lane%4) + j); gated
-        // columns pair gate group 2g with up group 2g + 1 (see the TMA box).
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int tr = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
-          const float sc = row_scale[tr];
-          uint8_t* row = stage + tr * kPitch;
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            if (kGated) {
-#pragma unroll
-              for (int g = 0; g < BN / 16; ++g) {
-                const float gv = acc[4 * (2 * g) + 2 * h + j] * sc;
-                const float uv = acc[4 * (2 * g + 1) + 2 * h + j] * sc;
-                stage_store<kEpi>(row, 8 * g + 2 * (lane % 4) + j, silu(gv) * uv, p.out_inv_scale);
-              }
-            } else {
-#pragma unroll
-              for (int i = 0; i < BN / 8; ++i) {
-                float v = acc[4 * i + 2 * h + j] * sc;
-                if (kEpi != GemmEpilogue::kWeightedBF16) {
-                  v = fmaxf(v, 0.f);
-                  v = v * v;
-                }
-                stage_store<kEpi>(row, 8 * i + 2 * (lane % 4) + j, v, p.out_inv_scale);
-              }
+            for (int i = 0; i < BN / 8; ++i) {
+              acc[4 * i + 0] += part[4 * i + 0] * (w0 * as[2 * i]);
+              acc[4 * i + 1] += part[4 * i + 1] * (w0 * as[2 * i + 1]);
+              acc[4 * i + 2] += part[4 * i + 2] * (w1 * as[2 * i]);
+              acc[4 * i + 3] += part[4 * i + 3] * (w1 * as[2 * i + 1]);
             }
           }
         }
       } else {
+        // One wgmma group stays in flight: stage kt's MMAs are issued before
+        // stage kt-1's are waited for, so the tensor cores run on while this
+        // warpgroup waits for the next stage and issues it; a stage goes back
+        // to the producer once the group that read it has completed. One
+        // loop per wgmma shape (kPair's half tiles have their own): ptxas
+        // serializes wgmmas of different shapes on one accumulator in one
+        // loop.
+        auto mainloop = [&](auto mma) {
+          using M = decltype(mma);
+          int prev = -1;
+          for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+            const int s = it % kStages;
+            mbar_wait(&full[s], (it / kStages) & 1);
+            const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
+            const uint64_t da = smem_desc(a_smem + s * kATile);
+            fence_acc<kRegs>(acc);
+            wgmma_fence();
 #pragma unroll
-        for (int i = half * (kStageRows / 8); i < (half + 1) * (kStageRows / 8); ++i) {
+            for (int kk = 0; kk < kBK / 32; ++kk) {
+              M::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+            }
+            wgmma_commit();
+            wgmma_wait1();
+            fence_acc<kRegs>(acc);
+            if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
+            prev = s;
+          }
+          wgmma_wait0();
+          fence_acc<kRegs>(acc);
+          if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
+        };
+        if (half_tile) {
+          mainloop(MmaHalf{});
+        } else {
+          mainloop(Mma{});
+        }
+      }
+
+      // Epilogue, kStageRows tokens at a time: registers -> staging tile
+      // [token][channel] -> coalesced 16-byte stores.
 #pragma unroll
-          for (int c2 = 0; c2 < 2; ++c2) {
-            const int tr = 8 * i + 2 * (lane % 4) + c2;  // token row in tile
+      for (int half = 0; half < BN / kStageRows; ++half) {
+        if (half_tile && half > 0) break;  // uniform across the consumers
+        asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+        if constexpr (kTokA) {
+          // Accumulator (token row r0 + 8h, column 8i + 2(lane%4) + j); gated
+          // columns pair gate group 2g with up group 2g + 1 (see the TMA box).
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int tr = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
             const float sc = row_scale[tr];
-            uint8_t* row = stage + (tr - half * kStageRows) * kPitch;
-            if (kGated) {
-              const float g = kPC ? acc[4 * i + c2] * sc * wsc[0] : acc[4 * i + c2] * sc;
-              const float u = kPC ? acc[4 * i + 2 + c2] * sc * wsc[1] : acc[4 * i + 2 + c2] * sc;
-              const float v = silu(g) * u;
-              const int oc = wg * 32 + 8 * warp + lane / 4;
-              stage_store<kEpi>(row, oc, v, p.out_inv_scale);
-            } else {
+            uint8_t* row = stage + tr * kPitch;
 #pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                float v = kPC ? acc[4 * i + 2 * h + c2] * sc * wsc[h] : acc[4 * i + 2 * h + c2] * sc;
-                if (kEpi != GemmEpilogue::kWeightedBF16) {
-                  v = fmaxf(v, 0.f);
-                  v = v * v;
+            for (int j = 0; j < 2; ++j) {
+              if (kGated) {
+#pragma unroll
+                for (int g = 0; g < BN / 16; ++g) {
+                  const float gv = acc[4 * (2 * g) + 2 * h + j] * sc;
+                  const float uv = acc[4 * (2 * g + 1) + 2 * h + j] * sc;
+                  stage_store<kEpi>(row, 8 * g + 2 * (lane % 4) + j, silu(gv) * uv, p.out_inv_scale);
                 }
-                const int oc = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+              } else {
+#pragma unroll
+                for (int i = 0; i < BN / 8; ++i) {
+                  float v = acc[4 * i + 2 * h + j] * sc;
+                  if (kEpi != GemmEpilogue::kWeightedBF16) {
+                    v = fmaxf(v, 0.f);
+                    v = v * v;
+                  }
+                  stage_store<kEpi>(row, 8 * i + 2 * (lane % 4) + j, v, p.out_inv_scale);
+                }
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int i = half * (kStageRows / 8); i < (half + 1) * (kStageRows / 8); ++i) {
+#pragma unroll
+            for (int c2 = 0; c2 < 2; ++c2) {
+              const int tr = 8 * i + 2 * (lane % 4) + c2;  // token row in tile
+              const float sc = row_scale[tr];
+              uint8_t* row = stage + (tr - half * kStageRows) * kPitch;
+              if (kGated) {
+                const float g = kPC ? acc[4 * i + c2] * sc * wsc[0] : acc[4 * i + c2] * sc;
+                const float u = kPC ? acc[4 * i + 2 + c2] * sc * wsc[1] : acc[4 * i + 2 + c2] * sc;
+                const float v = silu(g) * u;
+                const int oc = wg * 32 + 8 * warp + lane / 4;
                 stage_store<kEpi>(row, oc, v, p.out_inv_scale);
+              } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  float v = kPC ? acc[4 * i + 2 * h + c2] * sc * wsc[h] : acc[4 * i + 2 * h + c2] * sc;
+                  if (kEpi != GemmEpilogue::kWeightedBF16) {
+                    v = fmaxf(v, 0.f);
+                    v = v * v;
+                  }
+                  const int oc = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+                  stage_store<kEpi>(row, oc, v, p.out_inv_scale);
+                }
               }
             }
           }
         }
-      }
-      asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+        asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
 
-      constexpr int kChunks = kOC * kESize / 16;  // 16-byte chunks per row
-      for (int idx = threadIdx.x; idx < kStageRows * kChunks; idx += kNWG * 128) {
-        const int tr = idx / kChunks;
-        const int ch = idx % kChunks;
-        const int orow = row_dst[half * kStageRows + tr];
-        if (orow < 0) continue;
-        const int c = oc0 + ch * (16 / kESize);
-        if (c >= p.n_out) continue;  // n_out % 16 == 0, so chunks never straddle the end
-        const uint4 v = *reinterpret_cast<const uint4*>(stage + tr * kPitch + ch * 16);
-        uint8_t* dst = static_cast<uint8_t*>(p.out) + (size_t(orow) * p.ld_out + c) * kESize;
-        *reinterpret_cast<uint4*>(dst) = v;
+        constexpr int kChunks = kOC * kESize / 16;  // 16-byte chunks per row
+        for (int idx = threadIdx.x; idx < kStageRows * kChunks; idx += kNWG * 128) {
+          const int tr = idx / kChunks;
+          const int ch = idx % kChunks;
+          const int orow = row_dst[half * kStageRows + tr];
+          if (orow < 0) continue;
+          const int c = oc0 + ch * (16 / kESize);
+          if (c >= p.n_out) continue;  // n_out % 16 == 0, so chunks never straddle the end
+          const uint4 v = *reinterpret_cast<const uint4*>(stage + tr * kPitch + ch * 16);
+          uint8_t* dst = static_cast<uint8_t*>(p.out) + (size_t(orow) * p.ld_out + c) * kESize;
+          *reinterpret_cast<uint4*>(dst) = v;
+        }
       }
     }
   }
@@ -606,7 +689,8 @@ cudaError_t encode(CUtensorMap* map, const void* base, int rank, const cuuint64_
 
 bool persistent_grid() { return switches().sm90_persistent.load(std::memory_order_relaxed); }
 
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false>
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
+          bool kPair = false>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   constexpr int kWTile = kNWG * kWGRows * kBK;
   constexpr int kATile = BN * kBK;
@@ -641,12 +725,12 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   {
     cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.a_rows)};
     cuuint64_t strides[1] = {cuuint64_t(a.k)};
-    cuuint32_t box[2] = {kBK, BN};
+    cuuint32_t box[2] = {kBK, kPair ? BN / 2 : BN};
     err = encode(&tm_a, a.a, 2, dims, strides, box);
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA, kPair>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
@@ -654,7 +738,7 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   p.k = a.k;
   p.n_out = a.n_out;
   p.w_rows = a.w_rows;
-  p.block_rows = BN;
+  p.block_rows = kPair ? BN / 2 : BN;
   p.num_k_iters = (a.k + kBK - 1) / kBK;
   p.block_expert = a.block_expert;
   p.num_blocks = a.num_blocks;
@@ -687,7 +771,7 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
     }
   }
   if (resident <= 0) return cudaErrorInvalidConfiguration;
-  const long tiles = long((a.n_out + kOC - 1) / kOC) * a.max_blocks;
+  const long tiles = long((a.n_out + kOC - 1) / kOC) * (kPair ? (a.max_blocks + 1) / 2 : a.max_blocks);
   // sm90_persistent off gives one CTA per tile instead, for timing the two
   // schedules against each other.
   const int grid = int(tiles < resident || !persistent_grid() ? tiles : resident);
@@ -697,17 +781,17 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
 }
 
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
-template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false>
+template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair>(a, s);
     case GemmEpilogue::kAct1F32:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair>(a, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA>(a, s);
+      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair>(a, s);
   }
   return cudaErrorInvalidValue;
 }
@@ -721,8 +805,30 @@ bool toka_ok(const MoeGemmArgs& a, bool gated) {
   return gated ? a.block_n % 64 == 0 && a.n_out % 64 == 0 : a.block_n % 128 == 0;
 }
 
+// switch_set reads an opt-in switch: on only when set to "1".
+bool switch_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+// pair_tiles says whether 128-row alignment blocks run as 256-token tiles
+// of two blocks (kPair; per-expert and per-channel scales). Off unless
+// EXPERTD_SM90_PAIR=1: the first timing (whose build serialized the
+// paired kernels' wgmmas) lost to 128- and 256-token tiles at M >= 4096.
+bool pairs_on() {
+  static const bool on = switch_set("EXPERTD_SM90_PAIR");
+  return on;
+}
+bool pair_tiles(const MoeGemmArgs& a) { return pairs_on() && a.w_mode != WScale::kBlock; }
+
 template <int BN, int kNWG>
 cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
+  if constexpr (BN == 128) {
+    if (pair_tiles(a)) {
+      return a.w_mode == WScale::kPerChannel ? launch_epi<256, 2, true, false, false, true>(a, gated, s)
+                                             : launch_epi<256, 2, false, false, false, true>(a, gated, s);
+    }
+  }
   switch (a.w_mode) {
     case WScale::kPerExpert:
       return launch_epi<BN, kNWG, false, false>(a, gated, s);
@@ -785,8 +891,22 @@ bool sm90_supported(int hidden, int inter) { return hidden % 16 == 0 && inter % 
 
 bool sm90_block_supported(int block_n, int block_k) { return block_n > 0 && block_k == kBK; }
 
-int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales) {
+int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden, int inter, bool gated) {
   const int per_expert = (m * top_k + num_experts - 1) / num_experts;
+  // The measured table: the row of the shape with the least per_expert at
+  // or above this call's (its last row past the end); below the shape's
+  // first row, which is where no tile was timed, the rule. A row's tile
+  // must be one the call can take (block mode: at most 128).
+  int tile = 0;
+  bool first = true;
+  for (const Sm90TileRow& r : kSm90Tiles) {
+    if (r.hidden != hidden || r.inter != inter || r.gated != gated || r.block != block_scales) continue;
+    if (first && per_expert < r.per_expert) break;
+    first = false;
+    tile = r.tile;
+    if (r.per_expert >= per_expert) break;
+  }
+  if (tile > 0 && !(block_scales && tile > 128)) return tile;
   // Routing is not uniform: an expert with more tokens than one tile runs
   // two tiles and streams its weights twice, so decode tiles hold about
   // twice the mean. Measured against tiles of the mean (perf-notes, "Token
@@ -803,7 +923,10 @@ int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales) {
   // 256-token tiles halve the weight traffic per FLOP; measured 3-5% faster
   // for Nemotron at M=8192, and slower for Qwen3 at M=4096 (256 per expert)
   // and Nemotron at M = 2048 (96 per expert: 0.42 ms against 0.60).
-  if (block_scales || per_expert <= 256) return 128;
+  // Paired 128-row blocks (pair_tiles) read the weights once per 256
+  // tokens where an expert has them and leave at most 127 slots idle per
+  // expert instead of 255, so they replace the 256-token tile.
+  if (block_scales || per_expert <= 256 || pairs_on()) return 128;
   return 256;
 }
 

@@ -168,7 +168,12 @@ bool sm90_supported(int hidden, int inter);
 bool sm90_block_supported(int block_n, int block_k);
 // sm90_block_rows picks the Hopper kernels' token tile for a call
 // (block_scales: a set in block mode, whose tiles are at most 128 tokens).
-int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales);
+// A layer shape (hidden, inter, gated) with rows in the measured tile table
+// (sm90_tiles.h, which gemm_sm90_check tiles regenerates) takes its tile
+// from there; other shapes, and callers that pass no shape, a rule of the
+// mean tokens per expert.
+int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden = 0, int inter = 0,
+                    bool gated = false);
 #endif
 
 }  // namespace expertd

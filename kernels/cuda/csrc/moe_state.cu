@@ -224,7 +224,7 @@ bool use_sm90(const Set& s, const Call& c) {
 
 int block_rows_for(const Set& s, const Call& c, bool sm90) {
 #ifdef EXPERTD_HAVE_SM90
-  if (sm90) return sm90_block_rows(c.m, c.top_k, s.E, s.block_k > 0);
+  if (sm90) return sm90_block_rows(c.m, c.top_k, s.E, s.block_k > 0, s.K, s.N, s.act == EXPERTD_ACT_SILU_GATED);
 #endif
   (void)sm90;
   return portable_block_rows(c.m, c.top_k, s.E);

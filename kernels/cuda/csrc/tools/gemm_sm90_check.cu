@@ -6,6 +6,19 @@
 //   gemm_sm90_check quick      correctness only
 //   gemm_sm90_check block ...  the same with [128, 128] block scales (and
 //                              DeepSeek-V3 timings)
+//   gemm_sm90_check tiles      times each layer of the table's shapes at each
+//                              token tile and prints sm90_tiles.h (stdout;
+//                              progress on stderr)
+//   gemm_sm90_check ab [block] times the tree's kernels against a baseline
+//                              copy linked into the same binary (see
+//                              gemm_sm90_base.cu and scripts/sm90-ab-build.sh)
+//                              on the same routing and data; ab-only, no check
+//                              beyond the tree's own (run "quick" for that)
+//
+// Timing environment: AB_M=64,256 (token counts), AB_CASES=nemotron,qwen3,
+// deepseek-v3 (per-expert scales), deepseek-v3-block (at AB_DS_M, default
+// 8192), BNS=64,128,256 (also time the tree's kernels at each forced
+// token tile), BN=n (force the tile everywhere), PROFILE_M / PROFILE_CASE.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -31,6 +44,13 @@
     }                                                                                  \
   } while (0)
 
+// The baseline's entry points (gemm_sm90_base.cu); weak, so the tool links
+// without it and "ab" says so.
+extern "C" cudaError_t expertd_base_gemm1(const void* args, cudaStream_t s) __attribute__((weak));
+extern "C" cudaError_t expertd_base_gemm2(const void* args, cudaStream_t s) __attribute__((weak));
+extern "C" int expertd_base_block_rows(int m, int top_k, int num_experts, bool block_scales)
+    __attribute__((weak));
+
 using expertd::GemmAct;
 using expertd::GemmEpilogue;
 using expertd::MoeGemmArgs;
@@ -41,6 +61,11 @@ using expertd::WScale;
 bool g_block = false;
 constexpr int kBlockN = 128, kBlockK = 128;
 int cdiv(int a, int b) { return (a + b - 1) / b; }
+// g_base: launch the baseline's kernels (ab); g_force_bn > 0 forces the
+// token tile (BN, BNS).
+bool g_base = false;
+int g_force_bn = 0;
+FILE* g_log = stdout;  // timing lines (stderr under "tiles", whose stdout is a header)
 
 __device__ float fp8f(uint8_t b) {
   __nv_fp8_e4m3 v;
@@ -131,8 +156,9 @@ Layout make_layout(const Case& c, std::mt19937& rng) {
     if (c.skew == 2) e = (e / 2) * 2;  // odd experts get nothing
     counts[e]++;
   }
-  L.block_rows = expertd::sm90_block_rows(c.M, c.topk, c.E, g_block);
-  if (const char* bn = std::getenv("BN")) L.block_rows = std::atoi(bn);  // force a tile, for timing
+  L.block_rows = g_base ? expertd_base_block_rows(c.M, c.topk, c.E, g_block)
+                       : expertd::sm90_block_rows(c.M, c.topk, c.E, g_block, c.K, c.N, c.gated);
+  if (g_force_bn > 0) L.block_rows = g_force_bn;  // force a tile, for timing
   int bound = std::min(c.E, L.pairs) + L.pairs / L.block_rows;
   L.max_blocks = bound;
   L.rows = bound * L.block_rows;
@@ -190,7 +216,9 @@ T* to_dev(const std::vector<T>& h) {
 
 // run checks GEMM1 (both epilogues) and GEMM2 of case c; with time_it it
 // also times each and prints TFLOP/s and weight bandwidth.
+double g_sum_ms, g_sum_flops, g_sum_bytes;  // GEMM1 + GEMM2 of the last timed run
 bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
+  g_sum_ms = g_sum_flops = g_sum_bytes = 0;
   Layout L = make_layout(c, rng);
   const int w1_rows = c.gated ? 2 * c.N : c.N;
   uint8_t* dw1 = rand_fp8_dev(size_t(c.E) * w1_rows * c.K, 1.f, rng);
@@ -254,7 +282,10 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
     g.out_inv_scale = 1.f / 0.01f;
     g.pair_weight = dpw;
     size_t nout = second ? out2 : out1;
-    auto launch = [&] { return second ? expertd::launch_gemm2_sm90(g, 0) : expertd::launch_gemm1_sm90(g, 0); };
+    auto launch = [&] {
+      if (g_base) return second ? expertd_base_gemm2(&g, 0) : expertd_base_gemm1(&g, 0);
+      return second ? expertd::launch_gemm2_sm90(g, 0) : expertd::launch_gemm1_sm90(g, 0);
+    };
     if (check) {
     CK(cudaMemset(dout, 0xFF, nout * 4));  // poison: NaN in FP8, BF16 and FP32
     CK(cudaMemset(dref, 0, nout * 4));
@@ -335,9 +366,12 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
         if (b == 0 || L.block_expert[b] != L.block_expert[b - 1]) hit++;
       double flops = 2.0 * L.pairs * g.k * (second ? c.K : w1_rows);
       double wbytes = double(hit) * g.w_rows * g.k;
-      std::printf("  time %-22s epi=%d M=%5d  %.4f ms  %7.1f TFLOP/s (%.0f%% of 1471)  %7.0f GB/s weights (%.0f%% of 4280)\n",
-                  c.name, epi, c.M, med, flops / med / 1e9, flops / med / 1e9 / 14.71, wbytes / med / 1e6,
-                  wbytes / med / 1e6 / 42.8);
+      std::fprintf(g_log, "  time %-4s %-12s epi=%d M=%5d BN=%3d  %.4f ms  %7.1f TFLOP/s (%.0f%% of 1471)  %5.2f TB/s weights (%.0f%% of 4.28)\n",
+                  g_base ? "base" : "new", c.name, epi, c.M, L.block_rows, med, flops / med / 1e9,
+                  flops / med / 1e9 / 14.71, wbytes / med / 1e9, wbytes / med / 1e6 / 42.8);
+      g_sum_ms += med;
+      g_sum_flops += flops;
+      g_sum_bytes += wbytes;
     }
   }
   cudaFree(dw1); cudaFree(dw2); cudaFree(da); cudaFree(di); cudaFree(dws1); cudaFree(dws2);
@@ -346,17 +380,165 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
   return ok;
 }
 
+std::vector<std::string> split(const char* list, const char* dflt) {
+  std::vector<std::string> out;
+  std::string v = list ? list : dflt, cur;
+  for (char ch : v + ",") {
+    if (ch == ',') {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += ch;
+    }
+  }
+  return out;
+}
+
+// time_ab times, per case and M, the baseline's kernels and the tree's at
+// their own token tiles, then the tree's at each tile of BNS, all on the same
+// routing counts and data (one seed per point), and prints GEMM1 + GEMM2.
+bool time_ab(std::mt19937& rng) {
+  const auto cases = split(std::getenv("AB_CASES"), "nemotron,qwen3,deepseek-v3-block");
+  const auto ms = split(std::getenv("AB_M"), "64,256,1024,4096,8192");
+  const auto ds_ms = split(std::getenv("AB_DS_M"), "8192");  // deepseek-v3-block
+  const auto bns = split(std::getenv("BNS"), "");
+  const int forced = g_force_bn;  // BN, for both the baseline and the tree
+  for (const auto& name : cases) {
+    Case c{"nemotron", 128, 2688, 1856, 0, 6, false, 0};
+    if (name == "qwen3") c = {"qwen3", 128, 2048, 768, 0, 8, true, 0};
+    if (name.rfind("deepseek-v3", 0) == 0) c = {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0};
+    const bool block = name == "deepseek-v3-block";
+    for (const auto& mstr : block ? ds_ms : ms) {
+      c.M = std::atoi(mstr.c_str());
+      const unsigned point_seed = rng();
+      struct Variant {
+        bool base;
+        int bn;
+      };
+      std::vector<Variant> vs{{true, forced}, {false, forced}};
+      // Block tiles are at most 128 tokens and were swept before (perf-notes).
+      if (!block)
+        for (const auto& b : bns) vs.push_back({false, std::atoi(b.c_str())});
+      double base_ms = 0;
+      for (const auto& v : vs) {
+        g_base = v.base;
+        g_force_bn = v.bn;
+        g_block = block;
+        std::mt19937 r(point_seed);
+        run(c, false, true, r);
+        if (v.base) base_ms = g_sum_ms;
+        std::printf("SUM %-4s %-17s M=%5d BN=%-4s GEMM1+GEMM2 %.4f ms  %6.1f TFLOP/s  %5.2f TB/s  x%.3f of base\n",
+                    v.base ? "base" : "new", name.c_str(), c.M, v.bn > 0 ? std::to_string(v.bn).c_str() : "auto",
+                    g_sum_ms, g_sum_flops / g_sum_ms / 1e9, g_sum_bytes / g_sum_ms / 1e9, g_sum_ms / base_ms);
+      }
+      g_base = false;
+    }
+  }
+  return true;
+}
+
+// tiles_table sweeps the token tile for Nemotron, Qwen3 and DeepSeek-V3
+// (per-expert scales, and block scales) over the M of TILES_M and prints
+// the generated sm90_tiles.h: per shape and mean tokens per expert, the
+// tile with the least GEMM1 + GEMM2 time. Candidates are the tiles from a
+// quarter of the mean to 16x it (and the rule's own choice: 64-token tiles
+// won at 4 per expert for Qwen3), so the sweep skips tiles that re-read
+// every expert's weights dozens of times.
+int tiles_table(std::mt19937& rng) {
+  struct Shape {
+    const char* name;
+    Case c;
+    bool block;
+  };
+  const Shape shapes[] = {
+      {"nemotron", {"nemotron", 128, 2688, 1856, 0, 6, false, 0}, false},
+      {"qwen3", {"qwen3", 128, 2048, 768, 0, 8, true, 0}, false},
+      {"deepseek-v3", {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0}, false},
+      {"deepseek-v3-block", {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0}, true},
+  };
+  const auto ms = split(std::getenv("TILES_M"), "1,16,64,256,512,1024,2048,4096,8192");
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::string rows;
+  for (const auto& sh : shapes) {
+    g_block = sh.block;
+    int last_pe = -1;
+    std::string last_row;
+    for (const auto& mstr : ms) {
+      Case c = sh.c;
+      c.M = std::atoi(mstr.c_str());
+      const int pe = (c.M * c.topk + c.E - 1) / c.E;
+      const int rule = expertd::sm90_block_rows(c.M, c.topk, c.E, sh.block);
+      const unsigned point_seed = rng();
+      int best = 0;
+      double best_ms = 1e30, rule_ms = 0;
+      std::string tried;
+      for (int bn : {8, 16, 32, 64, 128, 256}) {
+        if (sh.block && bn > 128) continue;
+        if (bn != rule && ((bn > 16 * pe && bn > 8) || 4 * bn < pe)) continue;
+        g_force_bn = bn;
+        std::mt19937 r(point_seed);
+        run(c, false, true, r);
+        tried += " " + std::to_string(bn) + ":" + std::to_string(g_sum_ms).substr(0, 6);
+        if (bn == rule) rule_ms = g_sum_ms;
+        if (g_sum_ms < best_ms) best_ms = g_sum_ms, best = bn;
+      }
+      std::fprintf(stderr, "tiles %s M=%d per_expert=%d best %d (%.4f ms), rule %d (%.4f ms);%s\n", sh.name, c.M, pe,
+                   best, best_ms, rule, rule_ms, tried.c_str());
+      char row[256];
+      std::snprintf(row, sizeof row, "    {%d, %d, %s, %s, %d, %d},  // M=%d: %.4f ms; ms by tile:%s\n", c.K, c.N,
+                    c.gated ? "true" : "false", sh.block ? "true" : "false", pe, best, c.M, best_ms, tried.c_str());
+      // Equal means (M=1 and M=16 for 128 experts): the larger M decides.
+      if (pe == last_pe) {
+        last_row = row;
+        continue;
+      }
+      rows += last_row;
+      last_row = row;
+      last_pe = pe;
+    }
+    rows += last_row;
+  }
+  g_force_bn = 0;
+  time_t now = time(nullptr);
+  char when[64];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  std::printf("// Code generated by gemm_sm90_check tiles on %s, %s. DO NOT EDIT.\n", prop.name, when);
+  std::printf("// Regenerate on the target card: build/gemm_sm90_check tiles > kernels/cuda/csrc/sm90_tiles.h\n");
+  std::printf("#pragma once\nnamespace expertd {\n");
+  std::printf("// Sm90TileRow: for a layer shape, the fastest token tile (GEMM1 + GEMM2,\n");
+  std::printf("// L2 flushed, uniform random routing) at a mean of per_expert tokens per\n");
+  std::printf("// expert (ceil(M * top_k / E)); rows of a shape ascend in per_expert.\n");
+  std::printf("struct Sm90TileRow {\n  int hidden, inter;\n  bool gated, block;\n  int per_expert, tile;\n};\n");
+  std::printf("constexpr Sm90TileRow kSm90Tiles[] = {\n%s", rows.c_str());
+  std::printf("    {-1, -1, false, false, 0, 0},  // end (matches no shape)\n};\n}  // namespace expertd\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);
-  bool quick = false;
+  bool quick = false, ab = false, tiles = false;
   for (int i = 1; i < argc; ++i) {
     quick = quick || std::strcmp(argv[i], "quick") == 0;
+    ab = ab || std::strcmp(argv[i], "ab") == 0;
+    tiles = tiles || std::strcmp(argv[i], "tiles") == 0;
     g_block = g_block || std::strcmp(argv[i], "block") == 0;
+  }
+  if (const char* bn = std::getenv("BN")) g_force_bn = std::atoi(bn);
+  if (ab && (expertd_base_gemm1 == nullptr || expertd_base_block_rows == nullptr)) {
+    std::fprintf(stderr, "ab: this binary has no baseline linked (scripts/sm90-ab-build.sh builds one)\n");
+    return 2;
   }
   std::random_device rd;
   unsigned seed = rd();
-  std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
+  // The table goes to stdout as a header: nothing else may.
+  if (tiles) {
+    g_log = stderr;
+    std::fprintf(stderr, "seed %u\n", seed);
+    return tiles_table(rng);
+  }
+  std::printf("seed %u\n", seed);
   // PROFILE_M=m: only time DeepSeek-V3 at M=m (block scales with "block",
   // else per-expert ones), for a profiler to pick its kernels;
   // PROFILE_CASE=nemotron or qwen3 times that layer instead.
@@ -384,12 +566,18 @@ int main(int argc, char** argv) {
       {"gated 128-token tiles", 4, 384, 192, 300, 2, true, 0},
       {"relu2 128-token tails K=272 N=208", 4, 272, 208, 300, 2, false, 0},
       {"qwen3 M=2048", 128, 2048, 768, 2048, 8, true, 0},
+      // 128-row blocks run as 256-token tiles of two blocks where both are
+      // one expert's, else as half tiles: odd block counts and empty experts
+      // shift which blocks pair up.
+      {"relu2 paired tiles, empty experts", 8, 256, 144, 700, 2, false, 2},
+      {"gated paired tiles, empty experts", 8, 272, 80, 700, 2, true, 2},
   };
   bool ok = true;
   for (auto& c : checks) ok = run(c, true, false, rng) && ok;
   if (g_block) ok = run({"deepseek-v3 M=64", 256, 7168, 2048, 64, 8, true, 0}, true, false, rng) && ok;
   std::printf(ok ? "CHECK PASSED\n" : "CHECK FAILED\n");
   if (quick || !ok) return ok ? 0 : 1;
+  if (ab) return time_ab(rng) ? 0 : 1;
   int ms[] = {1, 16, 64, 256, 1024, 4096, 8192};
   // DeepSeek-V3 timings: block scales, or per-expert ones with
   // DEEPSEEK=1 (the promotion's cost at the same tiles).
