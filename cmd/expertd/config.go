@@ -36,7 +36,7 @@ type Config struct {
 	Device int
 	// CUDA are the cuda backend's switches, each a flag and a variable:
 	// -cuda-gemm, -cuda-streams, -cuda-pdl, -cuda-sm90-block,
-	// -cuda-sm90-grid, -cuda-sm90-toka, -cuda-sync-spin, -cuda-host-trace
+	// -cuda-sm90-grid, -cuda-sm90-toka, -cuda-sm90-pair, -cuda-sync-spin, -cuda-host-trace
 	// (EXPERTD_CUDA_GEMM, ...). They reach the backend as
 	// kernels.Config.Options and GetServerInfo reports them.
 	CUDA cuda.Options
@@ -332,6 +332,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	booleanDef(&c.CUDA.SM90Block, "cuda-sm90-block", cudaDef.SM90Block, "cuda backend: run block-scaled sets on the Hopper kernels under -cuda-gemm auto")
 	str(&c.CUDA.SM90Grid, "cuda-sm90-grid", cudaDef.SM90Grid, "cuda backend: Hopper GEMM grid: persistent (as many CTAs as fit) or full (one per tile)")
 	booleanDef(&c.CUDA.SM90TokA, "cuda-sm90-toka", cudaDef.SM90TokA, "cuda backend: put tokens on wgmma's M side for block-scaled 128-token tiles")
+	booleanDef(&c.CUDA.SM90Pair, "cuda-sm90-pair", cudaDef.SM90Pair, "cuda backend: run two 128-row blocks of one expert as one 256-token Hopper tile (per-expert and per-channel scales)")
 	duration(&c.CUDA.SyncSpin, "cuda-sync-spin", cudaDef.SyncSpin, "cuda backend: how long a call polls for its completion (one core busy) before it blocks; 0 blocks at once (at most 10ms)")
 	booleanDef(&c.CUDA.HostTrace, "cuda-host-trace", cudaDef.HostTrace, "cuda backend: print each call's host-side stage times to stderr (never tensor contents)")
 

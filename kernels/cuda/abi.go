@@ -36,7 +36,7 @@ const (
 
 	callBytes    = 208
 	bufBytes     = 16
-	optionsBytes = 40
+	optionsBytes = 44
 	maxSpinUS    = 10000
 
 	maxExperts = 1024
@@ -92,6 +92,7 @@ type cOptions struct {
 	poison         int32
 	hostTrace      int32
 	syncSpinUS     int32
+	sm90Pair       int32
 }
 
 // codeName is the header's name for a return code, for error messages.

@@ -28,6 +28,9 @@ type Options struct {
 	SM90Grid string
 	// SM90TokA puts tokens on wgmma's M side for 128-token block tiles.
 	SM90TokA bool
+	// SM90Pair runs two 128-row alignment blocks of one expert as one
+	// 256-token tile (per-expert and per-channel scales).
+	SM90Pair bool
 	// SyncSpin is how long a call polls for its completion before it
 	// blocks: up to that much of one core per call, for a faster wake-up.
 	SyncSpin time.Duration
@@ -50,7 +53,7 @@ const DefaultStreams = 2
 const maxSyncSpin = maxSpinUS * time.Microsecond
 
 // OptionKeys are the keys of kernels.Config.Options the backend takes.
-var OptionKeys = []string{"gemm", "streams", "pdl", "sm90-block", "sm90-grid", "sm90-toka", "sync-spin", "host-trace", "poison"}
+var OptionKeys = []string{"gemm", "streams", "pdl", "sm90-block", "sm90-grid", "sm90-toka", "sm90-pair", "sync-spin", "host-trace", "poison"}
 
 // gemmPaths maps Options.GEMM to the ABI's path choice.
 var gemmPaths = map[string]int64{
@@ -94,6 +97,8 @@ func ParseOptions(kv map[string]string) (Options, error) {
 			o.SM90Grid = v
 		case "sm90-toka":
 			boolean(&o.SM90TokA)
+		case "sm90-pair":
+			boolean(&o.SM90Pair)
 		case "sync-spin":
 			o.SyncSpin, err = time.ParseDuration(v)
 			if err == nil && (o.SyncSpin < 0 || o.SyncSpin > maxSyncSpin) {
@@ -127,7 +132,7 @@ func (o Options) Map() map[string]string {
 	return map[string]string{
 		"gemm": o.GEMM, "streams": strconv.Itoa(o.Streams), "pdl": strconv.FormatBool(o.PDL),
 		"sm90-block": strconv.FormatBool(o.SM90Block), "sm90-grid": o.SM90Grid,
-		"sm90-toka": strconv.FormatBool(o.SM90TokA), "sync-spin": o.SyncSpin.String(),
+		"sm90-toka": strconv.FormatBool(o.SM90TokA), "sm90-pair": strconv.FormatBool(o.SM90Pair), "sync-spin": o.SyncSpin.String(),
 		"host-trace": strconv.FormatBool(o.HostTrace), "poison": strconv.FormatBool(o.Poison),
 	}
 }
@@ -142,5 +147,5 @@ func (o Options) c() *cOptions {
 	}
 	return &cOptions{size: optionsBytes, version: abiVersion, streams: int32(o.Streams), pdl: b(o.PDL),
 		sm90Block: b(o.SM90Block), sm90Persistent: b(o.SM90Grid != "full"), sm90TokA: b(o.SM90TokA),
-		poison: b(o.Poison), hostTrace: b(o.HostTrace), syncSpinUS: int32(o.SyncSpin / time.Microsecond)}
+		poison: b(o.Poison), hostTrace: b(o.HostTrace), syncSpinUS: int32(o.SyncSpin / time.Microsecond), sm90Pair: b(o.SM90Pair)}
 }

@@ -143,9 +143,10 @@ typedef struct expertd_options {
   int32_t poison;          /* 1: NaN-fill outputs and intermediates before each run (0; tests) */
   int32_t host_trace;      /* 1: print each host-path call's stage times to stderr (0) */
   int32_t sync_spin_us;    /* host path: poll completion this long before blocking, 0..EXPERTD_MAX_SPIN_US (0) */
+  int32_t sm90_pair;       /* 1: two 128-row blocks of one expert run as one 256-token sm90 tile (0) */
 } expertd_options;
 
-#define EXPERTD_OPTIONS_BYTES 40
+#define EXPERTD_OPTIONS_BYTES 44
 #define EXPERTD_MAX_SPIN_US 10000
 
 #ifdef __cplusplus

@@ -38,7 +38,7 @@
 // FMUL and an FMA each. Decode tiles keep the weights on the M side.
 //
 // Per-expert and per-channel mainloops keep one wgmma group in flight
-// (wait_group 1). With EXPERTD_SM90_PAIR=1, 128-row alignment blocks run as
+// (wait_group 1). With the sm90_pair option, 128-row alignment blocks run as
 // 256-token tiles of two blocks of one expert (kPair, see tile_of). The
 // token tile per layer shape comes from the measured table in sm90_tiles.h.
 //
@@ -805,21 +805,12 @@ bool toka_ok(const MoeGemmArgs& a, bool gated) {
   return gated ? a.block_n % 64 == 0 && a.n_out % 64 == 0 : a.block_n % 128 == 0;
 }
 
-// switch_set reads an opt-in switch: on only when set to "1".
-bool switch_set(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
 // pair_tiles says whether 128-row alignment blocks run as 256-token tiles
-// of two blocks (kPair; per-expert and per-channel scales). Off unless
-// EXPERTD_SM90_PAIR=1: the first timing (whose build serialized the
-// paired kernels' wgmmas) lost to 128- and 256-token tiles at M >= 4096.
-bool pairs_on() {
-  static const bool on = switch_set("EXPERTD_SM90_PAIR");
-  return on;
+// of two blocks (kPair; per-expert and per-channel scales): the sm90_pair
+// option, off by default until its timing beats 128- and 256-token tiles.
+bool pair_tiles(const MoeGemmArgs& a) {
+  return switches().sm90_pair.load(std::memory_order_relaxed) && a.w_mode != WScale::kBlock;
 }
-bool pair_tiles(const MoeGemmArgs& a) { return pairs_on() && a.w_mode != WScale::kBlock; }
 
 template <int BN, int kNWG>
 cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
@@ -926,7 +917,7 @@ int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hi
   // Paired 128-row blocks (pair_tiles) read the weights once per 256
   // tokens where an expert has them and leave at most 127 slots idle per
   // expert instead of 255, so they replace the 256-token tile.
-  if (block_scales || per_expert <= 256 || pairs_on()) return 128;
+  if (block_scales || per_expert <= 256 || switches().sm90_pair.load(std::memory_order_relaxed)) return 128;
   return 256;
 }
 

@@ -44,6 +44,7 @@ struct Switches {
   std::atomic<bool> sm90_block{true};
   std::atomic<bool> sm90_persistent{true};
   std::atomic<bool> sm90_toka{true};
+  std::atomic<bool> sm90_pair{false};
   std::atomic<bool> poison{false};
   std::atomic<bool> host_trace{false};
   std::atomic<int> sync_spin_us{0};

@@ -52,6 +52,7 @@ int set_options(const expertd_options* o) {
   s.sm90_block = o->sm90_block != 0;
   s.sm90_persistent = o->sm90_persistent != 0;
   s.sm90_toka = o->sm90_toka != 0;
+  s.sm90_pair = o->sm90_pair != 0;
   s.poison = o->poison != 0;
   s.host_trace = o->host_trace != 0;
   s.sync_spin_us = o->sync_spin_us;

@@ -2743,7 +2743,7 @@ type ServerInfo_BackendInfo struct {
 	MaxTokens int32 `protobuf:"varint,5,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
 	// Its settings in force, by name: the cuda backend's library options
 	// ("gemm", "streams", "pdl", "sm90-block", "sm90-grid", "sm90-toka",
-	// "sync-spin", "host-trace", "poison"), as the daemon's -cuda-* flags
+	// "sm90-pair", "sync-spin", "host-trace", "poison"), as the daemon's -cuda-* flags
 	// set them.
 	Details       map[string]string `protobuf:"bytes,6,rep,name=details,proto3" json:"details,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
