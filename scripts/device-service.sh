@@ -14,15 +14,10 @@
 # ring-*, through a call ring, docs/ring.md) pick the calls. Between those and the
 # batching run (BATCHING=0 skips it), 4 callers at M=256 with batching off
 # and 1, then 2 streams per set measure the overlap of concurrent calls
-# (OVERLAP=0 skips it). LATENCY=1 (the default; 0 skips it) then
-# re-measures issue 16's single-caller table (latency.txt): M = 1 and 256
-# (LATENCY_TOKENS), one caller, inline BF16, POSIX shm and CUDA IPC, unary
-# and over a FusedMoEStream, on TCP loopback and on a Unix socket, with
-# and without -stream-workers 4, log level warn; every expertbench summary
-# has an rtt line (a bare grpc-go round trip in its process, and the
-# daemon's health service), and bench/python_latency.py adds the Python
-# grpcio rows when grpcio is importable (PYTHON, default python3; e.g.
-# PYTHON=.tools/venv/bin/python with .tools carried). Logs land under $OUT.
+# (OVERLAP=0 skips it). LATENCY=1 (the default; 0 skips it) then runs
+# scripts/device-latency.sh: issue 16's single-caller table (M = 1 and
+# 256 over every transport, the ring included) and its throughput rows.
+# Logs land under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build="${EXPERTD_BUILD:-build}"
@@ -89,46 +84,9 @@ if [[ ${OVERLAP:-1} != 0 ]]; then
 		kill "$daemon"; wait "$daemon" 2>/dev/null
 	done
 fi
-# Issue 16's single-caller latency table: transports, stream or unary,
-# handler pool, against the RTT printed beside each run.
+# Issue 16's single-caller latency table and its throughput rows.
 if [[ ${LATENCY:-1} != 0 ]]; then
-	sock="/tmp/expertd-device-$$.sock"
-	for listen in tcp unix; do
-		for workers in 0 4; do
-			addr="127.0.0.1:$port"
-			[[ $listen == unix ]] && addr="unix://$sock"
-			"$build/expertd" -listen "$addr" -admin-addr "127.0.0.1:$admin" -backend cuda -library-path "$lib" \
-				-shared-memory -max-queued 256 -log-level warn -stream-workers "$workers" > "$out/daemon-latency-$listen-$workers.log" 2>&1 &
-			daemon=$!
-			for _ in $(seq 300); do
-				curl -sf "http://127.0.0.1:$admin/healthz" >/dev/null && break
-				sleep 0.1
-			done
-			lbench() { "$build/expertbench" -addr "$addr" -model nemotron -progress 0 "$@"; }
-			lbench -load -keep -m 1 -c 1 -calls 1 -no-rtt > /dev/null 2>&1 || { echo "load failed ($listen)"; exit 1; }
-			for m in ${LATENCY_TOKENS:-1 256}; do
-				for mode in unary stream unary-shm stream-shm unary-cuda-ipc stream-cuda-ipc; do
-					flag=""
-					case $mode in
-					stream) flag=-stream ;;
-					unary-shm) flag=-shm ;;
-					stream-shm) flag="-stream -shm" ;;
-					unary-cuda-ipc) flag="-cuda-ipc -cuda-lib $lib" ;;
-					stream-cuda-ipc) flag="-stream -cuda-ipc -cuda-lib $lib" ;;
-					esac
-					echo "== latency: $listen stream-workers=$workers nemotron M=$m c=1 $mode" | tee -a "$out/latency.txt"
-					# shellcheck disable=SC2086
-					lbench -m "$m" -c 1 -duration "$dur" $flag 2>&1 | tee "$out/latency-$listen-$workers-$m-$mode.txt" |
-						grep -E "^(mode|latency|server |rtt) " | tee -a "$out/latency.txt"
-				done
-			done
-			if [[ $workers == 0 ]] && "${PYTHON:-python3}" -c 'import grpc, grpc_tools, numpy' 2>/dev/null; then
-				echo "== latency: $listen Python grpcio unary inline" | tee -a "$out/latency.txt"
-				"${PYTHON:-python3}" bench/python_latency.py --addr "$addr" --m ${LATENCY_TOKENS:-1 256} --duration "${dur%s}" 2>&1 | tee -a "$out/latency.txt"
-			fi
-			kill "$daemon"; wait "$daemon" 2>/dev/null
-		done
-	done
+	EXPERTD_BUILD="$build" OUT="$out" DURATION="$dur" scripts/device-latency.sh
 fi
 [[ ${BATCHING:-1} == 0 ]] && exit 0
 echo "== dynamic batching (64 x 4 tokens against 1 x 256)"
