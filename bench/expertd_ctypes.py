@@ -2,10 +2,13 @@
 
 Only what the benchmark needs: version check, init, expert-set create/free and
 the device-pointer entry point expertd_moe_device. The constants below must
-equal the header's #defines. Three ABI versions load: v1; v2, whose
+equal the header's #defines. Four ABI versions load: v1; v2, whose
 expertd_set_create also takes the weight block shape (block_n, block_k; 0, 0:
-no block mode); and v3, whose expertd_init also takes the streams per set
-(the benchmark's device-pointer calls use none of them: 1). A v1 library refuses
+no block mode); v3, whose expertd_init also takes the streams per set
+(the benchmark's device-pointer calls use none of them: 1); and v4, whose
+expertd_init takes a struct expertd_options and whose expertd_moe_device takes
+a struct expertd_call (Options and Call below mirror them; the library checks
+their size and version fields). A v1 library refuses
 block-scaled layers here with EXPERTD_ERR_UNSUPPORTED, before any call. Every
 call's return code is checked; a failure raises ExpertdError with
 expertd_last_error().
@@ -19,7 +22,7 @@ import os
 import torch
 
 # The ABI versions this mirror speaks; the newest is the header's.
-ABI_VERSIONS = (1, 2, 3)
+ABI_VERSIONS = (1, 2, 3, 4)
 ABI_VERSION = max(ABI_VERSIONS)
 
 OK = 0
@@ -34,6 +37,8 @@ ACT_SILU_GATED = 1
 ACT_RELU2 = 2
 SCORING_SOFTMAX = 1
 SCORING_SIGMOID = 2
+
+MEM_DEVICE = 3
 
 GEMM_AUTO = 0
 GEMM_PORTABLE = 1
@@ -79,6 +84,36 @@ _p = ctypes.c_void_p
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _f32p = ctypes.POINTER(ctypes.c_float)
 
+class Buf(ctypes.Structure):
+    """struct expertd_buf."""
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("mem", ctypes.c_int32)]
+
+
+class Call(ctypes.Structure):
+    """struct expertd_call (ABI 4; EXPERTD_CALL_BYTES = 208)."""
+    _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32),
+                ("m", ctypes.c_int32), ("top_k", ctypes.c_int32), ("renormalize", ctypes.c_int32),
+                ("scoring", ctypes.c_int32), ("num_groups", ctypes.c_int32),
+                ("topk_groups", ctypes.c_int32), ("gemm", ctypes.c_int32), ("use_graph", ctypes.c_int32),
+                ("routed_scaling_factor", ctypes.c_float), ("n_hidden_scale", ctypes.c_int32),
+                ("hidden", Buf), ("hidden_scale", Buf), ("logits", Buf), ("correction_bias", Buf),
+                ("topk_ids_in", Buf), ("topk_weights_in", Buf), ("out", Buf),
+                ("topk_ids_out", Buf), ("topk_weights_out", Buf),
+                ("kernel_ms", ctypes.POINTER(ctypes.c_float)), ("stream", ctypes.c_uint64)]
+
+
+class Options(ctypes.Structure):
+    """struct expertd_options (ABI 4; EXPERTD_OPTIONS_BYTES = 44), filled in by
+    expertd_options_default."""
+    _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32), ("streams", ctypes.c_int32),
+                ("pdl", ctypes.c_int32), ("sm90_block", ctypes.c_int32), ("sm90_persistent", ctypes.c_int32),
+                ("sm90_toka", ctypes.c_int32), ("poison", ctypes.c_int32), ("host_trace", ctypes.c_int32),
+                ("sync_spin_us", ctypes.c_int32), ("sm90_pair", ctypes.c_int32)]
+
+
+assert ctypes.sizeof(Call) == 208 and ctypes.sizeof(Options) == 44, "expertd_cuda.h layouts"
+
+
 # expertd_set_create's argtypes per ABI version: v2 adds block_n, block_k
 # after n_w2_scale.
 _SET_CREATE = {
@@ -92,7 +127,14 @@ _SET_CREATE = {
 _SET_CREATE[3] = _SET_CREATE[2]
 
 # expertd_init's argtypes per ABI version: v3 adds streams.
-_INIT = {1: [ctypes.c_int], 2: [ctypes.c_int], 3: [ctypes.c_int, ctypes.c_int]}
+_INIT = {1: [ctypes.c_int], 2: [ctypes.c_int], 3: [ctypes.c_int, ctypes.c_int],
+         4: [ctypes.c_int, ctypes.POINTER(Options)]}
+_SET_CREATE[4] = _SET_CREATE[2]
+_MOE_DEVICE_V1 = [ctypes.c_uint64, _i64p, ctypes.c_int, _f32p, ctypes.c_int,
+                  _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.c_size_t]
+_MOE_DEVICE = {1: _MOE_DEVICE_V1, 2: _MOE_DEVICE_V1, 3: _MOE_DEVICE_V1,
+               4: [ctypes.c_uint64, ctypes.POINTER(Call)]}
+
 
 # (name, restype, argtypes), in the header's order and spelling of types;
 # expertd_init's and expertd_set_create's argtypes are set once the version
@@ -103,9 +145,7 @@ _SIGNATURES = [
     ("expertd_device_info", ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]),
     ("expertd_set_create", ctypes.c_int, None),
     ("expertd_set_free", ctypes.c_int, [ctypes.c_uint64]),
-    ("expertd_moe_device", ctypes.c_int,
-     [ctypes.c_uint64, _i64p, ctypes.c_int, _f32p, ctypes.c_int,
-      _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.c_size_t]),
+    ("expertd_moe_device", ctypes.c_int, None),
     ("expertd_last_error", ctypes.c_char_p, []),
 ]
 
@@ -138,6 +178,10 @@ class Library:
         self.abi = got
         self.lib.expertd_set_create.argtypes = _SET_CREATE[got]
         self.lib.expertd_init.argtypes = _INIT[got]
+        self.lib.expertd_moe_device.argtypes = _MOE_DEVICE[got]
+        if got >= 4:
+            self.lib.expertd_options_default.restype = None
+            self.lib.expertd_options_default.argtypes = [ctypes.POINTER(Options)]
 
     @property
     def block_scales(self) -> bool:
@@ -151,7 +195,13 @@ class Library:
 
     def init(self, device: int) -> None:
         """expertd_init on device."""
-        args = (device, 1) if self.abi >= 3 else (device,)
+        if self.abi >= 4:
+            opts = Options()
+            self.lib.expertd_options_default(ctypes.byref(opts))
+            opts.streams = 1
+            args = (device, ctypes.byref(opts))
+        else:
+            args = (device, 1) if self.abi >= 3 else (device,)
         self.check("expertd_init", self.lib.expertd_init(*args))
 
     def device_info(self, device: int) -> str:
@@ -201,16 +251,27 @@ class ExpertSet:
             self.bias = weights.correction_bias.float().contiguous()
 
     def params(self, M: int, gemm: int = GEMM_AUTO):
-        """The iparams / fparams arrays for M tokens of FP8 hidden, FP32 logits, BF16 out.
+        """The call's parameters for M tokens of FP8 hidden, FP32 logits, BF16 out:
+        a Call whose buffers moe_device fills in (ABI 4), else the iparams /
+        fparams arrays.
 
         Block layers take M * ceil(K/Bk) hidden scales (per token group) and the
         shape's expert groups; the others one scale and no grouping.
         """
         s = self.shape
+        n_hidden_scale = 1 if s.block is None else M * -(-s.K // s.block[1])
+        if self.lib.abi >= 4:
+            c = Call(size=ctypes.sizeof(Call), version=4, m=M, top_k=s.top_k,
+                     renormalize=int(s.renormalize),
+                     scoring=SCORING_SIGMOID if s.scoring == "sigmoid" else SCORING_SOFTMAX,
+                     num_groups=s.n_group if s.n_group > 1 else 0,
+                     topk_groups=s.topk_group if s.n_group > 1 else 0, gemm=gemm, use_graph=0,
+                     routed_scaling_factor=s.scaling_factor, n_hidden_scale=n_hidden_scale)
+            return c
         ip = (ctypes.c_int64 * NUM_IPARAMS)()
         ip[P_M] = M
         ip[P_HIDDEN_DTYPE] = DTYPE_FLOAT8_E4M3FN
-        ip[P_N_HIDDEN_SCALE] = 1 if s.block is None else M * -(-s.K // s.block[1])
+        ip[P_N_HIDDEN_SCALE] = n_hidden_scale
         ip[P_LOGITS_DTYPE] = DTYPE_FLOAT32
         ip[P_OUT_DTYPE] = DTYPE_BFLOAT16
         ip[P_TOP_K] = s.top_k
@@ -234,14 +295,26 @@ class ExpertSet:
         float32, row-major (required for them, ignored otherwise).
         """
         M = x_fp8.shape[0]
-        ip, fp = params or self.params(M)
+        params = params or self.params(M)
+        n_hs = params.n_hidden_scale if isinstance(params, Call) else params[0][P_N_HIDDEN_SCALE]
         if self.block is not None:
-            if hidden_scale is None or hidden_scale.numel() != ip[P_N_HIDDEN_SCALE]:
-                raise ValueError(f"block layer: hidden_scale needs {ip[P_N_HIDDEN_SCALE]} floats")
+            if hidden_scale is None or hidden_scale.numel() != n_hs:
+                raise ValueError(f"block layer: hidden_scale needs {n_hs} floats")
             hs = hidden_scale
         else:
             hs = self.hidden_scale
         stream = torch.cuda.current_stream(x_fp8.device).cuda_stream
+        if isinstance(params, Call):
+            c = Call.from_buffer_copy(params)
+            for name, t in (("hidden", x_fp8), ("hidden_scale", hs), ("logits", logits),
+                            ("correction_bias", self.bias), ("out", out),
+                            ("topk_ids_out", topk_ids), ("topk_weights_out", topk_w)):
+                if t is not None:
+                    setattr(c, name, Buf(_ptr(t), _DTYPES.get(t.dtype, 0), MEM_DEVICE))
+            c.stream = stream
+            self.lib.check("expertd_moe_device", self.lib.lib.expertd_moe_device(self.handle, ctypes.byref(c)))
+            return out
+        ip, fp = params
         self.lib.check("expertd_moe_device", self.lib.lib.expertd_moe_device(
             self.handle, ip, NUM_IPARAMS, fp, NUM_FPARAMS,
             _ptr(x_fp8), _ptr(hs), _ptr(logits), _ptr(self.bias),
