@@ -7,7 +7,7 @@ daemon and compared with the block's forward (rel L2 <= 2e-2).
 The daemon quantizes activations to FP8 per token; the reference does the
 same, on the block's input and on its down projections' input, so the
 comparison measures the service and not FP8 itself. Needs torch and
-transformers (skips without them); EXPERTD_CUDA=1 also runs the blocks on
+transformers (skips without them, fails with EXPERTD_REQUIRE_TORCH=1); EXPERTD_CUDA=1 also runs the blocks on
 the GPU through CUDA IPC.
 """
 
@@ -16,8 +16,10 @@ import os
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import needs
+
+torch = needs.module("torch")
+transformers = needs.module("transformers")
 
 import expertd  # noqa: E402
 import expertd.torch as et  # noqa: E402
