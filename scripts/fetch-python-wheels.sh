@@ -5,7 +5,9 @@
 # tokenizers, numpy, pytest) lacks googleapis-common-protos, and its grpcio
 # and protobuf are not known to be the ones the package's stubs need, so
 # the set is those, transformers at the version the tests were checked
-# against here (its other requirements are met there) and the expertd
+# against here, regex (transformers checks for >= 2025.10.22 at import and
+# the image's version is not known; its other requirements are met there)
+# and the expertd
 # package itself as a wheel (building it there would need setuptools from
 # an index). Every wheel is installed with --no-deps, so nothing else is
 # pulled in. It prints the sizes: the carried paths (.whl/ and the two
@@ -22,7 +24,7 @@ mkdir -p "$dest"
 python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
   --python-version "$pyver" --implementation cp --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dest" \
-  transformers==5.23.0 grpcio==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0
+  transformers==5.23.0 regex==2026.11.19 grpcio==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0
 # The package is pure Python: one wheel serves every python.
 python3 -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$dest" "$root/clients/python"
 rm -rf "$root/clients/python/build" "$root"/clients/python/*.egg-info
