@@ -305,8 +305,8 @@ def _calibrated(amax, e, g):
     return s
 
 
-def _write_checkpoint(d, cfg, case, tensors):
-    huggingface_hub.save_torch_state_dict(tensors, d, max_shard_size="48KB")
+def _write_checkpoint(d, cfg, case, tensors, max_shard_size="48KB"):
+    huggingface_hub.save_torch_state_dict(tensors, d, max_shard_size=max_shard_size)
     cfg.save_pretrained(d)
     with open(os.path.join(d, "config.json")) as f:
         conf = json.load(f)
@@ -324,17 +324,14 @@ def _write_checkpoint(d, cfg, case, tensors):
         return json.load(f)["weight_map"]
 
 
-@pytest.mark.parametrize("how", ["auto", "preset"])
-@pytest.mark.parametrize("case_name", sorted(CASES))
-def test_checkpoint_matches_transformers(client, case_name, how):
-    root = os.environ.get("EXPERTD_WEIGHTS_DIR")
-    if not root:
-        pytest.skip("EXPERTD_WEIGHTS_DIR names the daemon's -weights-dir")
+def make_case(case_name, g):
+    """Builds the case's block and the second layer's, quantizes them as
+    the release stores them (the blocks keep the dequantized weights) and
+    makes a batch on the FP8 grid. Returns (config, block, the layer's
+    tensors, the other layer's tensors, batch, the quantization of the
+    experts' input, that of the down projections' input)."""
     case = CASES[case_name]
     k, n, e, top_k = case["dims"]
-    seed = int(os.environ.get("EXPERTD_TEST_SEED", "0")) or int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed} (EXPERTD_TEST_SEED={seed} repeats it)")
-    g = torch.Generator().manual_seed(seed)
     cfg = case["config"](k, n, e, top_k)
     block = case["block"](cfg).float().eval()
     other = case["block"](cfg).float().eval()
@@ -377,6 +374,21 @@ def test_checkpoint_matches_transformers(client, case_name, how):
 
         q_mid = q_in
         x = q_in(x)  # on the FP8 grid, so the daemon's quantization of it is exact
+    return cfg, block, ts, ts_other, x, q_in, q_mid
+
+
+@pytest.mark.parametrize("how", ["auto", "preset"])
+@pytest.mark.parametrize("case_name", sorted(CASES))
+def test_checkpoint_matches_transformers(client, case_name, how):
+    root = os.environ.get("EXPERTD_WEIGHTS_DIR")
+    if not root:
+        pytest.skip("EXPERTD_WEIGHTS_DIR names the daemon's -weights-dir")
+    case = CASES[case_name]
+    k, n, e, top_k = case["dims"]
+    seed = int(os.environ.get("EXPERTD_TEST_SEED", "0")) or int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed} (EXPERTD_TEST_SEED={seed} repeats it)")
+    g = torch.Generator().manual_seed(seed)
+    cfg, block, ts, ts_other, x, q_in, q_mid = make_case(case_name, g)
 
     d = tempfile.mkdtemp(prefix=f"hf-{case_name}-{how}-", dir=root)
     name = os.path.basename(d)
