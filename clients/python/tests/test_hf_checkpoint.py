@@ -24,7 +24,6 @@ input scales (their max over the experts, as vLLM takes it). The shared
 experts stay out of the comparison: the daemon serves the routed ones.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -33,12 +32,12 @@ import tempfile
 import pytest
 
 import needs
+from hfref import FP8_MAX, act_dynamic, act_static, quantized_expert_inputs
 
 torch = needs.module("torch")
 transformers = needs.module("transformers")
 huggingface_hub = needs.module("huggingface_hub")
 
-FP8_MAX = 448.0
 LAYER, OTHER_LAYER = 3, 1
 M = 16
 
@@ -73,54 +72,6 @@ def dequant(codes, s, form, b=128):
     if form == "block":
         s = s.repeat_interleave(b, 0).repeat_interleave(b, 1)[:codes.shape[0], :codes.shape[1]]
     return codes.float() * s
-
-
-# --- activation quantization as the daemon does it ------------------------
-
-def fp8_round(x):
-    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-
-
-def act_dynamic(x, group):
-    """Per token (group = width) or per (token, group) amax / 448."""
-    m, w = x.shape
-    g = x.reshape(m, -1, group)
-    s = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-10)
-    return (fp8_round(g / s) * s).reshape(m, w)
-
-
-def act_static(x, s):
-    return fp8_round(x / s) * s
-
-
-@contextlib.contextmanager
-def quantized_expert_inputs(experts, q_in, q_mid):
-    """Quantizes the input of every linear whose weight lies in the routed
-    experts' parameters: q_in before the gate/up (or up) projection, q_mid
-    before the down projection. Other linears (router, shared experts) are
-    left alone."""
-    up = getattr(experts, "gate_up_proj", None)
-    if up is None:
-        up = experts.up_proj
-    down = experts.down_proj
-
-    def inside(w, p):
-        return p.data_ptr() <= w.data_ptr() < p.data_ptr() + p.numel() * p.element_size()
-
-    orig = torch.nn.functional.linear
-
-    def linear(x, w, b=None):
-        if inside(w, up):
-            x = q_in(x)
-        elif inside(w, down):
-            x = q_mid(x)
-        return orig(x, w, b)
-
-    torch.nn.functional.linear = linear
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = orig
 
 
 class _Zero(torch.nn.Module):

@@ -11,12 +11,12 @@ transformers (skips without them, fails with EXPERTD_REQUIRE_TORCH=1); EXPERTD_C
 the GPU through CUDA IPC.
 """
 
-import contextlib
 import os
 
 import pytest
 
 import needs
+from hfref import act_dynamic, quantized_expert_inputs
 
 torch = needs.module("torch")
 transformers = needs.module("transformers")
@@ -53,24 +53,6 @@ def _round_trip_experts(block):
                 p.copy_(fp8_rows(p))
             else:
                 p.copy_(fp8_rows(p.transpose(1, 2)).transpose(1, 2))
-
-
-@contextlib.contextmanager
-def quantized_down_inputs():
-    """Quantizes the input rows of every routed down projection ([K, N]
-    weights), as the daemon requantizes the intermediate per (token, expert)."""
-    orig = torch.nn.functional.linear
-
-    def linear(x, w, b=None):
-        if tuple(w.shape) == (K, N):
-            x = fp8_rows(x)
-        return orig(x, w, b)
-
-    torch.nn.functional.linear = linear
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = orig
 
 
 def _init(block):
@@ -156,7 +138,8 @@ def test_remote_moe_matches_transformers(client, kind, device):
         block.to(device)
         remote.to(device)
         x = fp8_rows(torch.randn(M, K) / 2).to(device)
-        with torch.no_grad(), quantized_down_inputs():
+        per_token = lambda t: act_dynamic(t, t.shape[1])  # noqa: E731
+        with torch.no_grad(), quantized_expert_inputs(block.experts, lambda t: t, per_token):
             want = _out(block(x.unsqueeze(0))).squeeze(0)
         with torch.no_grad():
             got = _out(remote(x.unsqueeze(0))).squeeze(0)
