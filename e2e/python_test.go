@@ -160,20 +160,28 @@ func TestPython(t *testing.T) {
 
 // TestPythonPackage runs the package's pytest suite (clients/python/tests:
 // sync, asyncio, FusedMoEStream, POSIX shared memory, typed errors; CUDA
-// IPC skips without a GPU; a sharded checkpoint in its weights directory)
-// against a real daemon serving shared memory.
-// It runs outside the source tree, so the installed package is what is
-// tested.
+// IPC skips without a GPU; sharded checkpoints in its weights directory,
+// among them the real layouts written from transformers' MoE blocks and
+// compared with their forward) against a real daemon serving shared
+// memory. It runs outside the source tree, so the installed package is
+// what is tested. Under EXPERTD_E2E_REQUIRE=1 the transformers
+// comparisons must run (EXPERTD_REQUIRE_TORCH=1) unless
+// EXPERTD_E2E_TORCH=0 said scripts/e2e-setup.sh should not install torch.
 func TestPythonPackage(t *testing.T) {
 	python := pythonPath(t)
 	weights := t.TempDir()
 	d := startDaemon(t, "-shared-memory", "-weights-dir", weights)
 	tests := filepath.Join(repoRoot(t), "clients/python/tests")
-	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTimeout)
+	// The transformers comparisons import torch and build a dozen blocks:
+	// tens of seconds on two busy cores.
+	ctx, cancel := context.WithTimeout(context.Background(), 12*defaultTimeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", tests)
 	cmd.Dir = t.TempDir()
 	cmd.Env = append(os.Environ(), "EXPERTD_ADDR="+d.Addr, "EXPERTD_SHM=1", "EXPERTD_WEIGHTS_DIR="+weights, "EXPERTD_CUDA=")
+	if os.Getenv(requireEnv) == "1" && os.Getenv("EXPERTD_E2E_TORCH") != "0" {
+		cmd.Env = append(cmd.Env, "EXPERTD_REQUIRE_TORCH=1")
+	}
 	t.Logf("$ EXPERTD_ADDR=localhost:PORT EXPERTD_SHM=1 python -m pytest -q clients/python/tests")
 	out, err := cmd.CombinedOutput()
 	t.Logf("pytest:\n%s", out)

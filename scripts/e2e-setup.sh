@@ -2,9 +2,11 @@
 # e2e-setup.sh installs the outside tools the end-to-end tests (./e2e) drive
 # the daemon with, into .tools/e2e (gitignored):
 #   bin/grpcurl   grpcurl, built from the Go module proxy at a pinned version
-#   venv/         a Python venv with pinned grpcio, numpy and pytest, and the
-#                 expertd package installed from clients/python (reinstalled
-#                 whenever its files change)
+#   venv/         a Python venv with pinned grpcio, numpy and pytest, torch
+#                 and transformers (for the tests that compare the daemon
+#                 with transformers' MoE blocks; EXPERTD_E2E_TORCH=0 leaves
+#                 them out), and the expertd package installed from
+#                 clients/python (reinstalled whenever its files change)
 # It is idempotent: a complete install is left alone. The tests find the
 # tools there (or through $EXPERTD_GRPCURL and $EXPERTD_PYTHON) and skip
 # loudly without them, unless EXPERTD_E2E_REQUIRE=1, as in CI, makes a
@@ -16,6 +18,12 @@ dest="${EXPERTD_E2E_TOOLS:-$root/.tools/e2e}"
 
 grpcurl_version=v1.9.4
 py_pkgs=(grpcio==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0 numpy==2.3.5 pytest==9.2.0)
+# PyPI's Linux torch is the CUDA build: it brings the CUDA runtime wheels
+# (~5 GB installed) and runs on the CPU without a GPU. transformers pins
+# the huggingface_hub and safetensors the checkpoint tests write with.
+if [[ "${EXPERTD_E2E_TORCH:-1}" != 0 ]]; then
+  py_pkgs+=(torch==2.15.0 transformers==5.23.0)
+fi
 
 mkdir -p "$dest/bin"
 
@@ -55,3 +63,6 @@ if [[ "$(cat "$venv/.expertd" 2>/dev/null)" != "$pkgsum" ]]; then
   echo "$pkgsum" >"$venv/.expertd"
 fi
 "$venv/bin/python" -c 'import grpc, numpy, expertd; print("e2e-setup: grpcio", grpc.__version__, "numpy", numpy.__version__, "expertd", expertd.__version__)'
+if [[ "${EXPERTD_E2E_TORCH:-1}" != 0 ]]; then
+  "$venv/bin/python" -c 'import torch, transformers; print("e2e-setup: torch", torch.__version__, "transformers", transformers.__version__)'
+fi

@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
-# Downloads, into .whl/ (gitignored), the wheels the Python tests need on a
-# machine without network that already has torch (the H200 has torch
-# 2.11): transformers and its dependencies, the expertd package's
-# dependencies and pytest, but not torch or its CUDA packages. There:
-#   python -m pip install --no-index --find-links .whl transformers pytest ./clients/python
-# PYVER (default: this python's, e.g. 3.12) must match the target's python.
+# Fills .whl/ (gitignored) with the wheels scripts/device-python.sh installs
+# on the GPU machine, which has no network and no Go. Its image (Python
+# 3.12, torch 2.11, transformers 5.17, huggingface_hub 1.33, safetensors,
+# tokenizers, numpy, pytest) lacks googleapis-common-protos, and its grpcio
+# and protobuf are not known to be the ones the package's stubs need, so
+# the set is those, transformers at the version the tests were checked
+# against here, regex (transformers checks for >= 2025.10.22 at import and
+# the image's version is not known; its other requirements are met there)
+# and the expertd
+# package itself as a wheel (building it there would need setuptools from
+# an index). Every wheel is installed with --no-deps, so nothing else is
+# pulled in. It prints the sizes: the carried paths (.whl/ and the two
+# build/ files) and the tracked tree together must stay under 64 MiB.
+# PYVER (default 3.12) must match the target's python.
 # Usage: scripts/fetch-python-wheels.sh
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="$root/.whl"
-pyver="${PYVER:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}"
+pyver="${PYVER:-3.12}"
+# One version of each: a stale wheel beside a new one breaks the install.
+rm -rf "$dest"
 mkdir -p "$dest"
-common=(--dest "$dest" --only-binary=:all: --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
-  --platform manylinux_2_28_x86_64 --platform any --python-version "$pyver" --quiet --disable-pip-version-check)
-# transformers' own requirements, without torch (the target has it).
-python3 -m pip download "${common[@]}" --no-deps transformers==5.23.0
-python3 -m pip download "${common[@]}" \
-  'huggingface-hub>=1.0' 'tokenizers>=0.22' 'safetensors>=0.4' regex pyyaml packaging filelock tqdm requests \
-  numpy==2.3.5 grpcio==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0 pytest==9.2.0 \
-  'setuptools>=68' wheel typer-slim typer click shellingham rich hf-xet fsspec httpx anyio certifi idna h11 httpcore sniffio typing-extensions
-ls "$dest"
+python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+  --python-version "$pyver" --implementation cp --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dest" \
+  transformers==5.23.0 regex==2026.11.19 grpcio==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0
+# The package is pure Python: one wheel serves every python.
+python3 -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$dest" "$root/clients/python"
+rm -rf "$root/clients/python/build" "$root"/clients/python/*.egg-info
+ls -l "$dest"
+whl=$(du -cb "$dest"/*.whl | tail -1 | cut -f1)
+tree=$(cd "$root" && git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+bins=0
+for f in build/expertd build/libexpertd_cuda.so; do
+  [[ -f "$root/$f" ]] && bins=$((bins + $(stat -c %s "$root/$f")))
+done
+total=$((whl + tree + bins))
+echo "fetch-python-wheels: .whl $((whl >> 20)) MiB + build/expertd and build/libexpertd_cuda.so $((bins >> 20)) MiB + tracked tree $((tree >> 20)) MiB = $((total >> 20)) MiB of 64"
+if ((total > 64 << 20)); then
+  echo "fetch-python-wheels: over the 64 MiB the device call carries" >&2
+  exit 1
+fi

@@ -205,7 +205,7 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 	}
 	conns := []*client.Client{c}
 	for range cfg.conns - 1 {
-		more, err := client.Dial(ctx, cfg.addr, cfg.dialOpts...)
+		more, err := client.Dial(ctx, cfg.dial.Addr, cfg.dialOpts...)
 		if err != nil {
 			return nil, fmt.Errorf("-conns: %w", err)
 		}

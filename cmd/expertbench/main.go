@@ -13,7 +13,8 @@
 // stdout. -load first uploads a random layer of the model's shape (scale
 // it down with -e, -k and -n); without it, -set names a layer already
 // loaded. Only loopback addresses are accepted unless -allow-remote is
-// given.
+// given. -tls-ca, -tls-cert, -tls-key, -server-name and -token-file reach
+// a daemon with TLS and authorization, as in expertd-load.
 //
 // -stream sends each caller's calls over one FusedMoEStream, with
 // -inflight calls in flight on it; -addr unix:///path dials a Unix
@@ -53,6 +54,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/internal/cliflags"
 )
 
 func main() {
@@ -79,7 +81,7 @@ const (
 
 // config is a parsed command line.
 type config struct {
-	addr        string
+	dial        cliflags.Dial
 	allowRemote bool
 	model       model
 	tokens      int
@@ -130,7 +132,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("expertbench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "expertd gRPC address: host:port, or unix:///path for a Unix socket")
+	c.dial.Register(fs, "127.0.0.1:50051", "file holding a bearer token (FusedMoE needs the inference role; -load also admin)")
 	fs.BoolVar(&c.allowRemote, "allow-remote", false, "allow a non-loopback -addr")
 	name := fs.String("model", "qwen3", "layer shape: "+strings.Join(modelNames(), ", "))
 	e := fs.Int("e", 0, "number of experts E (0: the model's)")
@@ -217,6 +219,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, fmt.Errorf("-hidden %q: want bf16 or fp8", *hidden)
 	}
 	var errs []error
+	if err := c.dial.Check(); err != nil {
+		errs = append(errs, err)
+	}
 	if c.shm && c.cudaIPC {
 		errs = append(errs, errors.New("-shm and -cuda-ipc: pick one"))
 	}
@@ -256,7 +261,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		errs = append(errs, fmt.Errorf("-calls %d: want 0..%d", c.calls, maxCalls))
 	}
 	if !c.allowRemote {
-		if err := checkLoopback("addr", c.addr); err != nil {
+		if err := checkLoopback("addr", c.dial.Addr); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -300,8 +305,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	dialCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	cfg.dialOpts = []client.Option{client.WithDialOptions(grpc.WithStatsHandler(traceHandler{}))}
-	c, err := client.Dial(dialCtx, cfg.addr, cfg.dialOpts...)
+	opts, err := cfg.dial.Options()
+	if err != nil {
+		return err
+	}
+	cfg.dialOpts = append(opts, client.WithDialOptions(grpc.WithStatsHandler(traceHandler{})))
+	c, err := client.Dial(dialCtx, cfg.dial.Addr, cfg.dialOpts...)
 	if err != nil {
 		return err
 	}

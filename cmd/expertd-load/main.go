@@ -15,8 +15,6 @@ package main
 
 import (
 	"context"
-	"crypto/tls"
-	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -28,30 +26,29 @@ import (
 	"time"
 
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/internal/cliflags"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
 // config is the command line.
 type config struct {
-	addr, path, layers, name, preset, prefix string
-	numLayers                                int
-	configPath                               string
-	overwrite                                bool
-	timeout                                  time.Duration
-	tlsCA, tlsCert, tlsKey, serverName       string
-	tokenFile                                string
-	progress                                 string
+	dial                               cliflags.Dial
+	path, layers, name, preset, prefix string
+	numLayers                          int
+	configPath                         string
+	overwrite                          bool
+	timeout                            time.Duration
+	progress                           string
 }
 
 func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("expertd-load", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.addr, "addr", "localhost:50051", "daemon address")
+	c.dial.Register(fs, "localhost:50051", "file holding an admin bearer token (LoadExperts needs the admin role)")
 	fs.StringVar(&c.path, "path", "", "checkpoint directory (or .safetensors file), relative to the daemon's -weights-dir")
 	fs.StringVar(&c.layers, "layers", "", `layers to load: "all", or a list of indices and ranges ("0", "3-60", "0,2,4-7")`)
 	fs.IntVar(&c.numLayers, "num-layers", 0, "layer count for -layers all (default: num_hidden_layers of -config)")
@@ -61,11 +58,6 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&c.prefix, "tensor-prefix", "", `what precedes "layers.{L}" in tensor names, if not the preset's`)
 	fs.BoolVar(&c.overwrite, "overwrite", false, "replace sets of the same names")
 	fs.DurationVar(&c.timeout, "timeout", 10*time.Minute, "deadline of each layer's load")
-	fs.StringVar(&c.tlsCA, "tls-ca", "", "PEM roots to verify the daemon's certificate (turns TLS on)")
-	fs.StringVar(&c.tlsCert, "tls-cert", "", "client certificate for mutual TLS (PEM)")
-	fs.StringVar(&c.tlsKey, "tls-key", "", "client key for mutual TLS (PEM)")
-	fs.StringVar(&c.serverName, "server-name", "", "name to verify in the daemon's certificate")
-	fs.StringVar(&c.tokenFile, "token-file", "", "file holding an admin bearer token (LoadExperts needs the admin role)")
 	fs.StringVar(&c.progress, "progress", "auto", "progress bar: auto (when stderr is a terminal), bar, lines, none")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -79,10 +71,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	if !strings.Contains(c.name, "{L}") && c.layers != "" && !isSingle(c.layers) {
 		return c, errors.New("-name must contain {L} when loading several layers")
 	}
-	if (c.tlsCert == "") != (c.tlsKey == "") {
-		return c, errors.New("-tls-cert and -tls-key go together")
-	}
-	return c, nil
+	return c, c.dial.Check()
 }
 
 func isSingle(spec string) bool {
@@ -206,39 +195,6 @@ func loadOne(ctx context.Context, rpc pb.ExpertServiceClient, c config, src *pb.
 	return stream.CloseAndRecv()
 }
 
-func dialOptions(c config) ([]client.Option, error) {
-	var opts []client.Option
-	if c.tlsCA != "" || c.tlsCert != "" {
-		tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.serverName}
-		if c.tlsCA != "" {
-			pem, err := os.ReadFile(c.tlsCA)
-			if err != nil {
-				return nil, err
-			}
-			tc.RootCAs = x509.NewCertPool()
-			if !tc.RootCAs.AppendCertsFromPEM(pem) {
-				return nil, fmt.Errorf("-tls-ca %s holds no PEM certificate", c.tlsCA)
-			}
-		}
-		if c.tlsCert != "" {
-			cert, err := tls.LoadX509KeyPair(c.tlsCert, c.tlsKey)
-			if err != nil {
-				return nil, err
-			}
-			tc.Certificates = []tls.Certificate{cert}
-		}
-		opts = append(opts, client.WithTransportCredentials(credentials.NewTLS(tc)))
-	}
-	if c.tokenFile != "" {
-		b, err := os.ReadFile(c.tokenFile)
-		if err != nil {
-			return nil, err
-		}
-		opts = append(opts, client.WithBearerToken(strings.TrimSpace(string(b))))
-	}
-	return opts, nil
-}
-
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	c, err := parseFlags(args, stderr)
 	if err != nil {
@@ -254,11 +210,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	opts, err := dialOptions(c)
+	opts, err := c.dial.Options()
 	if err != nil {
 		return err
 	}
-	cl, err := client.Dial(ctx, c.addr, opts...)
+	cl, err := client.Dial(ctx, c.dial.Addr, opts...)
 	if err != nil {
 		return err
 	}

@@ -45,8 +45,15 @@ class Layer:
         self.w13, self.w2, self.s13, self.s2 = moeref.random_layer(rng, e, k, n)
         self.hidden = (rng.standard_normal((m, k)) / 10).astype(np.float32)
         self.logits = rng.standard_normal((m, e)).astype(np.float32)
-        ids, w = moeref.route(self.logits, top_k, True)
-        self.ref = moeref.fused_moe(self.hidden, self.w13, self.w2, self.s13, self.s2, ids, w)
+        self.ref = self.ref_of(self.hidden)
+
+    def ref_of(self, hidden):
+        """The reference for hidden states as the daemon receives them: a
+        caller sending BF16 gets the FP8 quantization of the BF16 values,
+        whose per-row scales differ from the float32 ones, so its reference
+        is computed from the rounded values."""
+        ids, w = moeref.route(self.logits, self.top_k, True)
+        return moeref.fused_moe(hidden, self.w13, self.w2, self.s13, self.s2, ids, w)
 
     def weights(self):
         return (self.w13, self.w2, self.s13, self.s2)

@@ -69,6 +69,7 @@ def test_shm_torch(client, loaded):
                                top_k=layer.top_k, renormalize=True, like="torch",
                                output_shm=region.ref(64 << 10, layer.m * layer.k * 2))
         assert isinstance(res.output, torch.Tensor) and res.output.dtype == torch.bfloat16
-        assert rel_l2(res.output.float().numpy(), layer.ref) <= 2e-2
-        del res
+        got = res.output.float().numpy()
+        del res  # the output views the mapping, which closes at the end of the block
+        assert rel_l2(got, layer.ref_of(h.float().numpy())) <= 2e-2
         client.unregister_shared_memory()
