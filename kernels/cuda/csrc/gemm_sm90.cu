@@ -297,8 +297,8 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   // Per token row of the current tile: its dequantization factor (activation
   // scale x weight scale, x router weight in GEMM2) and its output row or -1.
   // Gathered while the tile's operands stream in, so the epilogue does no
-  // dependent global loads (measured: those made GEMM2's epilogue longer
-  // than its mainloop).
+  // dependent global loads, which would otherwise outlast GEMM2's
+  // mainloop (docs/perf-notes.md, "Hopper grouped GEMM").
   float* row_scale = reinterpret_cast<float*>(empty + kStages);
   int* row_dst = reinterpret_cast<int*>(row_scale + BN);
   // kBlk: per stage, the activation scales of the tile's BN tokens for the
@@ -701,7 +701,8 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   constexpr int kStaging = (BN < 128 ? BN : 128) * (kOC * kESize + 16);
   constexpr int kFixed = 1024 + kStaging + 256 + BN * 8;
   constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
-  // More stages measured no faster (16 and 24 at decode, perf-notes).
+  // Eight stages keep enough bytes in flight; more do not pay for their
+  // shared memory (docs/perf-notes.md).
   constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
   static_assert(kStages >= 3, "tile too large for shared memory");
   const int smem = kFixed + kStages * kStageBytes;
@@ -900,20 +901,15 @@ int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hi
   if (tile > 0 && !(block_scales && tile > 128)) return tile;
   // Routing is not uniform: an expert with more tokens than one tile runs
   // two tiles and streams its weights twice, so decode tiles hold about
-  // twice the mean. Measured against tiles of the mean (perf-notes, "Token
-  // tiles"): DeepSeek-V3 block mode 20% faster at M = 256 and 36% at
-  // M = 1024, Qwen3 15-28% at M = 256 and 512, Nemotron 4% at M = 512;
-  // where the tail is short (DeepSeek-V3 M <= 128) no slower.
+  // twice the mean (docs/perf-notes.md, "Token tiles", has the timings).
   if (per_expert <= 4) return 8;
   if (per_expert <= 8) return 16;
   if (per_expert <= 16) return 32;
-  // Up to 64 a tile of 64 still won (Nemotron M = 1024, 48 per expert:
-  // 12% faster than 128; Qwen3 at 64 per expert: the same).
+  // Up to 64 per expert a 64-token tile wastes less of the tile than 128.
   if (per_expert <= 64) return 64;
   // Block scales hold two accumulator sets: at most 128 tokens a tile.
-  // 256-token tiles halve the weight traffic per FLOP; measured 3-5% faster
-  // for Nemotron at M=8192, and slower for Qwen3 at M=4096 (256 per expert)
-  // and Nemotron at M = 2048 (96 per expert: 0.42 ms against 0.60).
+  // 256-token tiles halve the weight traffic per FLOP but leave up to 255
+  // slots idle per expert, so they pay only well above 256 per expert.
   // Paired 128-row blocks (pair_tiles) read the weights once per 256
   // tokens where an expert has them and leave at most 127 slots idle per
   // expert instead of 255, so they replace the 256-token tile.
