@@ -435,8 +435,14 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	var ms float32
-	c, ids, w, err := packCall(l.meta, req, out, gemm, graph, &ms)
+	// The call struct holds ms's address as an integer, which a moving
+	// goroutine stack would leave stale: ms lives on the heap, pinned for
+	// the call.
+	ms := new(float32)
+	var pin runtime.Pinner
+	pin.Pin(ms)
+	defer pin.Unpin()
+	c, ids, w, err := packCall(l.meta, req, out, gemm, graph, ms)
 	if err != nil {
 		return nil, err
 	}
@@ -458,5 +464,5 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 	if err != nil {
 		return nil, err
 	}
-	return &kernels.Result{Output: out, TopKIDs: ids, TopKWeights: w, KernelNanos: int64(float64(ms) * 1e6)}, nil
+	return &kernels.Result{Output: out, TopKIDs: ids, TopKWeights: w, KernelNanos: int64(float64(*ms) * 1e6)}, nil
 }
