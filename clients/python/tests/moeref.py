@@ -26,12 +26,18 @@ _POSV = E4M3[_POS]
 
 
 def fp8_encode(x):
-    """Rounds float values to E4M3FN codes (nearest, saturating at 448)."""
+    """Rounds float values to E4M3FN codes (nearest, ties to the even code
+    as IEEE and the daemon round, saturating at 448). Ties are common, not
+    a corner: a BF16 row whose absmax has the mantissa of 448 scales by a
+    power of two, so its values keep 8 significant bits and one in 16 sits
+    halfway between two FP8 codes."""
     x = np.asarray(x, dtype=np.float64)
     a = np.minimum(np.abs(x), 448.0)
     i = np.clip(np.searchsorted(_POSV, a), 1, len(_POSV) - 1)
     lo, hi = _POSV[i - 1], _POSV[i]
-    pick = np.where(a - lo <= hi - a, i - 1, i)
+    below, above = a - lo, hi - a
+    # A code's lowest bit is its mantissa's, so the even one has it clear.
+    pick = np.where((below < above) | ((below == above) & (_POS[i - 1] % 2 == 0)), i - 1, i)
     return (_POS[pick] | np.where(x < 0, 0x80, 0)).astype(np.uint8)
 
 

@@ -67,6 +67,11 @@ def test_fp8_reference_codec():
     back = fp8_encode(vals[ok])
     assert np.array_equal(fp8_decode(back), vals[ok])
     assert fp8_decode(fp8_encode([1000.0]))[0] == 448.0
+    # Midpoints round to the even code, in both directions and both signs:
+    # 1.0625 lies between 1.0 (0x38) and 1.125 (0x39), 1.1875 between
+    # 1.125 and 1.25 (0x3A); 0.5 * 2^-9 between 0 and the least subnormal.
+    assert list(fp8_encode([1.0625, 1.1875, -1.0625, -1.1875, 2.0 ** -10, 2.0 ** -10 * 3])) == \
+        [0x38, 0x3A, 0xB8, 0xBA, 0x00, 0x02]
 
 
 class _FakeError(grpc.RpcError):
