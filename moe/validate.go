@@ -366,6 +366,15 @@ func Element(d DType, b []byte, i int) float32 {
 // 0/0. Sigmoid scores a -Inf as 0, so a sigmoid row may be all -Inf (its
 // weights are 0).
 func CheckLogits(d DType, b []byte, e int, scoring Scoring) error {
+	if logitsClean(d, b, e, scoring) {
+		return nil
+	}
+	return logitsError(d, b, e, scoring)
+}
+
+// logitsError finds the first element or row CheckLogits refuses and
+// says which.
+func logitsError(d DType, b []byte, e int, scoring Scoring) error {
 	n := len(b) / d.Size()
 	for row := 0; row*e < n; row++ {
 		finite := false
@@ -381,4 +390,79 @@ func CheckLogits(d DType, b []byte, e int, scoring Scoring) error {
 		}
 	}
 	return nil
+}
+
+// logitsClean is CheckLogits' verdict without its message, from the bits:
+// the scan runs on every call over M·E logits (256 × 128 at a prefill
+// chunk), where converting each to a float costs more than the rest of
+// validation. With the sign cleared, an exponent of all ones is NaN or
+// ±Inf, and of those only -Inf (sign set, mantissa clear) is legal.
+func logitsClean(d DType, b []byte, e int, scoring Scoring) bool {
+	if d == BFloat16 {
+		if !anySpecial(b, 0x7f807f807f807f80, 0x0001000100010001, 0x8000800080008000) {
+			return true
+		}
+		return rowsClean(b, e, 2, 0x7fff, 0x7f80, 0xff80, scoring == Softmax)
+	}
+	if !anySpecial(b, 0x7f8000007f800000, 0x0000000100000001, 0x8000000080000000) {
+		return true
+	}
+	return rowsClean(b, e, 4, 0x7fffffff, 0x7f800000, 0xff800000, scoring == Softmax)
+}
+
+// anySpecial reports whether any element of b (little-endian lanes of a
+// 64-bit word, with exp the exponent field of each lane, one its lowest
+// bit and high its highest) has an exponent of all ones: a NaN or an
+// infinity. With none, every row has a finite logit and nothing else need
+// be looked at. It tests a word at a time (a lane of (x & exp) ^ exp is
+// zero exactly when its exponent is all ones, and (v - one) &^ v & high
+// is non-zero exactly when some lane of v is zero), four words per step.
+func anySpecial(b []byte, exp, one, high uint64) bool {
+	zero := func(x uint64) uint64 {
+		v := x&exp ^ exp
+		return (v - one) &^ v & high
+	}
+	var acc uint64
+	i := 0
+	for ; i+32 <= len(b); i += 32 {
+		w := b[i : i+32 : i+32]
+		acc |= zero(binary.LittleEndian.Uint64(w)) | zero(binary.LittleEndian.Uint64(w[8:])) |
+			zero(binary.LittleEndian.Uint64(w[16:])) | zero(binary.LittleEndian.Uint64(w[24:]))
+	}
+	for ; i+8 <= len(b); i += 8 {
+		acc |= zero(binary.LittleEndian.Uint64(b[i:]))
+	}
+	if i < len(b) {
+		// Fewer than eight bytes left: pad them with zeros, which are not
+		// special in any lane.
+		var tail [8]byte
+		copy(tail[:], b[i:])
+		acc |= zero(binary.LittleEndian.Uint64(tail[:]))
+	}
+	return acc != 0
+}
+
+// rowsClean is logitsClean for little-endian elements of size bytes.
+func rowsClean(b []byte, e, size int, abs, expOnes, negInf uint32, softmax bool) bool {
+	for row := 0; (row+1)*e*size <= len(b); row++ {
+		r := b[row*e*size : (row+1)*e*size]
+		finite := false
+		for i := 0; i < len(r); i += size {
+			var u uint32
+			if size == 2 {
+				u = uint32(binary.LittleEndian.Uint16(r[i:]))
+			} else {
+				u = binary.LittleEndian.Uint32(r[i:])
+			}
+			if u&abs < expOnes {
+				finite = true
+			} else if u != negInf {
+				return false
+			}
+		}
+		if !finite && softmax {
+			return false
+		}
+	}
+	return true
 }

@@ -84,3 +84,44 @@ func TestValidate(t *testing.T) {
 		t.Errorf("no bytes: %v, want hidden_states.data: is required", err)
 	}
 }
+
+// FuzzLogitsClean checks the bit-level scan against the float-level one
+// that names the refused element: they must agree on every input, NaN
+// payloads, both infinities and rows of -Inf included.
+func FuzzLogitsClean(f *testing.F) {
+	f32 := func(v ...float32) []byte {
+		b := make([]byte, 4*len(v))
+		for i, x := range v {
+			binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
+		}
+		return b
+	}
+	inf := float32(math.Inf(1))
+	f.Add(f32(1, -2, 3, 0), false, uint8(2), false)
+	f.Add(f32(-inf, -inf, 1, -inf), false, uint8(2), false)
+	f.Add(f32(-inf, -inf, 1, -inf), false, uint8(2), true)
+	f.Add(f32(1, inf, 0, 0), false, uint8(4), false)
+	f.Add(f32(float32(math.NaN()), 0), false, uint8(1), true)
+	f.Add(f32(0, -0), false, uint8(2), false)
+	f.Add([]byte{0x80, 0xff, 0x80, 0x7f, 0xc1, 0xff, 0x00, 0x80}, true, uint8(2), false)
+	f.Add([]byte{0x80, 0xff, 0x80, 0xff, 0x3f, 0x80, 0x80, 0xff}, true, uint8(2), false)
+	f.Fuzz(func(t *testing.T, b []byte, bf16 bool, e uint8, sigmoid bool) {
+		if e == 0 {
+			return
+		}
+		d, scoring := Float32, Softmax
+		if bf16 {
+			d = BFloat16
+		}
+		if sigmoid {
+			scoring = Sigmoid
+		}
+		// Whole rows only, as validation passes them.
+		row := int(e) * d.Size()
+		b = b[:len(b)/row*row]
+		clean, err := logitsClean(d, b, int(e), scoring), logitsError(d, b, int(e), scoring)
+		if clean != (err == nil) {
+			t.Fatalf("logitsClean = %v, logitsError = %v (dtype %v, e %d, %x)", clean, err, d, e, b)
+		}
+	})
+}
