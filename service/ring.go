@@ -75,6 +75,10 @@ type rings struct {
 
 	calls    metric.Int64Counter
 	attached metric.Int64UpDownCounter
+	// codeAttrs are calls' attribute sets by status code, built once: a
+	// fresh set per call costs allocations on the path a ring exists to
+	// make short.
+	codeAttrs [codes.Unauthenticated + 1]metric.MeasurementOption
 }
 
 func newRings() *rings { return &rings{byConn: map[uint64]int{}, closing: make(chan struct{})} }
@@ -105,6 +109,9 @@ func (c Config) ringLimits() (perConn, total int, slotBytes int64) {
 }
 
 func (s *Server) initRingMetrics(m metric.Meter) {
+	for c := range s.rings.codeAttrs {
+		s.rings.codeAttrs[c] = metric.WithAttributeSet(attribute.NewSet(attribute.String("code", codes.Code(c).String())))
+	}
 	var err error
 	if s.rings.calls, err = m.Int64Counter("expertd.ring.calls",
 		metric.WithDescription("FusedMoE calls completed through call rings, by status code."),
@@ -401,7 +408,11 @@ func (sr *servedRing) serve(c slotCall) {
 		}
 	}
 	if s.rings.calls != nil {
-		s.rings.calls.Add(sr.ctx, 1, metric.WithAttributes(attribute.String("code", code.String())))
+		attrs := metric.WithAttributes(attribute.String("code", code.String()))
+		if int(code) < len(s.rings.codeAttrs) {
+			attrs = s.rings.codeAttrs[code]
+		}
+		s.rings.calls.Add(sr.ctx, 1, attrs)
 	}
 }
 
