@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/kernels"
@@ -58,7 +59,13 @@ func ServeBackend(cfg service.Config, backend kernels.Backend) (*Server, error) 
 		return nil, fmt.Errorf("clienttest: listen: %w", err)
 	}
 	svc := service.New(cfg, backend, nil)
-	gs := grpc.NewServer(append(svc.ServerOptions(), grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)))...)
+	gs := grpc.NewServer(append(svc.ServerOptions(), grpc.MaxRecvMsgSize(int(cfg.MaxMessageBytes)), grpc.MaxSendMsgSize(int(cfg.MaxMessageBytes)),
+		// The SDK pings every client.DefaultKeepaliveTime, with or without
+		// RPCs in flight (a caller on a call ring sends none for minutes);
+		// grpc-go's default policy answers that with GOAWAY too_many_pings.
+		// Half the interval leaves room for timer skew, as the daemon's
+		// -keepalive-min-time does.
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: client.DefaultKeepaliveTime / 2, PermitWithoutStream: true}))...)
 	svc.Register(gs)
 	hs := health.NewServer()
 	hs.SetServingStatus(pb.ExpertService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
