@@ -190,13 +190,19 @@ func Release(m proto.Message) {
 	}
 }
 
-// Unmarshal parses b into m, as proto.Unmarshal does, except that every
-// singular bytes field of m (and of the singular messages within it)
-// aliases b instead of holding a copy: b must not change while m is in
-// use. Other fields are decoded by proto.Unmarshal, one at a time; a
-// message's encoding is the concatenation of its fields', so that is the
-// same parse.
+// Unmarshal parses b into m, as proto.Unmarshal does, except that when b
+// is at least AliasBytes long every singular bytes field of m (and of the
+// singular messages within it) aliases b instead of holding a copy: b must
+// not change while m is in use. Other fields are decoded by
+// proto.Unmarshal, one at a time; a message's encoding is the
+// concatenation of its fields', so that is the same parse. A shorter b is
+// parsed by proto.Unmarshal outright (its bytes fields copied): the
+// field-by-field walk costs microseconds, which a small message, a
+// shared-memory call's above all, would pay for copies of a few bytes.
 func Unmarshal(b []byte, m proto.Message) error {
+	if len(b) < aliasBytes {
+		return proto.Unmarshal(b, m)
+	}
 	proto.Reset(m)
 	return unmarshal(b, m.ProtoReflect(), 0)
 }
