@@ -80,9 +80,19 @@ row "$A" -no-rtt -c 4 -m 256 -ring $ipc
 row "$A" -no-rtt -c 8 -m 256
 row "$A" -no-rtt -c 8 -m 256 -conns 8
 py="${PYTHON:-python3}"
-if "$py" -c 'import grpc, numpy' 2> /dev/null; then
+# PY_WHEELS: a folder of wheels (grpcio, protobuf, googleapis-common-protos
+# at the versions clients/python's stubs are generated for) installed into
+# a scratch directory first on PYTHONPATH, for a machine whose own protobuf
+# cannot read the committed stubs.
+pypath="$PWD/clients/python"
+if [[ -n ${PY_WHEELS:-} ]]; then
+	site=$(mktemp -d)
+	"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$PY_WHEELS"/*.whl &&
+		pypath="$site:$pypath"
+fi
+if PYTHONPATH="$pypath" "$py" -c 'import grpc, numpy' 2> /dev/null; then
 	say "== Python grpcio unary inline"
-	PYTHONPATH="$PWD/clients/python" timeout 60 "$py" bench/python_latency.py --addr "$A" --m 1 256 --duration "${dur%s}" 2>&1 |
+	PYTHONPATH="$pypath" timeout 60 "$py" bench/python_latency.py --addr "$A" --m 1 256 --duration "${dur%s}" 2>&1 |
 		tail -8 | tee -a "$S"
 else
 	say "== Python: grpcio or numpy missing"
