@@ -10,9 +10,15 @@ so the Python client's overhead can be read against the Go numbers:
 
     bench/python_latency.py --addr 127.0.0.1:50051 --set expertbench --m 1 256
 
-It needs grpcio, grpcio-tools and numpy (scripts/e2e-setup.sh puts them in
-.tools/venv). Stubs are generated from proto/ into a temporary directory;
-nothing else of the repository is imported.
+With --ring it also posts the same calls through a call ring (the daemon
+runs with -shared-memory -ring) from the expertd package's Ring, with the
+hidden states, logits and output in the ring's shared-memory region, as a
+same-host engine would: the Python fast path's latency.
+
+It needs grpcio and numpy (scripts/e2e-setup.sh puts them in .tools/venv),
+and the expertd package's stubs (clients/python on PYTHONPATH, or the
+package installed), else grpcio-tools to generate stubs from proto/ into a
+temporary directory. --ring needs the package.
 """
 
 import argparse
@@ -68,6 +74,7 @@ def main():
     ap.add_argument("--set", default="expertbench", help="loaded expert set to call")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 256], help="tokens per call")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per token count")
+    ap.add_argument("--ring", action="store_true", help="also time calls through a call ring (needs the expertd package)")
     ap.add_argument("--proto-root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "proto"))
     a = ap.parse_args()
 
@@ -124,8 +131,77 @@ def main():
         lat.sort()
         kernel.sort()
         total.sort()
-        print(f"M={m:<5d} unary inline BF16  {len(lat)} calls  latency p50 {pct(lat, .5)*1e3:.3f} ms  p90 {pct(lat, .9)*1e3:.3f}  "
-              f"p99 {pct(lat, .99)*1e3:.3f}  server kernel p50 {pct(kernel, .5)*1e3:.3f}  total p50 {pct(total, .5)*1e3:.3f}")
+        report(f"M={m:<5d} unary inline BF16", lat, kernel, total)
+        if a.ring:
+            ring_row(a, m, reqs)
+
+
+def report(what, lat, kernel, total):
+    lat.sort()
+    kernel.sort()
+    total.sort()
+    print(f"{what}  {len(lat)} calls  latency p50 {pct(lat, .5)*1e3:.3f} ms  p90 {pct(lat, .9)*1e3:.3f}  "
+          f"p99 {pct(lat, .99)*1e3:.3f}  server kernel p50 {pct(kernel, .5)*1e3:.3f}  total p50 {pct(total, .5)*1e3:.3f}")
+
+
+def ring_row(a, m, reqs):
+    """Times reqs' calls through a one-slot ring with their tensors and
+    output in its region."""
+    import expertd
+    from expertd import ring as ringmod
+    from expertd.v1 import expert_pb2 as pb
+
+    page = 4096
+    up = lambda n: (n + page - 1) // page * page  # noqa: E731
+    r0 = reqs[0]
+    hid, lg = len(r0.hidden_states.data), len(r0.router_logits.data)
+    out = hid  # BF16 out, [M, K] like the hidden states
+    ring_bytes = up(ringmod.size(1, 64 << 10))
+    size = ring_bytes + len(reqs) * (up(hid) + up(lg)) + up(out)
+    name = f"python-latency-ring-{m}"
+    shm = expertd.SharedMemory.create(size)
+    client = expertd.Client(a.addr)
+    try:
+        client.register_shared_memory(name, shm)
+        shm.unlink()
+        r = ringmod.Ring(shm._buf, 0, slots=1, slot_size=64 << 10)
+        attached = ringmod.attach(client.stub, name, r)
+        buf = shm.buf
+        ref = lambda off, n: pb.SharedMemoryRef(region_name=name, offset=off, byte_size=n)  # noqa: E731
+        off, posted = ring_bytes, []
+        out_ref = ref(size - up(out), out)
+        for q in reqs:
+            buf[off:off + hid] = q.hidden_states.data
+            h = pb.Tensor(dtype=q.hidden_states.dtype, shape=q.hidden_states.shape, shm=ref(off, hid))
+            off += up(hid)
+            buf[off:off + lg] = q.router_logits.data
+            lt = pb.Tensor(dtype=q.router_logits.dtype, shape=q.router_logits.shape, shm=ref(off, lg))
+            off += up(lg)
+            posted.append(pb.FusedMoERequest(expert_set=q.expert_set, hidden_states=h, router_logits=lt,
+                                             routing=q.routing, output_dtype=q.output_dtype, output_shm=out_ref))
+        del buf
+        for q in posted * 5:  # warm-up
+            r.fused_moe(q, timeout_s=10)
+        lat, kernel, total = [], [], []
+        end = time.perf_counter() + a.duration
+        i = 0
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            resp = r.fused_moe(posted[i % len(posted)], timeout_s=10)
+            lat.append(time.perf_counter() - t0)
+            kernel.append(resp.timings.kernel_nanos / 1e9)
+            total.append(resp.timings.total_nanos / 1e9)
+            i += 1
+        report(f"M={m:<5d} ring, POSIX shm ", lat, kernel, total)
+        attached.cancel()
+        r.drop_memory()
+        # grpcio may share one connection among channels to a target, and
+        # regions belong to the connection: unregister rather than rely on
+        # closing the channel.
+        client.unregister_shared_memory(name)
+    finally:
+        client.close()
+        shm.close()
 
 
 if __name__ == "__main__":

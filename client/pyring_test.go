@@ -18,8 +18,8 @@ import (
 // pyRingScript drives clients/python/expertd/ring.py as a Python caller
 // would, with the standard library only: it lays a ring out in the
 // object, waits for the Go side to attach it, posts the request bytes
-// twice (sleeping on the futex, then spinning) and writes each
-// completion's kind and payload.
+// twice (sleeping on the futex, then spinning), writes each
+// completion's kind and payload, and closes its mapping.
 const pyRingScript = `
 import mmap, os, sys
 sys.path.insert(0, sys.argv[1])
@@ -34,6 +34,8 @@ req = open(req_path, "rb").read()
 for n, spin in enumerate((0.0, 0.05)):
     kind, payload = r.call(req, timeout_s=10, spin_s=spin)
     open(os.path.join(out_dir, "resp%d" % n), "wb").write(bytes([kind]) + payload)
+r.drop_memory()
+buf.close()  # BufferError while the ring still holds views of it
 print("done", flush=True)
 `
 

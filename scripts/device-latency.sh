@@ -92,7 +92,7 @@ if [[ -n ${PY_WHEELS:-} ]]; then
 fi
 if PYTHONPATH="$pypath" "$py" -c 'import grpc, numpy' 2> /dev/null; then
 	say "== Python grpcio unary inline"
-	PYTHONPATH="$pypath" timeout 60 "$py" bench/python_latency.py --addr "$A" --m 1 256 --duration "${dur%s}" 2>&1 |
+	PYTHONPATH="$pypath" timeout 60 "$py" bench/python_latency.py --ring --addr "$A" --m 1 256 --duration "${dur%s}" 2>&1 |
 		tail -8 | tee -a "$S"
 else
 	say "== Python: grpcio or numpy missing"

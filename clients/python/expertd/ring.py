@@ -97,6 +97,13 @@ class Ring:
             self._u32[_SLOT_SIZE // 4] = slot_size
             self._u32[_MAGIC // 4] = MAGIC
 
+    def drop_memory(self) -> None:
+        """Releases the ring's views of its buffer, so that the mapping
+        (SharedMemory.close) can be closed; the ring is unusable after.
+        Detach it first (cancel the AttachRing call)."""
+        for v in (self._u32, self._u64, self._mem):
+            v.release()
+
     # --- words ---
     def _slot(self, i: int, off: int) -> int:
         return HEADER_SIZE + i * self.slot_size + off
