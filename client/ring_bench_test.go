@@ -3,13 +3,13 @@ package client_test
 import (
 	"context"
 	"math/rand/v2"
-	"slices"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/durstat"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
@@ -120,13 +120,9 @@ func BenchmarkRingPath(b *testing.B) {
 					total = append(total, t)
 				}
 				b.StopTimer()
-				q := func(v []time.Duration, p float64) float64 {
-					slices.Sort(v)
-					return float64(v[int(p*float64(len(v)-1))])
-				}
-				b.ReportMetric(q(lat, 0.5), "p50-ns")
-				b.ReportMetric(q(lat, 0.99), "p99-ns")
-				b.ReportMetric(q(total, 0.5), "server-ns")
+				b.ReportMetric(durstat.Of(lat, 0.5), "p50-ns")
+				b.ReportMetric(durstat.Of(lat, 0.99), "p99-ns")
+				b.ReportMetric(durstat.Of(total, 0.5), "server-ns")
 			})
 		}
 	}

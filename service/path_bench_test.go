@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"math/rand/v2"
 	"net"
-	"slices"
 	"testing"
 	"time"
 
@@ -14,6 +13,7 @@ import (
 	"google.golang.org/grpc/encoding"
 
 	"github.com/expertd/expertd/codec"
+	"github.com/expertd/expertd/internal/durstat"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
@@ -100,10 +100,7 @@ func BenchmarkServicePath(b *testing.B) {
 				handler = append(handler, time.Duration(t.GetTotalNanos()-t.GetKernelNanos()))
 			}
 			b.StopTimer()
-			med := func(v []time.Duration) float64 {
-				slices.Sort(v)
-				return float64(v[len(v)/2])
-			}
+			med := func(v []time.Duration) float64 { return durstat.Of(v, 0.5) }
 			b.ReportMetric(med(kernel), "kernel-ns")
 			b.ReportMetric(med(total), "server-ns")
 			b.ReportMetric(med(rpc), "rpc-ns")

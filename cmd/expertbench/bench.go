@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/internal/durstat"
 	"github.com/expertd/expertd/kernels/cuda"
 )
 
@@ -62,15 +62,6 @@ func (r *recorder) takeWindow() ([]time.Duration, int) {
 	w := r.window
 	r.window = nil
 	return w, len(r.all)
-}
-
-// percentile is the nearest-rank p-quantile (0 < p <= 1) of sorted.
-func percentile(sorted []time.Duration, p float64) time.Duration {
-	if len(sorted) == 0 {
-		return 0
-	}
-	i := int(math.Ceil(p*float64(len(sorted)))) - 1
-	return sorted[min(max(i, 0), len(sorted)-1)]
 }
 
 func sortedCopy(d []time.Duration) []time.Duration {
@@ -152,7 +143,7 @@ func summarize(calls []callSample) breakdown {
 			v[i] = f(c)
 		}
 		slices.Sort(v)
-		return percentile(v, 0.5)
+		return durstat.Percentile(v, 0.5)
 	}
 	b := breakdown{
 		Client:        p50(func(c callSample) time.Duration { return c.latency }),
@@ -301,7 +292,7 @@ loop:
 			last = now
 			fmt.Fprintf(stderr, "[%6.1fs] %8d calls  %8.1f calls/s  %10.0f tokens/s  p50 %8v  p99 %8v\n",
 				now.Sub(start).Seconds(), total, float64(len(w))/secs, float64(len(w)*cfg.tokens)/secs,
-				percentile(s, 0.5).Round(time.Microsecond), percentile(s, 0.99).Round(time.Microsecond))
+				durstat.Percentile(s, 0.5).Round(time.Microsecond), durstat.Percentile(s, 0.99).Round(time.Microsecond))
 		}
 	}
 	elapsed := time.Since(start)
@@ -319,7 +310,7 @@ loop:
 		Calls: len(all), Elapsed: elapsed,
 		CallsPerSec: float64(len(all)) / elapsed.Seconds(),
 		TokensPerS:  float64(len(all)*cfg.tokens) / elapsed.Seconds(),
-		P50:         percentile(all, 0.5), P90: percentile(all, 0.9), P99: percentile(all, 0.99), Max: all[len(all)-1],
+		P50:         durstat.Percentile(all, 0.5), P90: durstat.Percentile(all, 0.9), P99: durstat.Percentile(all, 0.99), Max: all[len(all)-1],
 	}
 	r.Breakdown = summarize(rec.calls)
 	r.KernelP50, r.QueueP50, r.TotalP50 = r.Breakdown.Kernel, r.Breakdown.Queue, r.Breakdown.Total

@@ -180,25 +180,6 @@ func TestFlags(t *testing.T) {
 	}
 }
 
-func TestPercentile(t *testing.T) {
-	var d []time.Duration
-	for i := 1; i <= 100; i++ {
-		d = append(d, time.Duration(i))
-	}
-	tests := []struct {
-		p    float64
-		want time.Duration
-	}{{0.5, 50}, {0.9, 90}, {0.99, 99}, {1, 100}, {0.001, 1}}
-	for _, tc := range tests {
-		if got := percentile(d, tc.p); got != tc.want {
-			t.Errorf("percentile(1..100, %v) = %v, want %v", tc.p, got, tc.want)
-		}
-	}
-	if got := percentile(nil, 0.5); got != 0 {
-		t.Errorf("percentile(nil) = %v, want 0", got)
-	}
-}
-
 // TestRandomWeightsAreFinite: the table-driven generator must never emit
 // a NaN code (0x7F, 0xFF), and should use both signs.
 func TestRandomWeightsAreFinite(t *testing.T) {

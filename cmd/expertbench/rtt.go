@@ -11,6 +11,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/expertd/expertd/internal/durstat"
 )
 
 // A round trip is measured with up to rttCalls health checks after
@@ -44,7 +46,7 @@ func checkRTT(ctx context.Context, conn grpc.ClientConnInterface) (rtt, error) {
 		}
 	}
 	slices.Sort(d)
-	return rtt{percentile(d, 0.5), percentile(d, 0.9), percentile(d, 0.99)}, nil
+	return rtt{durstat.Percentile(d, 0.5), durstat.Percentile(d, 0.9), durstat.Percentile(d, 0.99)}, nil
 }
 
 // bareRTT is the floor of a gRPC call on this host: a plain grpc-go

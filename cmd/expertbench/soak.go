@@ -20,6 +20,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/durstat"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -380,9 +381,9 @@ loop:
 	st.mu.Unlock()
 	res.Elapsed = elapsed
 	if len(good) > 0 {
-		res.GoodP50, res.GoodP99, res.GoodMax = percentile(good, 0.5), percentile(good, 0.99), good[len(good)-1]
+		res.GoodP50, res.GoodP99, res.GoodMax = durstat.Percentile(good, 0.5), durstat.Percentile(good, 0.99), good[len(good)-1]
 	}
-	res.BadP50, res.BadP99 = percentile(bad, 0.5), percentile(bad, 0.99)
+	res.BadP50, res.BadP99 = durstat.Percentile(bad, 0.5), durstat.Percentile(bad, 0.99)
 
 	if sc.adminAddr != "" {
 		if len(samples) < 2 {

@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,6 +21,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/durstat"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -127,10 +127,7 @@ func BenchmarkCallPath(b *testing.B) {
 			kernel = append(kernel, t.Kernel)
 		}
 		b.StopTimer()
-		p := func(v []time.Duration, q float64) float64 {
-			slices.Sort(v)
-			return float64(v[int(q*float64(len(v)-1))])
-		}
+		p := durstat.Of
 		b.ReportMetric(p(d, 0.5), "p50-ns")
 		b.ReportMetric(p(d, 0.9), "p90-ns")
 		b.ReportMetric(p(kernel, 0.5), "kernel-ns")
