@@ -14,22 +14,8 @@ import (
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
 	"github.com/expertd/expertd/service"
+	"github.com/expertd/expertd/service/servicetest"
 )
-
-// nullRingBackend computes nothing: it answers zeros of the right size
-// (into the request's output memory when it names some), so a benchmark
-// on it times the call path alone.
-type nullRingBackend struct{ kernels.Backend }
-
-func (nullRingBackend) FusedMoE(_ context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
-	m, k := req.M(), l.Set().K
-	out := req.Out
-	if out == nil {
-		out = make([]byte, m*k*req.OutDType.Size())
-	}
-	return &kernels.Result{Output: out, TopKIDs: make([]int32, m*req.Routing.TopK),
-		TopKWeights: make([]float32, m*req.Routing.TopK), KernelNanos: 1}, nil
-}
 
 // BenchmarkRingPath times one caller's FusedMoE calls through a call ring
 // on a backend that computes nothing, at the Nemotron layer's call shape
@@ -49,7 +35,7 @@ func BenchmarkRingPath(b *testing.B) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	shape := kerneltest.Nemotron.Scaled(kerneltest.Nemotron.K, 16)
 	cfg := service.Config{SharedMemory: true, Ring: true, RingSpin: time.Second, MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}
-	srv, err := clienttest.ServeBackend(cfg, nullRingBackend{cpu.New(kernels.Config{})})
+	srv, err := clienttest.ServeBackend(cfg, servicetest.NullBackend{Backend: cpu.New(kernels.Config{})})
 	if err != nil {
 		b.Fatal(err)
 	}

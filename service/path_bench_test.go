@@ -23,16 +23,6 @@ import (
 	"github.com/expertd/expertd/service/servicetest"
 )
 
-// nullBackend computes nothing: it returns a fresh zero output of the
-// right size, so a benchmark on it times the service path alone.
-type nullBackend struct{ fakeBackend }
-
-func (*nullBackend) FusedMoE(_ context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
-	m, k := req.M(), l.Set().K
-	return &kernels.Result{Output: make([]byte, m*k*req.OutDType.Size()),
-		TopKIDs: make([]int32, m*req.Routing.TopK), TopKWeights: make([]float32, m*req.Routing.TopK), KernelNanos: 1}, nil
-}
-
 // BenchmarkServicePath times FusedMoE calls with the Nemotron payload (E
 // = 128, K = 2688, top_k 6; M = 64 BF16 hidden states and FP32 logits in,
 // BF16 out: 377 KB in, 344 KB out) over a real loopback TCP connection,
@@ -70,7 +60,7 @@ func BenchmarkServicePath(b *testing.B) {
 		codec   string
 	}{{"null", "alias"}, {"null", "grpc"}, {"cpu", "alias"}, {"cpu", "grpc"}} {
 		b.Run("backend="+bc.backend+"/codec="+bc.codec, func(b *testing.B) {
-			var backend kernels.Backend = &nullBackend{}
+			var backend kernels.Backend = servicetest.NullBackend{Backend: &fakeBackend{}}
 			if bc.backend == "cpu" {
 				backend = cpu.New(kernels.Config{})
 			}

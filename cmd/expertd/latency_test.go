@@ -26,6 +26,7 @@ import (
 	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
+	"github.com/expertd/expertd/service/servicetest"
 )
 
 // BenchmarkCallPath splits a tiny FusedMoE call's latency (Nemotron-like
@@ -209,7 +210,7 @@ func BenchmarkCallPath(b *testing.B) {
 		}},
 	} {
 		b.Run("null/"+v.name, func(b *testing.B) {
-			srv, err := clienttest.ServeBackend(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}, nullBackend{cpu.New(kernels.Config{Threads: 1})})
+			srv, err := clienttest.ServeBackend(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}, servicetest.NullBackend{Backend: cpu.New(kernels.Config{Threads: 1})})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -255,7 +256,7 @@ func BenchmarkCallPath(b *testing.B) {
 					b.Fatal(err)
 				}
 				svc := service.New(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow, MaxTokens: 8192},
-					nullBackend{cpu.New(kernels.Config{Threads: 1})}, nil)
+					servicetest.NullBackend{Backend: cpu.New(kernels.Config{Threads: 1})}, nil)
 				st := &stages{}
 				gs := grpc.NewServer(append(svc.ServerOptions(), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20),
 					grpc.StatsHandler(stageHandler{st, true}))...)
@@ -301,7 +302,7 @@ func BenchmarkCallPath(b *testing.B) {
 			log := cfg.logger(io.Discard)
 			meters := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
 			svc := service.New(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow, Meter: meters.Meter("bench")},
-				nullBackend{cpu.New(kernels.Config{Threads: 1})}, log)
+				servicetest.NullBackend{Backend: cpu.New(kernels.Config{Threads: 1})}, log)
 			gs := newGRPCServer(cfg, log, meters, tracenoop.NewTracerProvider(), svc.ServerOptions()...)
 			svc.Register(gs)
 			lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -335,20 +336,6 @@ func BenchmarkCallPath(b *testing.B) {
 		b.Cleanup(func() { p.Close() })
 		measure(b, func() (client.Timings, error) { return timed(p.Call(req)) })
 	})
-}
-
-// nullBackend is the CPU backend (for loading and capabilities) whose
-// FusedMoE computes nothing: it returns zeros of the right size.
-type nullBackend struct{ kernels.Backend }
-
-func (nullBackend) FusedMoE(_ context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
-	m, k := req.M(), l.Set().K
-	out := req.Out
-	if out == nil {
-		out = make([]byte, m*k*req.OutDType.Size())
-	}
-	return &kernels.Result{Output: out[:m*k*req.OutDType.Size()], TopKIDs: make([]int32, m*req.Routing.TopK),
-		TopKWeights: make([]float32, m*req.Routing.TopK), KernelNanos: 1}, nil
 }
 
 // stageNames name the stages stages.split returns, in order.
