@@ -81,6 +81,12 @@ func Cases() []Case {
 			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.Block)}, EmptyExperts: true},
 		{Name: "DeepSeekV3/M=6/fp8-in-per-tensor/static", Shape: dsv3, M: 6,
 			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithStaticScales()}},
+		// Enough tokens that the CUDA backend quantizes each token once
+		// before the gather instead of once per routed pair in it.
+		{Name: "Qwen3/M=300/bf16-in", Shape: qwen, M: 300},
+		{Name: "Nemotron/M=420/static/fp32-in", Shape: nemo, M: 420,
+			Opts: []Option{WithStaticScales(), WithHidden(kernels.Float32)}},
+		{Name: "DeepSeekV3/M=300/bf16-in-per-group", Shape: dsv3, M: 300},
 		{Name: "top_k=E/softmax", Shape: topKE, M: 5},
 		{Name: "top_k=E/sigmoid-groups", Shape: sigE, M: 7, Opts: []Option{WithOutput(kernels.Float32)}},
 		{Name: "odd/block-wider-than-K", Shape: odd, M: 11, Opts: []Option{WithBlock(32, 128)}},

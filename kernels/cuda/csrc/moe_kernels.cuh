@@ -298,6 +298,84 @@ __device__ __forceinline__ void quantize_groups(Load load, int n, int group, uin
   }
 }
 
+// load8 reads elements [i, i+8) of a BF16 (dt 2) or FP32 row with 16-byte
+// loads; the caller checks i % 8 == 0 and a 16-byte aligned row.
+__device__ __forceinline__ void load8(const void* row, int i, int dt, float v[8]) {
+  if (dt == 2) {
+    const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(row) + i);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __bfloat1622float2(h[q]);
+      v[2 * q] = f.x;
+      v[2 * q + 1] = f.y;
+    }
+  } else {
+    const float4* f = reinterpret_cast<const float4*>(static_cast<const float*>(row) + i);
+    const float4 a = f[0], b = f[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  }
+}
+
+// store8 writes v / s as eight E4M3 bytes (dst 8-byte aligned).
+__device__ __forceinline__ void store8(uint8_t* dst, const float v[8], float s) {
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    lo |= uint32_t(to_e4m3(v[q] / s)) << (8 * q);
+    hi |= uint32_t(to_e4m3(v[4 + q] / s)) << (8 * q);
+  }
+  *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+}
+
+// vec8_ok says whether a row of k elements of element size esize at src
+// (and k FP8 bytes at dst) can move eight elements at a time.
+__device__ __forceinline__ bool vec8_ok(const void* src, int esize, const void* dst, int k) {
+  return k % 8 == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0 &&
+         (reinterpret_cast<uintptr_t>(dst) & 7) == 0 && (esize * k) % 16 == 0;
+}
+
+// quantize_row writes the FP8 form of one BF16/FP32 row of K values (dt 2
+// or 1) to dst: divided by the static scale s when s > 0, else with dynamic
+// scales amax/448 per group of `group` values written to scales. Eight
+// values a thread at a time where the row allows it; the arithmetic per
+// value is the same either way (x / s, as kernels/cpu does), so both paths
+// give the same bytes.
+__device__ __forceinline__ void quantize_row(const void* src, int dt, int K, int group, float s, uint8_t* dst,
+                                             float* scales) {
+  if (s <= 0.f) {
+    quantize_groups([&](int i) { return load_float(src, i, dt); }, K, group, dst, scales);
+    return;
+  }
+  if (vec8_ok(src, dt == 2 ? 2 : 4, dst, K)) {
+    for (int i = 8 * threadIdx.x; i < K; i += 8 * blockDim.x) {
+      float v[8];
+      load8(src, i, dt, v);
+      store8(dst + i, v, s);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = to_e4m3(load_float(src, i, dt) / s);
+}
+
+// quant_tokens_kernel: one block per token; hq[tok] is the token's hidden
+// row as FP8, hqs[tok, ceil(k/group)] its scales (dynamic scales only).
+// Large calls quantize each token once here and let the gather copy FP8
+// rows, instead of quantizing every token top_k times in the gather (see
+// enqueue in moe_pipeline.cu).
+__global__ void quant_tokens_kernel(int m, int k, int group, int hidden_dtype, float static_scale,
+                                    const void* hidden, uint8_t* hq, float* hqs) {
+  pdl_wait();
+  pdl_trigger();
+  const int tok = blockIdx.x;
+  if (tok >= m) return;
+  const int esize = hidden_dtype == 2 ? 2 : 4;
+  const int ng = (k + group - 1) / group;
+  quantize_row(static_cast<const uint8_t*>(hidden) + size_t(tok) * k * esize, hidden_dtype, k, group,
+               static_scale, hq + size_t(tok) * k, hqs + size_t(tok) * ng);
+}
+
 // gather_quant_kernel: one block per sorted row; writes a1q[row] (FP8) and,
 // unless the scale is static, a1s[row, ceil(k/group)].
 __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const float* hidden_scale,
@@ -340,13 +418,9 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
     }
     return;
   }
-  const float s = p.static_scale;
-  if (s <= 0.f) {
-    const int dt = p.hidden_dtype;
-    quantize_groups([&](int i) { return load_float(hidden, src0 + i, dt); }, K, p.group, dst, a1s + size_t(row) * ng);
-    return;
-  }
-  for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = to_e4m3(load_float(hidden, src0 + i, p.hidden_dtype) / s);
+  const int esize = p.hidden_dtype == 2 ? 2 : 4;
+  quantize_row(static_cast<const uint8_t*>(hidden) + src0 * esize, p.hidden_dtype, K, p.group, p.static_scale, dst,
+               a1s + size_t(row) * ng);
 }
 
 // requant_kernel: dynamic FP8 quantization of GEMM1's FP32 output per

@@ -97,6 +97,8 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.num_blocks = take(4);
   L.a1q = take(R * K);
   L.a1s = take(R * g1 * 4);
+  L.hq = take(m * K);
+  L.hqs = take(m * g1 * 4);
   L.act = take(R * N * 4);  // FP32 GEMM1 output, dynamic a2 only
   L.a2q = take(R * N);
   L.a2s = take(R * g2 * 4);
@@ -195,6 +197,13 @@ struct Ptrs {
   void* out;
 };
 
+// quantize_once says whether a call's BF16/FP32 hidden states are
+// quantized once per token before the gather rather than once per routed
+// pair in it: when that saves at least 2048 row quantizations, which
+// outweighs the extra launch on the chain (docs/perf-notes.md, "Issue 17:
+// the kernels around the GEMMs").
+bool quantize_once(const Call& c) { return int64_t(c.top_k - 1) * c.m >= 2048; }
+
 // launch_gemm launches GEMM1 or GEMM2 (which) on the call's path.
 int launch_gemm(int which, const MoeGemmArgs& a, bool sm90, bool f16, cudaStream_t st) {
   cudaError_t err;
@@ -247,16 +256,36 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   CK(launch_kernel(pdl, align_kernel, 1, 1024, 2 * s.E * sizeof(int), st, p.ids, L.p, s.E, BM, L.max_blocks,
                    sorted, block_expert, num_blocks));
 
+  // Large calls quantize each token's row once and gather FP8 copies of
+  // it; small ones quantize in the gather, one launch fewer on the chain.
+  const bool quant_once = c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && quantize_once(c);
+  const int group1 = s.block_k > 0 ? s.block_k : s.K;
+  const void* hidden = p.hidden;
+  const float* hidden_scale = p.hidden_scale;
+  if (quant_once) {
+    uint8_t* hq = ws + L.hq;
+    float* hqs = reinterpret_cast<float*>(ws + L.hqs);
+    CK(launch_kernel(pdl, quant_tokens_kernel, c.m, 128, 0, st, c.m, s.K, group1, c.hidden_dtype, s.a13_scale,
+                     p.hidden, hq, hqs));
+    hidden = hq;
+    hidden_scale = hqs;
+  }
+
   GatherParams gp;
   gp.m = c.m;
   gp.k = s.K;
-  gp.group = s.block_k > 0 ? s.block_k : s.K;
+  gp.group = group1;
   gp.top_k = c.top_k;
-  gp.hidden_dtype = c.hidden_dtype;
+  gp.hidden_dtype = quant_once ? EXPERTD_DTYPE_FLOAT8_E4M3FN : c.hidden_dtype;
   gp.n_hidden_scale = c.n_hidden_scale;
   gp.fallback_scale = s.a13_scale > 0 ? s.a13_scale : 1.0f;
   gp.static_scale = c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN ? 0.f : s.a13_scale;
-  CK(launch_kernel(pdl, gather_quant_kernel, L.max_rows, 128, 0, st, gp, p.hidden, p.hidden_scale, sorted,
+  if (quant_once) {
+    // The quantized rows' scales: per token and group when dynamic (read
+    // as an FP8 call's M*groups scales), else the static a13 (fallback).
+    gp.n_hidden_scale = s.a13_scale > 0 ? 0 : c.m * groups(s, s.K);
+  }
+  CK(launch_kernel(pdl, gather_quant_kernel, L.max_rows, 128, 0, st, gp, hidden, hidden_scale, sorted,
                    num_blocks, BM, a1q, a1s));
   const bool a1_rows = !(c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && s.a13_scale > 0);
 

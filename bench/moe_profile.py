@@ -1,0 +1,168 @@
+"""Where a FusedMoE call's time goes, and two builds of the library side by side.
+
+For each model and M it times the full op of every --lib given (CUDA-graph
+replay, median of --iters, --sets input sets rotated, as moe_bench.py does),
+interleaving the libraries round by round so they share the card's state,
+and splits one library's call into its kernels with the PyTorch profiler
+(CUPTI): each kernel's exclusive time is its end minus the later of its start
+and the previous kernel's end, so the time a programmatic-dependent-launch
+kernel spends parked in griddepcontrol.wait behind its predecessor counts
+for the predecessor, and the exclusive times add up to the call. With two
+libraries it also says whether their outputs are the same bytes on every
+input set.
+
+  python3 bench/moe_profile.py --lib build/libexpertd_cuda.so --lib other.so \\
+      --model qwen3-30b-a3b --tokens 1,256,8192
+
+Prints one table per model; with OUT set also writes $OUT/moe_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import expertd_ctypes  # noqa: E402
+import peer  # noqa: E402
+from moe_bench import VLLM_GEMMS_MS, capture, log  # noqa: E402
+
+# The pipeline's kernels by their template-free names; the GEMMs by epilogue
+# (GemmEpilogue 0 and 3 are GEMM1's, 2 is GEMM2's).
+_GEMM_EPI = re.compile(r"moe_gemm(?:_portable)?_kernel<.*?\(expertd::GemmEpilogue\)(\d)")
+
+
+def kernel_label(name: str) -> str:
+    """A short label for a demangled kernel name."""
+    m = _GEMM_EPI.search(name)
+    if m:
+        return "gemm2" if m.group(1) == "2" else "gemm1"
+    if "moe_gemm" in name:
+        return "gemm?"
+    base = name.split("(")[0].split("<")[0]
+    return base.replace("void ", "").split("::")[-1]
+
+
+def exclusive_us(prof, calls: int) -> dict[str, float]:
+    """Per-call exclusive device µs by kernel label (see the module doc)."""
+    evs = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        if "memcpy" in e.name.lower() or "memset" in e.name.lower():
+            label = "memcpy/memset"
+        else:
+            label = kernel_label(e.name)
+        evs.append((e.time_range.start, e.time_range.end, label))
+    evs.sort()
+    out: dict[str, float] = {}
+    prev_end = None
+    for start, end, label in evs:
+        begin = start if prev_end is None else max(start, prev_end)
+        out[label] = out.get(label, 0.0) + max(0.0, end - begin)
+        prev_end = end if prev_end is None else max(prev_end, end)
+    return {k: v / calls for k, v in out.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", action="append", required=True, help="a libexpertd_cuda.so (repeat for A/B)")
+    ap.add_argument("--models", "--model", default="nemotron-3-nano,qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="1,16,64,256,1024,4096,8192")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--sets", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per library")
+    ap.add_argument("--profile-calls", type=int, default=40, help="calls under the profiler (first --lib)")
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed)
+    libs = []
+    for path in args.lib:
+        lib = expertd_ctypes.load(path)
+        lib.init(0)
+        libs.append(lib)
+        log(f"lib {path}: {lib.device_info(0)}")
+    records = []
+    for name in args.models.split(","):
+        shape = peer.MODELS[name]
+        w = peer.make_weights(shape, dev, gen)
+        peer.calibrate_a2_scale(w, 256, dev, gen)
+        sets_by_lib = [expertd_ctypes.ExpertSet(lib, 0, w) for lib in libs]
+        for M in [int(m) for m in args.tokens.split(",")]:
+            inputs = [peer.make_inputs(shape, w, M, dev, gen) for _ in range(args.sets)]
+            outs = [[torch.empty(M, shape.K, dtype=torch.bfloat16, device=dev) for _ in inputs] for _ in libs]
+            graphs = []
+            for li, es in enumerate(sets_by_lib):
+                params = es.params(M)
+                fns = [lambda es=es, i=i, li=li: es.moe_device(inputs[i][0], inputs[i][1], outs[li][i], params,
+                                                               hidden_scale=inputs[i][2] if len(inputs[i]) > 2
+                                                               else None)
+                       for i in range(len(inputs))]
+                graphs.append([capture(fn, "thread_local") for fn in fns])
+            for gs in graphs:
+                for g in gs:
+                    g.replay()
+            torch.cuda.synchronize()
+            same = None
+            if len(libs) > 1:
+                same = all(torch.equal(outs[0][i].view(torch.int16), outs[li][i].view(torch.int16))
+                           for li in range(1, len(libs)) for i in range(len(inputs)))
+            ms = [[] for _ in libs]
+            for _ in range(args.rounds):
+                for li, gs in enumerate(graphs):
+                    for i in range(args.warmup):
+                        gs[i % len(gs)].replay()
+                    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(args.iters)]
+                    for i, (a, b) in enumerate(ev):
+                        a.record()
+                        gs[i % len(gs)].replay()
+                        b.record()
+                    torch.cuda.synchronize()
+                    ms[li] += [a.elapsed_time(b) for a, b in ev]
+            med = [statistics.median(x) for x in ms]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for i in range(args.profile_calls):
+                    graphs[0][i % len(graphs[0])].replay()
+                torch.cuda.synchronize()
+            split = exclusive_us(prof, args.profile_calls)
+            vllm = VLLM_GEMMS_MS.get((name, M))
+            rec = {"model": name, "M": M, "ms": med, "same_bytes": same, "kernels_us": split,
+                   "vllm_gemms_ms": vllm}
+            records.append(rec)
+            ratio = "  ".join(f"{m / vllm:.3f}x" for m in med) if vllm else ""
+            log(f"{name} M={M}: " + " / ".join(f"{m:.4f}" for m in med) + f" ms  (vs vLLM GEMMs {ratio})"
+                + (f"  same bytes: {same}" if same is not None else ""))
+            log("    " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]))
+                + f"  (sum {sum(split.values()):.1f} us)")
+            del graphs, outs, inputs
+            torch.cuda.synchronize()
+        for es in sets_by_lib:
+            es.free()
+        del w
+        torch.cuda.empty_cache()
+    print("| model | M | " + " | ".join(f"lib{i} ms" for i in range(len(libs))) + " | same bytes | kernels (lib0, µs) |")
+    print("|---|---|" + "---|" * len(libs) + "---|---|")
+    for r in records:
+        print(f"| {r['model']} | {r['M']} | " + " | ".join(f"{m:.4f}" for m in r["ms"]) + f" | {r['same_bytes']} | "
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1])) + " |")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "moe_profile.json"), "w") as f:
+            json.dump({"libs": args.lib, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
