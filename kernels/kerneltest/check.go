@@ -88,6 +88,10 @@ func Cases() []Case {
 			Opts: []Option{WithStaticScales(), WithHidden(kernels.Float32)}},
 		{Name: "DeepSeekV3/M=300/bf16-in-per-group", Shape: dsv3, M: 300},
 		{Name: "top_k=E/softmax", Shape: topKE, M: 5},
+		// Enough routed pairs (8192 and more) that the CUDA backend aligns
+		// them over many blocks.
+		{Name: "top_k=E/M=1030", Shape: topKE, M: 1030},
+		{Name: "Qwen3/M=1024", Shape: qwen, M: 1024},
 		{Name: "top_k=E/sigmoid-groups", Shape: sigE, M: 7, Opts: []Option{WithOutput(kernels.Float32)}},
 		{Name: "odd/block-wider-than-K", Shape: odd, M: 11, Opts: []Option{WithBlock(32, 128)}},
 		{Name: "odd/block-16x24/fp8-per-group", Shape: odd, M: 13,

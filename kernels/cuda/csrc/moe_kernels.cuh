@@ -203,7 +203,10 @@ __global__ void route_kernel(RouteParams p, const void* logits, const float* bia
 // expert's run padded to a multiple of block_rows: sorted_pairs[row] = pair
 // or -1, block_expert[block] = expert or -1, *num_blocks. Shared memory: two
 // int arrays [E]. Pairs whose id is out of range are dropped (combine skips
-// them).
+// them). A row's place within its expert's run does not change its result
+// (each sorted row is computed alone), so the order atomics give is fine.
+// Large calls use align_count_kernel and align_scatter_kernel instead: one
+// block's shared-memory atomics, two per pair, bound this kernel there.
 __global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_rows, int max_blocks,
                              int32_t* sorted_pairs, int32_t* block_expert, int32_t* num_blocks) {
   pdl_wait();
@@ -244,6 +247,121 @@ __global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_r
   for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
     const int e = ids[i];
     if (e >= 0 && e < E) sorted_pairs[atomicAdd(&cursor[e], 1)] = i;
+  }
+}
+
+// AlignScratch is the multi-block align's global state: per-expert counts
+// and cursors, and the count kernel's ticket. The workspace starts zeroed,
+// and the count kernel's last block zeroes counts and ticket again once it
+// has read them, so every call (and graph replay) finds them zero.
+struct AlignScratch {
+  int* count;   // [E]
+  int* cursor;  // [E]: next free sorted row of each expert
+  unsigned* ticket;
+};
+
+// align_chunk is the pairs this block handles: [lo, hi).
+__device__ __forceinline__ void align_chunk(int n_pairs, int& lo, int& hi) {
+  const int chunk = (n_pairs + gridDim.x - 1) / gridDim.x;
+  lo = min(n_pairs, int(blockIdx.x) * chunk);
+  hi = min(n_pairs, lo + chunk);
+}
+
+// align_count_kernel: align_kernel's first half over many blocks. Each
+// block counts its chunk of pairs per expert in shared memory and adds the
+// counts to the global ones; the last block to finish lays the experts'
+// runs out (cursor, block_expert, *num_blocks) and writes -1 into each
+// expert's last block. Shared memory: int [E].
+__global__ void align_count_kernel(const int32_t* ids, int n_pairs, int E, int block_rows, int max_blocks,
+                                   AlignScratch a, int32_t* sorted_pairs, int32_t* block_expert,
+                                   int32_t* num_blocks) {
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ int align_smem[];
+  int* cnt = align_smem;
+  __shared__ bool last;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  int lo, hi;
+  align_chunk(n_pairs, lo, hi);
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const int e = ids[i];
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    if (cnt[e]) atomicAdd(&a.count[e], cnt[e]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(a.ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    cnt[e] = __ldcg(&a.count[e]);
+    a.count[e] = 0;
+  }
+  __syncthreads();
+  __shared__ int total_blocks;
+  if (threadIdx.x == 0) {
+    int blocks = 0;
+    for (int e = 0; e < E; ++e) {
+      const int c = cnt[e];
+      a.cursor[e] = blocks * block_rows;
+      cnt[e] = blocks;  // first block of expert e
+      blocks += (c + block_rows - 1) / block_rows;
+    }
+    total_blocks = blocks;
+    *num_blocks = blocks;
+    *a.ticket = 0;
+  }
+  __syncthreads();
+  const int nb = total_blocks;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int first = cnt[e];
+    const int end = e + 1 < E ? cnt[e + 1] : nb;
+    for (int b = first; b < end; ++b) block_expert[b] = e;
+  }
+  for (int b = nb + threadIdx.x; b < max_blocks; b += blockDim.x) block_expert[b] = -1;
+  // Padding: only an expert's last block has any. Mark all of it -1; the
+  // scatter, which runs after this kernel, writes the pairs' rows over it.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int e = warp; e < E; e += warps) {
+    const int first_row = cnt[e] * block_rows;
+    const int end_row = (e + 1 < E ? cnt[e + 1] : nb) * block_rows;
+    for (int r = max(first_row, end_row - block_rows) + lane; r < end_row; r += 32) sorted_pairs[r] = -1;
+  }
+}
+
+// align_scatter_kernel: align_kernel's second half over many blocks (the
+// same chunks as align_count_kernel). Each block counts its chunk per
+// expert again, reserves that many rows of each expert's run with one
+// global atomic, and places its pairs there. Shared memory: int [2E].
+__global__ void align_scatter_kernel(const int32_t* ids, int n_pairs, int E, AlignScratch a,
+                                     int32_t* sorted_pairs) {
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ int align_smem[];
+  int* cnt = align_smem;
+  int* base = align_smem + E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  int lo, hi;
+  align_chunk(n_pairs, lo, hi);
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const int e = ids[i];
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    base[e] = cnt[e] ? atomicAdd(&a.cursor[e], cnt[e]) : 0;
+    cnt[e] = 0;
+  }
+  __syncthreads();
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const int e = ids[i];
+    if (e >= 0 && e < E) sorted_pairs[base[e] + atomicAdd(&cnt[e], 1)] = i;
   }
 }
 
@@ -376,7 +494,8 @@ __global__ void quant_tokens_kernel(int m, int k, int group, int hidden_dtype, f
                static_scale, hq + size_t(tok) * k, hqs + size_t(tok) * ng);
 }
 
-// gather_quant_kernel: one block per sorted row; writes a1q[row] (FP8) and,
+// gather_quant_kernel: one block per sorted row of BF16/FP32 hidden
+// states, quantized as they are gathered; writes a1q[row] (FP8) and,
 // unless the scale is static, a1s[row, ceil(k/group)].
 __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const float* hidden_scale,
                                     const int32_t* sorted_pairs, const int32_t* num_blocks,
@@ -392,35 +511,71 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
   const int ng = (K + p.group - 1) / p.group;
   uint8_t* dst = a1q + size_t(row) * K;
   const size_t src0 = size_t(tok) * K;
-  if (p.hidden_dtype == 4) {
-    const uint8_t* src = static_cast<const uint8_t*>(hidden) + src0;
-    // 16-byte copies when rows allow them: byte copies make this kernel
-    // issue-bound (one instruction per 32 bytes of a warp).
-    if (K % 16 == 0 && aligned16(src) && aligned16(dst)) {
-      for (int i = threadIdx.x; i < K / 16; i += blockDim.x) {
-        reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-      }
-    } else {
-      for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = src[i];
-    }
-    // As kernels/cpu reads hidden_scale: one value, one per token (checked
-    // first, so M = M*ng means per token), else one per token and group.
-    for (int gi = threadIdx.x; gi < ng; gi += blockDim.x) {
-      float s = p.fallback_scale;
-      if (p.n_hidden_scale == 1) {
-        s = hidden_scale[0];
-      } else if (p.n_hidden_scale == p.m) {
-        s = hidden_scale[tok];
-      } else if (p.n_hidden_scale > 1) {
-        s = hidden_scale[size_t(tok) * ng + gi];
-      }
-      a1s[size_t(row) * ng + gi] = clamp_scale(s);
-    }
-    return;
-  }
   const int esize = p.hidden_dtype == 2 ? 2 : 4;
   quantize_row(static_cast<const uint8_t*>(hidden) + src0 * esize, p.hidden_dtype, K, p.group, p.static_scale, dst,
                a1s + size_t(row) * ng);
+}
+
+// kGatherRowsPerBlock is gather_fp8_kernel's rows per block: a warp a row.
+constexpr int kGatherRowsPerBlock = 8;
+
+// gather_fp8_kernel: the gather when the hidden rows are FP8 already (the
+// caller's, or quant_tokens_kernel's): a warp copies one sorted row, so a
+// block moves eight rows instead of one (a block a row leaves the kernel
+// bound by block scheduling at prefill sizes). a1s[row, ceil(k/group)]
+// takes the row's scales as kernels/cpu reads hidden_scale: one value, one
+// per token (checked first, so M = M*ng means per token), else one per
+// token and group; none: fallback_scale.
+__global__ void gather_fp8_kernel(GatherParams p, const uint8_t* hidden, const float* hidden_scale,
+                                  const int32_t* sorted_pairs, const int32_t* num_blocks, int block_rows,
+                                  uint8_t* a1q, float* a1s) {
+  pdl_wait();
+  pdl_trigger();
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kGatherRowsPerBlock + threadIdx.x / 32;
+  if (row >= *num_blocks * block_rows) return;
+  const int pair = sorted_pairs[row];
+  if (pair < 0) return;
+  const int tok = pair / p.top_k;
+  const int K = p.k;
+  const int ng = (K + p.group - 1) / p.group;
+  uint8_t* dst = a1q + size_t(row) * K;
+  const uint8_t* src = hidden + size_t(tok) * K;
+  if (K % 16 == 0 && aligned16(src) && aligned16(dst)) {
+    // Up to kUnroll loads a lane in flight before its stores: a row is
+    // K/16 chunks (168 at K = 2688), and a copy loop would wait out one
+    // round trip per chunk a lane holds.
+    constexpr int kUnroll = 8;
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    const int n = K / 16;
+    for (int base = 0; base < n; base += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int i = base + 32 * j + lane;
+        if (i < n) v[j] = s4[i];
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int i = base + 32 * j + lane;
+        if (i < n) d4[i] = v[j];
+      }
+    }
+  } else {
+    for (int i = lane; i < K; i += 32) dst[i] = src[i];
+  }
+  for (int gi = lane; gi < ng; gi += 32) {
+    float s = p.fallback_scale;
+    if (p.n_hidden_scale == 1) {
+      s = hidden_scale[0];
+    } else if (p.n_hidden_scale == p.m) {
+      s = hidden_scale[tok];
+    } else if (p.n_hidden_scale > 1) {
+      s = hidden_scale[size_t(tok) * ng + gi];
+    }
+    a1s[size_t(row) * ng + gi] = clamp_scale(s);
+  }
 }
 
 // requant_kernel: dynamic FP8 quantization of GEMM1's FP32 output per

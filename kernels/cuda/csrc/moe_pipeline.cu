@@ -95,6 +95,7 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.sorted = take(R * 4);
   L.block_expert = take(size_t(L.max_blocks) * 4);
   L.num_blocks = take(4);
+  L.align = take((2 * size_t(s.E) + 1) * 4);  // AlignScratch: count, cursor, ticket
   L.a1q = take(R * K);
   L.a1s = take(R * g1 * 4);
   L.hq = take(m * K);
@@ -197,6 +198,14 @@ struct Ptrs {
   void* out;
 };
 
+// From kAlignManyFrom routed pairs on, the align step runs over many
+// blocks (align_count_kernel, align_scatter_kernel: two launches, each
+// block kAlignPairsPerBlock pairs) instead of align_kernel's one, whose
+// shared-memory atomics bound it there (docs/perf-notes.md, "Issue 17: the
+// kernels around the GEMMs").
+constexpr int kAlignManyFrom = 8192;
+constexpr int kAlignPairsPerBlock = 2048;
+
 // quantize_once says whether a call's BF16/FP32 hidden states are
 // quantized once per token before the gather rather than once per routed
 // pair in it: when that saves at least 2048 row quantizations, which
@@ -253,8 +262,20 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
     CK(launch_kernel(pdl, route_kernel, (c.m + warps - 1) / warps, warps * 32, smem, st, rp, p.logits, p.bias,
                      p.ids, p.w));
   }
-  CK(launch_kernel(pdl, align_kernel, 1, 1024, 2 * s.E * sizeof(int), st, p.ids, L.p, s.E, BM, L.max_blocks,
-                   sorted, block_expert, num_blocks));
+  if (L.p >= kAlignManyFrom) {
+    AlignScratch as;
+    as.count = reinterpret_cast<int*>(ws + L.align);
+    as.cursor = as.count + s.E;
+    as.ticket = reinterpret_cast<unsigned*>(as.cursor + s.E);
+    const int grid = std::min(1024, (L.p + kAlignPairsPerBlock - 1) / kAlignPairsPerBlock);
+    CK(launch_kernel(pdl, align_count_kernel, grid, 512, s.E * sizeof(int), st, p.ids, L.p, s.E, BM,
+                     L.max_blocks, as, sorted, block_expert, num_blocks));
+    CK(launch_kernel(pdl, align_scatter_kernel, grid, 512, 2 * s.E * sizeof(int), st, p.ids, L.p, s.E, as,
+                     sorted));
+  } else {
+    CK(launch_kernel(pdl, align_kernel, 1, 1024, 2 * s.E * sizeof(int), st, p.ids, L.p, s.E, BM, L.max_blocks,
+                     sorted, block_expert, num_blocks));
+  }
 
   // Large calls quantize each token's row once and gather FP8 copies of
   // it; small ones quantize in the gather, one launch fewer on the chain.
@@ -285,8 +306,14 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
     // as an FP8 call's M*groups scales), else the static a13 (fallback).
     gp.n_hidden_scale = s.a13_scale > 0 ? 0 : c.m * groups(s, s.K);
   }
-  CK(launch_kernel(pdl, gather_quant_kernel, L.max_rows, 128, 0, st, gp, hidden, hidden_scale, sorted,
-                   num_blocks, BM, a1q, a1s));
+  if (gp.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN) {
+    CK(launch_kernel(pdl, gather_fp8_kernel, (L.max_rows + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock,
+                     32 * kGatherRowsPerBlock, 0, st, gp, static_cast<const uint8_t*>(hidden), hidden_scale, sorted,
+                     num_blocks, BM, a1q, a1s));
+  } else {
+    CK(launch_kernel(pdl, gather_quant_kernel, L.max_rows, 128, 0, st, gp, hidden, hidden_scale, sorted,
+                     num_blocks, BM, a1q, a1s));
+  }
   const bool a1_rows = !(c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && s.a13_scale > 0);
 
   const bool sm90 = use_sm90(s, c);

@@ -49,7 +49,7 @@ struct Call {
 struct Layout {
   int p, block_rows, max_blocks, max_rows;
   size_t hidden, hscale, logits, bias, ids, w;  // inputs (host path copies into these)
-  size_t sorted, block_expert, num_blocks, a1q, a1s, hq, hqs, act, a2q, a2s, y, out;
+  size_t sorted, block_expert, num_blocks, align, a1q, a1s, hq, hqs, act, a2q, a2s, y, out;
   size_t in_begin, in_end, out_end, total;
 };
 
