@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "launch.cuh"
@@ -67,6 +68,21 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
+}
+
+// kRouteKeysPerLane bounds the experts (32 per key) whose top-k selection
+// runs on warp reductions of register keys; larger E takes the
+// shared-memory scan.
+constexpr int kRouteKeysPerLane = 16;
+
+// select_key maps a selection score to an unsigned key whose order is
+// better()'s: larger floats give larger keys, every NaN gives 1 (below
+// every number, equal to each other), and 0 is left for "no candidate".
+// -0 is folded into +0 first, since better() finds them equal.
+__device__ __forceinline__ unsigned select_key(float v) {
+  if (isnan(v)) return 1u;
+  const unsigned u = __float_as_uint(v + 0.0f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
 // RouteParams are one call's routing settings.
@@ -174,22 +190,55 @@ __global__ void route_kernel(RouteParams p, const void* logits, const float* bia
 
   float sum = 0.f;
   int my_id = -1;  // lane j keeps slot j's id
-  for (int j = 0; j < p.top_k; ++j) {
-    float bv = NAN;
-    int bi = -1;
-    for (int i = lane; i < E; i += 32) {
-      if (taken[i]) continue;
-      if (bi < 0 || better(sel[i], bv)) {
-        bv = sel[i];
-        bi = i;
-      }
+  if (E <= 32 * kRouteKeysPerLane) {
+    // Each lane holds the selection keys of experts lane, lane + 32, ...
+    // in registers (0 where taken); a round is a lane-local best, then
+    // one warp max of the keys and one warp min of the ids that have it.
+    unsigned key[kRouteKeysPerLane];
+#pragma unroll
+    for (int q = 0; q < kRouteKeysPerLane; ++q) {
+      const int i = q * 32 + lane;
+      key[q] = i < E && !taken[i] ? select_key(sel[i]) : 0u;
     }
-    warp_argbest(bv, bi);
-    if (bi < 0) bi = 0;  // unreachable: the Go side checks top_k against the kept experts
-    if (lane == 0) taken[bi] = 1;
-    __syncwarp();
-    sum += score[bi];
-    if (lane == j) my_id = bi;
+    for (int j = 0; j < p.top_k; ++j) {
+      unsigned kb = 0;
+      int ib = INT_MAX;
+#pragma unroll
+      for (int q = 0; q < kRouteKeysPerLane; ++q) {
+        if (key[q] > kb) {  // strict: among equal keys the lower id stays
+          kb = key[q];
+          ib = q * 32 + lane;
+        }
+      }
+      const unsigned best = __reduce_max_sync(0xffffffffu, kb);
+      int bi = int(__reduce_min_sync(0xffffffffu, kb == best && best != 0u ? unsigned(ib) : unsigned(INT_MAX)));
+      if (bi >= E) bi = 0;  // unreachable: the Go side checks top_k against the kept experts
+      const bool mine = bi % 32 == lane;
+#pragma unroll
+      for (int q = 0; q < kRouteKeysPerLane; ++q) {
+        key[q] = mine && q == bi / 32 ? 0u : key[q];
+      }
+      sum += score[bi];
+      if (lane == j) my_id = bi;
+    }
+  } else {
+    for (int j = 0; j < p.top_k; ++j) {
+      float bv = NAN;
+      int bi = -1;
+      for (int i = lane; i < E; i += 32) {
+        if (taken[i]) continue;
+        if (bi < 0 || better(sel[i], bv)) {
+          bv = sel[i];
+          bi = i;
+        }
+      }
+      warp_argbest(bv, bi);
+      if (bi < 0) bi = 0;  // unreachable: the Go side checks top_k against the kept experts
+      if (lane == 0) taken[bi] = 1;
+      __syncwarp();
+      sum += score[bi];
+      if (lane == j) my_id = bi;
+    }
   }
   if (lane < p.top_k) {
     float w = score[my_id];
