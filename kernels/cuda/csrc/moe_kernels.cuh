@@ -99,19 +99,12 @@ struct RouteParams {
 // every warp's float arrays stay aligned.
 __host__ __device__ inline size_t route_smem_per_warp(int e) { return (size_t(e) * 14 + 15) & ~size_t(15); }
 
-// route_kernel: one warp per token. Per-warp shared memory: score, sel and
-// group floats [E] each, then taken and keep bytes [E] each.
-__global__ void route_kernel(RouteParams p, const void* logits, const float* bias, int32_t* ids,
-                             float* weights) {
-  pdl_wait();
-  pdl_trigger();
-  extern __shared__ __align__(16) uint8_t route_smem[];
-  const int warps = blockDim.x / 32;
-  const int wid = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tok = blockIdx.x * warps + wid;
-  if (tok >= p.m) return;
+// route_token routes token tok with one warp; base is the warp's
+// route_smem_per_warp(E) bytes of shared memory.
+__device__ __forceinline__ void route_token(const RouteParams& p, const void* logits, const float* bias, int tok,
+                                            uint8_t* base, int32_t* ids, float* weights) {
+  const int lane = threadIdx.x % 32;
   const int E = p.e;
-  uint8_t* base = route_smem + size_t(wid) * route_smem_per_warp(E);
   float* score = reinterpret_cast<float*>(base);
   float* sel = score + E;
   float* group = sel + E;
@@ -248,6 +241,72 @@ __global__ void route_kernel(RouteParams p, const void* logits, const float* bia
   }
 }
 
+// route_kernel: one warp per token (route_token). Per-warp shared memory:
+// score, sel and group floats [E] each, then taken and keep bytes [E] each.
+__global__ void route_kernel(RouteParams p, const void* logits, const float* bias, int32_t* ids,
+                             float* weights) {
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ __align__(16) uint8_t route_smem[];
+  const int warps = blockDim.x / 32;
+  const int wid = threadIdx.x / 32;
+  const int tok = blockIdx.x * warps + wid;
+  if (tok >= p.m) return;
+  route_token(p, logits, bias, tok, route_smem + size_t(wid) * route_smem_per_warp(p.e), ids, weights);
+}
+
+// block_scan_exclusive returns the sum of v over the block's threads
+// before this one and sets *total to the sum over all of them. red is 32
+// ints of shared memory; blockDim.x is a multiple of 32; every thread of
+// the block calls it.
+__device__ __forceinline__ int block_scan_exclusive(int v, int* red, int* total) {
+  const int lane = threadIdx.x % 32, wid = threadIdx.x / 32, nw = blockDim.x / 32;
+  int x = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  __syncthreads();  // red's previous readers are done
+  if (lane == 31) red[wid] = x;
+  __syncthreads();
+  if (wid == 0) {
+    int w = lane < nw ? red[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, off);
+      if (lane >= off) w += y;
+    }
+    red[lane] = w;
+  }
+  __syncthreads();
+  *total = red[nw - 1];
+  return (wid > 0 ? red[wid - 1] : 0) + x - v;
+}
+
+// lay_out_runs turns per-expert pair counts (count[E], shared) into the
+// experts' runs: count[e] becomes expert e's first block, cursor[e] (shared
+// or global) its first row; returns the blocks in all. A block-wide scan,
+// not one thread's walk over the experts: the walk's dependent
+// shared-memory reads cost microseconds at E = 128 on every call.
+template <typename Cursor>
+__device__ __forceinline__ int lay_out_runs(int* count, Cursor* cursor, int E, int block_rows, int* red) {
+  int carry = 0;
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + threadIdx.x;
+    const int nb = e < E ? (count[e] + block_rows - 1) / block_rows : 0;
+    int total;
+    const int first = carry + block_scan_exclusive(nb, red, &total);
+    if (e < E) {
+      cursor[e] = first * block_rows;
+      count[e] = first;
+    }
+    carry += total;
+  }
+  __syncthreads();
+  return carry;
+}
+
 // align_kernel (one block) groups the n_pairs routed pairs by expert, each
 // expert's run padded to a multiple of block_rows: sorted_pairs[row] = pair
 // or -1, block_expert[block] = expert or -1, *num_blocks. Shared memory: two
@@ -256,14 +315,15 @@ __global__ void route_kernel(RouteParams p, const void* logits, const float* bia
 // (each sorted row is computed alone), so the order atomics give is fine.
 // Large calls use align_count_kernel and align_scatter_kernel instead: one
 // block's shared-memory atomics, two per pair, bound this kernel there.
-__global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_rows, int max_blocks,
-                             int32_t* sorted_pairs, int32_t* block_expert, int32_t* num_blocks) {
-  pdl_wait();
-  pdl_trigger();
-  extern __shared__ int align_smem[];
-  int* count = align_smem;
-  int* cursor = align_smem + E;
-  __shared__ int total_blocks;
+// align_block is align_kernel's body, for a block of any size: smem is
+// 2E ints and red 32 ints of shared memory. It returns the blocks in all.
+// ids may have been written by this block (decode_prologue_kernel) before
+// a __syncthreads, so they are read with plain loads.
+__device__ __forceinline__ int align_block(const int32_t* ids, int n_pairs, int E, int block_rows, int max_blocks,
+                                           int32_t* sorted_pairs, int32_t* block_expert, int32_t* num_blocks,
+                                           int* smem, int* red) {
+  int* count = smem;
+  int* cursor = smem + E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
@@ -271,19 +331,8 @@ __global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_r
     if (e >= 0 && e < E) atomicAdd(&count[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int blocks = 0;
-    for (int e = 0; e < E; ++e) {
-      const int nb = (count[e] + block_rows - 1) / block_rows;
-      cursor[e] = blocks * block_rows;
-      count[e] = blocks;  // first block of expert e
-      blocks += nb;
-    }
-    total_blocks = blocks;
-    *num_blocks = blocks;
-  }
-  __syncthreads();
-  const int nb = total_blocks;
+  const int nb = lay_out_runs(count, cursor, E, block_rows, red);
+  if (threadIdx.x == 0) *num_blocks = nb;
   // block_expert: expert e owns blocks [first[e], first[e+1]).
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const int first = count[e];
@@ -297,6 +346,16 @@ __global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_r
     const int e = ids[i];
     if (e >= 0 && e < E) sorted_pairs[atomicAdd(&cursor[e], 1)] = i;
   }
+  return nb;
+}
+
+__global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_rows, int max_blocks,
+                             int32_t* sorted_pairs, int32_t* block_expert, int32_t* num_blocks) {
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ int align_smem[];
+  __shared__ int red[32];
+  align_block(ids, n_pairs, E, block_rows, max_blocks, sorted_pairs, block_expert, num_blocks, align_smem, red);
 }
 
 // AlignScratch is the multi-block align's global state: per-expert counts
@@ -352,21 +411,12 @@ __global__ void align_count_kernel(const int32_t* ids, int n_pairs, int E, int b
     a.count[e] = 0;
   }
   __syncthreads();
-  __shared__ int total_blocks;
+  __shared__ int red[32];
+  const int nb = lay_out_runs(cnt, a.cursor, E, block_rows, red);
   if (threadIdx.x == 0) {
-    int blocks = 0;
-    for (int e = 0; e < E; ++e) {
-      const int c = cnt[e];
-      a.cursor[e] = blocks * block_rows;
-      cnt[e] = blocks;  // first block of expert e
-      blocks += (c + block_rows - 1) / block_rows;
-    }
-    total_blocks = blocks;
-    *num_blocks = blocks;
+    *num_blocks = nb;
     *a.ticket = 0;
   }
-  __syncthreads();
-  const int nb = total_blocks;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const int first = cnt[e];
     const int end = e + 1 < E ? cnt[e + 1] : nb;
@@ -568,23 +618,11 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
 // kGatherRowsPerBlock is gather_fp8_kernel's rows per block: a warp a row.
 constexpr int kGatherRowsPerBlock = 8;
 
-// gather_fp8_kernel: the gather when the hidden rows are FP8 already (the
-// caller's, or quant_tokens_kernel's): a warp copies one sorted row, so a
-// block moves eight rows instead of one (a block a row leaves the kernel
-// bound by block scheduling at prefill sizes). a1s[row, ceil(k/group)]
-// takes the row's scales as kernels/cpu reads hidden_scale: one value, one
-// per token (checked first, so M = M*ng means per token), else one per
-// token and group; none: fallback_scale.
-__global__ void gather_fp8_kernel(GatherParams p, const uint8_t* hidden, const float* hidden_scale,
-                                  const int32_t* sorted_pairs, const int32_t* num_blocks, int block_rows,
-                                  uint8_t* a1q, float* a1s) {
-  pdl_wait();
-  pdl_trigger();
+// gather_fp8_row copies sorted row `row` (pair >= 0) with one warp; see
+// gather_fp8_kernel.
+__device__ __forceinline__ void gather_fp8_row(const GatherParams& p, const uint8_t* hidden, const float* hidden_scale,
+                                               int row, int pair, uint8_t* a1q, float* a1s) {
   const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * kGatherRowsPerBlock + threadIdx.x / 32;
-  if (row >= *num_blocks * block_rows) return;
-  const int pair = sorted_pairs[row];
-  if (pair < 0) return;
   const int tok = pair / p.top_k;
   const int K = p.k;
   const int ng = (K + p.group - 1) / p.group;
@@ -624,6 +662,61 @@ __global__ void gather_fp8_kernel(GatherParams p, const uint8_t* hidden, const f
       s = hidden_scale[size_t(tok) * ng + gi];
     }
     a1s[size_t(row) * ng + gi] = clamp_scale(s);
+  }
+}
+
+// gather_fp8_kernel: the gather when the hidden rows are FP8 already (the
+// caller's, or quant_tokens_kernel's): a warp copies one sorted row, so a
+// block moves eight rows instead of one (a block a row leaves the kernel
+// bound by block scheduling at prefill sizes). a1s[row, ceil(k/group)]
+// takes the row's scales as kernels/cpu reads hidden_scale: one value, one
+// per token (checked first, so M = M*ng means per token), else one per
+// token and group; none: fallback_scale.
+__global__ void gather_fp8_kernel(GatherParams p, const uint8_t* hidden, const float* hidden_scale,
+                                  const int32_t* sorted_pairs, const int32_t* num_blocks, int block_rows,
+                                  uint8_t* a1q, float* a1s) {
+  pdl_wait();
+  pdl_trigger();
+  const int row = blockIdx.x * kGatherRowsPerBlock + threadIdx.x / 32;
+  if (row >= *num_blocks * block_rows) return;
+  const int pair = sorted_pairs[row];
+  if (pair < 0) return;
+  gather_fp8_row(p, hidden, hidden_scale, row, pair, a1q, a1s);
+}
+
+// decode_prologue_kernel (one block) runs a small call's steps before
+// GEMM1 as one launch: routing (when route is set; route_warps warps, each
+// with route_smem_per_warp(E) bytes of shared memory after the align
+// step's 2E ints), the align step, and the gather when the hidden rows are
+// FP8 (gather). At decode sizes each of those is a few dependent memory
+// round trips, and a launch boundary between them costs as much again.
+__global__ void __launch_bounds__(1024)
+    decode_prologue_kernel(RouteParams rp, bool route, int route_warps, const void* logits, const float* bias,
+                           int32_t* ids, float* weights, int n_pairs, int block_rows, int max_blocks,
+                           int32_t* sorted_pairs, int32_t* block_expert, int32_t* num_blocks, bool gather,
+                           GatherParams gp, const uint8_t* hidden, const float* hidden_scale, uint8_t* a1q,
+                           float* a1s) {
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ __align__(16) uint8_t prologue_smem[];
+  __shared__ int red[32];
+  const int E = rp.e;
+  int* align_smem = reinterpret_cast<int*>(prologue_smem);
+  uint8_t* route_smem = prologue_smem + ((size_t(2) * E * sizeof(int) + 15) & ~size_t(15));
+  const int wid = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (route && wid < route_warps) {
+    for (int tok = wid; tok < rp.m; tok += route_warps) {
+      route_token(rp, logits, bias, tok, route_smem + size_t(wid) * route_smem_per_warp(E), ids, weights);
+    }
+  }
+  __syncthreads();
+  const int nb = align_block(ids, n_pairs, E, block_rows, max_blocks, sorted_pairs, block_expert, num_blocks,
+                             align_smem, red);
+  if (!gather) return;
+  __syncthreads();
+  for (int row = wid; row < nb * block_rows; row += warps) {
+    const int pair = sorted_pairs[row];
+    if (pair >= 0) gather_fp8_row(gp, hidden, hidden_scale, row, pair, a1q, a1s);
   }
 }
 

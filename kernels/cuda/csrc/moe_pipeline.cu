@@ -206,6 +206,40 @@ struct Ptrs {
 constexpr int kAlignManyFrom = 8192;
 constexpr int kAlignPairsPerBlock = 2048;
 
+// Small calls run routing, the align step and the FP8 gather as one
+// launch of kPrologueThreads threads (decode_prologue_kernel) when they
+// have at most kPrologueMaxPairs routed pairs: one block copies that many
+// rows sooner than two launch boundaries pass, but not 96 or 128 of them
+// (docs/perf-notes.md, "Issue 17: the kernels around the GEMMs").
+constexpr int kPrologueThreads = 1024;
+constexpr int kPrologueMaxPairs = 32;
+constexpr size_t kPrologueSmem = 48 << 10;  // no opt-in to more per launch
+
+struct Prologue {
+  bool one_launch;
+  int route_warps;
+  size_t smem;
+};
+
+// prologue says whether and how a call runs decode_prologue_kernel:
+// route_warps warps route (as many as the call's tokens, up to a block's,
+// while their shared memory fits beside the align step's).
+Prologue prologue(const Call& c, int E, int pairs) {
+  Prologue p{false, 0, 0};
+  if (pairs > kPrologueMaxPairs) return p;
+  const size_t align = (size_t(2) * E * sizeof(int) + 15) & ~size_t(15);
+  if (align > kPrologueSmem) return p;
+  int warps = 0;
+  if (c.have_logits) {
+    warps = std::min({c.m, kPrologueThreads / 32, int((kPrologueSmem - align) / route_smem_per_warp(E))});
+    if (warps < 1) return p;
+  }
+  p.one_launch = true;
+  p.route_warps = warps;
+  p.smem = align + size_t(warps) * route_smem_per_warp(E);
+  return p;
+}
+
 // quantize_once says whether a call's BF16/FP32 hidden states are
 // quantized once per token before the gather rather than once per routed
 // pair in it: when that saves at least 2048 row quantizations, which
@@ -254,29 +288,6 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
     }
   }
 
-  if (c.have_logits) {
-    RouteParams rp{c.m, s.E, c.top_k, c.renormalize, c.scoring, c.num_groups, c.topk_groups, c.scaling,
-                   c.logits_dtype};
-    const int warps = s.E <= 512 ? 4 : 2;
-    const size_t smem = size_t(warps) * route_smem_per_warp(s.E);
-    CK(launch_kernel(pdl, route_kernel, (c.m + warps - 1) / warps, warps * 32, smem, st, rp, p.logits, p.bias,
-                     p.ids, p.w));
-  }
-  if (L.p >= kAlignManyFrom) {
-    AlignScratch as;
-    as.count = reinterpret_cast<int*>(ws + L.align);
-    as.cursor = as.count + s.E;
-    as.ticket = reinterpret_cast<unsigned*>(as.cursor + s.E);
-    const int grid = std::min(1024, (L.p + kAlignPairsPerBlock - 1) / kAlignPairsPerBlock);
-    CK(launch_kernel(pdl, align_count_kernel, grid, 512, s.E * sizeof(int), st, p.ids, L.p, s.E, BM,
-                     L.max_blocks, as, sorted, block_expert, num_blocks));
-    CK(launch_kernel(pdl, align_scatter_kernel, grid, 512, 2 * s.E * sizeof(int), st, p.ids, L.p, s.E, as,
-                     sorted));
-  } else {
-    CK(launch_kernel(pdl, align_kernel, 1, 1024, 2 * s.E * sizeof(int), st, p.ids, L.p, s.E, BM, L.max_blocks,
-                     sorted, block_expert, num_blocks));
-  }
-
   // Large calls quantize each token's row once and gather FP8 copies of
   // it; small ones quantize in the gather, one launch fewer on the chain.
   const bool quant_once = c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && quantize_once(c);
@@ -306,11 +317,42 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
     // as an FP8 call's M*groups scales), else the static a13 (fallback).
     gp.n_hidden_scale = s.a13_scale > 0 ? 0 : c.m * groups(s, s.K);
   }
-  if (gp.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN) {
+  const bool fp8_rows = gp.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN;
+
+  const RouteParams rp{c.m, s.E, c.top_k, c.renormalize, c.scoring, c.num_groups, c.topk_groups, c.scaling,
+                       c.logits_dtype};
+  const size_t align_smem = 2 * size_t(s.E) * sizeof(int);
+  const Prologue pro = prologue(c, s.E, L.p);
+  if (pro.one_launch) {
+    CK(launch_kernel(pdl, decode_prologue_kernel, 1, kPrologueThreads, pro.smem, st, rp, c.have_logits,
+                     pro.route_warps, p.logits, p.bias, p.ids, p.w, L.p, BM, L.max_blocks, sorted, block_expert,
+                     num_blocks, fp8_rows, gp, static_cast<const uint8_t*>(hidden), hidden_scale, a1q, a1s));
+  } else {
+    if (c.have_logits) {
+      const int warps = s.E <= 512 ? 4 : 2;
+      const size_t smem = size_t(warps) * route_smem_per_warp(s.E);
+      CK(launch_kernel(pdl, route_kernel, (c.m + warps - 1) / warps, warps * 32, smem, st, rp, p.logits, p.bias,
+                       p.ids, p.w));
+    }
+    if (L.p >= kAlignManyFrom) {
+      AlignScratch as;
+      as.count = reinterpret_cast<int*>(ws + L.align);
+      as.cursor = as.count + s.E;
+      as.ticket = reinterpret_cast<unsigned*>(as.cursor + s.E);
+      const int grid = std::min(1024, (L.p + kAlignPairsPerBlock - 1) / kAlignPairsPerBlock);
+      CK(launch_kernel(pdl, align_count_kernel, grid, 512, s.E * sizeof(int), st, p.ids, L.p, s.E, BM,
+                       L.max_blocks, as, sorted, block_expert, num_blocks));
+      CK(launch_kernel(pdl, align_scatter_kernel, grid, 512, align_smem, st, p.ids, L.p, s.E, as, sorted));
+    } else {
+      CK(launch_kernel(pdl, align_kernel, 1, 1024, align_smem, st, p.ids, L.p, s.E, BM, L.max_blocks, sorted,
+                       block_expert, num_blocks));
+    }
+  }
+  if (fp8_rows && !pro.one_launch) {
     CK(launch_kernel(pdl, gather_fp8_kernel, (L.max_rows + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock,
                      32 * kGatherRowsPerBlock, 0, st, gp, static_cast<const uint8_t*>(hidden), hidden_scale, sorted,
                      num_blocks, BM, a1q, a1s));
-  } else {
+  } else if (!fp8_rows) {
     CK(launch_kernel(pdl, gather_quant_kernel, L.max_rows, 128, 0, st, gp, hidden, hidden_scale, sorted,
                      num_blocks, BM, a1q, a1s));
   }
