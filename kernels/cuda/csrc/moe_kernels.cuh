@@ -687,8 +687,8 @@ __global__ void gather_fp8_kernel(GatherParams p, const uint8_t* hidden, const f
 // decode_prologue_kernel (one block) runs a small call's steps before
 // GEMM1 as one launch: routing (when route is set; route_warps warps, each
 // with route_smem_per_warp(E) bytes of shared memory after the align
-// step's 2E ints), the align step, and the gather when the hidden rows are
-// FP8 (gather). At decode sizes each of those is a few dependent memory
+// step's 2E ints), the align step, and, when gather is set, the gather of
+// FP8 hidden rows. At decode sizes each of those is a few dependent memory
 // round trips, and a launch boundary between them costs as much again.
 __global__ void __launch_bounds__(1024)
     decode_prologue_kernel(RouteParams rp, bool route, int route_warps, const void* logits, const float* bias,
@@ -735,8 +735,17 @@ __global__ void requant_kernel(const float* act, int n, int group, const int32_t
   quantize_groups([&](int i) { return src[i]; }, n, group, a2q + size_t(row) * n, a2s + size_t(row) * ng);
 }
 
+// kCombineThreads is combine_kernel's block size; a block covers
+// kCombineCols columns of one token (eight a thread).
+constexpr int kCombineThreads = 128;
+constexpr int kCombineCols = 8 * kCombineThreads;
+
 // combine_kernel: out[t] = sum over slots of y[t*top_k + j] (weights already
 // applied by GEMM2), in slot order; pairs with an out-of-range id add 0.
+// Grid: (m, ceil(k / kCombineCols)). A thread loads its columns of up to
+// eight slots before it adds any (one round trip, not one a slot), and the
+// grid spreads a token over several blocks, which small calls need to keep
+// more than a handful of SMs busy.
 __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m, int top_k, int k, int E,
                                int out_dtype, void* out) {
   pdl_wait();
@@ -750,16 +759,26 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
   }
   __syncthreads();
   const __nv_bfloat16* yt = y + size_t(tok) * top_k * k;
+  const int col0 = blockIdx.y * kCombineCols;
   // Eight columns per thread with 16-byte loads and stores where rows allow
   // them; the sum runs over slots in the same order either way, so both
   // paths give the same bits.
   if (k % 8 == 0 && aligned16(y) && aligned16(out)) {
-    for (int c8 = threadIdx.x; c8 < k / 8; c8 += blockDim.x) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int j = 0; j < top_k; ++j) {
-        if (!valid[j]) continue;
-        const uint4 v = reinterpret_cast<const uint4*>(yt + size_t(j) * k)[c8];
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    const int c8 = col0 / 8 + threadIdx.x;
+    if (c8 >= k / 8) return;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j0 = 0; j0 < top_k; j0 += 8) {
+      uint4 v[8];
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = j0 + jj;
+        if (j < top_k && valid[j]) v[jj] = reinterpret_cast<const uint4*>(yt + size_t(j) * k)[c8];
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = j0 + jj;
+        if (!(j < top_k && valid[j])) continue;
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[jj]);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const float2 f = __bfloat1622float2(h[q]);
@@ -767,21 +786,22 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
           acc[2 * q + 1] += f.y;
         }
       }
-      if (out_dtype == 1) {
-        float4* o = reinterpret_cast<float4*>(static_cast<float*>(out) + size_t(tok) * k) + 2 * c8;
-        o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-      } else {
-        uint4 r;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r);
+    }
+    if (out_dtype == 1) {
+      float4* o = reinterpret_cast<float4*>(static_cast<float*>(out) + size_t(tok) * k) + 2 * c8;
+      o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    } else {
+      uint4 r;
+      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-        reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out) + size_t(tok) * k)[c8] = r;
-      }
+      for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+      reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out) + size_t(tok) * k)[c8] = r;
     }
     return;
   }
-  for (int c = threadIdx.x; c < k; c += blockDim.x) {
+  const int col_end = min(k, col0 + kCombineCols);
+  for (int c = col0 + threadIdx.x; c < col_end; c += blockDim.x) {
     float acc = 0.f;
     for (int j = 0; j < top_k; ++j) {
       if (valid[j]) acc += __bfloat162float(yt[size_t(j) * k + c]);

@@ -206,17 +206,20 @@ struct Ptrs {
 constexpr int kAlignManyFrom = 8192;
 constexpr int kAlignPairsPerBlock = 2048;
 
-// Small calls run routing, the align step and the FP8 gather as one
-// launch of kPrologueThreads threads (decode_prologue_kernel) when they
-// have at most kPrologueMaxPairs routed pairs: one block copies that many
-// rows sooner than two launch boundaries pass, but not 96 or 128 of them
-// (docs/perf-notes.md, "Issue 17: the kernels around the GEMMs").
+// Small calls run routing and the align step as one launch of
+// kPrologueThreads threads (decode_prologue_kernel) when they have at most
+// kPrologueMaxPairs routed pairs, and the FP8 gather in it too up to
+// kPrologueGatherPairs: one block copies that many rows sooner than a
+// launch boundary passes, but not 96 or 128 of them (docs/perf-notes.md,
+// "Issue 17: the kernels around the GEMMs").
 constexpr int kPrologueThreads = 1024;
-constexpr int kPrologueMaxPairs = 32;
+constexpr int kPrologueMaxPairs = 128;
+constexpr int kPrologueGatherPairs = 32;
 constexpr size_t kPrologueSmem = 48 << 10;  // no opt-in to more per launch
 
 struct Prologue {
   bool one_launch;
+  bool gather;  // the FP8 gather too
   int route_warps;
   size_t smem;
 };
@@ -225,7 +228,7 @@ struct Prologue {
 // route_warps warps route (as many as the call's tokens, up to a block's,
 // while their shared memory fits beside the align step's).
 Prologue prologue(const Call& c, int E, int pairs) {
-  Prologue p{false, 0, 0};
+  Prologue p{false, false, 0, 0};
   if (pairs > kPrologueMaxPairs) return p;
   const size_t align = (size_t(2) * E * sizeof(int) + 15) & ~size_t(15);
   if (align > kPrologueSmem) return p;
@@ -235,6 +238,7 @@ Prologue prologue(const Call& c, int E, int pairs) {
     if (warps < 1) return p;
   }
   p.one_launch = true;
+  p.gather = pairs <= kPrologueGatherPairs;
   p.route_warps = warps;
   p.smem = align + size_t(warps) * route_smem_per_warp(E);
   return p;
@@ -326,7 +330,8 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   if (pro.one_launch) {
     CK(launch_kernel(pdl, decode_prologue_kernel, 1, kPrologueThreads, pro.smem, st, rp, c.have_logits,
                      pro.route_warps, p.logits, p.bias, p.ids, p.w, L.p, BM, L.max_blocks, sorted, block_expert,
-                     num_blocks, fp8_rows, gp, static_cast<const uint8_t*>(hidden), hidden_scale, a1q, a1s));
+                     num_blocks, fp8_rows && pro.gather, gp, static_cast<const uint8_t*>(hidden), hidden_scale,
+                     a1q, a1s));
   } else {
     if (c.have_logits) {
       const int warps = s.E <= 512 ? 4 : 2;
@@ -348,7 +353,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
                        block_expert, num_blocks));
     }
   }
-  if (fp8_rows && !pro.one_launch) {
+  if (fp8_rows && !(pro.one_launch && pro.gather)) {
     CK(launch_kernel(pdl, gather_fp8_kernel, (L.max_rows + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock,
                      32 * kGatherRowsPerBlock, 0, st, gp, static_cast<const uint8_t*>(hidden), hidden_scale, sorted,
                      num_blocks, BM, a1q, a1s));
@@ -418,7 +423,9 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g2.out_inv_scale = 1.f;
   if (int rc = launch_gemm(2, g2, sm90, f16, st)) return rc;
 
-  CK(launch_kernel(pdl, combine_kernel, c.m, 256, 0, st, y, p.ids, c.m, c.top_k, s.K, s.E, c.out_dtype, p.out));
+  const dim3 combine_grid(c.m, (s.K + kCombineCols - 1) / kCombineCols);
+  CK(launch_kernel(pdl, combine_kernel, combine_grid, kCombineThreads, 0, st, y, p.ids, c.m, c.top_k, s.K, s.E,
+                   c.out_dtype, p.out));
   return EXPERTD_OK;
 }
 
