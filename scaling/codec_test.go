@@ -167,10 +167,12 @@ func TestEncodeSampled(t *testing.T) {
 	if testing.Short() {
 		stride = 104729
 	}
-	rng := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
 	for _, c := range codecs {
 		t.Run(c.f.name, func(t *testing.T) {
 			t.Parallel()
+			// One generator a subtest: the subtests run in parallel, and a
+			// rand.Rand is not safe for concurrent use.
+			rng := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
 			n := 0
 			try := func(b uint32) {
 				n++
