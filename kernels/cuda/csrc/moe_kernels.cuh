@@ -57,6 +57,26 @@ __device__ __forceinline__ void warp_argbest(float& v, int& i) {
   }
 }
 
+// warp_pick (a whole warp) marks and returns the best unmarked of v[0, n)
+// in better()'s order, ties to the lower index, or -1 when every one is
+// marked.
+__device__ __forceinline__ int warp_pick(const float* v, uint8_t* marked, int n) {
+  const int lane = threadIdx.x % 32;
+  float bv = NAN;
+  int bi = -1;
+  for (int i = lane; i < n; i += 32) {
+    if (marked[i]) continue;
+    if (bi < 0 || better(v[i], bv)) {
+      bv = v[i];
+      bi = i;
+    }
+  }
+  warp_argbest(bv, bi);
+  if (lane == 0 && bi >= 0) marked[bi] = 1;
+  __syncwarp();
+  return bi;
+}
+
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -161,20 +181,7 @@ __device__ __forceinline__ void route_token(const RouteParams& p, const void* lo
       keep[gi] = 0;
     }
     __syncwarp();
-    for (int r = 0; r < p.topk_groups; ++r) {
-      float bv = NAN;
-      int bi = -1;
-      for (int gi = lane; gi < G; gi += 32) {
-        if (keep[gi]) continue;
-        if (bi < 0 || better(group[gi], bv)) {
-          bv = group[gi];
-          bi = gi;
-        }
-      }
-      warp_argbest(bv, bi);
-      if (lane == 0 && bi >= 0) keep[bi] = 1;
-      __syncwarp();
-    }
+    for (int r = 0; r < p.topk_groups; ++r) warp_pick(group, keep, G);
     for (int i = lane; i < E; i += 32) {
       if (!keep[i / size]) taken[i] = 1;
     }
@@ -216,19 +223,8 @@ __device__ __forceinline__ void route_token(const RouteParams& p, const void* lo
     }
   } else {
     for (int j = 0; j < p.top_k; ++j) {
-      float bv = NAN;
-      int bi = -1;
-      for (int i = lane; i < E; i += 32) {
-        if (taken[i]) continue;
-        if (bi < 0 || better(sel[i], bv)) {
-          bv = sel[i];
-          bi = i;
-        }
-      }
-      warp_argbest(bv, bi);
+      int bi = warp_pick(sel, taken, E);
       if (bi < 0) bi = 0;  // unreachable: the Go side checks top_k against the kept experts
-      if (lane == 0) taken[bi] = 1;
-      __syncwarp();
       sum += score[bi];
       if (lane == j) my_id = bi;
     }
@@ -368,11 +364,19 @@ struct AlignScratch {
   unsigned* ticket;
 };
 
-// align_chunk is the pairs this block handles: [lo, hi).
-__device__ __forceinline__ void align_chunk(int n_pairs, int& lo, int& hi) {
+// count_chunk counts this block's chunk of pairs, [lo, hi), per expert
+// into cnt (shared, E ints), which every thread may read on return.
+__device__ __forceinline__ void count_chunk(const int32_t* ids, int n_pairs, int E, int* cnt, int& lo, int& hi) {
   const int chunk = (n_pairs + gridDim.x - 1) / gridDim.x;
   lo = min(n_pairs, int(blockIdx.x) * chunk);
   hi = min(n_pairs, lo + chunk);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const int e = ids[i];
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
 }
 
 // align_count_kernel: align_kernel's first half over many blocks. Each
@@ -388,15 +392,8 @@ __global__ void align_count_kernel(const int32_t* ids, int n_pairs, int E, int b
   extern __shared__ int align_smem[];
   int* cnt = align_smem;
   __shared__ bool last;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
-  __syncthreads();
   int lo, hi;
-  align_chunk(n_pairs, lo, hi);
-  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const int e = ids[i];
-    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
-  }
-  __syncthreads();
+  count_chunk(ids, n_pairs, E, cnt, lo, hi);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     if (cnt[e]) atomicAdd(&a.count[e], cnt[e]);
   }
@@ -444,15 +441,8 @@ __global__ void align_scatter_kernel(const int32_t* ids, int n_pairs, int E, Ali
   extern __shared__ int align_smem[];
   int* cnt = align_smem;
   int* base = align_smem + E;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
-  __syncthreads();
   int lo, hi;
-  align_chunk(n_pairs, lo, hi);
-  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const int e = ids[i];
-    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
-  }
-  __syncthreads();
+  count_chunk(ids, n_pairs, E, cnt, lo, hi);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     base[e] = cnt[e] ? atomicAdd(&a.cursor[e], cnt[e]) : 0;
     cnt[e] = 0;
