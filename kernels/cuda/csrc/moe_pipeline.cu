@@ -7,6 +7,9 @@
 //   rows) -> gather + quantize hidden into sorted FP8 rows -> GEMM1 with the
 //   activation epilogue -> [dynamic a2 only: per-row FP8 requant] -> GEMM2
 //   with the router weight -> combine into BF16/FP32.
+// The steps before GEMM1 take a shape per call size (enqueue): small calls
+// run them as one launch (decode_prologue_kernel), large ones align over
+// many blocks and quantize BF16/FP32 hidden states once per token.
 //
 // Dynamic a2 (no static a2 scale): GEMM1 writes the activation as FP32 and a
 // small kernel quantizes each pair row with amax/448 (per group of block_k in
