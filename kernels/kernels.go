@@ -117,10 +117,20 @@ func Run(ctx context.Context, b Backend, set *ExpertSet, req *Request) (*Result,
 	if n := req.M() * set.K * req.OutDType.Size(); len(res.Output) != n {
 		return nil, fmt.Errorf("output has %d bytes, want %d", len(res.Output), n)
 	}
-	if n := req.M() * req.Routing.TopK; len(res.TopKIDs) != n || len(res.TopKWeights) != n {
-		return nil, fmt.Errorf("topk ids/weights have %d/%d values, want %d", len(res.TopKIDs), len(res.TopKWeights), n)
+	if !RoutingSized(req, res) {
+		return nil, fmt.Errorf("topk ids/weights have %d/%d values, want %d", len(res.TopKIDs), len(res.TopKWeights), req.M()*req.Routing.TopK)
 	}
 	return res, nil
+}
+
+// RoutingSized says whether res carries req's routing as the contract
+// asks: [M, TopK] ids and weights, or neither when req.NoRouting.
+func RoutingSized(req *Request, res *Result) bool {
+	if req.NoRouting && res.TopKIDs == nil && res.TopKWeights == nil {
+		return true
+	}
+	n := req.M() * req.Routing.TopK
+	return len(res.TopKIDs) == n && len(res.TopKWeights) == n
 }
 
 // Factory opens a backend from the daemon's configuration.

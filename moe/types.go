@@ -261,6 +261,11 @@ type Request struct {
 	// instead (a CUDA IPC region's); Out is then nil and so is
 	// Result.Output.
 	OutDev uintptr
+	// NoRouting says the caller does not want the routing back: a backend
+	// may leave Result.TopKIDs and TopKWeights nil. The CUDA backend then
+	// skips copying them off the device, a copy of its own on the critical
+	// path when the output stays in device memory.
+	NoRouting bool
 }
 
 // M is the number of tokens.
@@ -293,7 +298,8 @@ func (r *Request) HiddenScaleAt(set *ExpertSet, t, g int) float32 {
 type Result struct {
 	// Output is [M, K] in the request's OutDType.
 	Output []byte
-	// TopKIDs and TopKWeights are the routing actually used, [M, TopK].
+	// TopKIDs and TopKWeights are the routing actually used, [M, TopK],
+	// or both nil when the request's NoRouting let the backend skip them.
 	TopKIDs     []int32
 	TopKWeights []float32
 	// KernelNanos is time spent in the backend's compute, excluding queueing.

@@ -619,6 +619,8 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 		Hidden:   kernels.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: pool.Get(hiddenBytes)[:0]},
 		Routing:  first.Routing,
 		OutDType: first.OutDType,
+		// The batch returns routing if any member wants it.
+		NoRouting: !slices.ContainsFunc(members, func(x *member) bool { return !x.req.NoRouting }),
 	}
 	if first.Routing.CorrectionBias != nil {
 		out.Routing.CorrectionBias = slices.Clone(first.Routing.CorrectionBias)
@@ -655,7 +657,8 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 
 // splitResult gives each member its rows of res, a result of m tokens
 // with row bytes of output each. The slices share res's buffers without
-// overlapping.
+// overlapping; a result without routing (the batch's NoRouting) gives
+// members none.
 func splitResult(res *kernels.Result, members []*member, m, row int) {
 	topK := len(res.TopKIDs) / m
 	t := 0

@@ -13,13 +13,15 @@ import (
 // it may merge (keyOf) and how to merge it (mergeRequests), or a merged
 // call would silently compute with the first caller's value for everyone.
 // (Calls with device tensors or OutDev never reach it: accepts refuses
-// them, and a merge copies host and pinned tensors into host memory.)
+// them, and a merge copies host and pinned tensors into host memory.
+// NoRouting does not split batches: a batch returns routing when any
+// member wants it.)
 func TestBatchKeyCoversRequest(t *testing.T) {
 	tests := []struct {
 		typ  reflect.Type
 		want []string
 	}{
-		{reflect.TypeFor[kernels.Request](), []string{"Hidden", "HiddenScale", "Logits", "Routing", "TopKIDs", "TopKWeights", "OutDType", "Out", "OutDev"}},
+		{reflect.TypeFor[kernels.Request](), []string{"Hidden", "HiddenScale", "Logits", "Routing", "TopKIDs", "TopKWeights", "OutDType", "Out", "OutDev", "NoRouting"}},
 		{reflect.TypeFor[kernels.Routing](), []string{"TopK", "Renormalize", "Scoring", "CorrectionBias", "NumGroups", "TopKGroups", "ScalingFactor"}},
 		{reflect.TypeFor[kernels.Tensor](), []string{"DType", "Shape", "Data", "Memory", "Dev"}},
 	}

@@ -35,7 +35,8 @@ const neverEnds = time.Hour
 // recordingBackend wraps a backend, recording the token count of every
 // FusedMoE call; with started and release set, each call signals started
 // and then waits for release (a send releases one call, closing it all)
-// before computing.
+// before computing. It returns no routing for a request with NoRouting,
+// as the CUDA backend does.
 type recordingBackend struct {
 	kernels.Backend
 	started, release chan struct{}
@@ -54,7 +55,11 @@ func (b *recordingBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *
 	if b.release != nil {
 		<-b.release
 	}
-	return b.Backend.FusedMoE(ctx, l, req)
+	res, err := b.Backend.FusedMoE(ctx, l, req)
+	if err == nil && req.NoRouting {
+		res.TopKIDs, res.TopKWeights = nil, nil
+	}
+	return res, err
 }
 
 // calls is the token count of each backend call so far, sorted.
@@ -147,10 +152,10 @@ func (b *recordingBackend) waitStarted(t *testing.T, n int) {
 }
 
 // checkCaller checks one caller's response against the float64 reference
-// (the spec's bar, the reference's routing) and against running its
-// request alone on the backend (bit for bit where the backend promises
-// batch invariance).
-func checkCaller(t *testing.T, name string, set *kernels.ExpertSet, req *kernels.Request, resp *pb.FusedMoEResponse, tol float64) {
+// (the spec's bar, the reference's routing when wantRouting, else none)
+// and against running its request alone on the backend (bit for bit where
+// the backend promises batch invariance).
+func checkCaller(t *testing.T, name string, set *kernels.ExpertSet, req *kernels.Request, resp *pb.FusedMoEResponse, tol float64, wantRouting bool) {
 	t.Helper()
 	ref, refIDs, _ := kerneltest.Reference(set, req)
 	got := kerneltest.DecodeOutput(req.OutDType, resp.GetOutput().GetData())
@@ -160,12 +165,20 @@ func checkCaller(t *testing.T, name string, set *kernels.ExpertSet, req *kernels
 	if e := kerneltest.RelL2(got, ref); !(e <= tol) {
 		t.Errorf("%s: rel-L2 vs reference %.3g, want <= %.3g", name, e, tol)
 	}
-	gotIDs := make([]int32, len(refIDs))
-	for i := range gotIDs {
-		gotIDs[i] = int32(binary.LittleEndian.Uint32(resp.GetTopkIds().GetData()[4*i:]))
-	}
-	if !slices.Equal(gotIDs, refIDs) {
-		t.Errorf("%s: topk ids %v, want the reference's %v", name, gotIDs, refIDs)
+	if !wantRouting {
+		if resp.GetTopkIds() != nil || resp.GetTopkWeights() != nil {
+			t.Errorf("%s: routing returned without return_routing", name)
+		}
+	} else if ids := resp.GetTopkIds().GetData(); len(ids) != 4*len(refIDs) {
+		t.Errorf("%s: %d bytes of topk ids, want %d", name, len(ids), 4*len(refIDs))
+	} else {
+		gotIDs := make([]int32, len(refIDs))
+		for i := range gotIDs {
+			gotIDs[i] = int32(binary.LittleEndian.Uint32(ids[4*i:]))
+		}
+		if !slices.Equal(gotIDs, refIDs) {
+			t.Errorf("%s: topk ids %v, want the reference's %v", name, gotIDs, refIDs)
+		}
 	}
 	alone, err := kerneltest.RunCase(context.Background(), cpu.New(kernels.Config{Threads: 2}), set, req)
 	if err != nil {
@@ -230,7 +243,11 @@ func TestBatchNumbers(t *testing.T) {
 	rng := newRand(t)
 	sizes := []int{1, 4, 2, 5, 1, 3}
 	total := 16
-	for _, tt := range tests {
+	for ti, tt := range tests {
+		// Every other case merges callers that ask for routing with callers
+		// that do not; the rest merge only callers that do not, so their
+		// batch runs without routing (NoRouting) and splits none.
+		wantRouting := func(i int) bool { return ti%2 == 0 && i%2 == 0 }
 		t.Run(tt.name, func(t *testing.T) {
 			set, whole := kerneltest.NewCase(rand.New(rand.NewPCG(rng.Uint64(), rng.Uint64())), tt.shape, total, tt.opts...)
 			reqs := splitRequest(whole, sizes)
@@ -244,6 +261,7 @@ func TestBatchNumbers(t *testing.T) {
 			wire := make([]*pb.FusedMoERequest, len(reqs))
 			for i, r := range reqs {
 				wire[i] = requestProto(r, set.E)
+				wire[i].ReturnRouting = wantRouting(i)
 			}
 			// Caller A's request sent once more first keeps the key busy,
 			// so the callers gather until their batch is full.
@@ -257,12 +275,12 @@ func TestBatchNumbers(t *testing.T) {
 				if r.errs[i] != nil {
 					t.Fatalf("caller %d: %v", i, r.errs[i])
 				}
-				checkCaller(t, "caller "+string(rune('A'+i)), set, req, r.resps[i], kerneltest.FP8Tol)
+				checkCaller(t, "caller "+string(rune('A'+i)), set, req, r.resps[i], kerneltest.FP8Tol, wantRouting(i))
 			}
 			if h := <-held; h.errs[0] != nil {
 				t.Fatalf("caller A alone: %v", h.errs[0])
 			} else {
-				checkCaller(t, "caller A alone", set, reqs[0], h.resps[0], kerneltest.FP8Tol)
+				checkCaller(t, "caller A alone", set, reqs[0], h.resps[0], kerneltest.FP8Tol, wantRouting(0))
 			}
 			if got, want := b.calls(), []int{sizes[0], total}; !slices.Equal(got, want) {
 				t.Errorf("backend calls of %v tokens, want %v (A alone, then everyone merged)", got, want)
@@ -355,7 +373,7 @@ func TestBatchIncompatible(t *testing.T) {
 		if r.errs[i] != nil {
 			t.Fatalf("%s: %v", names[i], r.errs[i])
 		}
-		checkCaller(t, names[i], set, req, r.resps[i], kerneltest.FP8Tol)
+		checkCaller(t, names[i], set, req, r.resps[i], kerneltest.FP8Tol, true)
 	}
 	if h := <-held; errors.Join(h.errs...) != nil {
 		t.Fatalf("holders: %v", errors.Join(h.errs...))
@@ -436,7 +454,7 @@ func (f *batchFixture) check(name string, req *kernels.Request, ch <-chan callRe
 	if r.err != nil {
 		f.t.Fatalf("%s: %v", name, r.err)
 	}
-	checkCaller(f.t, name, f.set, req, r.resp, kerneltest.FP8Tol)
+	checkCaller(f.t, name, f.set, req, r.resp, kerneltest.FP8Tol, true)
 	return r.resp
 }
 
@@ -649,7 +667,7 @@ func TestBatchIdleStartsAtOnce(t *testing.T) {
 		if r.err != nil {
 			t.Fatalf("%s alone on an idle key: %v (did it wait for the %v window?)", name, r.err, neverEnds)
 		}
-		checkCaller(t, name, f.set, req, r.resp, kerneltest.FP8Tol)
+		checkCaller(t, name, f.set, req, r.resp, kerneltest.FP8Tol, true)
 		if q := time.Duration(r.resp.GetTimings().GetQueueNanos()); q > 5*time.Second {
 			t.Errorf("%s queued %v alone on an idle key", name, q)
 		}

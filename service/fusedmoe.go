@@ -412,7 +412,7 @@ func (s *Server) compute(ctx context.Context, setLabel string, loaded kernels.Lo
 	if req.OutDev != 0 {
 		outBytes = 0 // written to device memory
 	}
-	if int64(len(res.Output)) != outBytes || int64(len(res.TopKIDs)) != m*topk || int64(len(res.TopKWeights)) != m*topk {
+	if int64(len(res.Output)) != outBytes || !kernels.RoutingSized(req, res) {
 		return nil, s.backendDone(ctx, "fused_moe", fmt.Errorf("backend %s returned %d output bytes and %d/%d routing values for [%d %d] %v, top-k %d",
 			s.backend.Name(), len(res.Output), len(res.TopKIDs), len(res.TopKWeights), m, k, req.OutDType, topk))
 	}

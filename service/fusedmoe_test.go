@@ -120,6 +120,9 @@ func TestFusedMoEConversion(t *testing.T) {
 			if resp.GetTopkIds() != nil {
 				t.Errorf("routing returned without return_routing")
 			}
+			if !got.NoRouting {
+				t.Errorf("the backend was asked for routing the call does not return")
+			}
 		})
 	}
 }
@@ -140,6 +143,9 @@ func TestFusedMoEReturnRouting(t *testing.T) {
 	resp, err := c.FusedMoE(testContext(t), req)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if b.lastCall().NoRouting {
+		t.Errorf("the backend was told to skip the routing the call returns")
 	}
 	want := &pb.FusedMoEResponse{TopkIds: req.TopkIds, TopkWeights: req.TopkWeights}
 	got := &pb.FusedMoEResponse{TopkIds: resp.GetTopkIds(), TopkWeights: resp.GetTopkWeights()}

@@ -167,7 +167,8 @@ func (b *fakeBackend) Close() error { return nil }
 
 // FusedMoE fills the output (req.Out when set, as real backends do) with
 // its element index (as FP32 or BF16) so the test can check shape and
-// dtype end to end.
+// dtype end to end. Under NoRouting it returns no routing, as the CUDA
+// backend does.
 func (b *fakeBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
 	b.mu.Lock()
 	b.calls = append(b.calls, req)
@@ -204,6 +205,9 @@ func (b *fakeBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kerne
 		} else {
 			binary.LittleEndian.PutUint16(out[2*i:], scaling.Float32ToBF16(float32(i)))
 		}
+	}
+	if req.NoRouting {
+		return &kernels.Result{Output: out, KernelNanos: 1234}, nil
 	}
 	ids := slices.Clone(req.TopKIDs)
 	ws := slices.Clone(req.TopKWeights)

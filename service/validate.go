@@ -413,6 +413,7 @@ func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim moe.Limit
 		return nil, fromModel(err)
 	}
 	r.OutDev = sh.outDevice()
+	r.NoRouting = !req.GetReturnRouting()
 	return r, nil
 }
 

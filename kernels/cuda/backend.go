@@ -355,8 +355,8 @@ func goBuf[T any](s []T) cBuf {
 
 // packCall checks req against the set and describes it, with out as the
 // host output (unless req.OutDev is set), as the library's expertd_call.
-// The routing results come back in the returned slices, the kernel time in
-// *ms.
+// The routing results come back in the returned slices (nil, and not
+// asked of the library, under req.NoRouting), the kernel time in *ms.
 func packCall(meta *kernels.ExpertSet, req *kernels.Request, out []byte, gemm int64, graph bool, ms *float32) (*cCall, []int32, []float32, error) {
 	m, topK := req.M(), req.Routing.TopK
 	if topK < 1 || topK > maxTopK || topK > meta.E {
@@ -418,9 +418,12 @@ func packCall(meta *kernels.ExpertSet, req *kernels.Request, out []byte, gemm in
 	} else {
 		c.out = tensorBuf(kernels.Tensor{Data: out}, od)
 	}
-	ids := make([]int32, m*topK)
-	w := make([]float32, m*topK)
-	c.topKIDsOut, c.topKWeightsOut = goBuf(ids), goBuf(w)
+	var ids []int32
+	var w []float32
+	if !req.NoRouting {
+		ids, w = make([]int32, m*topK), make([]float32, m*topK)
+		c.topKIDsOut, c.topKWeightsOut = goBuf(ids), goBuf(w)
+	}
 	c.kernelMS = uintptr(unsafe.Pointer(ms))
 	return c, ids, w, nil
 }

@@ -549,3 +549,32 @@ func TestTiming(t *testing.T) {
 		}
 	}
 }
+
+// TestPackCallRouting checks that a call asks the library for its routing
+// results only when the request wants them back: with NoRouting the
+// call's routing outputs stay null, so the library copies nothing off the
+// device for them. It needs no GPU.
+func TestPackCallRouting(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 8))
+	shape := kerneltest.Qwen3.Scaled(128, 48)
+	for _, noRouting := range []bool{false, true} {
+		set, req := kerneltest.NewCase(rng, shape, 3)
+		req.NoRouting = noRouting
+		out := make([]byte, req.M()*set.K*req.OutDType.Size())
+		c, ids, w, err := packCall(set, req, out, 0, false, new(float32))
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := req.M() * shape.TopK
+		asked := c.topKIDsOut.data != 0 && c.topKWeightsOut.data != 0
+		if noRouting {
+			if asked || ids != nil || w != nil {
+				t.Errorf("NoRouting: routing outputs %#x/%#x, %d/%d values, want none", c.topKIDsOut.data, c.topKWeightsOut.data, len(ids), len(w))
+			}
+			continue
+		}
+		if !asked || len(ids) != n || len(w) != n {
+			t.Errorf("routing wanted: outputs %#x/%#x, %d/%d values, want %d each", c.topKIDsOut.data, c.topKWeightsOut.data, len(ids), len(w), n)
+		}
+	}
+}
