@@ -303,14 +303,18 @@ __device__ __forceinline__ int lay_out_runs(int* count, Cursor* cursor, int E, i
   return carry;
 }
 
-// align_kernel (one block) groups the n_pairs routed pairs by expert, each
-// expert's run padded to a multiple of block_rows: sorted_pairs[row] = pair
-// or -1, block_expert[block] = expert or -1, *num_blocks. Shared memory: two
-// int arrays [E]. Pairs whose id is out of range are dropped (combine skips
-// them). A row's place within its expert's run does not change its result
-// (each sorted row is computed alone), so the order atomics give is fine.
-// Large calls use align_count_kernel and align_scatter_kernel instead: one
-// block's shared-memory atomics, two per pair, bound this kernel there.
+// fill_block_expert writes block_expert from the experts' first blocks
+// (first[E], as lay_out_runs leaves count): expert e owns blocks
+// [first[e], first[e+1]), and blocks from nb to max_blocks are -1.
+__device__ __forceinline__ void fill_block_expert(const int* first, int E, int nb, int max_blocks,
+                                                  int32_t* block_expert) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int end = e + 1 < E ? first[e + 1] : nb;
+    for (int b = first[e]; b < end; ++b) block_expert[b] = e;
+  }
+  for (int b = nb + threadIdx.x; b < max_blocks; b += blockDim.x) block_expert[b] = -1;
+}
+
 // align_block is align_kernel's body, for a block of any size: smem is
 // 2E ints and red 32 ints of shared memory. It returns the blocks in all.
 // ids may have been written by this block (decode_prologue_kernel) before
@@ -329,13 +333,7 @@ __device__ __forceinline__ int align_block(const int32_t* ids, int n_pairs, int 
   __syncthreads();
   const int nb = lay_out_runs(count, cursor, E, block_rows, red);
   if (threadIdx.x == 0) *num_blocks = nb;
-  // block_expert: expert e owns blocks [first[e], first[e+1]).
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const int first = count[e];
-    const int last = e + 1 < E ? count[e + 1] : nb;
-    for (int b = first; b < last; ++b) block_expert[b] = e;
-  }
-  for (int b = nb + threadIdx.x; b < max_blocks; b += blockDim.x) block_expert[b] = -1;
+  fill_block_expert(count, E, nb, max_blocks, block_expert);
   for (int r = threadIdx.x; r < nb * block_rows; r += blockDim.x) sorted_pairs[r] = -1;
   __syncthreads();
   for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
@@ -345,6 +343,14 @@ __device__ __forceinline__ int align_block(const int32_t* ids, int n_pairs, int 
   return nb;
 }
 
+// align_kernel (one block) groups the n_pairs routed pairs by expert, each
+// expert's run padded to a multiple of block_rows: sorted_pairs[row] = pair
+// or -1, block_expert[block] = expert or -1, *num_blocks. Shared memory: two
+// int arrays [E]. Pairs whose id is out of range are dropped (combine skips
+// them). A row's place within its expert's run does not change its result
+// (each sorted row is computed alone), so the order atomics give is fine.
+// Large calls use align_count_kernel and align_scatter_kernel instead: one
+// block's shared-memory atomics, two per pair, bound this kernel there.
 __global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_rows, int max_blocks,
                              int32_t* sorted_pairs, int32_t* block_expert, int32_t* num_blocks) {
   pdl_wait();
@@ -414,12 +420,7 @@ __global__ void align_count_kernel(const int32_t* ids, int n_pairs, int E, int b
     *num_blocks = nb;
     *a.ticket = 0;
   }
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const int first = cnt[e];
-    const int end = e + 1 < E ? cnt[e + 1] : nb;
-    for (int b = first; b < end; ++b) block_expert[b] = e;
-  }
-  for (int b = nb + threadIdx.x; b < max_blocks; b += blockDim.x) block_expert[b] = -1;
+  fill_block_expert(cnt, E, nb, max_blocks, block_expert);
   // Padding: only an expert's last block has any. Mark all of it -1; the
   // scatter, which runs after this kernel, writes the pairs' rows over it.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
