@@ -257,15 +257,28 @@ __device__ __forceinline__ bool tile_of(const Params& p, int num_blocks, int uni
 // kNWG produces (one thread issues the TMA loads). The producer's ring runs
 // on across tiles, so while the consumers run a tile's epilogue the next
 // tile's operands are already streaming in.
+//
+// kPP (ping-pong): each consumer warpgroup takes every other tile of the
+// CTA whole (both 64-row halves, two accumulator sets), and the two take
+// turns at the tensor cores: a warpgroup starts a tile's mainloop once the
+// other has issued all of its previous tile's stages (the order barriers),
+// so one warpgroup's epilogue runs under the other's mainloop instead of
+// idling the tensor cores. The turns also keep a warpgroup from waiting on
+// a ring slot more than one fill ahead, which the barriers' phase parity
+// could not tell apart. Each warpgroup has its own staging tile and row
+// tables.
 template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
-          bool kPair>
+          bool kPair, bool kPP>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kWTile = kNWG * kWGRows * kBK;  // bytes
   constexpr int kATile = BN * kBK;
-  constexpr int kRegs = BN / 2;
+  constexpr int kRegs = BN / 2;      // accumulators a thread holds per 64 weight rows
+  constexpr int kHalves = kPP ? 2 : 1;  // 64-row halves of the tile a warpgroup computes
+  constexpr int kSets = kPP ? kNWG : 1;  // staging tiles and row tables
+  constexpr int kTileThreads = kPP ? 128 : kNWG * 128;  // consumer threads sharing a tile
   constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;  // output channels per tile
   constexpr int kESize = out_size(kEpi);
   constexpr int kPitch = kOC * kESize + 16;  // staging row, padded against bank conflicts
@@ -291,22 +304,24 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* w_smem = smem;
   uint8_t* a_smem = smem + kStages * kWTile;
-  uint8_t* stage = a_smem + kStages * kATile;  // epilogue staging, kStageRows x kPitch
-  uint64_t* full = reinterpret_cast<uint64_t*>(stage + kStageRows * kPitch);
+  uint8_t* stage = a_smem + kStages * kATile;  // epilogue staging, kSets x kStageRows x kPitch
+  uint64_t* full = reinterpret_cast<uint64_t*>(stage + kSets * kStageRows * kPitch);
   uint64_t* empty = full + kStages;
+  uint64_t* order = empty + kStages;  // kPP: warpgroup w has issued a tile's last stage
   // Per token row of the current tile: its dequantization factor (activation
   // scale x weight scale, x router weight in GEMM2) and its output row or -1.
   // Gathered while the tile's operands stream in, so the epilogue does no
   // dependent global loads, which would otherwise outlast GEMM2's
   // mainloop (docs/perf-notes.md, "Hopper grouped GEMM").
-  float* row_scale = reinterpret_cast<float*>(empty + kStages);
-  int* row_dst = reinterpret_cast<int*>(row_scale + BN);
+  float* row_scale = reinterpret_cast<float*>(order + 2);
+  int* row_dst = reinterpret_cast<int*>(row_scale + kSets * BN);
   // kBlk: per stage, the activation scales of the tile's BN tokens for the
   // stage's K block.
-  float* a_sc = reinterpret_cast<float*>(row_dst + BN);
+  float* a_sc = reinterpret_cast<float*>(row_dst + kSets * BN);
   static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
   static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
   static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
+  static_assert(!kPP || (!kBlk && !kPair && kNWG == 2 && BN <= 128), "ping-pong: per-expert/channel, two sets");
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -314,8 +329,10 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       // kBlk: the TMA thread and the 32 lanes of the scale warp arrive on
       // full; every consumer warp on empty (see the mainloop).
       mbar_init(&full[s], kBlk ? 1 + 32 : 1);
-      mbar_init(&empty[s], kBlk ? kNWG * 4 : kNWG);
+      mbar_init(&empty[s], kBlk ? kNWG * 4 : kPP ? 1 : kNWG);
     }
+    mbar_init(&order[0], 1);
+    mbar_init(&order[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -395,56 +412,82 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
+  const int tl = kPP ? threadIdx.x % 128 : threadIdx.x;  // thread among the tile's consumers
+  if constexpr (kPP) {
+    stage += wg * kStageRows * kPitch;
+    row_scale += wg * BN;
+    row_dst += wg * BN;
+  }
+  // The consumers of one tile meet at named barrier 1 (kPP: 1 + warpgroup).
+  auto tile_sync = [&] {
+    if constexpr (kPP) {
+      asm volatile("bar.sync %0, 128;" ::"r"(1 + wg));
+    } else {
+      asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+    }
+  };
   int it = 0;
+  int nth = 0;  // kPP: the CTA's tiles so far
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const int wtile = t % n_wtiles;
     for (int sub = 0; sub < kSubs; ++sub) {
       TileRef tr;
       if (!tile_of<kPair>(p, num_blocks, t / n_wtiles, sub, tr)) continue;
+      const int nt = nth++;
+      if (kPP && nt % 2 != wg) {
+        it += p.num_k_iters;  // the other warpgroup's tile: its stages
+        continue;
+      }
       const int expert = tr.expert;
       const int row0 = tr.blk * p.block_rows;
       // kPair: a tile of one block fills the first BN/2 token columns only.
       const bool half_tile = kPair && tr.nblk == 1;
 
       // The previous tile's copy-out has read row_dst and the staging tile.
-      asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
-      if (half_tile && threadIdx.x >= BN / 2 && threadIdx.x < BN) {
-        row_scale[threadIdx.x] = 0.f;
-        row_dst[threadIdx.x] = -1;
-      } else if (threadIdx.x < BN) {
-        const int srow = row0 + threadIdx.x;
+      tile_sync();
+      if (half_tile && tl >= BN / 2 && tl < BN) {
+        row_scale[tl] = 0.f;
+        row_dst[tl] = -1;
+      } else if (tl < BN) {
+        const int srow = row0 + tl;
         const int pair = p.sorted_pairs[srow];
         // kBlk: the activation and weight scales are applied per K block.
         float sc = kBlk ? (p.a_scale_rows ? 1.f : p.a_scale) : p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale;
         if (!kPC && !kBlk) sc *= p.w_scale[expert];
         if (kEpi == GemmEpilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
-        row_scale[threadIdx.x] = sc;
-        row_dst[threadIdx.x] = pair < 0 ? -1 : (kEpi == GemmEpilogue::kWeightedBF16 ? pair : srow);
+        row_scale[tl] = sc;
+        row_dst[tl] = pair < 0 ? -1 : (kEpi == GemmEpilogue::kWeightedBF16 ? pair : srow);
       }
 
       // kPC: the scales of this thread's two accumulator rows (see the
       // epilogue for which weight rows they are); 0 past the last channel,
       // whose outputs are never stored.
+      // The 64-row half of the tile behind accumulator set v: the
+      // warpgroup's own, or with kPP both in turn.
+      auto half_of = [&](int v) { return kPP ? v : wg; };
       const int oc0 = wtile * kOC;  // first output channel of the tile
-      float wsc[2] = {1.f, 1.f};
-      if (kPC) {
+      float wsc[kHalves][2];
+#pragma unroll
+      for (int v = 0; v < kHalves; ++v) {
+        wsc[v][0] = wsc[v][1] = 1.f;
+        if (!kPC) continue;
         const float* ws = p.w_scale + size_t(expert) * p.w_rows;
         if (kGated) {
-          const int ch = oc0 + wg * 32 + 8 * warp + lane / 4;
-          wsc[0] = ch < p.n_out ? ws[ch] : 0.f;
-          wsc[1] = ch < p.n_out ? ws[p.n_out + ch] : 0.f;
+          const int ch = oc0 + half_of(v) * 32 + 8 * warp + lane / 4;
+          wsc[v][0] = ch < p.n_out ? ws[ch] : 0.f;
+          wsc[v][1] = ch < p.n_out ? ws[p.n_out + ch] : 0.f;
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int ch = oc0 + wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
-            wsc[h] = ch < p.n_out ? ws[ch] : 0.f;
+            const int ch = oc0 + half_of(v) * kWGRows + 16 * warp + lane / 4 + 8 * h;
+            wsc[v][h] = ch < p.n_out ? ws[ch] : 0.f;
           }
         }
       }
 
-      float acc[kRegs];
+      float acc[kHalves * kRegs];
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+      for (int i = 0; i < kHalves * kRegs; ++i) acc[i] = 0.f;
       if constexpr (kBlk) {
         // The scale blocks of this thread's two accumulator rows (the same
         // rows as kPC's), null past the last channel.
@@ -546,26 +589,33 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
         // loop.
         auto mainloop = [&](auto mma) {
           using M = decltype(mma);
+          // kPP: the other warpgroup's turn (the CTA's previous tile) ends
+          // when it has issued that tile's last stage.
+          if (kPP && nt > 0) mbar_wait(&order[1 - wg], ((nt - 1) / 2) & 1);
           int prev = -1;
           for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
             const int s = it % kStages;
             mbar_wait(&full[s], (it / kStages) & 1);
-            const uint64_t dw = smem_desc(w_smem + s * kWTile + wg * kWGRows * kBK);
             const uint64_t da = smem_desc(a_smem + s * kATile);
-            fence_acc<kRegs>(acc);
+            fence_acc<kHalves * kRegs>(acc);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kBK / 32; ++kk) {
-              M::mma(acc, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+#pragma unroll
+              for (int v = 0; v < kHalves; ++v) {
+                const uint64_t dw = smem_desc(w_smem + s * kWTile + half_of(v) * kWGRows * kBK);
+                M::mma(acc + v * kRegs, dw + 2 * kk, da + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+              }
             }
             wgmma_commit();
+            if (kPP && kt == p.num_k_iters - 1 && tl == 0) mbar_arrive(&order[wg]);
             wgmma_wait1();
-            fence_acc<kRegs>(acc);
+            fence_acc<kHalves * kRegs>(acc);
             if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
             prev = s;
           }
           wgmma_wait0();
-          fence_acc<kRegs>(acc);
+          fence_acc<kHalves * kRegs>(acc);
           if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
         };
         if (half_tile) {
@@ -580,7 +630,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
 #pragma unroll
       for (int half = 0; half < BN / kStageRows; ++half) {
         if (half_tile && half > 0) break;  // uniform across the consumers
-        asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+        tile_sync();
         if constexpr (kTokA) {
           // Accumulator (token row r0 + 8h, column 8i + 2(lane%4) + j); gated
           // columns pair gate group 2g with up group 2g + 1 (see the TMA box).
@@ -613,37 +663,42 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
           }
         } else {
 #pragma unroll
-          for (int i = half * (kStageRows / 8); i < (half + 1) * (kStageRows / 8); ++i) {
+          for (int hv = 0; hv < kHalves; ++hv) {
+            const float* a = acc + hv * kRegs;
+            const float* ws = wsc[hv];
 #pragma unroll
-            for (int c2 = 0; c2 < 2; ++c2) {
-              const int tr = 8 * i + 2 * (lane % 4) + c2;  // token row in tile
-              const float sc = row_scale[tr];
-              uint8_t* row = stage + (tr - half * kStageRows) * kPitch;
-              if (kGated) {
-                const float g = kPC ? acc[4 * i + c2] * sc * wsc[0] : acc[4 * i + c2] * sc;
-                const float u = kPC ? acc[4 * i + 2 + c2] * sc * wsc[1] : acc[4 * i + 2 + c2] * sc;
-                const float v = silu(g) * u;
-                const int oc = wg * 32 + 8 * warp + lane / 4;
-                stage_store<kEpi>(row, oc, v, p.out_inv_scale);
-              } else {
+            for (int i = half * (kStageRows / 8); i < (half + 1) * (kStageRows / 8); ++i) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                  float v = kPC ? acc[4 * i + 2 * h + c2] * sc * wsc[h] : acc[4 * i + 2 * h + c2] * sc;
-                  if (kEpi != GemmEpilogue::kWeightedBF16) {
-                    v = fmaxf(v, 0.f);
-                    v = v * v;
-                  }
-                  const int oc = wg * kWGRows + 16 * warp + lane / 4 + 8 * h;
+              for (int c2 = 0; c2 < 2; ++c2) {
+                const int tr = 8 * i + 2 * (lane % 4) + c2;  // token row in tile
+                const float sc = row_scale[tr];
+                uint8_t* row = stage + (tr - half * kStageRows) * kPitch;
+                if (kGated) {
+                  const float g = kPC ? a[4 * i + c2] * sc * ws[0] : a[4 * i + c2] * sc;
+                  const float u = kPC ? a[4 * i + 2 + c2] * sc * ws[1] : a[4 * i + 2 + c2] * sc;
+                  const float v = silu(g) * u;
+                  const int oc = half_of(hv) * 32 + 8 * warp + lane / 4;
                   stage_store<kEpi>(row, oc, v, p.out_inv_scale);
+                } else {
+#pragma unroll
+                  for (int h = 0; h < 2; ++h) {
+                    float v = kPC ? a[4 * i + 2 * h + c2] * sc * ws[h] : a[4 * i + 2 * h + c2] * sc;
+                    if (kEpi != GemmEpilogue::kWeightedBF16) {
+                      v = fmaxf(v, 0.f);
+                      v = v * v;
+                    }
+                    const int oc = half_of(hv) * kWGRows + 16 * warp + lane / 4 + 8 * h;
+                    stage_store<kEpi>(row, oc, v, p.out_inv_scale);
+                  }
                 }
               }
             }
           }
         }
-        asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+        tile_sync();
 
         constexpr int kChunks = kOC * kESize / 16;  // 16-byte chunks per row
-        for (int idx = threadIdx.x; idx < kStageRows * kChunks; idx += kNWG * 128) {
+        for (int idx = tl; idx < kStageRows * kChunks; idx += kTileThreads) {
           const int tr = idx / kChunks;
           const int ch = idx % kChunks;
           const int orow = row_dst[half * kStageRows + tr];
@@ -689,23 +744,40 @@ cudaError_t encode(CUtensorMap* map, const void* base, int rank, const cuuint64_
 
 bool persistent_grid() { return switches().sm90_persistent.load(std::memory_order_relaxed); }
 
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
-          bool kPair = false>
-cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
-  constexpr int kWTile = kNWG * kWGRows * kBK;
-  constexpr int kATile = BN * kBK;
+// smem_stages is how many pipeline stages fit beside a tile's fixed
+// shared memory (staging tiles, row tables, barriers), at most eight:
+// eight keep enough bytes in flight, more do not pay for their shared
+// memory (docs/perf-notes.md).
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kBlk, bool kPP>
+struct SmemPlan {
+  static constexpr int kWTile = kNWG * kWGRows * kBK;
+  static constexpr int kATile = BN * kBK;
   // kBlk: each stage also has BN activation scales.
-  constexpr int kStageBytes = kWTile + kATile + (kBlk ? (BN + 16) * 4 : 0);
-  constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
-  constexpr int kESize = out_size(kEpi);
-  constexpr int kStaging = (BN < 128 ? BN : 128) * (kOC * kESize + 16);
-  constexpr int kFixed = 1024 + kStaging + 256 + BN * 8;
-  constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
-  // Eight stages keep enough bytes in flight; more do not pay for their
-  // shared memory (docs/perf-notes.md).
-  constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
+  static constexpr int kStageBytes = kWTile + kATile + (kBlk ? (BN + 16) * 4 : 0);
+  static constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
+  static constexpr int kSets = kPP ? kNWG : 1;
+  static constexpr int kStaging = kSets * (BN < 128 ? BN : 128) * (kOC * out_size(kEpi) + 16);
+  static constexpr int kFixed = 1024 + kStaging + 256 + kSets * BN * 8;
+  static constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
+  static constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
+  static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
+};
+
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
+          bool kPair = false, bool kPP = false>
+cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
+  using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP>;
+  // Ping-pong's second staging tile must leave four stages: one is held by
+  // the wgmma group in flight, and the rest stream the next tile while a
+  // warpgroup runs its epilogue. Tiles where it does not (FP32 staging of
+  // 128 tokens) run cooperatively.
+  if constexpr (kPP && Plan::kStages < 4) {
+    return launch_cfg<BN, kNWG, kGated, kEpi, kPC, kBlk, kTokA, kPair, false>(a, stream);
+  } else {
+  constexpr int kOC = Plan::kOC;
+  constexpr int kStages = Plan::kStages;
   static_assert(kStages >= 3, "tile too large for shared memory");
-  const int smem = kFixed + kStages * kStageBytes;
+  const int smem = Plan::bytes();
 
   CUtensorMap tm_w, tm_a;
   cudaError_t err;
@@ -731,7 +803,7 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA, kPair>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA, kPair, kPP>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
@@ -779,20 +851,21 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   err = launch_kernel(a.pdl, kernel, grid, (kNWG + 1) * 128, smem, stream, tm_w, tm_a, p);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
+  }
 }
 
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
-template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false>
+template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false, bool kPP = false>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPP>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPP>(a, s);
     case GemmEpilogue::kAct1F32:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPP>(a, s)
+                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPP>(a, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair>(a, s);
+      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair, kPP>(a, s);
   }
   return cudaErrorInvalidValue;
 }
@@ -813,6 +886,8 @@ bool pair_tiles(const MoeGemmArgs& a) {
   return switches().sm90_pair.load(std::memory_order_relaxed) && a.w_mode != WScale::kBlock;
 }
 
+bool ping_pong() { return switches().sm90_pingpong.load(std::memory_order_relaxed); }
+
 template <int BN, int kNWG>
 cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   if constexpr (BN == 128) {
@@ -821,11 +896,16 @@ cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
                                              : launch_epi<256, 2, false, false, false, true>(a, gated, s);
     }
   }
+  // Two-warpgroup tiles of per-expert and per-channel scales run ping-pong
+  // (kPP) where both warpgroups' accumulators fit: up to 128 tokens.
+  constexpr bool kPP = kNWG == 2 && BN <= 128;
   switch (a.w_mode) {
     case WScale::kPerExpert:
-      return launch_epi<BN, kNWG, false, false>(a, gated, s);
+      return ping_pong() ? launch_epi<BN, kNWG, false, false, false, false, kPP>(a, gated, s)
+                         : launch_epi<BN, kNWG, false, false>(a, gated, s);
     case WScale::kPerChannel:
-      return launch_epi<BN, kNWG, true, false>(a, gated, s);
+      return ping_pong() ? launch_epi<BN, kNWG, true, false, false, false, kPP>(a, gated, s)
+                         : launch_epi<BN, kNWG, true, false>(a, gated, s);
     case WScale::kBlock:
       // Two accumulator sets: tiles of at most 128 tokens (sm90_block_rows).
       if constexpr (BN > 128) {

@@ -45,6 +45,10 @@ struct Switches {
   std::atomic<bool> sm90_persistent{true};
   std::atomic<bool> sm90_toka{true};
   std::atomic<bool> sm90_pair{false};
+  // Ping-pong consumer warpgroups for two-warpgroup tiles; off only in the
+  // GEMM check tool (EXPERTD_SM90_PINGPONG=0), to time both schedules in
+  // one process.
+  std::atomic<bool> sm90_pingpong{true};
   std::atomic<bool> poison{false};
   std::atomic<bool> host_trace{false};
   std::atomic<int> sync_spin_us{0};

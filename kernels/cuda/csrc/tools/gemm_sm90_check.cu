@@ -529,6 +529,7 @@ int main(int argc, char** argv) {
   // The library takes its switches from expertd_init's options; this tool
   // links the GEMM alone, so it sets the one it times from the environment.
   if (const char* pair = std::getenv("EXPERTD_SM90_PAIR")) expertd::switches().sm90_pair = std::strcmp(pair, "1") == 0;
+  if (const char* pp = std::getenv("EXPERTD_SM90_PINGPONG")) expertd::switches().sm90_pingpong = std::strcmp(pp, "0") != 0;
   if (ab && (expertd_base_gemm1 == nullptr || expertd_base_block_rows == nullptr)) {
     std::fprintf(stderr, "ab: this binary has no baseline linked (scripts/sm90-ab-build.sh builds one)\n");
     return 2;
