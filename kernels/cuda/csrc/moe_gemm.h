@@ -62,6 +62,12 @@ inline Switches& switches() {
   return s;
 }
 
+constexpr float kMinScale = 1e-10f;  // MOE_SPEC: near-zero scales give NaN on Hopper
+
+// clamp_scale is the one floor on scales, for the host's static ones and
+// the kernels' dynamic ones alike.
+__host__ __device__ inline float clamp_scale(float s) { return s > kMinScale ? s : kMinScale; }
+
 // GemmEpilogue is what a GEMM does with its FP32 accumulators.
 enum class GemmEpilogue : int {
   // GEMM1: dequantize, activation, quantize to FP8 E4M3 (satfinite) with

@@ -11,13 +11,11 @@
 #include <cstdint>
 
 #include "launch.cuh"
+#include "moe_gemm.h"
 
 namespace expertd {
 
 constexpr float kFP8Max = 448.0f;
-constexpr float kMinScale = 1e-10f;  // MOE_SPEC: near-zero scales give NaN on Hopper
-
-__device__ __forceinline__ float clamp_scale(float s) { return s > kMinScale ? s : kMinScale; }
 
 __device__ __forceinline__ uint8_t to_e4m3(float v) {
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);

@@ -39,7 +39,6 @@
 namespace expertd {
 namespace {
 
-
 // HostTrace prints the host-side stages of one expertd_moe call to stderr
 // when the host_trace option is on: lane, staging copies in, launch (graph
 // and copies out enqueued), the wait for completion, copies out. It is a diagnostic for the host path (the
@@ -64,8 +63,6 @@ struct HostTrace {
 };
 
 size_t align_up(size_t n) { return (n + 255) & ~size_t(255); }
-
-float clamp_scale_host(float s) { return s > kMinScale ? s : kMinScale; }
 
 Layout layout(const Set& s, const Call& c, int block_rows) {
   Layout L;
@@ -385,7 +382,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g1.sorted_pairs = sorted;
   g1.a_scale_rows = a1_rows ? a1s : nullptr;
   g1.a_scale_ld = groups(s, s.K);
-  g1.a_scale = s.a13_scale > 0 ? clamp_scale_host(s.a13_scale) : 1.f;
+  g1.a_scale = s.a13_scale > 0 ? clamp_scale(s.a13_scale) : 1.f;
   g1.w_scale = s.w13_scale;
   g1.w_mode = s.w13_mode;
   g1.block_n = s.block_n;
@@ -396,7 +393,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g1.epilogue = static_a2 ? GemmEpilogue::kAct1FP8 : GemmEpilogue::kAct1F32;
   g1.out = static_a2 ? static_cast<void*>(a2q) : act;
   g1.ld_out = s.N;
-  g1.out_inv_scale = static_a2 ? 1.0f / clamp_scale_host(s.a2_scale) : 1.f;
+  g1.out_inv_scale = static_a2 ? 1.0f / clamp_scale(s.a2_scale) : 1.f;
   g1.pair_weight = p.w;
   g1.pdl = pdl;
 
@@ -417,7 +414,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g2.a = a2q;
   g2.a_scale_rows = static_a2 ? nullptr : a2s;
   g2.a_scale_ld = groups(s, s.N);
-  g2.a_scale = static_a2 ? clamp_scale_host(s.a2_scale) : 1.f;
+  g2.a_scale = static_a2 ? clamp_scale(s.a2_scale) : 1.f;
   g2.w_scale = s.w2_scale;
   g2.w_mode = s.w2_mode;
   g2.epilogue = GemmEpilogue::kWeightedBF16;
