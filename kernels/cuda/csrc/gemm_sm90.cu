@@ -38,7 +38,9 @@
 // FMUL and an FMA each. Decode tiles keep the weights on the M side.
 //
 // Per-expert and per-channel mainloops keep one wgmma group in flight
-// (wait_group 1). With the sm90_pair option, 128-row alignment blocks run as
+// (wait_group 1), and their two-warpgroup tiles of up to 128 tokens run
+// ping-pong (kPP: each warpgroup a whole tile, one's epilogue under the
+// other's mainloop). With the sm90_pair option, 128-row alignment blocks run as
 // 256-token tiles of two blocks of one expert (kPair, see tile_of). The
 // token tile per layer shape comes from the measured table in sm90_tiles.h.
 //

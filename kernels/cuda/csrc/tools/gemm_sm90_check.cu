@@ -18,7 +18,9 @@
 // Timing environment: AB_M=64,256 (token counts), AB_CASES=nemotron,qwen3,
 // deepseek-v3 (per-expert scales), deepseek-v3-block (at AB_DS_M, default
 // 8192), BNS=64,128,256 (also time the tree's kernels at each forced
-// token tile), BN=n (force the tile everywhere), PROFILE_M / PROFILE_CASE.
+// token tile), BN=n (force the tile everywhere), PROFILE_M / PROFILE_CASE,
+// EXPERTD_SM90_PAIR=1 (paired 256-token tiles), EXPERTD_SM90_PINGPONG=0
+// (two-warpgroup tiles cooperative instead of ping-pong).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
