@@ -13,7 +13,9 @@
 // the call's wall time, its kernel time and the difference, the host
 // path's cost. With the library's host trace on, the per-stage lines go to
 // stderr, each batch preceded by a "== host_path mode=... m=..." line;
-// scripts/cuda-host-path.sh summarises them.
+// scripts/cuda-host-path.sh summarises them. HOST_PATH_NO_ROUTING=1 asks
+// for no routing results (as the daemon does for calls without
+// return_routing), so the two can be timed against each other.
 //
 // Needs only the library and the driver: no CUDA toolkit at run time.
 #include <dlfcn.h>
@@ -102,6 +104,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int iters = argc > 2 ? atoi(argv[2]) : 200;
+  const bool routing_out = getenv("HOST_PATH_NO_ROUTING") == nullptr;
   void* h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
   if (!h) {
     fprintf(stderr, "host_path: dlopen %s: %s\n", argv[1], dlerror());
@@ -232,10 +235,12 @@ int main(int argc, char** argv) {
           c.correction_bias.data = t.bias;
           c.out.data = t.out;
           c.out.dtype = EXPERTD_DTYPE_BFLOAT16;
-          c.topk_ids_out.data = t.ids;
-          c.topk_ids_out.mem = EXPERTD_MEM_PAGEABLE;
-          c.topk_weights_out.data = t.w;
-          c.topk_weights_out.mem = EXPERTD_MEM_PAGEABLE;
+          if (routing_out) {
+            c.topk_ids_out.data = t.ids;
+            c.topk_ids_out.mem = EXPERTD_MEM_PAGEABLE;
+            c.topk_weights_out.data = t.w;
+            c.topk_weights_out.mem = EXPERTD_MEM_PAGEABLE;
+          }
           c.top_k = kTopK;
           c.renormalize = 1;
           c.scoring = EXPERTD_SCORING_SIGMOID;
