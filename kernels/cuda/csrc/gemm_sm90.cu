@@ -746,10 +746,10 @@ cudaError_t encode(CUtensorMap* map, const void* base, int rank, const cuuint64_
 
 bool persistent_grid() { return switches().sm90_persistent.load(std::memory_order_relaxed); }
 
-// smem_stages is how many pipeline stages fit beside a tile's fixed
-// shared memory (staging tiles, row tables, barriers), at most eight:
-// eight keep enough bytes in flight, more do not pay for their shared
-// memory (docs/perf-notes.md).
+// SmemPlan is a kernel's shared memory: its fixed part (staging tiles, row
+// tables, barriers) and as many pipeline stages as fit beside it, at most
+// eight: eight keep enough bytes in flight, more do not pay for their
+// shared memory (docs/perf-notes.md).
 template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kBlk, bool kPP>
 struct SmemPlan {
   static constexpr int kWTile = kNWG * kWGRows * kBK;
@@ -765,17 +765,10 @@ struct SmemPlan {
   static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
 };
 
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
-          bool kPair = false, bool kPP = false>
-cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA, bool kPair,
+          bool kPP>
+cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP>;
-  // Ping-pong's second staging tile must leave four stages: one is held by
-  // the wgmma group in flight, and the rest stream the next tile while a
-  // warpgroup runs its epilogue. Tiles where it does not (FP32 staging of
-  // 128 tokens) run cooperatively.
-  if constexpr (kPP && Plan::kStages < 4) {
-    return launch_cfg<BN, kNWG, kGated, kEpi, kPC, kBlk, kTokA, kPair, false>(a, stream);
-  } else {
   constexpr int kOC = Plan::kOC;
   constexpr int kStages = Plan::kStages;
   static_assert(kStages >= 3, "tile too large for shared memory");
@@ -853,7 +846,17 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   err = launch_kernel(a.pdl, kernel, grid, (kNWG + 1) * 128, smem, stream, tm_w, tm_a, p);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
-  }
+}
+
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
+          bool kPair = false, bool kPP = false>
+cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
+  // Ping-pong's second staging tile must leave four stages: one is held by
+  // the wgmma group in flight, and the rest stream the next tile while a
+  // warpgroup runs its epilogue. Tiles where it does not (FP32 staging of
+  // 128 tokens) run cooperatively.
+  constexpr bool kRunPP = kPP && SmemPlan<BN, kNWG, kGated, kEpi, kBlk, true>::kStages >= 4;
+  return launch_plan<BN, kNWG, kGated, kEpi, kPC, kBlk, kTokA, kPair, kRunPP>(a, stream);
 }
 
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
