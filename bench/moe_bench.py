@@ -471,6 +471,7 @@ def main(argv=None) -> int:
                if lib else "; expertd library absent: peer only"))
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "moe_bench.json"), "w") as f:
             json.dump({"meta": meta, "checks": checks, "results": results}, f, indent=1,
                       default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))

@@ -158,6 +158,7 @@ def main(argv=None) -> int:
         print(f"| {r['model']} | {r['M']} | " + " | ".join(f"{m:.4f}" for m in r["ms"]) + f" | {r['same_bytes']} | "
               + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1])) + " |")
     if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
         with open(os.path.join(os.environ["OUT"], "moe_profile.json"), "w") as f:
             json.dump({"libs": args.lib, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                        "records": records}, f, indent=1)
