@@ -136,8 +136,8 @@ def main(argv=None) -> int:
                     torch.cuda.synchronize()
                     ms[li] += [a.elapsed_time(b) for a, b in ev]
             med = [statistics.median(x) for x in ms]
-            # Again after the timed replays: state a library keeps between
-            # calls (the fused combine's counters) must not drift.
+            # Again after the timed replays: whatever device state a library
+            # keeps between calls must not make later replays drift.
             if same is not None:
                 same = same and same_bytes()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
