@@ -55,6 +55,11 @@ func Cases() []Case {
 	topKE.Name, topKE.TopK = "Mixtral/top_k=E", 8
 	sigE := Shape{Name: "sigmoid/top_k=E", Activation: kernels.Relu2, E: 8, TopK: 8, K: 48, N: 40,
 		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 2, TopKGroups: 2, ScalingFactor: 2.5}
+	// K and N multiples of 16, which the Hopper kernels need: the one-token
+	// FP8 cases at the end take the CUDA backend's decode path, where GEMM1
+	// routes the token itself. New cases go last: a case's data comes from
+	// its place in the table.
+	nemo16 := Nemotron.Scaled(128, 64)
 	odd := Shape{Name: "odd/K=77,N=45", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
 		Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
 	return []Case{
@@ -98,6 +103,15 @@ func Cases() []Case {
 			Opts: []Option{WithBlock(16, 24), WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.Block)}},
 		{Name: "odd/per-channel/precomputed", Shape: odd, M: 3,
 			Opts: []Option{WithGranularity(scaling.PerChannel), WithPrecomputedRouting()}},
+		{Name: "Nemotron/M=1/fp8-in", Shape: nemo16, M: 1, Opts: []Option{WithHidden(kernels.Float8E4M3FN)}},
+		{Name: "Nemotron/M=1/fp8-in/static/per-channel/bf16-logits", Shape: nemo16, M: 1,
+			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithStaticScales(), WithGranularity(scaling.PerChannel),
+				WithLogits(kernels.BFloat16)}},
+		{Name: "Qwen3/M=1/fp8-in-per-tensor/per-channel/fp32-out", Shape: qwen, M: 1,
+			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.PerTensor),
+				WithGranularity(scaling.PerChannel), WithOutput(kernels.Float32)}},
+		{Name: "Qwen3/M=1/fp8-in/static/precomputed", Shape: qwen, M: 1,
+			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithStaticScales(), WithPrecomputedRouting()}},
 	}
 }
 

@@ -58,6 +58,7 @@
 #include <mutex>
 
 #include "launch.cuh"
+#include "route.cuh"
 #include "sm90_tiles.h"
 #include "wgmma_fp8.cuh"
 
@@ -67,6 +68,12 @@ namespace {
 constexpr int kBK = 128;           // K bytes per pipeline stage: one 128B swizzle row
 constexpr int kWGRows = 64;        // weight rows (wgmma M) per consumer warpgroup
 constexpr int kSmemBudget = 227 * 1024;
+// DecodeRoute: the layout tables a CTA keeps (one alignment block a pair,
+// at most a warp's worth of pairs) and the bound on the routing scratch,
+// which borrows the pipeline ring before the first load.
+constexpr int kRoutePairs = 32;
+constexpr int kRouteScratch = 16 * 1024;
+constexpr int kRouteTabBytes = 1280;  // block count, experts, sorted rows of 8-token blocks
 
 // Device helpers exist only in the sm_90a pass: the other targets compile
 // the kernels to empty bodies (the library never launches them there).
@@ -220,6 +227,13 @@ struct Params {
   int block_n;       // weight rows per scale block
   int w_row_blocks;  // ceil(w_rows / block_n)
   int w_k_blocks;    // ceil(k / 128)
+  // DecodeRoute (kernels where can_route says so): the layout goes out
+  // through these; block_expert up to max_blocks.
+  DecodeRoute route;
+  int32_t* layout_sorted;
+  int32_t* layout_expert;
+  int32_t* layout_blocks;
+  int max_blocks;
 };
 
 // TileRef is one tile's token rows: nblk alignment blocks from blk on, all
@@ -237,20 +251,87 @@ struct TileRef {
 // 128-token halves instead of two 256-token tiles with 128 slots idle,
 // while most tiles still read the weights once per 256 tokens.
 template <bool kPair>
-__device__ __forceinline__ bool tile_of(const Params& p, int num_blocks, int unit, int sub, TileRef& t) {
+__device__ __forceinline__ bool tile_of(const int32_t* block_expert, int num_blocks, int unit, int sub, TileRef& t) {
   if (!kPair) {
-    t = {unit, 1, p.block_expert[unit]};
+    t = {unit, 1, block_expert[unit]};
     return sub == 0 && t.expert >= 0;
   }
   const int b0 = 2 * unit, b1 = 2 * unit + 1;
-  const int e0 = p.block_expert[b0];
-  const int e1 = b1 < num_blocks ? p.block_expert[b1] : -1;
+  const int e0 = block_expert[b0];
+  const int e1 = b1 < num_blocks ? block_expert[b1] : -1;
   if (e0 >= 0 && e0 == e1) {
     t = {b0, 2, e0};
     return sub == 0;
   }
   t = sub == 0 ? TileRef{b0, 1, e0} : TileRef{b1, 1, e1};
   return t.expert >= 0;
+}
+
+// can_route says whether a kernel can take DecodeRoute: GEMM1's 8-token
+// tiles of one consumer warpgroup, per-expert or per-channel scales.
+template <int BN, int kNWG, GemmEpilogue kEpi, bool kBlk, bool kTokA, bool kPair>
+constexpr bool can_route() {
+  return BN == 8 && kNWG == 1 && !kBlk && !kTokA && !kPair && kEpi != GemmEpilogue::kWeightedBF16;
+}
+
+// decode_route (every thread of the CTA) routes the call's one token with
+// warp 0, or reads its precomputed ids, and lays its valid pairs out one
+// block each in slot order: expert[b] is block b's expert, sorted[b * BN]
+// its pair and the block's other rows -1, as the align step would lay out
+// blocks of one pair. Blocks hold one pair each even where two slots name
+// one expert (precomputed ids may), since every tile reads the token's row
+// alone. CTA 0 writes the layout and the routing results for the kernels
+// after this one. scratch is route_smem_per_warp(E) + 256 bytes of the ring,
+// written through the generic proxy before any TMA load lands there. It
+// returns the number of blocks.
+template <int BN>
+__device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int* expert, int* sorted) {
+  static_assert(sizeof(int) * (1 + kRoutePairs * (1 + BN)) <= kRouteTabBytes, "route tables");
+  const DecodeRoute& r = p.route;
+  const int top_k = r.rp.top_k, E = r.rp.e;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int id = -1;
+    float w = 0.f;
+    if (r.logits != nullptr) {
+      int32_t* sid = reinterpret_cast<int32_t*>(scratch + route_smem_per_warp(E));
+      float* sw = reinterpret_cast<float*>(sid + kRoutePairs);
+      route_token(r.rp, r.logits, r.bias, 0, scratch, sid, sw);
+      __syncwarp();
+      if (lane < top_k) {
+        id = sid[lane];
+        w = sw[lane];
+      }
+    } else if (lane < top_k) {
+      id = r.ids[lane];
+    }
+    const bool valid = lane < top_k && id >= 0 && id < E;
+    const unsigned mask = __ballot_sync(0xffffffffu, valid);
+    const int b = __popc(mask & ((1u << lane) - 1));
+    const int nb = __popc(mask);
+    if (valid) {
+      expert[b] = id;
+      for (int i = 0; i < BN; ++i) sorted[b * BN + i] = i == 0 ? lane : -1;
+    }
+    if (blockIdx.x == 0) {
+      if (r.logits != nullptr && lane < top_k) {
+        r.ids[lane] = id;
+        r.weights[lane] = w;
+      }
+      if (valid) {
+        for (int i = 0; i < BN; ++i) p.layout_sorted[b * BN + i] = i == 0 ? lane : -1;
+      }
+      for (int i = lane; i < p.max_blocks; i += 32) p.layout_expert[i] = -1;
+      __syncwarp();
+      if (valid) p.layout_expert[b] = id;
+      if (lane == 0) *p.layout_blocks = nb;
+    }
+    if (lane == 0) *blocks = nb;
+    // The scratch is ring memory, which TMA (the async proxy) writes next.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  return *blocks;
 }
 
 // Persistent: each CTA walks tiles t = blockIdx.x, +gridDim.x, ... of the
@@ -289,14 +370,10 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   using Mma = WgmmaE4M3<BN>;
   using MmaHalf = WgmmaE4M3<kPair ? BN / 2 : BN>;  // kPair: a tile of one block
 
+  constexpr bool kRoute = can_route<BN, kNWG, kEpi, kBlk, kTokA, kPair>();
+
   pdl_wait();
   pdl_trigger();
-  const int num_blocks = *p.num_blocks;
-  const int n_wtiles = (p.n_out + kOC - 1) / kOC;
-  constexpr int kSubs = kPair ? 2 : 1;  // sub-tiles per tile unit (tile_of)
-  const int num_tiles = (kPair ? (num_blocks + 1) / 2 : num_blocks) * n_wtiles;
-  if (static_cast<int>(blockIdx.x) >= num_tiles) return;
-
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // TMA with 128-byte swizzle needs 1024-byte aligned destinations.
   // Offset smem_raw itself rather than round-tripping through an integer:
@@ -320,6 +397,37 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   // kBlk: per stage, the activation scales of the tile's BN tokens for the
   // stage's K block.
   float* a_sc = reinterpret_cast<float*>(row_dst + kSets * BN);
+
+  // The call's layout: the align step's, or with DecodeRoute this CTA's
+  // own (tables where a_sc would be, which these kernels do not use), and
+  // then the tiles read the token's row of the hidden states (tm_a) and
+  // take its scale from the row's table entry.
+  const int32_t* block_expert = p.block_expert;
+  const int32_t* sorted_pairs = p.sorted_pairs;
+  float a_scale = p.a_scale;
+  bool routed = false;
+  int num_blocks;
+  if constexpr (kRoute) {
+    static_assert(kStages * kWTile >= kRouteScratch, "routing scratch");
+    routed = p.route.on;
+    if (routed) {
+      if (p.route.a_scale != nullptr) a_scale = clamp_scale(__ldg(p.route.a_scale));
+      int* rt_blocks = reinterpret_cast<int*>(a_sc);
+      int* rt_expert = rt_blocks + 1;
+      int* rt_sorted = rt_expert + kRoutePairs;
+      num_blocks = decode_route<BN>(p, w_smem, rt_blocks, rt_expert, rt_sorted);
+      block_expert = rt_expert;
+      sorted_pairs = rt_sorted;
+    } else {
+      num_blocks = *p.num_blocks;
+    }
+  } else {
+    num_blocks = *p.num_blocks;
+  }
+  const int n_wtiles = (p.n_out + kOC - 1) / kOC;
+  constexpr int kSubs = kPair ? 2 : 1;  // sub-tiles per tile unit (tile_of)
+  const int num_tiles = (kPair ? (num_blocks + 1) / 2 : num_blocks) * n_wtiles;
+  if (static_cast<int>(blockIdx.x) >= num_tiles) return;
   static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
   static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
   static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
@@ -348,9 +456,11 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
         const int wtile = t % n_wtiles;
         for (int sub = 0; sub < kSubs; ++sub) {
           TileRef tr;
-          if (!tile_of<kPair>(p, num_blocks, t / n_wtiles, sub, tr)) continue;
+          if (!tile_of<kPair>(block_expert, num_blocks, t / n_wtiles, sub, tr)) continue;
           const int expert = tr.expert;
-          const int row0 = tr.blk * p.block_rows;
+          // DecodeRoute: the token's row (rows past the token's come in
+          // zero-filled or belong to rows whose outputs are dropped).
+          const int row0 = routed ? sorted_pairs[tr.blk * p.block_rows] / p.route.rp.top_k : tr.blk * p.block_rows;
           for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
             const int s = it % kStages;
             mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
@@ -386,7 +496,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       int it = 0;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         TileRef tr;
-        if (!tile_of<kPair>(p, num_blocks, t / n_wtiles, 0, tr)) continue;
+        if (!tile_of<kPair>(block_expert, num_blocks, t / n_wtiles, 0, tr)) continue;
         const int blk = tr.blk;
         for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
           const int s = it % kStages;
@@ -434,7 +544,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     const int wtile = t % n_wtiles;
     for (int sub = 0; sub < kSubs; ++sub) {
       TileRef tr;
-      if (!tile_of<kPair>(p, num_blocks, t / n_wtiles, sub, tr)) continue;
+      if (!tile_of<kPair>(block_expert, num_blocks, t / n_wtiles, sub, tr)) continue;
       const int nt = nth++;
       if (kPP && nt % 2 != wg) {
         it += p.num_k_iters;  // the other warpgroup's tile: its stages
@@ -452,9 +562,9 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
         row_dst[tl] = -1;
       } else if (tl < BN) {
         const int srow = row0 + tl;
-        const int pair = p.sorted_pairs[srow];
+        const int pair = sorted_pairs[srow];
         // kBlk: the activation and weight scales are applied per K block.
-        float sc = kBlk ? (p.a_scale_rows ? 1.f : p.a_scale) : p.a_scale_rows ? p.a_scale_rows[srow] : p.a_scale;
+        float sc = kBlk ? (p.a_scale_rows ? 1.f : a_scale) : p.a_scale_rows ? p.a_scale_rows[srow] : a_scale;
         if (!kPC && !kBlk) sc *= p.w_scale[expert];
         if (kEpi == GemmEpilogue::kWeightedBF16) sc *= pair >= 0 ? p.pair_weight[pair] : 0.f;
         row_scale[tl] = sc;
@@ -759,7 +869,8 @@ struct SmemPlan {
   static constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
   static constexpr int kSets = kPP ? kNWG : 1;
   static constexpr int kStaging = kSets * (BN < 128 ? BN : 128) * (kOC * out_size(kEpi) + 16);
-  static constexpr int kFixed = 1024 + kStaging + 256 + kSets * BN * 8;
+  static constexpr int kRouteTab = can_route<BN, kNWG, kEpi, kBlk, false, false>() ? kRouteTabBytes : 0;
+  static constexpr int kFixed = 1024 + kStaging + 256 + kSets * BN * 8 + kRouteTab;
   static constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
   static constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
   static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
@@ -818,6 +929,13 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   p.ld_out = a.ld_out;
   p.out_inv_scale = a.out_inv_scale;
   p.pair_weight = a.pair_weight;
+  p.route = a.route;
+  // DecodeRoute writes the layout the align step would have: the args
+  // point at it as the GEMMs' input.
+  p.layout_sorted = const_cast<int32_t*>(a.sorted_pairs);
+  p.layout_expert = const_cast<int32_t*>(a.block_expert);
+  p.layout_blocks = const_cast<int32_t*>(a.num_blocks);
+  p.max_blocks = a.max_blocks;
   p.a_scale_ld = a.a_scale_ld;
   p.block_n = kBlk ? a.block_n : 1;
   p.w_row_blocks = kBlk ? (a.w_rows + a.block_n - 1) / a.block_n : 0;
@@ -931,6 +1049,11 @@ cudaError_t launch(const MoeGemmArgs& a, bool gated, cudaStream_t stream) {
   if (a.k % 16 != 0 || n % 16 != 0 || a.n_out % 16 != 0 || a.max_blocks <= 0) return cudaErrorInvalidValue;
   // Block scales: K blocks of one stage (128), any block_n.
   if (a.w_mode == WScale::kBlock && (a.block_k != kBK || a.block_n <= 0)) return cudaErrorInvalidValue;
+  // DecodeRoute: only the kernels can_route names take it.
+  if (a.route.on && (a.epilogue == GemmEpilogue::kWeightedBF16 || a.a_rows != 1 ||
+                     !sm90_decode_route(a.route.rp.m, a.route.rp.top_k, a.route.rp.e, a.block_rows, a.w_mode, a.a))) {
+    return cudaErrorInvalidValue;
+  }
   // Few tokens per expert: one consumer warpgroup per CTA doubles the CTAs
   // streaming weights; many tokens: two warpgroups share each token tile.
   switch (a.block_rows) {
@@ -967,6 +1090,11 @@ cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
 bool sm90_supported(int hidden, int inter) { return hidden % 16 == 0 && inter % 16 == 0; }
 
 bool sm90_block_supported(int block_n, int block_k) { return block_n > 0 && block_k == kBK; }
+
+bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale w_mode, const void* hidden) {
+  return m == 1 && block_rows == 8 && w_mode != WScale::kBlock && top_k >= 1 && top_k <= kRoutePairs &&
+         route_smem_per_warp(num_experts) + 256 <= kRouteScratch && (reinterpret_cast<uintptr_t>(hidden) & 15) == 0;
+}
 
 int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden, int inter, bool gated) {
   const int per_expert = (m * top_k + num_experts - 1) / num_experts;

@@ -103,6 +103,37 @@ enum class WScale : int {
   kBlock = 2,
 };
 
+// RouteParams are one call's routing settings.
+struct RouteParams {
+  int m, e, top_k;
+  int renormalize;
+  int scoring;  // 1 softmax, 2 sigmoid
+  int num_groups, topk_groups;
+  float scaling;
+  int logits_dtype;
+};
+
+// DecodeRoute lets the Hopper GEMM1 of a one-token call do the steps
+// before it (sm90_decode_route says when): route the token, or read its
+// precomputed ids, and lay its pairs out one alignment block each in slot
+// order; the tiles then read the token's FP8 hidden row itself (a is the
+// hidden states, a_rows 1). No routing, align or gather launch runs ahead
+// of GEMM1, and each of those is a chain of dependent round trips at
+// decode sizes. Every CTA computes the same layout, and CTA 0 writes it
+// (sorted_pairs, block_expert up to max_blocks, num_blocks) and the
+// routing results for the kernels after GEMM1.
+struct DecodeRoute {
+  bool on;
+  RouteParams rp;
+  const void* logits;  // null: ids (and weights) are the caller's
+  const float* bias;
+  int32_t* ids;
+  float* weights;
+  // The token's activation scale in device memory (clamped as the gather
+  // clamps it), or null for MoeGemmArgs::a_scale.
+  const float* a_scale;
+};
+
 // MoeGemmArgs describes one grouped GEMM launch. All pointers are device
 // pointers; the launch reads num_blocks from device memory, so one capture
 // serves any routing outcome.
@@ -150,6 +181,10 @@ struct MoeGemmArgs {
 
   // Launch with programmatic dependent launch (launch.cuh).
   bool pdl;
+
+  // GEMM1 only, Hopper only; appended last so the GEMM check tool's base
+  // tree keeps the layout of the fields above.
+  DecodeRoute route;
 };
 
 // Portable path (gemm_portable.cu), every epilogue: mma.sync m16n8k32 e4m3 on sm_89+, or
@@ -185,6 +220,11 @@ bool sm90_block_supported(int block_n, int block_k);
 // mean tokens per expert.
 int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden = 0, int inter = 0,
                     bool gated = false);
+// sm90_decode_route says whether GEMM1 can take a call's steps before it
+// (DecodeRoute): one token with FP8 hidden states at a 16-byte aligned
+// address, 8-token tiles, per-expert or per-channel weight scales, top_k
+// within a warp and the routing scratch within the kernel's ring.
+bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale w_mode, const void* hidden);
 #endif
 
 }  // namespace expertd

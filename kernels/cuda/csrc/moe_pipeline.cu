@@ -7,9 +7,11 @@
 //   rows) -> gather + quantize hidden into sorted FP8 rows -> GEMM1 with the
 //   activation epilogue -> [dynamic a2 only: per-row FP8 requant] -> GEMM2
 //   with the router weight -> combine into BF16/FP32.
-// The steps before GEMM1 take a shape per call size (enqueue): small calls
-// run them as one launch (decode_prologue_kernel), large ones align over
-// many blocks and quantize BF16/FP32 hidden states once per token.
+// The steps before GEMM1 take a shape per call size (enqueue): a one-token
+// call with FP8 hidden states on the Hopper path leaves them to GEMM1
+// (DecodeRoute), other small calls run them as one launch
+// (decode_prologue_kernel), large ones align over many blocks and quantize
+// BF16/FP32 hidden states once per token.
 //
 // Dynamic a2 (no static a2 scale): GEMM1 writes the activation as FP32 and a
 // small kernel quantizes each pair row with amax/448 (per group of block_k in
@@ -325,9 +327,20 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
 
   const RouteParams rp{c.m, s.E, c.top_k, c.renormalize, c.scoring, c.num_groups, c.topk_groups, c.scaling,
                        c.logits_dtype};
+  const bool sm90 = use_sm90(s, c);
+  const bool f16 = c.gemm == EXPERTD_GEMM_PORTABLE_F16 || !e4m3_mma(s);
+  // A one-token call with FP8 hidden states may leave routing, align and
+  // gather to the Hopper GEMM1 (DecodeRoute in moe_gemm.h).
+  bool decode_route = false;
+#ifdef EXPERTD_HAVE_SM90
+  decode_route = sm90 && c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN &&
+                 sm90_decode_route(c.m, c.top_k, s.E, BM, s.w13_mode, p.hidden);
+#endif
   const size_t align_smem = 2 * size_t(s.E) * sizeof(int);
   const Prologue pro = prologue(c, s.E, L.p);
-  if (pro.one_launch) {
+  if (decode_route) {
+    // GEMM1 does it.
+  } else if (pro.one_launch) {
     CK(launch_kernel(pdl, decode_prologue_kernel, 1, kPrologueThreads, pro.smem, st, rp, c.have_logits,
                      pro.route_warps, p.logits, p.bias, p.ids, p.w, L.p, BM, L.max_blocks, sorted, block_expert,
                      num_blocks, fp8_rows && pro.gather, gp, static_cast<const uint8_t*>(hidden), hidden_scale,
@@ -353,7 +366,9 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
                        block_expert, num_blocks));
     }
   }
-  if (fp8_rows && !(pro.one_launch && pro.gather)) {
+  if (decode_route) {
+    // GEMM1 reads the token's row.
+  } else if (fp8_rows && !(pro.one_launch && pro.gather)) {
     CK(launch_kernel(pdl, gather_fp8_kernel, (L.max_rows + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock,
                      32 * kGatherRowsPerBlock, 0, st, gp, static_cast<const uint8_t*>(hidden), hidden_scale, sorted,
                      num_blocks, BM, a1q, a1s));
@@ -362,9 +377,6 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
                      num_blocks, BM, a1q, a1s));
   }
   const bool a1_rows = !(c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && s.a13_scale > 0);
-
-  const bool sm90 = use_sm90(s, c);
-  const bool f16 = c.gemm == EXPERTD_GEMM_PORTABLE_F16 || !e4m3_mma(s);
 
   MoeGemmArgs g1{};
   g1.w = s.w13;
@@ -396,6 +408,21 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g1.out_inv_scale = static_a2 ? 1.0f / clamp_scale(s.a2_scale) : 1.f;
   g1.pair_weight = p.w;
   g1.pdl = pdl;
+  if (decode_route) {
+    // The token's row and scale as the gather would have made them: the
+    // scale clamped, the fallback where the call has none.
+    g1.a = static_cast<const uint8_t*>(p.hidden);
+    g1.a_rows = 1;
+    g1.a_scale_rows = nullptr;
+    g1.a_scale = clamp_scale(gp.fallback_scale);
+    g1.route.on = true;
+    g1.route.rp = rp;
+    g1.route.logits = c.have_logits ? p.logits : nullptr;
+    g1.route.bias = p.bias;
+    g1.route.ids = p.ids;
+    g1.route.weights = p.w;
+    g1.route.a_scale = c.n_hidden_scale > 0 ? hidden_scale : nullptr;
+  }
 
   if (int rc = launch_gemm(1, g1, sm90, f16, st)) return rc;
 
@@ -406,6 +433,8 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   }
 
   MoeGemmArgs g2 = g1;
+  g2.route = DecodeRoute{};
+  g2.a_rows = L.max_rows;
   g2.w = s.w2;
   g2.w_rows = s.K;
   g2.k = s.N;
