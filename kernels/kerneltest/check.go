@@ -20,7 +20,7 @@ type Case struct {
 	Shape Shape
 	M     int
 	Opts  []Option
-	// Tol is the relative-L2 bound; 0 means FP8Tol.
+	// Tol is the relative-L2 bound; 0 means ReferenceTol's.
 	Tol float64
 	// EmptyExperts requires that some expert receives no token, so the case
 	// really exercises that edge.
@@ -145,10 +145,9 @@ func CheckBackend(t TB, b kernels.Backend, cases ...Case) {
 			t.Errorf("%s: %v", c.Name, err)
 			continue
 		}
-		want, wantIDs, wantW := Reference(set, req)
-		tol := c.Tol
-		if tol == 0 {
-			tol = FP8Tol
+		want, wantIDs, wantW, tol := ReferenceTol(set, req)
+		if c.Tol != 0 {
+			tol = c.Tol
 		}
 		out := DecodeOutput(req.OutDType, got.Output)
 		if e := RelL2(out, want); !(e <= tol) {

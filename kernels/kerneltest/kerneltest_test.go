@@ -256,3 +256,41 @@ func TestReferenceMaskedRow(t *testing.T) {
 		}
 	}
 }
+
+// TestKnifeEdge: only a value within KnifeEdge of a midpoint between two
+// E4M3 neighbours gets a step, and saturating values get none.
+func TestKnifeEdge(t *testing.T) {
+	for _, c := range []struct{ v, want float64 }{
+		{432, 32}, {432 * (1 + 0.5*KnifeEdge), 32}, {432 * (1 + 2*KnifeEdge), 0}, {431, 0},
+		{17, 2}, {1.0625, 0.125}, {448, 0}, {600, 0}, {0, 0}, {math.Ldexp(3, -10), math.Ldexp(1, -9)},
+	} {
+		if got := knifeEdgeStep(c.v); got != c.want {
+			t.Errorf("knifeEdgeStep(%g) = %g, want %g", c.v, got, c.want)
+		}
+	}
+}
+
+// TestReferenceTol: ReferenceTol's output is Reference's, and its bound is
+// FP8Tol exactly unless some intermediate element is at a knife edge, which
+// a static A2 scale can put there on purpose.
+func TestReferenceTol(t *testing.T) {
+	set, req := NewCase(rand.New(rand.NewPCG(3, 4)), Nemotron.Scaled(64, 32), 2, WithStaticScales())
+	out, _, _, tol := ReferenceTol(set, req)
+	want, _, _ := Reference(set, req)
+	if !slices.Equal(out, want) {
+		t.Fatal("ReferenceTol's output differs from Reference's")
+	}
+	if tol < FP8Tol {
+		t.Errorf("tol %g < FP8Tol", tol)
+	}
+	// Put the largest intermediate element of the first routed pair at
+	// the 416/448 midpoint.
+	ids, _ := referenceRouting(set, req)
+	a := referenceHidden(set, req)
+	x := referenceIntermediate(set, a[:set.K], dequantExpert(set.W13, set.W13Scale, int(ids[0]), set.Rows1(), set.K))
+	s := float32(slices.Max(x) / 432)
+	set.A2Scale = &s
+	if _, _, _, tol := ReferenceTol(set, req); !(tol > FP8Tol) {
+		t.Errorf("tol %g with an element at a midpoint, want > FP8Tol", tol)
+	}
+}
