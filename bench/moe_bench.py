@@ -163,8 +163,13 @@ def check_outputs(w, xset, lib_set, peer_gmm, block=None) -> list[dict]:
             row["expertd_vs_ref"] = peer.rel_l2(out, ref)
             row["expertd_vs_peer"] = peer.rel_l2(out, got_peer.double())
             row["expertd_unwritten"] = int((~torch.isfinite(out.float())).sum())
-        row["ok"] = all(row[k] <= CHECK_BAR for k in ("peer_vs_ref", "expertd_vs_ref") if k in row)
-        row["ok"] = row["ok"] and row.get("expertd_unwritten", 0) == 0
+        # ok judges expertd (the peer when the library is absent): the peer
+        # is a comparison, and at M = 1 its error sits near the bar (six
+        # routed pairs average little), so it must not fail expertd's run.
+        if "expertd_vs_ref" in row:
+            row["ok"] = row["expertd_vs_ref"] <= CHECK_BAR and row["expertd_unwritten"] == 0
+        else:
+            row["ok"] = row["peer_vs_ref"] <= CHECK_BAR
         rows.append(row)
     return rows
 
@@ -339,6 +344,7 @@ def target(rec: dict, q: dict) -> str:
 def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
     """Markdown tables: checks, every implementation's rates, then the summary."""
     lines = ["### Correctness (rel-L2 vs float64 reference; bar 2e-2)", "",
+             "ok: expertd within the bar with every element written (the peer when expertd is absent).", "",
              "| model | M | peer vs ref | peer fastacc vs ref | expertd vs ref | expertd vs peer | unwritten | ok |",
              "|---|---|---|---|---|---|---|---|"]
     for c in checks:
