@@ -22,11 +22,11 @@ func (b *Backend) selfTest() error { return selfCheck(context.Background(), b) }
 
 // selfCheck runs a fresh random case on b and on the CPU backend and
 // compares the outputs by relative L2 error. The intermediate is 256 wide
-// and 16 tokens average over 32 routed pairs: an intermediate element at
-// an E4M3 rounding midpoint, which Hopper's FP8 accumulation may round
-// either way, then moves the error by a fraction of the bar's margin
-// (kerneltest.ReferenceTol), where at 64 wide and few tokens one such flip
-// can fail a correct library.
+// and 16 tokens average over 32 routed pairs, so an intermediate element
+// at an E4M3 rounding midpoint, which Hopper's FP8 accumulation may round
+// either way (kerneltest.ReferenceTol), moves the error a few times less
+// than at 64 wide and a few tokens, where one such flip can fail a correct
+// library.
 func selfCheck(ctx context.Context, b kernels.Backend) error {
 	const e, k, n, m = 8, 96, 256, 16
 	rng := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))

@@ -79,8 +79,8 @@ func ReferenceTol(set *kernels.ExpertSet, req *kernels.Request) (out []float64, 
 				out[t*set.K+r] += w64[t*k+j] * y
 			}
 			for n, d := range flip {
-				x := w64[t*k+j] * d * w2Norms[e][n]
-				slack2 += x * x
+				c := w64[t*k+j] * d * w2Norms[e][n]
+				slack2 += c * c
 			}
 		}
 	}
