@@ -225,7 +225,7 @@ func requantize(set *kernels.ExpertSet, x []float64) (xq, flip []float64) {
 var e4m3Grid = func() []float64 {
 	var g []float64
 	for _, v := range scaling.E4M3Table {
-		if v >= 0 && !math.IsNaN(float64(v)) && !math.Signbit(float64(v)) {
+		if v >= 0 && !math.Signbit(float64(v)) { // NaN and -0 fail one of these
 			g = append(g, float64(v))
 		}
 	}
