@@ -1,4 +1,4 @@
-"""FusedMoE kernel benchmark on one GPU: expertd against the PyTorch peer.
+"""FusedMoE kernel benchmark on one GPU: expertd against the PyTorch and FlashInfer peers.
 
 For each model and token count M it builds a random FP8 layer (randn weights
 quantized per expert, randn/10 hidden states at a static per-tensor scale,
@@ -11,6 +11,16 @@ L2 by themselves; rotation keeps M=1's few experts from staying cached):
   expertd-gemm  skipped: the ABI has no GEMM-only entry point
   peer          bench/peer.py's TorchPeer, the full op, CUDA-graph replay
   peer-gemm     the peer's two torch._scaled_grouped_mm calls on pre-permuted data
+  flashinfer    the peers' routing, then FlashInfer's cutlass_fused_moe (bench/
+                flashinfer_peer.py; autotuned for the timed M once per model),
+                CUDA-graph replay
+  flashinfer-moe  cutlass_fused_moe alone on precomputed top-k ids and weights
+
+FlashInfer runs where it imports (bench/run.sh installs the carried copy) and
+its layer is per-tensor FP8; the log says when it is absent. Its output is
+checked against the float64 reference first (the error is printed) and it is
+timed only within FLASHINFER_TIME_BAR. The quoted vLLM GEMMs-only table is the
+card's (H200 or H100, by the device's name; "n/a" on other cards).
 
 DeepSeek-V3 (--model deepseek-v3; not in the default run, see DEFAULT_MODELS)
 is block-scaled: 128x128 weight blocks, FP8 hidden states in with per-token-group
@@ -22,7 +32,8 @@ peer alone for it and the tables say "unsupported".
 
 Without build/libexpertd_cuda.so it runs the peer alone and says so.
 Results are printed as tables (the last one is the summary) and written to
-$OUT/moe_bench.json and $OUT/moe_bench.md when OUT is set.
+$OUT/moe_bench.json and $OUT/moe_bench.md when OUT is set, with the picture
+$OUT/moe_bench.png (bench/plot.py) where matplotlib imports.
 """
 
 from __future__ import annotations
@@ -41,28 +52,53 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import expertd_ctypes  # noqa: E402
+import flashinfer_peer  # noqa: E402
 import peer  # noqa: E402
+import plot  # noqa: E402
 
 # MOE_SPEC.md section 3, measured on the lent H200.
 COPY_TBPS = 4.28
 FP8_TFLOPS = 1471.0
-# vLLM 0.34's Triton fused-MoE kernels (fp8_w8a8 per-tensor; its tuned H200
-# config for Nemotron's E=128,N=1856, its default config for Qwen3), GEMM1 +
-# GEMM2 kernels alone, timed on the lent H200 on 2026-12-03 (CUDA events, L2
-# flushed, median of 100) and quoted from issue 17, not measured here. Its full
+# vLLM 0.34's Triton fused-MoE kernels (fp8_w8a8 per-tensor), GEMM1 + GEMM2
+# kernels alone (CUDA events, L2 flushed, CUDA graphs, median of 100), quoted per
+# card, not measured here: the H200's from issue 17 (its tuned H200 config for
+# Nemotron's E=128,N=1856, its default config for Qwen3), the H100's from issue 33
+# (default configs: vLLM ships no tuned H100 file for these shapes). vLLM's full
 # op adds routing, alignment, activation, quantization and combine launches, so
-# these are a lower bound of vLLM's layer time.
-VLLM_LABEL = "vLLM 0.34 Triton GEMMs only (lower bound of its full op), H200 2026-12-03"
-VLLM_GEMMS_MS = {
-    ("nemotron-3-nano", 1): 0.0345, ("nemotron-3-nano", 16): 0.2054,
-    ("nemotron-3-nano", 64): 0.3220, ("nemotron-3-nano", 256): 0.3546,
-    ("nemotron-3-nano", 1024): 0.3743, ("nemotron-3-nano", 4096): 0.6984,
-    ("nemotron-3-nano", 8192): 1.1702,
-    ("qwen3-30b-a3b", 1): 0.0265, ("qwen3-30b-a3b", 16): 0.1287,
-    ("qwen3-30b-a3b", 64): 0.1699, ("qwen3-30b-a3b", 256): 0.1831,
-    ("qwen3-30b-a3b", 1024): 0.2191, ("qwen3-30b-a3b", 4096): 0.4319,
-    ("qwen3-30b-a3b", 8192): 0.7767,
+# these are a lower bound of its layer time. The card's name picks the table.
+VLLM_GEMMS = {
+    "H200": ("vLLM 0.34 Triton GEMMs only (lower bound of its full op), H200 2026-12-03", {
+        ("nemotron-3-nano", 1): 0.0345, ("nemotron-3-nano", 16): 0.2054,
+        ("nemotron-3-nano", 64): 0.3220, ("nemotron-3-nano", 256): 0.3546,
+        ("nemotron-3-nano", 1024): 0.3743, ("nemotron-3-nano", 4096): 0.6984,
+        ("nemotron-3-nano", 8192): 1.1702,
+        ("qwen3-30b-a3b", 1): 0.0265, ("qwen3-30b-a3b", 16): 0.1287,
+        ("qwen3-30b-a3b", 64): 0.1699, ("qwen3-30b-a3b", 256): 0.1831,
+        ("qwen3-30b-a3b", 1024): 0.2191, ("qwen3-30b-a3b", 4096): 0.4319,
+        ("qwen3-30b-a3b", 8192): 0.7767,
+    }),
+    "H100": ("vLLM 0.34 Triton GEMMs only (lower bound of its full op), H100 80GB HBM3, issue 33", {
+        ("nemotron-3-nano", 1): 0.0431, ("nemotron-3-nano", 16): 0.2912,
+        ("nemotron-3-nano", 64): 0.4715, ("nemotron-3-nano", 256): 0.5004,
+        ("nemotron-3-nano", 1024): 0.5425, ("nemotron-3-nano", 4096): 0.7537,
+        ("nemotron-3-nano", 8192): 1.2172,
+        ("qwen3-30b-a3b", 1): 0.0318, ("qwen3-30b-a3b", 16): 0.1746,
+        ("qwen3-30b-a3b", 64): 0.2310, ("qwen3-30b-a3b", 256): 0.2457,
+        ("qwen3-30b-a3b", 1024): 0.2757, ("qwen3-30b-a3b", 4096): 0.4671,
+        ("qwen3-30b-a3b", 8192): 0.7835,
+    }),
 }
+
+
+def vllm_table(device_name: str) -> tuple[str | None, str, dict]:
+    """(card, label, {(model, M): ms}) of the quoted vLLM table for this card,
+    or (None, "n/a", {}) when the card is neither an H200 nor an H100."""
+    for card, (label, table) in VLLM_GEMMS.items():
+        if card in device_name:
+            return card, label, table
+    return None, "n/a", {}
+
+
 # Issue 17's bar: expertd's full op at most this fraction of vLLM's GEMMs alone.
 VLLM_RATIO_TARGET = 0.9
 TOKENS = [1, 16, 64, 256, 1024, 4096, 8192]
@@ -79,6 +115,10 @@ DEFAULT_MODELS = ["nemotron-3-nano", "qwen3-30b-a3b"]
 TARGETS = {"deepseek-v3": {"decode_max_m": 256, "decode_tbps": 3.4, "prefill_m": 8192,
                            "prefill_tflops": 800.0}}
 CHECK_BAR = 2e-2
+# FlashInfer is timed only when every checked M is within this rel-L2 of the
+# reference: its rounding differs from the other peers' (BF16 GEMM1 output, fused
+# combine), and a layout or scale mistake puts it near 1e-1 or beyond.
+FLASHINFER_TIME_BAR = 5e-2
 
 
 def log(msg: str) -> None:
@@ -138,10 +178,12 @@ def time_replays(fns, iters: int, warmup: int, graph: bool = True,
 # ---------------------------------------------------------------- checks
 
 
-def check_outputs(w, xset, lib_set, peer_gmm, block=None) -> list[dict]:
-    """expertd and the peer against the float64 reference on the given inputs.
+def check_outputs(w, xset, lib_set, peer_gmm, block=None, fi_peer=None) -> list[dict]:
+    """expertd, the peer and FlashInfer (fi_peer, when given) against the float64
+    reference on the given inputs.
 
-    expertd's output is poisoned with NaN first, so an unwritten element fails.
+    expertd's and FlashInfer's outputs are poisoned with NaN first, so an
+    unwritten element fails.
     """
     rows = []
     for inp in xset:
@@ -156,6 +198,15 @@ def check_outputs(w, xset, lib_set, peer_gmm, block=None) -> list[dict]:
                 row["peer_fastacc_vs_ref"] = peer.rel_l2(fast, ref)
             except (RuntimeError, ValueError) as e:  # a build may refuse use_fast_accum
                 log(f"  use_fast_accum=True refused: {str(e)[:200]}")
+        if fi_peer is not None:
+            fo = torch.full((M, w.shape.K), float("nan"), dtype=torch.bfloat16, device=x.device)
+            try:
+                fi_peer(x, logits, fo)
+                torch.cuda.synchronize()
+                row["flashinfer_vs_ref"] = peer.rel_l2(fo, ref)
+            except Exception as e:  # FlashInfer's errors have no common type: report, keep going
+                log(f"  flashinfer failed its check at M={M}: {type(e).__name__}: {str(e)[:300]}")
+                row["flashinfer_vs_ref"] = math.inf
         if lib_set is not None:
             out = torch.full((M, w.shape.K), float("nan"), dtype=torch.bfloat16, device=x.device)
             run_expertd(lib_set, inp, out)
@@ -189,8 +240,47 @@ def distinct_experts(w, sets) -> float:
     return sum(hits) / len(hits)
 
 
-def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
-    """Checks and timings of one model at every M."""
+def make_flashinfer(fi, w, buckets, dev, gen):
+    """FlashInfer's peer for w's layer, autotuned over buckets: (peer, None),
+    or (None, why not)."""
+    why = flashinfer_peer.supports(w.shape)
+    if why is not None:
+        return None, why
+    t0 = time.time()
+    try:
+        p = flashinfer_peer.FlashInferPeer(fi, w, buckets)
+        p.tune(*peer.make_inputs(w.shape, w, p.max_m, dev, gen))
+    except Exception as e:  # module load, tactic or launch failure: report, keep the other peers
+        log(f"  flashinfer unavailable for {w.shape.name}: {type(e).__name__}: {str(e)[:400]}")
+        return None, f"failed: {type(e).__name__}: {str(e)[:160]}"
+    log(f"  flashinfer: cutlass_fused_moe ({getattr(p.act, 'name', p.act)}), "
+        f"autotuned for M = {list(p.buckets)} ({time.time() - t0:.1f} s)")
+    return p, None
+
+
+def time_flashinfer(fi_peer, sets, M, K, args) -> dict:
+    """FlashInfer's full op (routing + cutlass_fused_moe) and its call alone on
+    precomputed routing, as record fields."""
+    dev = sets[0][0].device
+    fo = [torch.empty(M, K, dtype=torch.bfloat16, device=dev) for _ in sets]
+    routed = [fi_peer.route(inp[1]) for inp in sets]
+    rec = {}
+    try:
+        rec["flashinfer_ms"], rec["flashinfer_mode"], _ = time_replays(
+            [lambda i=i: fi_peer(sets[i][0], sets[i][1], fo[i]) for i in range(len(sets))],
+            args.iters, args.warmup)
+        rec["flashinfer_moe_ms"], rec["flashinfer_moe_mode"], _ = time_replays(
+            [lambda i=i: fi_peer.moe_only(sets[i][0], *routed[i], fo[i]) for i in range(len(sets))],
+            args.iters, args.warmup)
+    except Exception as e:  # FlashInfer's errors have no common type: report, keep going
+        log(f"  flashinfer failed at M={M}: {type(e).__name__}: {str(e)[:300]}")
+        rec = {"flashinfer_note": f"failed at M={M}: {type(e).__name__}"}
+    return rec
+
+
+def bench_model(shape, Ms, lib, args, gen, fi=None, vllm=None) -> tuple[list[dict], list[dict]]:
+    """Checks and timings of one model at every M (FlashInfer's too, with fi;
+    vllm: the card's quoted {(model, M): ms})."""
     dev = torch.device("cuda")
     t0 = time.time()
     w = peer.make_weights(shape, dev, gen)
@@ -219,9 +309,12 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
             log(f"  expertd {'does not support' if unsupported else 'set_create failed for'} "
                 f"{shape.name}, peer only: {e}")
     check_m = args.check_m if args.check_m is not None else MODEL_CHECK_M.get(shape.name, CHECK_M)
+    fi_peer, fi_note = None, "absent" if fi is None else None
+    if fi is not None:
+        fi_peer, fi_note = make_flashinfer(fi, w, list(Ms) + list(check_m), dev, gen)
     inputs = [peer.make_inputs(shape, w, m, dev, gen) for m in check_m]
     try:
-        checks = check_outputs(w, inputs, lib_set, gmm, block)
+        checks = check_outputs(w, inputs, lib_set, gmm, block, fi_peer)
     except expertd_ctypes.ExpertdError as e:
         log(f"  expertd failed its check run, peer only for {shape.name}: {e}")
         try:
@@ -229,8 +322,13 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
         except expertd_ctypes.ExpertdError as e2:
             log(f"  expertd set_free failed too: {e2}")
         lib_set, lib_note = None, f"check run failed: {e}"
-        checks = check_outputs(w, inputs, None, gmm, block)
+        checks = check_outputs(w, inputs, None, gmm, block, fi_peer)
     del inputs
+    fi_err = max((c["flashinfer_vs_ref"] for c in checks if "flashinfer_vs_ref" in c), default=None)
+    if fi_err is not None and not fi_err <= FLASHINFER_TIME_BAR:
+        fi_note = f"not timed: rel-L2 {fi_err:.2e} vs reference > {FLASHINFER_TIME_BAR:g}"
+        log(f"  flashinfer {fi_note}")
+        fi_peer = None
     for c in checks:
         log(f"  check M={c['M']}: " + ", ".join(
             f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items() if k != "M"))
@@ -240,9 +338,13 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
         hit = distinct_experts(w, sets)
         rec = {"model": shape.name, "M": M, "distinct_experts": hit,
                "flops": shape.flops(M), "weight_bytes": hit * shape.expert_bytes(),
-               "vllm_gemms_ms": VLLM_GEMMS_MS.get((shape.name, M)), "peer_impl": peer_name}
+               "vllm_gemms_ms": (vllm or {}).get((shape.name, M)), "peer_impl": peer_name}
         if lib_note is not None:
             rec["expertd_note"] = lib_note
+        if fi_peer is not None:
+            rec.update(time_flashinfer(fi_peer, sets, M, shape.K, args))
+        else:
+            rec["flashinfer_note"] = fi_note
 
         p = peer.make_peer(w, M, gmm, block)
         outs = [None] * len(sets)
@@ -295,6 +397,8 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
             f"peer-gemm {rec['peer_gemm_ms']:.4f} ms"
             + (f", fastacc {rec['peer_fast_ms']:.4f} / gemm {rec['peer_fast_gemm_ms']:.4f} ms"
                if "peer_fast_ms" in rec else "")
+            + (f", flashinfer {rec['flashinfer_ms']:.4f} / moe only {rec['flashinfer_moe_ms']:.4f} ms "
+               f"({rec['flashinfer_mode']})" if "flashinfer_ms" in rec else "")
             + (f", expertd {rec['expertd_ms']:.4f} ms ({rec['expertd_mode']})"
                if "expertd_ms" in rec else ""))
         del p, outs, sets
@@ -302,7 +406,7 @@ def bench_model(shape, Ms, lib, args, gen) -> tuple[list[dict], list[dict]]:
         torch.cuda.empty_cache()
     if lib_set is not None:
         lib_set.free()
-    del w
+    del w, fi_peer
     torch.cuda.empty_cache()
     return results, [dict(c, model=shape.name) for c in checks]
 
@@ -314,8 +418,8 @@ def rates(rec: dict, ms: float | None) -> dict:
     """TFLOP/s, weight GB/s and their shares of the section-3 ceilings."""
     if ms is None or ms <= 0:
         return {"tflops": None, "gbps": None, "pct_bw": None, "pct_fp8": None}
-    tflops = rec["flops"] / (ms * 1e-3) / 1e12
-    gbps = rec["weight_bytes"] / (ms * 1e-3) / 1e9
+    tflops = plot.tflops(rec, ms)
+    gbps = plot.weight_tbps(rec, ms) * 1e3
     return {"tflops": tflops, "gbps": gbps, "pct_bw": 100 * gbps / (COPY_TBPS * 1e3),
             "pct_fp8": 100 * tflops / FP8_TFLOPS}
 
@@ -341,30 +445,38 @@ def target(rec: dict, q: dict) -> str:
     return f"≥ {want:g} {unit}: {'met' if got >= want else 'missed'}"
 
 
-def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
+def impls(r: dict, have_lib: bool) -> list[tuple[str, str, str]]:
+    """(name, ms key, timing-mode key) of every implementation timed in record r."""
+    out = [("peer", "peer_ms", "peer_mode"), ("peer-gemm", "peer_gemm_ms", "peer_gemm_mode")]
+    if "peer_fast_ms" in r:
+        out += [("peer-fastacc", "peer_fast_ms", "peer_fast_mode"),
+                ("peer-fastacc-gemm", "peer_fast_gemm_ms", "peer_fast_gemm_mode")]
+    if "flashinfer_ms" in r:
+        out += [("flashinfer", "flashinfer_ms", "flashinfer_mode"),
+                ("flashinfer-moe", "flashinfer_moe_ms", "flashinfer_moe_mode")]
+    if have_lib:
+        out.insert(0, ("expertd", "expertd_ms", "expertd_note" if "expertd_note" in r else "expertd_mode"))
+    return out
+
+
+def tables(results: list[dict], checks: list[dict], have_lib: bool, vllm_label: str) -> str:
     """Markdown tables: checks, every implementation's rates, then the summary."""
     lines = ["### Correctness (rel-L2 vs float64 reference; bar 2e-2)", "",
-             "ok: expertd within the bar with every element written (the peer when expertd is absent).", "",
-             "| model | M | peer vs ref | peer fastacc vs ref | expertd vs ref | expertd vs peer | unwritten | ok |",
-             "|---|---|---|---|---|---|---|---|"]
+             "ok: expertd within the bar with every element written (the peer when expertd is absent). "
+             f"FlashInfer is timed only within {FLASHINFER_TIME_BAR:g} at every checked M.", "",
+             "| model | M | peer vs ref | peer fastacc vs ref | flashinfer vs ref | expertd vs ref | "
+             "expertd vs peer | unwritten | ok |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in checks:
         lines.append(f"| {c['model']} | {c['M']} | {fmt(c['peer_vs_ref'], '.2e')} | "
-                     f"{fmt(c.get('peer_fastacc_vs_ref'), '.2e')} | "
+                     f"{fmt(c.get('peer_fastacc_vs_ref'), '.2e')} | {fmt(c.get('flashinfer_vs_ref'), '.2e')} | "
                      f"{fmt(c.get('expertd_vs_ref'), '.2e')} | {fmt(c.get('expertd_vs_peer'), '.2e')} | "
                      f"{fmt(c.get('expertd_unwritten'), 'd')} | {'yes' if c['ok'] else 'NO'} |")
     lines += ["", "### Per implementation", "",
               "| model | M | impl | timing | ms | TFLOP/s | weight GB/s | % 4.28 TB/s | % 1471 TFLOP/s |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        impls = [("peer", "peer_ms", "peer_mode"), ("peer-gemm", "peer_gemm_ms", "peer_gemm_mode")]
-        if "peer_fast_ms" in r:
-            impls += [("peer-fastacc", "peer_fast_ms", "peer_fast_mode"),
-                      ("peer-fastacc-gemm", "peer_fast_gemm_ms", "peer_fast_gemm_mode")]
-        if have_lib:
-            impls.insert(0, ("expertd", "expertd_ms", "expertd_mode"))
-            if "expertd_note" in r:
-                impls[0] = ("expertd", "expertd_ms", "expertd_note")
-        for name, key, mode in impls:
+        for name, key, mode in impls(r, have_lib):
             ms = r.get(key)
             q = rates(r, ms)
             lines.append(f"| {r['model']} | {r['M']} | {name} | {r.get(mode, '—')} | {fmt(ms, '.4f')} | "
@@ -372,11 +484,13 @@ def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
                          f"{fmt(q['pct_fp8'], '.1f')} |")
     who = "expertd" if have_lib else "peer"
     lines += ["", f"### Summary (rates are {who}'s full op, the peer's where expertd has none; "
-              f"vLLM column: {VLLM_LABEL}, quoted, not measured)",
+              f"vLLM column: {vllm_label}, quoted, not measured; FlashInfer: routing + cutlass_fused_moe, "
+              "measured)",
               "", "| model | M | experts hit | expertd ms | peer ms | peer fastacc ms | peer GEMM ms | "
+              "FlashInfer ms | expertd ÷ FlashInfer | "
               "vLLM GEMMs ms | expertd ÷ vLLM GEMMs | speedup vs faster peer | TFLOP/s | weight GB/s | % 4.28 TB/s | "
               "% 1471 TFLOP/s | issue target (expertd) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         e = r.get("expertd_ms")
         q = rates(r, e if have_lib and e is not None else r["peer_ms"])
@@ -385,6 +499,9 @@ def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
         ecell = fmt(e, '.4f') if e is not None or "expertd_note" not in r else "unsupported"
         v = r.get("vllm_gemms_ms")
         ratio = e / v if e and v else None
+        f = r.get("flashinfer_ms")
+        fcell = fmt(f, ".4f") if f is not None else ("—" if r.get("flashinfer_note") in (None, "absent")
+                                                     else "n/a")
         if TARGETS.get(r["model"]):
             tcell = target(r, rates(r, e))
         elif ratio is not None:
@@ -394,7 +511,8 @@ def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
             tcell = "—"
         lines.append(f"| {r['model']} | {r['M']} | {r['distinct_experts']:.1f} | {ecell} | "
                      f"{r['peer_ms']:.4f} | {fmt(r.get('peer_fast_ms'), '.4f')} | {r['peer_gemm_ms']:.4f} | "
-                     f"{fmt(v, '.4f')} | {fmt(ratio, '.2f')} | "
+                     f"{fcell} | {fmt(e / f if e and f else None, '.2f')} | "
+                     f"{fmt(v, '.4f', 'n/a' if vllm_label == 'n/a' else '—')} | {fmt(ratio, '.2f')} | "
                      f"{fmt(speed, '.2f')} | {fmt(q['tflops'], '.1f')} | {fmt(q['gbps'], '.0f')} | "
                      f"{fmt(q['pct_bw'], '.1f')} | {fmt(q['pct_fp8'], '.1f')} | {tcell} |")
     peers = {}
@@ -402,6 +520,13 @@ def tables(results: list[dict], checks: list[dict], have_lib: bool) -> str:
         peers.setdefault(r["peer_impl"], []).append(r["model"])
     lines += ["", "Peers: " + "; ".join(f"{', '.join(dict.fromkeys(m))}: {impl}"
                                        for impl, m in peers.items())]
+    notes = {}
+    for r in results:
+        if r.get("flashinfer_note"):
+            notes.setdefault(r["flashinfer_note"], []).append(r["model"])
+    if notes:
+        lines += ["", "FlashInfer: " + "; ".join(f"{', '.join(dict.fromkeys(m))}: {n}"
+                                                 for n, m in notes.items())]
     return "\n".join(lines)
 
 
@@ -422,6 +547,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
     ap.add_argument("--fast-accum", action="store_true",
                     help="also time the peer with use_fast_accum=True")
+    ap.add_argument("--no-flashinfer", action="store_true",
+                    help="skip FlashInfer's cutlass_fused_moe even where it imports")
     args = ap.parse_args(argv)
     if args.check_m is not None:
         args.check_m = [int(m) for m in args.check_m.split(",") if m]
@@ -454,33 +581,55 @@ def main(argv=None) -> int:
         lib_info = f"{lib.device_info(args.device)}, sha256 {digest}"
         log(f"expertd: {lib_info}")
 
+    fi, fi_info = None, "skipped (--no-flashinfer)"
+    if not args.no_flashinfer:
+        fi, fi_info = flashinfer_peer.load()
+    log(f"flashinfer: {fi_info}" if fi is not None else f"NOTE: FlashInfer absent: {fi_info}")
+
     props = torch.cuda.get_device_properties(args.device)
+    card, vllm_label, vllm = vllm_table(props.name)
+    log(f"vLLM GEMMs-only table: {card + ' (' + vllm_label + ')' if card else 'n/a (no table for ' + props.name + ')'}")
     meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "cuda": torch.version.cuda, "commit": os.environ.get("EXPERTD_COMMIT", "unknown"),
             "seed": seed, "iters": args.iters, "warmup": args.warmup, "sets": args.sets,
-            "expertd": lib_info, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "expertd": lib_info, "flashinfer": fi_info if fi is not None else f"absent: {fi_info}",
+            "vllm_table": card, "vllm_label": vllm_label,
+            "ceilings": {"copy_tbps": COPY_TBPS, "fp8_tflops": FP8_TFLOPS,
+                         "source": "MOE_SPEC.md section 3, measured on the lent H200"},
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     log(f"device {props.name}, torch {torch.__version__}, seed {seed}, commit {meta['commit']}")
 
     results, checks = [], []
     for name in names:
         Ms = ([int(m) for m in args.tokens.split(",") if m] if args.tokens is not None
               else MODEL_TOKENS.get(name, TOKENS))
-        r, c = bench_model(peer.MODELS[name], Ms, lib, args, gen)
+        r, c = bench_model(peer.MODELS[name], Ms, lib, args, gen, fi, vllm)
         results += r
         checks += c
 
-    md = tables(results, checks, lib is not None)
+    md = tables(results, checks, lib is not None, vllm_label)
     head = (f"device {meta['device']} ({meta['sms']} SMs), torch {meta['torch']} (CUDA {meta['cuda']}), "
             f"commit {meta['commit']}, seed {seed}, median of {args.iters} replays after {args.warmup} "
             f"warm-up, {args.sets} input sets rotated"
             + (f"; expertd {lib_info}, built from {os.environ.get('EXPERTD_LIB_COMMIT', 'unknown')}"
-               if lib else "; expertd library absent: peer only"))
+               if lib else "; expertd library absent: peer only")
+            + f"; {meta['flashinfer']}; vLLM table: {card or 'n/a'}")
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
+        doc = {"meta": meta, "checks": checks, "results": results}
         with open(os.path.join(out, "moe_bench.json"), "w") as f:
-            json.dump({"meta": meta, "checks": checks, "results": results}, f, indent=1,
+            json.dump(doc, f, indent=1,
                       default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
+        png = os.path.join(out, "moe_bench.png")
+        try:
+            plot.write(doc, png)
+            log(f"picture: {png}")
+        except ImportError as e:
+            log(f"NOTE: no picture here ({e}): `bash bench/plot.sh {out}/moe_bench.json` draws it")
+        except Exception as e:  # the tables matter more than the picture: report, go on
+            log(f"NOTE: the picture failed ({type(e).__name__}: {str(e)[:200]}); "
+                f"`bash bench/plot.sh {out}/moe_bench.json` draws it")
         with open(os.path.join(out, "moe_bench.md"), "w") as f:
             f.write(head + "\n\n" + md + "\n")
     print(head)

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import expertd_ctypes  # noqa: E402
 import peer  # noqa: E402
-from moe_bench import VLLM_GEMMS_MS, capture, log  # noqa: E402
+from moe_bench import capture, log, vllm_table  # noqa: E402
 
 # The pipeline's kernels by their template-free names; the GEMMs by epilogue
 # (GemmEpilogue 0 and 3 are GEMM1's, 2 is GEMM2's).
@@ -93,6 +93,8 @@ def main(argv=None) -> int:
         lib.init(0)
         libs.append(lib)
         log(f"lib {path}: {lib.device_info(0)}")
+    card, vllm_label, vllm_ms = vllm_table(torch.cuda.get_device_name(0))
+    log(f"vLLM GEMMs-only table: {vllm_label if card else 'n/a'}")
     records = []
     for name in args.models.split(","):
         shape = peer.MODELS[name]
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
                     graphs[0][i % len(graphs[0])].replay()
                 torch.cuda.synchronize()
             split = exclusive_us(prof, args.profile_calls)
-            vllm = VLLM_GEMMS_MS.get((name, M))
+            vllm = vllm_ms.get((name, M))
             rec = {"model": name, "M": M, "ms": med, "same_bytes": same, "kernels_us": split,
                    "vllm_gemms_ms": vllm}
             records.append(rec)
