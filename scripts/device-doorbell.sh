@@ -9,11 +9,16 @@ cd "$(dirname "$0")/.."
 [[ -n "${OUT:-}" ]] && exec > >(tee "$OUT/doorbell.log") 2>&1
 bin=build/doorbell
 nvidia-smi --query-gpu=name,compute_mode --format=csv
+# A stalled chain is killed with its forked daemon, so the next run starts clean.
+run() {
+	timeout -s KILL 40 "$bin" "$@"; echo "exit $?"
+	pkill -9 -x doorbell 2>/dev/null || true
+}
 probe() {
 	for w in 30 5; do
-		timeout 120 "$bin" 48 "$w" 20 "$1"; echo "exit $?"
+		run 48 "$w" 20 "$1"
 	done
-	timeout 60 "$bin" 1 30 200 "$1"; echo "exit $?"
+	run 1 30 200 "$1"
 }
 echo "== without MPS"
 probe memop
@@ -23,7 +28,7 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
 	if nvidia-cuda-mps-control -d; then
 		echo "== under MPS"
 		probe memop
-		timeout 120 "$bin" 48 30 20 spin; echo "exit $?"
+		run 48 30 20 spin
 		echo quit | nvidia-cuda-mps-control
 		cat "$CUDA_MPS_LOG_DIRECTORY"/control.log 2>/dev/null | tail -n 5
 	else
