@@ -1,7 +1,14 @@
 # Small entry points; scripts/ hold the logic.
 GO ?= go
 
-.PHONY: test cuda cuda-test-bin device-check image-test
+.PHONY: build test cuda cuda-test-bin device-check image-test
+
+# The README's set-up: the daemon, its loader, the load generator and
+# grpcurl (pinned, from the Go module proxy) into ./bin, the names the
+# README uses once ./bin is on PATH.
+build:
+	$(GO) build -o bin/ ./cmd/expertd ./cmd/expertd-load ./cmd/expertbench
+	scripts/grpcurl-install.sh bin
 
 # The README's test command: the tools the end-to-end tests drive the daemon
 # with (grpcurl, a Python venv with grpcio), then every test with the race
