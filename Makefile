@@ -13,9 +13,12 @@ build:
 # The README's test command: the tools the end-to-end tests drive the daemon
 # with (grpcurl, a Python venv with grpcio), then every test with the race
 # detector. EXPERTD_E2E_REQUIRE=1 turns a missing tool into a failure.
+# e2e's tests run one after another (the README walk-through, the pytest
+# suite, restarts under load) and can outlast go test's default 10-minute
+# limit on a busy two-core machine.
 test:
 	scripts/e2e-setup.sh
-	EXPERTD_E2E_REQUIRE=1 $(GO) test -race -count=1 ./...
+	EXPERTD_E2E_REQUIRE=1 $(GO) test -race -count=1 -timeout 30m ./...
 	cd deploy && $(GO) test -race -count=1 ./...
 
 # build/libexpertd_cuda.so (installs the pinned CUDA 13.0 wheels if needed).
