@@ -1,14 +1,24 @@
 # Small entry points; scripts/ hold the logic.
 GO ?= go
 
-.PHONY: test cuda cuda-test-bin device-check image-test
+.PHONY: build test cuda cuda-test-bin device-check image-test
+
+# The README's set-up: the daemon, its loader, the load generator and
+# grpcurl (pinned, from the Go module proxy) into ./bin, the names the
+# README uses once ./bin is on PATH.
+build:
+	$(GO) build -o bin/ ./cmd/expertd ./cmd/expertd-load ./cmd/expertbench
+	scripts/grpcurl-install.sh bin
 
 # The README's test command: the tools the end-to-end tests drive the daemon
 # with (grpcurl, a Python venv with grpcio), then every test with the race
 # detector. EXPERTD_E2E_REQUIRE=1 turns a missing tool into a failure.
+# e2e's tests run one after another (the README walk-through, the pytest
+# suite, restarts under load) and can outlast go test's default 10-minute
+# limit on a busy two-core machine.
 test:
 	scripts/e2e-setup.sh
-	EXPERTD_E2E_REQUIRE=1 $(GO) test -race -count=1 ./...
+	EXPERTD_E2E_REQUIRE=1 $(GO) test -race -count=1 -timeout 30m ./...
 	cd deploy && $(GO) test -race -count=1 ./...
 
 # build/libexpertd_cuda.so (installs the pinned CUDA 13.0 wheels if needed).

@@ -15,7 +15,7 @@ runs with -shared-memory -ring) from the expertd package's Ring, with the
 hidden states, logits and output in the ring's shared-memory region, as a
 same-host engine would: the Python fast path's latency.
 
-It needs grpcio and numpy (scripts/e2e-setup.sh puts them in .tools/venv),
+It needs grpcio and numpy (scripts/e2e-setup.sh puts them in .tools/e2e/venv),
 and the expertd package's stubs (clients/python on PYTHONPATH, or the
 package installed), else grpcio-tools to generate stubs from proto/ into a
 temporary directory. --ring needs the package.

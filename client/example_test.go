@@ -6,7 +6,6 @@ import (
 	"log"
 	"math"
 	"math/rand/v2"
-	"time"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
@@ -41,51 +40,65 @@ func randomFloats(rng *rand.Rand, n int, scale float64) []float32 {
 }
 
 // Dial a server, upload one layer of experts and run tokens through it.
+// The README shows this body.
 func Example() {
-	srv := clienttest.MustServe() // an in-process expertd for the example
+	srv := clienttest.MustServe() // an in-process daemon; yours listens on "localhost:50051"
 	defer srv.Stop()
-
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	c, err := client.Dial(ctx, srv.Addr) // e.g. "localhost:50051"
+	ctx := context.Background()
+	c, err := client.Dial(ctx, srv.Addr)
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer c.Close()
 
+	// One layer: E experts, hidden size K, intermediate size N; M tokens.
 	const E, K, N, M = 4, 64, 32, 3
 	rng := rand.New(rand.NewPCG(1, 2))
-	w13, s13 := quantize(randomFloats(rng, E*2*N*K, 1), E)
-	w2, s2 := quantize(randomFloats(rng, E*K*N, 1), E)
+	randn := func(n int, scale float64) []float32 {
+		v := make([]float32, n)
+		for i := range v {
+			v[i] = float32(rng.NormFloat64() * scale)
+		}
+		return v
+	}
+
+	// FP8 E4M3FN weights with one scale per output channel (a row of
+	// w13 [E, 2N, K] or w2 [E, K, N]); LoadExperts streams them in chunks.
+	w13, s13, err := client.QuantizeFP8(randn(E*2*N*K, 1), E*2*N, K, K)
+	if err != nil {
+		log.Fatal(err)
+	}
+	w2, s2, err := client.QuantizeFP8(randn(E*K*N, 1), E*K, N, N)
+	if err != nil {
+		log.Fatal(err)
+	}
+	w13.Shape, s13.Shape, w2.Shape, s2.Shape = []int{E, 2 * N, K}, []int{E, 2 * N}, []int{E, K, N}, []int{E, K}
 	info, err := c.LoadExperts(ctx, "layer0", &client.ExpertWeights{
-		Activation: client.SiluGated,
-		W13:        client.FromFP8(w13, E, 2*N, K),
-		W2:         client.FromFP8(w2, E, K, N),
-		W13Scale:   client.FromFloat32(s13, E),
-		W2Scale:    client.FromFloat32(s2, E),
+		Activation: client.SiluGated, W13: w13, W2: w2, W13Scale: s13, W2Scale: s2,
 	})
 	if err != nil {
 		log.Fatal(err)
 	}
-	fmt.Printf("loaded %s: E=%d K=%d N=%d, %d bytes\n", info.Name, info.NumExperts, info.HiddenSize, info.IntermediateSize, info.Bytes)
+	fmt.Printf("loaded %s: E=%d K=%d N=%d, %s scales, %d bytes\n", info.Name, info.NumExperts, info.HiddenSize,
+		info.IntermediateSize, info.W13ScaleGranularity, info.Bytes)
 
 	res, err := c.FusedMoE(ctx, &client.FusedMoERequest{
 		ExpertSet:    "layer0",
-		Hidden:       client.BFloat16FromFloat32(randomFloats(rng, M*K, 0.1), M, K),
-		RouterLogits: client.FromFloat32(randomFloats(rng, M*E, 1), M, E),
+		Hidden:       client.BFloat16FromFloat32(randn(M*K, 0.1), M, K),
+		RouterLogits: client.FromFloat32(randn(M*E, 1), M, E),
 		Routing:      client.Routing{TopK: 2, Renormalize: true},
 		OutputDType:  client.Float32,
 	})
 	if err != nil {
 		log.Fatal(err)
 	}
-	out, err := res.Output.Float32s()
+	out, err := res.Output.Float32s() // [M, K]
 	if err != nil {
 		log.Fatal(err)
 	}
 	fmt.Printf("output %v %v (%d values) from the %s backend\n", res.Output.Shape, res.Output.DType, len(out), res.Backend)
 	// Output:
-	// loaded layer0: E=4 K=64 N=32, 24608 bytes
+	// loaded layer0: E=4 K=64 N=32, per-channel scales, 26624 bytes
 	// output [3 64] float32 (192 values) from the cpu backend
 }
 

@@ -14,9 +14,9 @@ import (
 
 // Pass hidden states and logits to a daemon on the same host through
 // shared memory, and read the output where the daemon wrote it. The daemon
-// must run with -shared-memory.
+// must run with -shared-memory. The README shows this body.
 func ExampleClient_RegisterSharedMemory() {
-	srv, err := clienttest.Serve(service.Config{SharedMemory: true}) // expertd -shared-memory
+	srv, err := clienttest.Serve(service.Config{SharedMemory: true}) // an in-process expertd -shared-memory
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -28,23 +28,36 @@ func ExampleClient_RegisterSharedMemory() {
 	}
 	defer c.Close()
 
+	// A layer of ReLU² experts: random FP8 E4M3FN codes below 32 in
+	// magnitude, one scale per expert.
 	const E, K, N, M = 4, 64, 32, 3
 	rng := rand.New(rand.NewPCG(5, 6))
-	w1, s1 := quantize(randomFloats(rng, E*N*K, 1), E)
-	w2, s2 := quantize(randomFloats(rng, E*K*N, 1), E)
+	fp8 := func(n int) []byte {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte(rng.IntN(0x60)) | byte(rng.IntN(2))<<7
+		}
+		return b
+	}
+	randn := func(n int) []float32 {
+		v := make([]float32, n)
+		for i := range v {
+			v[i] = float32(rng.NormFloat64())
+		}
+		return v
+	}
+	scales := client.FromFloat32([]float32{0.01, 0.01, 0.01, 0.01}, E)
 	if _, err := c.LoadExperts(ctx, "layer0", &client.ExpertWeights{
-		Activation: client.Relu2,
-		W13:        client.FromFP8(w1, E, N, K),
-		W2:         client.FromFP8(w2, E, K, N),
-		W13Scale:   client.FromFloat32(s1, E),
-		W2Scale:    client.FromFloat32(s2, E),
+		Activation: client.Relu2, W13: client.FromFP8(fp8(E*N*K), E, N, K), W2: client.FromFP8(fp8(E*K*N), E, K, N),
+		W13Scale: scales, W2Scale: scales,
 	}); err != nil {
 		log.Fatal(err)
 	}
 
-	// One object for everything; the daemon maps the region registered
-	// over it. Unlink once registered: nothing is left in /dev/shm if
-	// either process dies.
+	// One object for everything (/dev/shm/expertd-<pid>-<random>, mode
+	// 0600); the daemon maps the region registered over it. Unlink once
+	// registered: both processes keep their mapping, and nothing is left
+	// in /dev/shm if either dies.
 	shm, err := client.CreateSharedMemory("", 1<<20)
 	if err != nil {
 		log.Fatal(err)
@@ -58,11 +71,11 @@ func ExampleClient_RegisterSharedMemory() {
 
 	// Put copies into the region; Region.Tensor instead views bytes a
 	// producer already wrote there.
-	hidden, err := region.Put(0, client.BFloat16FromFloat32(randomFloats(rng, M*K, 0.1), M, K))
+	hidden, err := region.Put(0, client.BFloat16FromFloat32(randn(M*K), M, K))
 	if err != nil {
 		log.Fatal(err)
 	}
-	logits, err := region.Put(4096, client.FromFloat32(randomFloats(rng, M*E, 1), M, E))
+	logits, err := region.Put(4096, client.FromFloat32(randn(M*E), M, E))
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -72,13 +85,18 @@ func ExampleClient_RegisterSharedMemory() {
 		RouterLogits: logits,
 		Routing:      client.Routing{TopK: 2, Renormalize: true},
 		OutputDType:  client.Float32,
-		OutputShm:    region.Ref(8192, M*K*4),
+		OutputShm:    region.Ref(8192, M*K*4), // the output is written here
 	}
 	res, err := c.FusedMoE(ctx, req)
 	if err != nil {
 		log.Fatal(err)
 	}
-	fmt.Printf("output %v %v in region %q at offset %d\n", res.Output.Shape, res.Output.DType, res.Output.Shm.Region, res.Output.Shm.Offset)
+	out, err := res.Output.Float32s() // read in place from the region
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Printf("output %v %v (%d values) in region %q at offset %d\n", res.Output.Shape, res.Output.DType, len(out),
+		res.Output.Shm.Region, res.Output.Shm.Offset)
 
 	// The same call with everything inline gives the same bytes.
 	req.Hidden.Shm, req.RouterLogits.Shm, req.OutputShm = nil, nil, nil
@@ -88,7 +106,7 @@ func ExampleClient_RegisterSharedMemory() {
 	}
 	fmt.Println("same as inline:", bytes.Equal(res.Output.Data, inline.Output.Data))
 	// Output:
-	// output [3 64] float32 in region "acts" at offset 8192
+	// output [3 64] float32 (192 values) in region "acts" at offset 8192
 	// same as inline: true
 }
 

@@ -130,15 +130,21 @@ func daemonArgs(extra ...string) []string {
 // for health (a daemon loading a startup manifest is not SERVING yet).
 func startProcess(t *testing.T, bin string, args []string) *daemon {
 	t.Helper()
-	cmd := exec.Command(bin, args...)
+	t.Logf("$ %s %s", filepath.Base(bin), shellJoin(args))
+	return startCmd(t, exec.Command(bin, args...))
+}
+
+// startCmd is startProcess for a command the caller set up (its
+// environment, its directory).
+func startCmd(t *testing.T, cmd *exec.Cmd) *daemon {
+	t.Helper()
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := cmd.Start(); err != nil {
-		t.Fatalf("starting %s: %v", bin, err)
+		t.Fatalf("starting %s: %v", cmd.Path, err)
 	}
-	t.Logf("$ %s %s", filepath.Base(bin), shellJoin(args))
 	d := &daemon{cmd: cmd, logs: &servicetest.LogBuffer{}, done: make(chan error, 1)}
 
 	addr := make(chan [2]string, 1)

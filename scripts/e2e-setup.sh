@@ -16,7 +16,6 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="${EXPERTD_E2E_TOOLS:-$root/.tools/e2e}"
 
-grpcurl_version=v1.9.4
 py_pkgs=(grpcio==1.85.1 protobuf==7.36.2 googleapis-common-protos==1.76.0 numpy==2.3.5 pytest==9.2.0)
 # PyPI's Linux torch is the CUDA build: it brings the CUDA runtime wheels
 # (~5 GB installed) and runs on the CPU without a GPU. transformers pins
@@ -25,20 +24,7 @@ if [[ "${EXPERTD_E2E_TORCH:-1}" != 0 ]]; then
   py_pkgs+=(torch==2.15.0 transformers==5.23.0)
 fi
 
-mkdir -p "$dest/bin"
-
-stamp="$dest/bin/.grpcurl-$grpcurl_version"
-if [[ -f "$stamp" && -x "$dest/bin/grpcurl" ]]; then
-  echo "e2e-setup: grpcurl $grpcurl_version already in $dest/bin"
-else
-  echo "e2e-setup: installing grpcurl $grpcurl_version"
-  # Outside this module so its go.mod is neither read nor changed.
-  (cd "$dest" && GOBIN="$dest/bin" go install \
-    "github.com/fullstorydev/grpcurl/cmd/grpcurl@$grpcurl_version")
-  rm -f "$dest"/bin/.grpcurl-*
-  touch "$stamp"
-fi
-"$dest/bin/grpcurl" -version
+"$root/scripts/grpcurl-install.sh" "$dest/bin"
 
 venv="$dest/venv"
 want="${py_pkgs[*]}"
@@ -55,11 +41,10 @@ fi
 # The package, as a user installs it (not editable): the tests run against
 # what pip put in site-packages, not the source tree.
 pkg="$root/clients/python"
-pkgsum="$(cd "$pkg" && find . -path ./build -prune -o -name '*.egg-info' -prune -o -name __pycache__ -prune -o -type f -print | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"
+pkgsum="$(cd "$pkg" && find . -name __pycache__ -prune -o -type f -print | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"
 if [[ "$(cat "$venv/.expertd" 2>/dev/null)" != "$pkgsum" ]]; then
   echo "e2e-setup: installing the expertd package from clients/python"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$pkg"
-  rm -rf "$pkg/build" "$pkg"/*.egg-info
   echo "$pkgsum" >"$venv/.expertd"
 fi
 "$venv/bin/python" -c 'import grpc, numpy, expertd; print("e2e-setup: grpcio", grpc.__version__, "numpy", numpy.__version__, "expertd", expertd.__version__)'

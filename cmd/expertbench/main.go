@@ -132,7 +132,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("expertbench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	c.dial.Register(fs, "127.0.0.1:50051", "file holding a bearer token (FusedMoE needs the inference role; -load also admin)")
+	c.dial.Register(fs, "127.0.0.1:50051", "file holding a bearer token (FusedMoE needs the user role; -load also admin)")
 	fs.BoolVar(&c.allowRemote, "allow-remote", false, "allow a non-loopback -addr")
 	name := fs.String("model", "qwen3", "layer shape: "+strings.Join(modelNames(), ", "))
 	e := fs.Int("e", 0, "number of experts E (0: the model's)")

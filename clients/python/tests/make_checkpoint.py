@@ -2,16 +2,25 @@
 a small random transformers MoE block's layer (and a second MoE layer) in
 the layout of the model's FP8 release, sharded with
 model.safetensors.index.json, with config.json. For trying expertd-load and
-RemoteMoE without downloading a model; needs torch and transformers.
+RemoteMoE without downloading a model; needs torch and transformers (the
+Python that make test installs has them: .tools/e2e/venv/bin/python).
 
-    python clients/python/tests/make_checkpoint.py deepseek_v3-block-fp8 /models/tiny-dsv3
+    .tools/e2e/venv/bin/python clients/python/tests/make_checkpoint.py deepseek_v3-block-fp8 /tmp/models/tiny-dsv3
 
 The MoE layers are 1 and 3 (of num_hidden_layers 4).
 """
 
 import argparse
+import importlib.util
 import os
 import sys
+
+# Checked before the import below, which would otherwise end in a pytest
+# skip's traceback.
+_missing = [m for m in ("torch", "transformers", "huggingface_hub", "pytest") if importlib.util.find_spec(m) is None]
+if _missing:
+    sys.exit(f"make_checkpoint.py: {sys.executable} lacks {', '.join(_missing)}; run it with a Python that has "
+             f"torch and transformers, such as .tools/e2e/venv/bin/python (make test installs it)")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
