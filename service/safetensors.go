@@ -171,9 +171,10 @@ func (f *stFile) floats(name string) (stTensor, []float32, error) {
 	}
 	v := make([]float32, len(b)/int(stItemSize[t.Dtype]))
 	for i := range v {
-		if t.Dtype == "BF16" {
+		switch t.Dtype {
+		case "BF16":
 			v[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
-		} else {
+		default:
 			v[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 		}
 	}
@@ -357,6 +358,11 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 	f, err := parseSafetensors(fh, st.Size())
 	if err != nil {
 		return nil, invalidf("safetensors.path", "%s: %v", Quote(src.GetPath()), err)
+	}
+	if src.GetNumExperts() == 0 && subset == nil {
+		if src, err = s.wholeLayer(f, src); err != nil {
+			return nil, err
+		}
 	}
 	hint, _ := strconv.Atoi(f.meta.NumExpertsPerTok)
 	return s.loadAssembled(ctx, f, src, subset, nil, hint)
