@@ -1,6 +1,7 @@
 package service_test
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -19,6 +20,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
 )
@@ -524,6 +526,37 @@ func TestLoadCheckpointDefaults(t *testing.T) {
 				t.Errorf("routing (-want +got):\n%s", diff)
 			}
 		})
+	}
+}
+
+// TestLoadCheckpointF16Scales: FP8 releases that store their block scales
+// as F16 load as the same set as with BF16 scales of the same values.
+func TestLoadCheckpointF16Scales(t *testing.T) {
+	rng := newRand(t)
+	root := t.TempDir()
+	l := ckLayer{e: 2, k: 32, n: 16, gated: true, form: ckBlock, block: [2]int{8, 16}, expert: hfExpert("model.", "mlp", projNames)}
+	ts := map[string]stTensor{}
+	want := l.write(rng, ts, 0)
+	for name, x := range ts {
+		if strings.HasSuffix(name, ".weight_scale_inv") {
+			// BF16 values of this range are exact in F16.
+			v := bf16Floats(x.data)
+			h := make([]byte, 2*len(v))
+			for i, f := range v {
+				binary.LittleEndian.PutUint16(h[2*i:], scaling.Float32ToFP16(f))
+			}
+			ts[name] = stTensor{"F16", x.shape, h}
+		}
+	}
+	writeCheckpoint(t, filepath.Join(root, "ck"), ts, 2, map[string]any{"model_type": "qwen3_moe", "num_experts": 2,
+		"quantization_config": map[string]any{"weight_block_size": []int{8, 16}}})
+	c, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, &fakeBackend{})
+	got, err := loadSafetensors(t, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: "ck", Path: "ck", Preset: pb.NamingPreset_NAMING_PRESET_AUTO})
+	if err != nil {
+		t.Fatalf("LoadExperts with F16 scales: %v", err)
+	}
+	if got.GetFingerprint() != fingerprintOf(want) {
+		t.Errorf("fingerprint %s, want %s (the chunked upload's)", got.GetFingerprint(), fingerprintOf(want))
 	}
 }
 
