@@ -110,6 +110,7 @@ func checkpointBadInput(t *testing.T, rng *rand.Rand) []badCall {
 	badConfig("topk_group 0", withBias, with(dsv3, "topk_group", 0), "topk_group 0: want in [1, 2] (n_group)")
 	badConfig("routed_scaling_factor 0", withBias, with(dsv3, "routed_scaling_factor", 0), "routed_scaling_factor 0: want finite and > 0")
 	badConfig("routed_scaling_factor -1", withBias, with(dsv3, "routed_scaling_factor", -1), "routed_scaling_factor -1: want finite and > 0")
+	badConfig("routed_scaling_factor under float32", withBias, with(dsv3, "routed_scaling_factor", 1e-50), "routed_scaling_factor 1e-50: want finite and > 0")
 	badConfig("scoring_func tanh", ts, with(qwen, "scoring_func", "tanh"), `scoring_func "tanh": want softmax or sigmoid`)
 	badConfig("norm_topk_prob string", ts, with(qwen, "norm_topk_prob", "yes"), "norm_topk_prob: a JSON string, want bool")
 	badConfig("hidden_act number", ts, with(qwen, "hidden_act", 5), "hidden_act: a JSON number, want string")

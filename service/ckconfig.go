@@ -222,7 +222,7 @@ func (c *moeConfig) routing(d routerDefaults, kp string, e int, bias string, has
 		sf := d.routedScalingFactor
 		if c.RoutedScalingFactor != nil {
 			sf = *c.RoutedScalingFactor
-			if math.IsNaN(sf) || math.IsInf(sf, 0) || sf <= 0 || sf > math.MaxFloat32 {
+			if math.IsNaN(sf) || math.IsInf(sf, 0) || sf <= 0 || sf > math.MaxFloat32 || float32(sf) == 0 {
 				return nil, fmt.Errorf("%srouted_scaling_factor %v: want finite and > 0", kp, sf)
 			}
 		}
