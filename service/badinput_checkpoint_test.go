@@ -132,6 +132,31 @@ func checkpointBadInput(t *testing.T, rng *rand.Rand) []badCall {
 		add(name, name, codes.InvalidArgument, `safetensors.path: "`+name+"/"+f+`": "`+f+`" is 4294967296 bytes, over the size cap of 64 MiB`)
 	}
 
+	// Tensors larger than they can be are refused from the header, before
+	// they are read: a weight scale with more values than its weight has
+	// rows (or tiles), an input scale of more than one value, a
+	// correction bias of more than 65536.
+	huge := func(shape ...int64) stTensor {
+		n := int64(4)
+		for _, d := range shape {
+			n *= d
+		}
+		return stTensor{"F32", shape, make([]byte, n)}
+	}
+	bigScale := maps.Clone(ts)
+	bigScale["model.layers.0.mlp.experts.0.gate_proj.weight_scale"] = huge(1 << 20)
+	writeCheckpoint(t, filepath.Join(root, "big scale"), bigScale, 2, qwen)
+	add("big scale", "big scale", codes.InvalidArgument, `tensor "model.layers.0.mlp.experts.0.gate_proj.weight_scale" has 1048576 values, want at most 16`)
+	bigInput := map[string]stTensor{}
+	ckLayer{e: e, k: 16, n: 16, gated: true, form: ckScalar, expert: hfExpert("model.", "mlp", projNames)}.write(rng, bigInput, 0)
+	bigInput["model.layers.0.mlp.experts.1.down_proj.input_scale"] = huge(1 << 16)
+	writeCheckpoint(t, filepath.Join(root, "big input scale"), bigInput, 2, qwen)
+	add("big input scale", "big input scale", codes.InvalidArgument, `tensor "model.layers.0.mlp.experts.1.down_proj.input_scale" has 65536 values, want at most 1`)
+	bigBias := maps.Clone(ts)
+	bigBias["model.layers.0.mlp.gate.e_score_correction_bias"] = huge(1 << 17)
+	writeCheckpoint(t, filepath.Join(root, "big bias"), bigBias, 2, dsv3)
+	add("big bias", "big bias", codes.InvalidArgument, `tensor "model.layers.0.mlp.gate.e_score_correction_bias" has 131072 values, want at most 65536`)
+
 	// One shard of a checkpoint, loaded by itself, holds experts 0 and 1
 	// of config.json's 4: refused, not loaded as a set of 2.
 	part := map[string]stTensor{}

@@ -424,7 +424,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 		return nil, badConfig(err)
 	}
 	if hasBias && rt != nil {
-		_, v, err := f.floats(bias)
+		_, v, err := f.floats(bias, maxExperts)
 		if err != nil {
 			return nil, invalidf("safetensors", "%s: %v", Quote(dir), err)
 		}

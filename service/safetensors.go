@@ -163,9 +163,20 @@ func (f *stFile) readInto(name string, dst []byte) error {
 	return nil
 }
 
-// floats reads a scale tensor as float32 values.
-func (f *stFile) floats(name string) (stTensor, []float32, error) {
-	t, b, err := f.read(name, "F32", "BF16", "F16")
+// floats reads a scale tensor as float32 values, refusing one of more
+// than most values before reading it: the header alone says how large a
+// tensor is, and a scale never needs more values than the weight it
+// scales.
+func (f *stFile) floats(name string, most int64) (stTensor, []float32, error) {
+	dtypes := []string{"F32", "BF16", "F16"}
+	t, size, err := f.check(name, dtypes...)
+	if err != nil {
+		return t, nil, err
+	}
+	if n := size / stItemSize[t.Dtype]; n > most {
+		return t, nil, fmt.Errorf("tensor %s has %d values, want at most %d", Quote(name), n, most)
+	}
+	t, b, err := f.read(name, dtypes...)
 	if err != nil {
 		return t, nil, err
 	}
