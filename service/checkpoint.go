@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"path"
 	"slices"
@@ -82,21 +83,6 @@ func (s *Server) readConfig(dir string) (c moeConfig, found bool, err error) {
 		return c, false, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
 	}
 	return c, true, nil
-}
-
-// presetOfModelType maps config.json model_type to a naming preset and,
-// for multimodal wrappers, the tensor prefix of the language model.
-var presetOfModelType = map[string]struct {
-	preset pb.NamingPreset
-	prefix string
-}{
-	"nemotron_h":   {pb.NamingPreset_NAMING_PRESET_NEMOTRON_H, ""},
-	"qwen3_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, ""},
-	"qwen3_vl_moe": {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "model.language_model."},
-	"qwen2_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, ""},
-	"deepseek_v3":  {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, ""},
-	"kimi_k2":      {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, ""},
-	"mixtral":      {pb.NamingPreset_NAMING_PRESET_MIXTRAL, ""},
 }
 
 // defaultPrefix is what precedes "layers.{L}" in a preset's names.
@@ -359,13 +345,13 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	if src.GetPreset() == pb.NamingPreset_NAMING_PRESET_AUTO {
 		// A multimodal wrapper's own model_type names the layout
 		// (qwen3_vl_moe), not its text_config's.
-		p, ok := presetOfModelType[cfg.ModelType]
+		p, ok := modelTypes[cfg.ModelType]
 		if !ok {
-			p, ok = presetOfModelType[tc.ModelType]
+			p, ok = modelTypes[tc.ModelType]
 		}
 		if !haveCfg || !ok {
-			return nil, invalidf("safetensors.preset", "NAMING_PRESET_AUTO: %s model_type %s is not one of nemotron_h, qwen3_moe, qwen3_vl_moe, deepseek_v3, kimi_k2, mixtral",
-				Quote(cfgRel), Quote(cfg.ModelType))
+			return nil, invalidf("safetensors.preset", "NAMING_PRESET_AUTO: %s model_type %s is not one of %s",
+				Quote(cfgRel), Quote(cfg.ModelType), strings.Join(slices.Sorted(maps.Keys(modelTypes)), ", "))
 		}
 		src.Preset = p.preset
 		if src.GetTensorPrefix() == "" {
@@ -419,7 +405,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	}
 	_, hasBias := f.tensors[bias]
 	hasBias = hasBias && bias != ""
-	rt, err := tc.routing(routerFor([]string{cfg.ModelType, tc.ModelType}, src.GetPreset()), kp, numE, bias, hasBias)
+	rt, err := tc.routing(routerOf([]string{cfg.ModelType, tc.ModelType}, src.GetPreset()), kp, numE, bias, hasBias)
 	if err != nil {
 		return nil, badConfig(err)
 	}

@@ -121,50 +121,75 @@ type routerDefaults struct {
 	normTopKProb, alwaysRenormalize bool
 	// grouped routers read n_group, topk_group and routed_scaling_factor
 	// (defaults below; 0 groups for none); the others ignore the keys.
-	grouped              bool
-	nGroup, topKGroup    int
-	routedScalingFactor  float64
-	readsTopKMethod      bool // topk_method "noaux_tc" needs the correction bias tensor
-	presetForDefaultType pb.NamingPreset
+	grouped             bool
+	nGroup, topKGroup   int
+	routedScalingFactor float64
+	// readsTopKMethod: topk_method must be noaux_tc, which needs the
+	// correction bias tensor.
+	readsTopKMethod bool
 }
 
-// routerOf maps a model_type to its router's defaults.
-var routerOf = map[string]routerDefaults{
+// modelType is what the loader knows of a config.json model_type: its
+// naming preset, the tensor prefix of a multimodal wrapper's language
+// model, and its router.
+type modelType struct {
+	preset pb.NamingPreset
+	prefix string
+	router routerDefaults
+}
+
+var (
 	// DeepseekV3Config: n_group 8, topk_group 4, routed_scaling_factor
-	// 2.5, norm_topk_prob True; DeepseekV3TopkRouter scores with a
-	// sigmoid plus e_score_correction_bias. Kimi-K2 ships DeepSeek-V3's
+	// 2.5, norm_topk_prob True; DeepseekV3TopkRouter scores with a sigmoid
+	// plus e_score_correction_bias. Kimi-K2 ships DeepSeek-V3's
 	// architecture under its own model_type.
-	"deepseek_v3": {scoring: pb.Scoring_SCORING_SIGMOID, normTopKProb: true, grouped: true, nGroup: 8, topKGroup: 4, routedScalingFactor: 2.5,
-		readsTopKMethod: true, presetForDefaultType: pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3},
-	"kimi_k2": {scoring: pb.Scoring_SCORING_SIGMOID, normTopKProb: true, grouped: true, nGroup: 8, topKGroup: 4, routedScalingFactor: 2.5,
-		readsTopKMethod: true},
+	deepseekV3Router = routerDefaults{scoring: pb.Scoring_SCORING_SIGMOID, normTopKProb: true, grouped: true, nGroup: 8, topKGroup: 4,
+		routedScalingFactor: 2.5, readsTopKMethod: true}
 	// NemotronHConfig: n_group 1, topk_group 1, routed_scaling_factor 1.0,
 	// norm_topk_prob True; NemotronHTopkRouter as DeepSeek-V3's.
-	"nemotron_h": {scoring: pb.Scoring_SCORING_SIGMOID, normTopKProb: true, grouped: true, nGroup: 1, topKGroup: 1, routedScalingFactor: 1,
-		presetForDefaultType: pb.NamingPreset_NAMING_PRESET_NEMOTRON_H},
+	nemotronHRouter = routerDefaults{scoring: pb.Scoring_SCORING_SIGMOID, normTopKProb: true, grouped: true, nGroup: 1, topKGroup: 1,
+		routedScalingFactor: 1}
 	// Qwen3MoeConfig and Qwen2MoeConfig: norm_topk_prob False; softmax.
-	"qwen3_moe": {scoring: pb.Scoring_SCORING_SOFTMAX, presetForDefaultType: pb.NamingPreset_NAMING_PRESET_QWEN3_MOE},
-	"qwen2_moe": {scoring: pb.Scoring_SCORING_SOFTMAX},
+	qwenMoERouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX}
 	// Qwen3VLMoeTextTopKRouter and MixtralTopKRouter renormalize their
 	// top-k softmax weights always; their configs have no norm_topk_prob.
-	"qwen3_vl_moe": {scoring: pb.Scoring_SCORING_SOFTMAX, alwaysRenormalize: true},
-	"mixtral":      {scoring: pb.Scoring_SCORING_SOFTMAX, alwaysRenormalize: true, presetForDefaultType: pb.NamingPreset_NAMING_PRESET_MIXTRAL},
+	renormalizingRouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX, alwaysRenormalize: true}
+	// customRouter reads every key as given, with no defaults.
+	customRouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX, grouped: true, routedScalingFactor: 1}
+)
+
+// modelTypes is every config.json model_type the loader knows.
+var modelTypes = map[string]modelType{
+	"deepseek_v3":  {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, "", deepseekV3Router},
+	"kimi_k2":      {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, "", deepseekV3Router},
+	"nemotron_h":   {pb.NamingPreset_NAMING_PRESET_NEMOTRON_H, "", nemotronHRouter},
+	"qwen3_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "", qwenMoERouter},
+	"qwen2_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "", qwenMoERouter},
+	"qwen3_vl_moe": {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "model.language_model.", renormalizingRouter},
+	"mixtral":      {pb.NamingPreset_NAMING_PRESET_MIXTRAL, "", renormalizingRouter},
 }
 
-// routerFor is the router of the config's model type, else of the preset's
-// model, else one that reads every key as given (CUSTOM).
-func routerFor(modelTypes []string, preset pb.NamingPreset) routerDefaults {
-	for _, t := range modelTypes {
-		if r, ok := routerOf[t]; ok {
-			return r
+// presetRouter is the router a preset's checkpoint takes when config.json
+// names no model_type the loader knows.
+var presetRouter = map[pb.NamingPreset]routerDefaults{
+	pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3: deepseekV3Router,
+	pb.NamingPreset_NAMING_PRESET_NEMOTRON_H:  nemotronHRouter,
+	pb.NamingPreset_NAMING_PRESET_QWEN3_MOE:   qwenMoERouter,
+	pb.NamingPreset_NAMING_PRESET_MIXTRAL:     renormalizingRouter,
+}
+
+// routerOf is the router of the first of modelTypes the loader knows, else
+// the preset's, else one that reads every key as given (CUSTOM).
+func routerOf(types []string, preset pb.NamingPreset) routerDefaults {
+	for _, t := range types {
+		if m, ok := modelTypes[t]; ok {
+			return m.router
 		}
 	}
-	for _, r := range routerOf {
-		if r.presetForDefaultType == preset && preset != pb.NamingPreset_NAMING_PRESET_UNSPECIFIED {
-			return r
-		}
+	if r, ok := presetRouter[preset]; ok {
+		return r
 	}
-	return routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX, grouped: true, routedScalingFactor: 1}
+	return customRouter
 }
 
 // routing is the routing config.json gives (nil without top_k), checked

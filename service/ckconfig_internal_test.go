@@ -40,7 +40,7 @@ func FuzzDecodeConfig(f *testing.F) {
 			t.Fatalf("weight_block_size %v accepted", bs)
 		}
 		_ = tc.activation(kp, pb.Activation_ACTIVATION_SILU_GATED)
-		d := routerFor([]string{c.ModelType, tc.ModelType}, pb.NamingPreset(preset%6))
+		d := routerOf([]string{c.ModelType, tc.ModelType}, pb.NamingPreset(preset%6))
 		rt, err := tc.routing(d, kp, e, "bias", hasBias)
 		if err != nil || rt == nil || e == 0 {
 			return
