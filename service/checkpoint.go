@@ -339,7 +339,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 		return nil, err
 	}
 	tc := cfg.text()
-	kp := tc.keyPrefix(&cfg)
+	kp := cfg.textKeys()
 	badConfig := func(err error) error { return invalidf("safetensors.path", "%s: %v", Quote(cfgRel), err) }
 	src = proto.CloneOf(src)
 	if src.GetPreset() == pb.NamingPreset_NAMING_PRESET_AUTO {
@@ -362,7 +362,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	if err != nil {
 		return nil, badConfig(err)
 	}
-	wholeLayer := src.GetNumExperts() == 0 && subset == nil
+	whole := src.GetNumExperts() == 0 && subset == nil
 	if src.GetNumExperts() == 0 {
 		src.NumExperts = int32(numE)
 	}
@@ -398,7 +398,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 		// no experts, which a caller loading every layer skips.
 		return nil, codedf(codes.NotFound, "safetensors.layer", "%s: no tensor of layer %d starts with %s", Quote(dir), src.GetLayer(), Quote(common))
 	}
-	if numE > 0 && wholeLayer {
+	if numE > 0 && whole {
 		if err := partialLayer(f, src, numE, cfgRel); err != nil {
 			return nil, err
 		}
@@ -445,7 +445,7 @@ func (s *Server) wholeLayer(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSou
 	}
 	tc := cfg.text()
 	cfgRel := path.Join(dir, checkpointConfig)
-	numE, err := tc.experts(tc.keyPrefix(&cfg))
+	numE, err := tc.experts(cfg.textKeys())
 	if err != nil {
 		return nil, invalidf("safetensors.path", "%s: %v", Quote(cfgRel), err)
 	}

@@ -67,10 +67,10 @@ func (c *moeConfig) text() *moeConfig {
 	return &t
 }
 
-// keyPrefix is how the keys of c are named in messages: with
+// textKeys is how the keys of c.text() are named in messages: with
 // "text_config." for a multimodal checkpoint's language model.
-func (c *moeConfig) keyPrefix(top *moeConfig) string {
-	if top.TextConfig != nil {
+func (c *moeConfig) textKeys() string {
+	if c.TextConfig != nil {
 		return "text_config."
 	}
 	return ""

@@ -28,7 +28,7 @@ func FuzzDecodeConfig(f *testing.F) {
 			return
 		}
 		tc := c.text()
-		kp := tc.keyPrefix(&c)
+		kp := c.textKeys()
 		e, err := tc.experts(kp)
 		if err != nil {
 			return
