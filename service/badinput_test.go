@@ -93,6 +93,7 @@ func TestBadInput(t *testing.T) {
 	}
 	cases = append(cases, oversized(rng)...)
 	cases = append(cases, shmBadInput(rng)...)
+	cases = append(cases, checkpointBadInput(t, rng)...)
 	if len(cases) < 40 {
 		t.Fatalf("the suite has %d cases, want at least 40", len(cases))
 	}

@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math"
+	"maps"
 	"os"
 	"path"
 	"slices"
@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/expertd/expertd/internal/capfile"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -52,89 +53,36 @@ func (s *Server) weightsIsDir(rel string) (bool, error) {
 	return st.IsDir(), nil
 }
 
-// readWeightsJSON decodes a JSON file of the checkpoint directory; a
-// missing file is (false, nil).
-func (s *Server) readWeightsJSON(rel string, v any) (bool, error) {
+// readWeightsJSON reads a JSON file of the checkpoint directory, at most
+// maxJSONFile bytes; a missing file is (nil, nil).
+func (s *Server) readWeightsJSON(rel string) ([]byte, error) {
 	f, err := s.weights.open(rel)
 	var re *requestError
 	if errors.As(err, &re) && re.code == codes.NotFound {
-		return false, nil
+		return nil, nil
 	}
 	if err != nil {
-		return false, err
+		return nil, err
 	}
 	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxJSONFile+1))
+	b, err := capfile.ReadOpened(f, maxJSONFile)
 	if err != nil {
-		return false, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
+		return nil, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
 	}
-	if len(b) > maxJSONFile {
-		return false, invalidf("safetensors.path", "%s is larger than %d bytes", Quote(rel), maxJSONFile)
-	}
-	if err := json.Unmarshal(b, v); err != nil {
-		return false, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
-	}
-	return true, nil
+	return b, nil
 }
 
-// moeConfig is what a config.json says about its MoE layers. Pointers tell
-// a field's absence from its zero value where the defaults differ.
-type moeConfig struct {
-	ModelType           string     `json:"model_type"`
-	NumExperts          int        `json:"num_experts"`       // Qwen3-MoE
-	NumLocalExperts     int        `json:"num_local_experts"` // Mixtral
-	NRoutedExperts      int        `json:"n_routed_experts"`  // DeepSeek-V3, Nemotron-H
-	TopK                int        `json:"num_experts_per_tok"`
-	NormTopKProb        *bool      `json:"norm_topk_prob"`
-	ScoringFunc         string     `json:"scoring_func"`
-	NGroup              int        `json:"n_group"`
-	TopKGroup           int        `json:"topk_group"`
-	RoutedScalingFactor float64    `json:"routed_scaling_factor"`
-	HiddenAct           string     `json:"hidden_act"`
-	MLPHiddenAct        string     `json:"mlp_hidden_act"` // Nemotron-H
-	Quantization        *quantConf `json:"quantization_config"`
-	// TextConfig holds the language model's fields in multimodal
-	// checkpoints (Qwen3-VL).
-	TextConfig *moeConfig `json:"text_config"`
-}
-
-type quantConf struct {
-	WeightBlockSize []int32 `json:"weight_block_size"`
-}
-
-// text returns the language model's config, with the top level's
-// quantization_config when the text config has none.
-func (c *moeConfig) text() *moeConfig {
-	if c.TextConfig == nil {
-		return c
+// readConfig reads dir's config.json; found is false without one.
+func (s *Server) readConfig(dir string) (c moeConfig, found bool, err error) {
+	rel := path.Join(dir, checkpointConfig)
+	b, err := s.readWeightsJSON(rel)
+	if b == nil || err != nil {
+		return c, false, err
 	}
-	t := *c.TextConfig
-	if t.Quantization == nil {
-		t.Quantization = c.Quantization
+	if err := decodeConfig(b, &c); err != nil {
+		return c, false, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
 	}
-	if t.ModelType == "" {
-		t.ModelType = c.ModelType
-	}
-	return &t
-}
-
-func (c *moeConfig) experts() int {
-	return max(c.NumExperts, c.NumLocalExperts, c.NRoutedExperts)
-}
-
-// presetOfModelType maps config.json model_type to a naming preset and,
-// for multimodal wrappers, the tensor prefix of the language model.
-var presetOfModelType = map[string]struct {
-	preset pb.NamingPreset
-	prefix string
-}{
-	"nemotron_h":   {pb.NamingPreset_NAMING_PRESET_NEMOTRON_H, ""},
-	"qwen3_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, ""},
-	"qwen3_vl_moe": {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "model.language_model."},
-	"qwen2_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, ""},
-	"deepseek_v3":  {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, ""},
-	"kimi_k2":      {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, ""},
-	"mixtral":      {pb.NamingPreset_NAMING_PRESET_MIXTRAL, ""},
+	return c, true, nil
 }
 
 // defaultPrefix is what precedes "layers.{L}" in a preset's names.
@@ -277,21 +225,42 @@ func (m *multiReaderAt) ReadAt(p []byte, off int64) (int, error) {
 	return n, nil
 }
 
+// decodeIndex returns the weight_map of model.safetensors.index.json. An
+// index without one is refused: it would read as a checkpoint without the
+// layer's experts, which callers take for a dense layer and skip.
+func decodeIndex(b []byte) (map[string]string, error) {
+	var index struct {
+		WeightMap map[string]string `json:"weight_map"`
+	}
+	if err := json.Unmarshal(b, &index); err != nil {
+		return nil, err
+	}
+	if len(index.WeightMap) == 0 {
+		return nil, errors.New("weight_map is missing or empty; want an object naming the shard of every tensor")
+	}
+	return index.WeightMap, nil
+}
+
 // openCheckpoint opens the shards of dir that hold the tensors wanted
 // selects and returns them as one stFile (base 0, offsets rebased into the
 // shards' joint address space), and a closer for the shard files.
 func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stFile, func(), error) {
-	var index struct {
-		WeightMap map[string]string `json:"weight_map"`
-	}
-	found, err := s.readWeightsJSON(path.Join(dir, checkpointIndex), &index)
+	indexRel := path.Join(dir, checkpointIndex)
+	b, err := s.readWeightsJSON(indexRel)
 	if err != nil {
 		return nil, nil, err
+	}
+	found := b != nil
+	var weightMap map[string]string
+	if found {
+		if weightMap, err = decodeIndex(b); err != nil {
+			return nil, nil, invalidf("safetensors.path", "%s: %v", Quote(indexRel), err)
+		}
 	}
 	var shards []string
 	owner := map[string]string{}
 	if found {
-		for name, shard := range index.WeightMap {
+		for name, shard := range weightMap {
 			if wanted(name) {
 				owner[name] = shard
 				if !slices.Contains(shards, shard) {
@@ -364,41 +333,52 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 // loadCheckpoint loads one layer's experts from a checkpoint directory.
 func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset) (*pb.ExpertSetInfo, error) {
 	dir := src.GetPath()
-	var cfg moeConfig
-	haveCfg, err := s.readWeightsJSON(path.Join(dir, checkpointConfig), &cfg)
+	cfgRel := path.Join(dir, checkpointConfig)
+	cfg, haveCfg, err := s.readConfig(dir)
 	if err != nil {
 		return nil, err
 	}
 	tc := cfg.text()
+	kp := cfg.textKeys()
+	badConfig := func(err error) error { return invalidf("safetensors.path", "%s: %v", Quote(cfgRel), err) }
 	src = proto.CloneOf(src)
 	if src.GetPreset() == pb.NamingPreset_NAMING_PRESET_AUTO {
 		// A multimodal wrapper's own model_type names the layout
 		// (qwen3_vl_moe), not its text_config's.
-		p, ok := presetOfModelType[cfg.ModelType]
+		p, ok := modelTypes[cfg.ModelType]
 		if !ok {
-			p, ok = presetOfModelType[tc.ModelType]
+			p, ok = modelTypes[tc.ModelType]
 		}
 		if !haveCfg || !ok {
-			return nil, invalidf("safetensors.preset", "NAMING_PRESET_AUTO: %s/config.json model_type %s is not one of nemotron_h, qwen3_moe, qwen3_vl_moe, deepseek_v3, kimi_k2, mixtral",
-				Quote(dir), Quote(cfg.ModelType))
+			return nil, invalidf("safetensors.preset", "NAMING_PRESET_AUTO: %s model_type %s is not one of %s",
+				Quote(cfgRel), Quote(cfg.ModelType), strings.Join(slices.Sorted(maps.Keys(modelTypes)), ", "))
 		}
 		src.Preset = p.preset
 		if src.GetTensorPrefix() == "" {
 			src.TensorPrefix = p.prefix
 		}
 	}
-	if src.GetNumExperts() == 0 && tc.experts() > 0 {
-		src.NumExperts = int32(min(tc.experts(), maxExperts+1))
+	numE, err := tc.experts(kp)
+	if err != nil {
+		return nil, badConfig(err)
 	}
-	if len(src.GetWeightBlockShape()) == 0 && tc.Quantization != nil && len(tc.Quantization.WeightBlockSize) == 2 {
-		src.WeightBlockShape = tc.Quantization.WeightBlockSize
+	whole := src.GetNumExperts() == 0 && subset == nil
+	if src.GetNumExperts() == 0 {
+		src.NumExperts = int32(numE)
+	}
+	bs, err := tc.blockSize()
+	if err != nil {
+		return nil, badConfig(err)
+	}
+	if len(src.GetWeightBlockShape()) == 0 {
+		src.WeightBlockShape = bs
 	}
 	lay0, err := presetLayout(src, 0)
 	if err != nil {
 		return nil, err
 	}
-	if err := checkActivation(tc, lay0.act); err != nil {
-		return nil, err
+	if err := tc.activation(kp, lay0.act); err != nil {
+		return nil, badConfig(err)
 	}
 	prefix := src.GetTensorPrefix()
 	if prefix == "" {
@@ -418,20 +398,83 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 		// no experts, which a caller loading every layer skips.
 		return nil, codedf(codes.NotFound, "safetensors.layer", "%s: no tensor of layer %d starts with %s", Quote(dir), src.GetLayer(), Quote(common))
 	}
-	rt, err := configRouting(f, tc, src, bias)
+	if numE > 0 && whole {
+		if err := partialLayer(f, src, numE, cfgRel); err != nil {
+			return nil, err
+		}
+	}
+	_, hasBias := f.tensors[bias]
+	hasBias = hasBias && bias != ""
+	rt, err := tc.routing(routerOf([]string{cfg.ModelType, tc.ModelType}, src.GetPreset()), kp, numE, bias, hasBias)
 	if err != nil {
-		return nil, err
+		return nil, badConfig(err)
+	}
+	if hasBias && rt != nil {
+		_, v, err := f.floats(bias, maxExperts)
+		if err != nil {
+			return nil, invalidf("safetensors", "%s: %v", Quote(dir), err)
+		}
+		rt.CorrectionBias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{int64(len(v))}, Source: &pb.Tensor_Data{Data: float32Bytes(v)}}
+	}
+	topK := 0
+	if tc.TopK != nil {
+		topK = *tc.TopK
 	}
 	// A layer of a large checkpoint takes seconds to read; the log shows
 	// each one start and end (with "expert set loaded").
 	began := time.Now()
 	s.log.InfoContext(ctx, "reading expert set from checkpoint", slog.String("name", src.GetName()), slog.String("path", Clip(dir)),
 		slog.Int("layer", int(src.GetLayer())), slog.Int("shards", len(f.r.(*multiReaderAt).parts)), slog.Int("tensors", len(f.tensors)))
-	info, err := s.loadAssembled(ctx, f, src, subset, rt, int(tc.TopK))
+	info, err := s.loadAssembled(ctx, f, src, subset, rt, topK)
 	if err == nil {
 		s.log.InfoContext(ctx, "checkpoint layer read", slog.String("name", src.GetName()), slog.Duration("took", time.Since(began)))
 	}
 	return info, err
+}
+
+// wholeLayer is src with num_experts set from the config.json beside a
+// single .safetensors file, if there is one that gives it, and refuses a
+// file that holds only some of the layer's experts: a shard of a
+// checkpoint loaded by itself would otherwise load as a smaller set
+// without a word.
+func (s *Server) wholeLayer(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource) (*pb.LoadExpertsRequest_SafetensorsSource, error) {
+	dir := path.Dir(src.GetPath())
+	cfg, found, err := s.readConfig(dir)
+	if err != nil || !found {
+		return src, err
+	}
+	tc := cfg.text()
+	cfgRel := path.Join(dir, checkpointConfig)
+	numE, err := tc.experts(cfg.textKeys())
+	if err != nil {
+		return nil, invalidf("safetensors.path", "%s: %v", Quote(cfgRel), err)
+	}
+	if numE == 0 {
+		return src, nil
+	}
+	if err := partialLayer(f, src, numE, cfgRel); err != nil {
+		return nil, err
+	}
+	src = proto.CloneOf(src)
+	src.NumExperts = int32(numE)
+	return src, nil
+}
+
+// partialLayer refuses f unless it holds every one of the layer's numE
+// experts (as config cfgRel says). Part of a layer loads only when the
+// caller asks for it: with num_experts, or an expert subset.
+func partialLayer(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, numE int, cfgRel string) error {
+	for e := range numE {
+		l, err := presetLayout(src, e)
+		if err != nil {
+			return err
+		}
+		if _, ok := f.tensors[l.w13[0].weight]; !ok {
+			return invalidf("safetensors.num_experts", "%s holds %d of layer %d's %d experts (%s), not %s; load the whole checkpoint directory, or set num_experts to load the first ones only",
+				Quote(src.GetPath()), e, src.GetLayer(), numE, Quote(cfgRel), Quote(l.w13[0].weight))
+		}
+	}
+	return nil
 }
 
 func commonPrefix(a, b string) int {
@@ -440,71 +483,6 @@ func commonPrefix(a, b string) int {
 		i++
 	}
 	return i
-}
-
-// checkActivation refuses a config whose activation is not the preset's.
-func checkActivation(c *moeConfig, act pb.Activation) error {
-	got := c.HiddenAct
-	if c.MLPHiddenAct != "" {
-		got = c.MLPHiddenAct
-	}
-	if got == "" {
-		return nil
-	}
-	want := map[pb.Activation][]string{
-		pb.Activation_ACTIVATION_SILU_GATED: {"silu", "swish"},
-		pb.Activation_ACTIVATION_RELU2:      {"relu2"},
-	}[act]
-	if !slices.Contains(want, got) {
-		return invalidf("safetensors.path", "config.json activation %s does not match the preset's %v (want %v)", Quote(got), act, want)
-	}
-	return nil
-}
-
-// configRouting is the routing config.json gives the layer, nil without a
-// config that names top_k.
-func configRouting(f *stFile, c *moeConfig, src *pb.LoadExpertsRequest_SafetensorsSource, bias string) (*pb.Routing, error) {
-	if c.TopK == 0 {
-		return nil, nil
-	}
-	r := &pb.Routing{TopK: int32(c.TopK), Scoring: pb.Scoring_SCORING_SOFTMAX}
-	switch src.GetPreset() {
-	case pb.NamingPreset_NAMING_PRESET_MIXTRAL:
-		// Mixtral's block renormalizes its top-k softmax weights always.
-		r.Renormalize = true
-	case pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, pb.NamingPreset_NAMING_PRESET_NEMOTRON_H:
-		r.Scoring = pb.Scoring_SCORING_SIGMOID
-		// Both models' configs default norm_topk_prob to true.
-		r.Renormalize = c.NormTopKProb == nil || *c.NormTopKProb
-	default:
-		r.Renormalize = c.NormTopKProb != nil && *c.NormTopKProb
-	}
-	switch c.ScoringFunc {
-	case "sigmoid":
-		r.Scoring = pb.Scoring_SCORING_SIGMOID
-	case "softmax":
-		r.Scoring = pb.Scoring_SCORING_SOFTMAX
-	case "":
-	default:
-		return nil, invalidf("safetensors.path", "config.json scoring_func %s: want softmax or sigmoid", Quote(c.ScoringFunc))
-	}
-	if c.NGroup > 0 {
-		r.NumExpertGroups, r.TopkGroups = int32(c.NGroup), int32(c.TopKGroup)
-	}
-	if sf := c.RoutedScalingFactor; sf != 0 {
-		if math.IsNaN(sf) || math.IsInf(sf, 0) || sf < 0 {
-			return nil, invalidf("safetensors.path", "config.json routed_scaling_factor %v: want finite and > 0", sf)
-		}
-		r.RoutedScalingFactor = float32(sf)
-	}
-	if _, ok := f.tensors[bias]; ok && bias != "" {
-		_, v, err := f.floats(bias)
-		if err != nil {
-			return nil, invalidf("safetensors", "%s: %v", Quote(src.GetPath()), err)
-		}
-		r.CorrectionBias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{int64(len(v))}, Source: &pb.Tensor_Data{Data: float32Bytes(v)}}
-	}
-	return r, nil
 }
 
 // loadAssembled reads the set src names from f and makes it resident,

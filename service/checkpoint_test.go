@@ -1,8 +1,10 @@
 package service_test
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -18,6 +20,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
 )
@@ -457,5 +460,124 @@ func TestLoadCheckpointErrors(t *testing.T) {
 	}
 	if _, err := loadSafetensors(t, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: "ok", Path: "good", Preset: pb.NamingPreset_NAMING_PRESET_AUTO}); err != nil {
 		t.Errorf("the good checkpoint after the bad ones: %v", err)
+	}
+}
+
+// TestLoadCheckpointDefaults: where config.json is silent, the routing is
+// what the model type's own transformers config class and router give
+// (DeepseekV3Config: n_group 8, topk_group 4, routed_scaling_factor 2.5;
+// Qwen3-VL-MoE's router renormalizes always), not Qwen3's defaults.
+func TestLoadCheckpointDefaults(t *testing.T) {
+	rng := newRand(t)
+	root := t.TempDir()
+	const e, k, n = 8, 16, 16
+	bias := bf16Exact(positive(rng, e))
+	biasT := map[string]stTensor{"model.layers.0.mlp.gate.e_score_correction_bias": {"BF16", []int64{e}, bf16Bytes(bias)}}
+	dsv3 := &pb.Routing{TopK: 2, Renormalize: true, Scoring: pb.Scoring_SCORING_SIGMOID, NumExpertGroups: 8, TopkGroups: 4,
+		RoutedScalingFactor: 2.5, CorrectionBias: f32Tensor(bias, e)}
+	tests := []struct {
+		name   string
+		prefix string
+		config map[string]any
+		extra  map[string]stTensor
+		want   *pb.Routing
+	}{
+		{"deepseek-v3", "model.", map[string]any{"model_type": "deepseek_v3", "n_routed_experts": e, "num_experts_per_tok": 2}, biasT, dsv3},
+		{"kimi-k2", "model.", map[string]any{"model_type": "kimi_k2", "n_routed_experts": e, "num_experts_per_tok": 2, "topk_method": "noaux_tc"}, biasT, dsv3},
+		{"nemotron-h", "backbone.", map[string]any{"model_type": "nemotron_h", "n_routed_experts": e, "num_experts_per_tok": 2},
+			map[string]stTensor{"backbone.layers.0.mixer.gate.e_score_correction_bias": {"BF16", []int64{e}, bf16Bytes(bias)}},
+			&pb.Routing{TopK: 2, Renormalize: true, Scoring: pb.Scoring_SCORING_SIGMOID, NumExpertGroups: 1, TopkGroups: 1, RoutedScalingFactor: 1,
+				CorrectionBias: f32Tensor(bias, e)}},
+		{"qwen3-vl", "model.language_model.", map[string]any{"model_type": "qwen3_vl_moe",
+			"text_config": map[string]any{"num_experts": e, "num_experts_per_tok": 2}}, nil,
+			&pb.Routing{TopK: 2, Renormalize: true, Scoring: pb.Scoring_SCORING_SOFTMAX}},
+		// Its router renormalizes whatever the key says.
+		{"qwen3-vl-norm-false", "model.language_model.", map[string]any{"model_type": "qwen3_vl_moe",
+			"text_config": map[string]any{"num_experts": e, "num_experts_per_tok": 2, "norm_topk_prob": false}}, nil,
+			&pb.Routing{TopK: 2, Renormalize: true, Scoring: pb.Scoring_SCORING_SOFTMAX}},
+		{"qwen3-moe", "model.", map[string]any{"model_type": "qwen3_moe", "num_experts": e, "num_experts_per_tok": 2}, nil,
+			&pb.Routing{TopK: 2, Scoring: pb.Scoring_SCORING_SOFTMAX}},
+		{"mixtral", "model.", map[string]any{"model_type": "mixtral", "num_local_experts": e, "num_experts_per_tok": 2}, nil,
+			&pb.Routing{TopK: 2, Renormalize: true, Scoring: pb.Scoring_SCORING_SOFTMAX}},
+	}
+	for _, tt := range tests {
+		ts := map[string]stTensor{}
+		mlp, names := "mlp", projNames
+		switch tt.prefix {
+		case "backbone.":
+			mlp = "mixer"
+		}
+		gated := tt.prefix != "backbone."
+		if tt.name == "mixtral" {
+			mlp, names = "block_sparse_moe", mixtralNames
+		}
+		ckLayer{e: e, k: k, n: n, gated: gated, form: ckChannel, expert: hfExpert(tt.prefix, mlp, names)}.write(rng, ts, 0)
+		maps.Copy(ts, tt.extra)
+		writeCheckpoint(t, filepath.Join(root, tt.name), ts, 2, tt.config)
+	}
+	c, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, &fakeBackend{})
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := loadSafetensors(t, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: tt.name, Path: tt.name, Preset: pb.NamingPreset_NAMING_PRESET_AUTO})
+			if err != nil {
+				t.Fatalf("LoadExperts: %v", err)
+			}
+			if diff := cmp.Diff(tt.want, got.GetRouting(), protocmp.Transform()); diff != "" {
+				t.Errorf("routing (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+// TestLoadCheckpointF16Scales: FP8 releases that store their block scales
+// as F16 load as the same set as with BF16 scales of the same values.
+func TestLoadCheckpointF16Scales(t *testing.T) {
+	rng := newRand(t)
+	root := t.TempDir()
+	l := ckLayer{e: 2, k: 32, n: 16, gated: true, form: ckBlock, block: [2]int{8, 16}, expert: hfExpert("model.", "mlp", projNames)}
+	ts := map[string]stTensor{}
+	want := l.write(rng, ts, 0)
+	for name, x := range ts {
+		if strings.HasSuffix(name, ".weight_scale_inv") {
+			// BF16 values of this range are exact in F16.
+			v := bf16Floats(x.data)
+			h := make([]byte, 2*len(v))
+			for i, f := range v {
+				binary.LittleEndian.PutUint16(h[2*i:], scaling.Float32ToFP16(f))
+			}
+			ts[name] = stTensor{"F16", x.shape, h}
+		}
+	}
+	writeCheckpoint(t, filepath.Join(root, "ck"), ts, 2, map[string]any{"model_type": "qwen3_moe", "num_experts": 2,
+		"quantization_config": map[string]any{"weight_block_size": []int{8, 16}}})
+	c, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, &fakeBackend{})
+	got, err := loadSafetensors(t, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: "ck", Path: "ck", Preset: pb.NamingPreset_NAMING_PRESET_AUTO})
+	if err != nil {
+		t.Fatalf("LoadExperts with F16 scales: %v", err)
+	}
+	if got.GetFingerprint() != fingerprintOf(want) {
+		t.Errorf("fingerprint %s, want %s (the chunked upload's)", got.GetFingerprint(), fingerprintOf(want))
+	}
+}
+
+// TestLoadShardPart: one shard of a checkpoint holding experts 0 and 1 of
+// config.json's 4 loads as a set of 2 when the caller asks for 2 with
+// num_experts (refused without: see checkpointBadInput).
+func TestLoadShardPart(t *testing.T) {
+	rng := newRand(t)
+	root := t.TempDir()
+	dir := filepath.Join(root, "ck")
+	ts := map[string]stTensor{}
+	want := ckLayer{e: 2, k: 16, n: 16, gated: true, form: ckChannel, expert: hfExpert("model.", "mlp", projNames)}.write(rng, ts, 0)
+	writeCheckpoint(t, dir, ts, 1, map[string]any{"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2})
+	writeSafetensors(t, filepath.Join(dir, "part.safetensors"), ts, nil)
+	c, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, &fakeBackend{})
+	got, err := loadSafetensors(t, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: "part", Path: "ck/part.safetensors",
+		Preset: pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, NumExperts: 2})
+	if err != nil {
+		t.Fatalf("LoadExperts of experts 0-1 with num_experts 2: %v", err)
+	}
+	if got.GetNumExperts() != 2 || got.GetFingerprint() != fingerprintOf(want) {
+		t.Errorf("E %d, fingerprint %s; want 2, %s", got.GetNumExperts(), got.GetFingerprint(), fingerprintOf(want))
 	}
 }

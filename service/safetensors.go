@@ -25,7 +25,7 @@ import (
 // A .safetensors file is an 8-byte little-endian header length, a JSON
 // header naming each tensor's dtype, shape and [begin, end) byte offsets
 // into the data that follows, then the data. Only what expert weights use
-// is decoded: F8_E4M3 weights and F32 or BF16 scales.
+// is decoded: F8_E4M3 weights and F32, BF16 or F16 scales.
 
 // maxSafetensorsHeader bounds the JSON header. Real checkpoints' headers
 // are far smaller (a DeepSeek-V3 shard of ~1,000 tensors has ~150 KB); the
@@ -108,7 +108,7 @@ func parseSafetensors(r io.ReaderAt, size int64) (*stFile, error) {
 }
 
 // stItemSize is the element size of the dtypes expert weights use.
-var stItemSize = map[string]int64{"F8_E4M3": 1, "F32": 4, "BF16": 2}
+var stItemSize = map[string]int64{"F8_E4M3": 1, "F32": 4, "BF16": 2, "F16": 2}
 
 // check returns the named tensor after checking its dtype is one of
 // dtypes and its byte length matches its shape.
@@ -163,17 +163,31 @@ func (f *stFile) readInto(name string, dst []byte) error {
 	return nil
 }
 
-// floats reads a scale tensor as float32 values.
-func (f *stFile) floats(name string) (stTensor, []float32, error) {
-	t, b, err := f.read(name, "F32", "BF16")
+// floats reads a scale tensor as float32 values, refusing one of more
+// than most values before reading it: the header alone says how large a
+// tensor is, and a scale never needs more values than the weight it
+// scales.
+func (f *stFile) floats(name string, most int64) (stTensor, []float32, error) {
+	dtypes := []string{"F32", "BF16", "F16"}
+	t, size, err := f.check(name, dtypes...)
+	if err != nil {
+		return t, nil, err
+	}
+	if n := size / stItemSize[t.Dtype]; n > most {
+		return t, nil, fmt.Errorf("tensor %s has %d values, want at most %d", Quote(name), n, most)
+	}
+	t, b, err := f.read(name, dtypes...)
 	if err != nil {
 		return t, nil, err
 	}
 	v := make([]float32, len(b)/int(stItemSize[t.Dtype]))
 	for i := range v {
-		if t.Dtype == "BF16" {
+		switch t.Dtype {
+		case "BF16":
 			v[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
-		} else {
+		case "F16":
+			v[i] = scaling.FP16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
+		default:
 			v[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 		}
 	}
@@ -357,6 +371,11 @@ func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest
 	f, err := parseSafetensors(fh, st.Size())
 	if err != nil {
 		return nil, invalidf("safetensors.path", "%s: %v", Quote(src.GetPath()), err)
+	}
+	if src.GetNumExperts() == 0 && subset == nil {
+		if src, err = s.wholeLayer(f, src); err != nil {
+			return nil, err
+		}
 	}
 	hint, _ := strconv.Atoi(f.meta.NumExpertsPerTok)
 	return s.loadAssembled(ctx, f, src, subset, nil, hint)

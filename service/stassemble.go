@@ -72,7 +72,8 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 				if _, ok := f.tensors[name]; !ok {
 					continue
 				}
-				t, x, err := f.floats(name)
+				most := max(int64(rows[p]), int64(ceilDiv(rows[p], block[0]))*int64(ceilDiv(cols, block[1])))
+				t, x, err := f.floats(name, most)
 				if err != nil {
 					return nil, nil, false, err
 				}
@@ -157,7 +158,7 @@ func inputScales(f *stFile, names func(e int) []projection, numE int) ([]float32
 	out := make([]float32, numE)
 	for e := range numE {
 		for _, pr := range names(e) {
-			_, v, err := f.floats(pr.input)
+			_, v, err := f.floats(pr.input, 1)
 			if err != nil {
 				return nil, err
 			}
@@ -226,6 +227,11 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		}
 		if len(t.Shape) != 2 || t.Shape[0] < 1 || t.Shape[1] < 1 {
 			return nil, fmt.Errorf("tensor %s has shape %v, want [rows, cols]", Quote(name), t.Shape)
+		}
+		// The shape must match the bytes the file holds: the scales' sizes
+		// are bounded by it before they are read.
+		if _, _, err := f.check(name, t.Dtype); err != nil {
+			return nil, err
 		}
 		return t.Shape, nil
 	}
