@@ -245,14 +245,7 @@ CB_CONFIG_LIST(CB_PICK)
 #include <random>
 #include <string>
 
-#define CK(x)                                                                                    \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
+#include "tool_common.cuh"
 
 namespace {
 
@@ -263,22 +256,6 @@ struct Config {
 };
 #define CB_ENTRY(n, name, tile, cluster, ksched, esched) {n, name, cb_make_plan_##n},
 const Config kConfigs[] = {CB_CONFIG_LIST(CB_ENTRY)};
-
-__device__ float fp8f(uint8_t b) {
-  __nv_fp8_e4m3 v;
-  v.__x = b;
-  return float(v);
-}
-
-// fill_fp8 writes FP8 codes of N(0, sd) values from a counter-based hash.
-__global__ void fill_fp8(uint8_t* p, size_t n, uint32_t seed, float sd) {
-  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
-  x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
-  float u1 = ((x & 0xFFFFFF) + 1) * (1.f / 16777217.f), u2 = ((x >> 24) & 0xFFFFFF) * (1.f / 16777216.f);
-  p[i] = __nv_fp8_e4m3(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2) * sd).__x;
-}
 
 // ref_gemm: FP32 sums of decoded FP8. A block is kRefRows rows of one
 // expert by 128 output columns, so each thread decodes a weight chunk once
@@ -328,20 +305,6 @@ __global__ void compare(const __nv_bfloat16* got, const float* ref, size_t n, do
   atomicAdd(&acc[0], num);
   atomicAdd(&acc[1], den);
   atomicAdd(&acc[2], bad);
-}
-
-std::vector<std::string> split(const char* list, const char* dflt) {
-  std::vector<std::string> out;
-  std::string v = list ? list : dflt, cur;
-  for (char ch : v + ",") {
-    if (ch == ',') {
-      if (!cur.empty()) out.push_back(cur);
-      cur.clear();
-    } else {
-      cur += ch;
-    }
-  }
-  return out;
 }
 
 struct Layer {
