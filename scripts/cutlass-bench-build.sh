@@ -14,13 +14,7 @@ out="${EXPERTD_BUILD:-$root/build}"
 obj="${EXPERTD_OBJ:-$root/.tools/obj}/cutlass-bench"
 src="$root/kernels/cuda/csrc/tools/cutlass_grouped_bench.cu"
 jobs="${JOBS:-2}"
-nvcc="${NVCC:-}"
-if [[ -z "$nvcc" ]]; then
-  if [[ -x "$root/.tools/cuda/bin/nvcc" ]]; then nvcc="$root/.tools/cuda/bin/nvcc"; else nvcc="$(command -v nvcc)"; fi
-fi
-cuda_home="$(cd "$(dirname "$nvcc")/.." && pwd)"
-cudart="$cuda_home/lib64/libcudart_static.a"
-[[ -f "$cudart" ]] || cudart="$cuda_home/lib/libcudart_static.a"
+source "$root/scripts/nvcc-env.sh"
 "$root/scripts/cutlass-install.sh" >/dev/null
 cutlass="${CUTLASS_TOOLS:-$root/.tools/cutlass}"
 mkdir -p "$obj" "$out"

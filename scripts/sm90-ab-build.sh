@@ -12,13 +12,7 @@ base="${1:-main}"
 out="${EXPERTD_BUILD:-$root/build}"
 obj="${EXPERTD_OBJ:-$root/.tools/obj}/sm90-ab"
 src="$root/kernels/cuda/csrc"
-nvcc="${NVCC:-}"
-if [[ -z "$nvcc" ]]; then
-  if [[ -x "$root/.tools/cuda/bin/nvcc" ]]; then nvcc="$root/.tools/cuda/bin/nvcc"; else nvcc="$(command -v nvcc)"; fi
-fi
-cuda_home="$(cd "$(dirname "$nvcc")/.." && pwd)"
-cudart="$cuda_home/lib64/libcudart_static.a"
-[[ -f "$cudart" ]] || cudart="$cuda_home/lib/libcudart_static.a"
+source "$root/scripts/nvcc-env.sh"
 mkdir -p "$obj/base" "$out"
 
 rev="$(git -C "$root" rev-parse --short "$base")"
