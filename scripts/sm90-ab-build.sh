@@ -12,19 +12,15 @@ base="${1:-main}"
 out="${EXPERTD_BUILD:-$root/build}"
 obj="${EXPERTD_OBJ:-$root/.tools/obj}/sm90-ab"
 src="$root/kernels/cuda/csrc"
-nvcc="${NVCC:-}"
-if [[ -z "$nvcc" ]]; then
-  if [[ -x "$root/.tools/cuda/bin/nvcc" ]]; then nvcc="$root/.tools/cuda/bin/nvcc"; else nvcc="$(command -v nvcc)"; fi
-fi
-cuda_home="$(cd "$(dirname "$nvcc")/.." && pwd)"
-cudart="$cuda_home/lib64/libcudart_static.a"
-[[ -f "$cudart" ]] || cudart="$cuda_home/lib/libcudart_static.a"
+source "$root/scripts/nvcc-env.sh"
 mkdir -p "$obj/base" "$out"
 
 rev="$(git -C "$root" rev-parse --short "$base")"
-for f in gemm_sm90.cu moe_gemm.h launch.cuh wgmma_fp8.cuh sm90_tiles.h; do
-  # A header the baseline predates stays out (its sources do not include it).
-  git -C "$root" show "$rev:kernels/cuda/csrc/$f" > "$obj/base/$f" 2>/dev/null || rm -f "$obj/base/$f"
+# gemm_sm90.cu and every header beside it at the baseline, so a header the
+# GEMM starts including needs no change here.
+rm -f "$obj/base/"*
+for f in gemm_sm90.cu $(git -C "$root" ls-tree --name-only "$rev" kernels/cuda/csrc/ | grep -E '\.(h|cuh)$' | xargs -n1 basename); do
+  git -C "$root" show "$rev:kernels/cuda/csrc/$f" > "$obj/base/$f"
 done
 
 flags=(-O3 -std=c++17 -DEXPERTD_HAVE_SM90 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a)

@@ -38,15 +38,7 @@
 #include <vector>
 
 #include "../moe_gemm.h"
-
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
+#include "tool_common.cuh"
 
 // The baseline's entry points (gemm_sm90_base.cu); weak, so the tool links
 // without it and "ab" says so.
@@ -73,12 +65,6 @@ int g_force_bn = 0;
 // what fits of its weights in L2: its time when they are not what bounds it.
 bool g_warm = false;
 FILE* g_log = stdout;  // timing lines (stderr under "tiles", whose stdout is a header)
-
-__device__ float fp8f(uint8_t b) {
-  __nv_fp8_e4m3 v;
-  v.__x = b;
-  return float(v);
-}
 
 // Naive reference: one thread per (sorted row, output channel).
 __global__ void ref_gemm(const uint8_t* w, int w_rows, int k, bool gated, int n_out, const uint8_t* a,
@@ -187,22 +173,6 @@ Layout make_layout(const Case& c, std::mt19937& rng) {
   }
   L.num_blocks = blk;
   return L;
-}
-
-// fill_fp8 writes FP8 codes of N(0, sd) values from a counter-based hash, on
-// the GPU: generating a Nemotron layer's 1.3 G weights on the host takes
-// longer than the whole check.
-__global__ void fill_fp8(uint8_t* p, size_t n, uint32_t seed, float sd) {
-  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  auto mix = [](uint64_t x) {
-    x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
-    return x;
-  };
-  uint64_t h = mix(i * 0x9E3779B97F4A7C15ull + seed);
-  float u1 = ((h & 0xFFFFFF) + 1) * (1.f / 16777217.f), u2 = ((h >> 24) & 0xFFFFFF) * (1.f / 16777216.f);
-  float z = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
-  p[i] = __nv_fp8_e4m3(z * sd).__x;
 }
 
 uint8_t* rand_fp8_dev(size_t n, float sd, std::mt19937& rng) {
@@ -387,20 +357,6 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
   cudaFree(dasr); cudaFree(dasr2); cudaFree(dpw); cudaFree(dbe); cudaFree(dsp); cudaFree(dnb); cudaFree(dout);
   cudaFree(dref); cudaFree(dgot);
   return ok;
-}
-
-std::vector<std::string> split(const char* list, const char* dflt) {
-  std::vector<std::string> out;
-  std::string v = list ? list : dflt, cur;
-  for (char ch : v + ",") {
-    if (ch == ',') {
-      if (!cur.empty()) out.push_back(cur);
-      cur.clear();
-    } else {
-      cur += ch;
-    }
-  }
-  return out;
 }
 
 // time_ab times, per case and M, the baseline's kernels and the tree's at
