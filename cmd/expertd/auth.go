@@ -25,6 +25,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/expertd/expertd/internal/capfile"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 )
@@ -149,7 +150,7 @@ func newAuthorizer(c Config) (*authorizer, error) {
 		a.admins[id] = true
 	}
 	if c.AuthTokensFile != "" {
-		f, err := os.Open(c.AuthTokensFile)
+		f, err := capfile.Open(c.AuthTokensFile, maxTokensFileBytes)
 		if err != nil {
 			return nil, fmt.Errorf("-auth-tokens-file: %w", err)
 		}
@@ -157,7 +158,7 @@ func newAuthorizer(c Config) (*authorizer, error) {
 		if fi, err := f.Stat(); err == nil && fi.Mode().Perm()&0o077 != 0 {
 			a.looseMode = fi.Mode().Perm()
 		}
-		if a.tokens, err = parseTokens(f); err != nil {
+		if a.tokens, err = parseTokens(io.LimitReader(f, maxTokensFileBytes)); err != nil {
 			return nil, fmt.Errorf("-auth-tokens-file %s: %w", c.AuthTokensFile, err)
 		}
 	}

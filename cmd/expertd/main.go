@@ -44,6 +44,7 @@ import (
 	v1alphareflectiongrpc "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
 	"google.golang.org/grpc/status"
 
+	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/kernels"
 	_ "github.com/expertd/expertd/kernels/cpu"  // registers "cpu"
 	_ "github.com/expertd/expertd/kernels/cuda" // registers "cuda" (purego: no cgo; fails to open without the library)
@@ -58,7 +59,7 @@ func main() {
 		if errors.Is(err, errUsage) {
 			os.Exit(2)
 		}
-		fmt.Fprintln(os.Stderr, "expertd:", err)
+		clip.Fprintf(os.Stderr, "expertd: %v\n", err)
 		os.Exit(1)
 	}
 }
@@ -79,7 +80,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		return nil
 	}
 	if err != nil {
-		fmt.Fprintln(stderr, err)
+		clip.Fprintf(stderr, "%v\n", err)
 		return errUsage
 	}
 	if cfg.ShowVersion {
@@ -88,6 +89,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	if cfg.Probe != "" {
 		return probeURL(cfg.Probe)
+	}
+	if err := cfg.checkPaths(); err != nil {
+		return err
 	}
 	log := cfg.logger(stderr)
 	slog.SetDefault(log)
