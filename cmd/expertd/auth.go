@@ -96,13 +96,20 @@ func (a *authorizer) learnMethods(gs *grpc.Server) {
 	if a == nil {
 		return
 	}
+	served := servedMethods(gs)
+	a.registered = func(m string) bool { return served[m] }
+}
+
+// servedMethods is the set of full method names ("/service/method") gs
+// serves.
+func servedMethods(gs *grpc.Server) map[string]bool {
 	served := map[string]bool{}
 	for svc, info := range gs.GetServiceInfo() {
 		for _, m := range info.Methods {
 			served["/"+svc+"/"+m.Name] = true
 		}
 	}
-	a.registered = func(m string) bool { return served[m] }
+	return served
 }
 
 // unknownMethod answers calls to methods the server does not serve. As a

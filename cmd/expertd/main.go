@@ -315,6 +315,10 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 	// its code: a healthy daemon at the default info level logs no line
 	// per call.
 	logOpts := []logging.Option{logging.WithLogOnEvents(logging.FinishCall), logging.WithLevels(callLevel)}
+	// OpenTelemetry RPC metrics and spans, recording methods the server
+	// does not serve under one name.
+	rpcTelemetry := &knownMethods{Handler: otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters),
+		otelgrpc.WithTracerProvider(tracer), otelgrpc.WithPropagators(propagator()))}
 	logged := selector.MatchFunc(func(_ context.Context, c interceptors.CallMeta) bool {
 		return c.Service != healthpb.Health_ServiceDesc.ServiceName && !strings.HasPrefix(c.Service, "grpc.reflection.")
 	})
@@ -325,8 +329,7 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 		// logging) like the others, instead of grpc-go's Unimplemented
 		// answered before them.
 		grpc.UnknownServiceHandler(unknownMethod),
-		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters), otelgrpc.WithTracerProvider(tracer),
-			otelgrpc.WithPropagators(propagator()))),
+		grpc.StatsHandler(rpcTelemetry),
 		grpc.StatsHandler(refusedLog{log}),
 		// Recovery runs innermost so a panic is logged as the Internal it
 		// becomes.
@@ -345,7 +348,9 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 	if cfg.StreamWorkers > 0 {
 		opts = append(opts, grpc.NumStreamWorkers(uint32(cfg.StreamWorkers)))
 	}
-	return grpc.NewServer(append(opts, extra...)...)
+	gs := grpc.NewServer(append(opts, extra...)...)
+	rpcTelemetry.gs = gs
+	return gs
 }
 
 // registerReflection serves reflection v1 and v1alpha with expert.proto's
