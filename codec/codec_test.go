@@ -186,7 +186,9 @@ func TestUnmarshalErrors(t *testing.T) {
 }
 
 // FuzzUnmarshal: on any input, Unmarshal fails exactly when
-// proto.Unmarshal does, and otherwise gives the same message.
+// proto.Unmarshal does, and otherwise gives the same message; with
+// Refuse, the codec never fails and the interceptor answers
+// InvalidArgument exactly then.
 func FuzzUnmarshal(f *testing.F) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	for _, m := range messages(rng) {
@@ -202,6 +204,7 @@ func FuzzUnmarshal(f *testing.F) {
 		}
 	}
 	f.Add([]byte{0x1a, 0x03, 0x1a, 0x01, 0x00, 0x1a, 0x02, 0x08, 0x02})
+	f.Add([]byte{0x0a, 0x02, 'a', 0xff})
 	f.Fuzz(func(t *testing.T, in []byte) {
 		var want, got pb.FusedMoERequest
 		werr := proto.Unmarshal(in, &want)
@@ -211,6 +214,14 @@ func FuzzUnmarshal(f *testing.F) {
 		}
 		if werr == nil && !proto.Equal(&want, &got) {
 			t.Fatalf("messages differ:\n%v\n%v", &want, &got)
+		}
+		var refused pb.FusedMoERequest
+		if err := (Codec{Refuse: true}).Unmarshal(mem.BufferSlice{mem.SliceBuffer(in)}, &refused); err != nil {
+			t.Fatalf("Unmarshal with Refuse: %v", err)
+		}
+		_, ierr := UnaryServerInterceptor(context.Background(), &refused, nil, func(context.Context, any) (any, error) { return nil, nil })
+		if (werr == nil) != (ierr == nil) || (ierr != nil && status.Code(ierr) != codes.InvalidArgument) {
+			t.Fatalf("proto.Unmarshal error %v, interceptor error %v", werr, ierr)
 		}
 	})
 }
