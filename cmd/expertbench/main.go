@@ -134,7 +134,7 @@ type config struct {
 func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("expertbench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs.SetOutput(clip.LineWriter(stderr))
 	c.dial.Register(fs, "127.0.0.1:50051", "file holding a bearer token (FusedMoE needs the user role; -load also admin)",
 		time.Minute, "each call (a FusedMoEStream's run ends at most this long after -duration)")
 	fs.BoolVar(&c.allowRemote, "allow-remote", false, "allow a non-loopback -addr")

@@ -25,6 +25,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -359,5 +360,19 @@ func TestTimeout(t *testing.T) {
 	}
 	if stdout != "" {
 		t.Errorf("a failed run printed a summary:\n%s", stdout)
+	}
+}
+
+// TestUsageLinesBounded: a megabyte flag value reaches stderr in lines of
+// at most clip.Line bytes.
+func TestUsageLinesBounded(t *testing.T) {
+	var stderr bytes.Buffer
+	if _, err := parseFlags([]string{"-m", strings.Repeat("9", 1<<20) + "x"}, &stderr); err == nil {
+		t.Fatal("parseFlags accepted a megabyte -m")
+	}
+	for _, l := range strings.Split(stderr.String(), "\n") {
+		if len(l) > clip.Line+3 {
+			t.Errorf("a line of %d bytes", len(l))
+		}
 	}
 }

@@ -55,7 +55,7 @@ const maxConfigBytes = 4 << 20
 func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("expertd-load", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs.SetOutput(clip.LineWriter(stderr))
 	c.dial.Register(fs, "localhost:50051", "file holding an admin bearer token (LoadExperts needs the admin role)",
 		10*time.Minute, "each layer's load")
 	fs.StringVar(&c.path, "path", "", "checkpoint directory (or .safetensors file), relative to the daemon's -weights-dir")

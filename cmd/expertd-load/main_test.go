@@ -290,3 +290,17 @@ func TestRunInvalidIndex(t *testing.T) {
 		t.Errorf("the error line is %d bytes", line.Len())
 	}
 }
+
+// TestUsageLinesBounded: a megabyte flag value reaches stderr in lines of
+// at most clip.Line bytes.
+func TestUsageLinesBounded(t *testing.T) {
+	var stderr bytes.Buffer
+	if _, err := parseFlags([]string{"-num-layers", strings.Repeat("9", 1<<20) + "x"}, &stderr); err == nil {
+		t.Fatal("parseFlags accepted a megabyte -num-layers")
+	}
+	for _, l := range strings.Split(stderr.String(), "\n") {
+		if len(l) > clip.Line+3 {
+			t.Errorf("a line of %d bytes", len(l))
+		}
+	}
+}

@@ -80,3 +80,20 @@ func TestManifestLongName(t *testing.T) {
 		})
 	}
 }
+
+// TestUsageLinesBounded: a megabyte flag value, bad to the flag package
+// or to validation, reaches stderr in lines of at most clip.Line bytes.
+func TestUsageLinesBounded(t *testing.T) {
+	big := strings.Repeat("9", 1<<20)
+	for _, args := range [][]string{{"-max-tokens", big + "x"}, {"-backend", big}, {"-log-level", big}} {
+		var stderr servicetest.LogBuffer
+		if err := run(context.Background(), args, func(string) string { return "" }, &stderr, nil); err != errUsage {
+			t.Fatalf("run(%.20q) = %.200v, want errUsage", args, err)
+		}
+		for _, l := range strings.Split(stderr.String(), "\n") {
+			if len(l) > clip.Line+40 {
+				t.Errorf("run(%.20q) printed a line of %d bytes", args, len(l))
+			}
+		}
+	}
+}

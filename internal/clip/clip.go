@@ -69,3 +69,44 @@ func Fprintf(w io.Writer, format string, a ...any) (int, error) {
 	}
 	return io.WriteString(w, s)
 }
+
+// LineWriter is w with every line written through it cut to Line bytes:
+// for text a command prints but does not format itself, such as the flag
+// package's messages, which quote a bad value whole.
+func LineWriter(w io.Writer) io.Writer { return &lineWriter{w: w} }
+
+type lineWriter struct {
+	w   io.Writer
+	n   int  // bytes of the current line written
+	cut bool // the current line has been cut
+}
+
+func (l *lineWriter) Write(p []byte) (int, error) {
+	total := len(p)
+	for len(p) > 0 {
+		body, rest, nl := strings.Cut(string(p), "\n")
+		if room := Line - l.n; len(body) > room {
+			if !l.cut {
+				head, _ := cut(body, max(room, 0))
+				if _, err := io.WriteString(l.w, head+"..."); err != nil {
+					return 0, err
+				}
+				l.cut = true
+			}
+		} else if _, err := io.WriteString(l.w, body); err != nil {
+			return 0, err
+		}
+		l.n += len(body)
+		if nl {
+			if _, err := io.WriteString(l.w, "\n"); err != nil {
+				return 0, err
+			}
+			l.n, l.cut = 0, false
+		}
+		p = p[len(p)-len(rest):]
+		if !nl {
+			break
+		}
+	}
+	return total, nil
+}

@@ -35,3 +35,17 @@ func TestFprintf(t *testing.T) {
 		t.Errorf("Fprintf = %q", b.String())
 	}
 }
+
+func TestLineWriter(t *testing.T) {
+	var b strings.Builder
+	w := LineWriter(&b)
+	w.Write([]byte("short\n" + strings.Repeat("y", 3*Line)))
+	w.Write([]byte(strings.Repeat("z", Line) + "\nlast"))
+	lines := strings.Split(b.String(), "\n")
+	if len(lines) != 3 || lines[0] != "short" || lines[2] != "last" {
+		t.Fatalf("lines %d: %.40q", len(lines), lines)
+	}
+	if l := lines[1]; len(l) != Line+3 || !strings.HasSuffix(l, "y...") {
+		t.Errorf("the long line is %d bytes ending %q; want %d ending y...", len(l), l[len(l)-10:], Line+3)
+	}
+}
