@@ -25,7 +25,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/internal/clip"
+	"github.com/expertd/expertd/internal/clitest"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -326,21 +326,7 @@ func (stalled) FusedMoE(ctx context.Context, _ *pb.FusedMoERequest) (*pb.FusedMo
 // TestTimeout: -timeout bounds the dial (a peer that accepts TCP and never
 // answers) and each call (a daemon that holds it).
 func TestTimeout(t *testing.T) {
-	silent, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer silent.Close()
-	go func() {
-		for {
-			c, err := silent.Accept()
-			if err != nil {
-				return
-			}
-			defer c.Close()
-		}
-	}()
-	_, _, err = runBench(t, "-addr", silent.Addr().String(), "-timeout", "300ms", "-e", "8", "-k", "32", "-n", "16", "-calls", "1")
+	_, _, err := runBench(t, "-addr", clitest.SilentPeer(t), "-timeout", "300ms", "-e", "8", "-k", "32", "-n", "16", "-calls", "1")
 	if err == nil || !strings.Contains(err.Error(), "within -timeout 300ms") {
 		t.Errorf("run against a silent peer = %v, want an error naming -timeout", err)
 	}
@@ -370,9 +356,5 @@ func TestUsageLinesBounded(t *testing.T) {
 	if _, err := parseFlags([]string{"-m", strings.Repeat("9", 1<<20) + "x"}, &stderr); err == nil {
 		t.Fatal("parseFlags accepted a megabyte -m")
 	}
-	for _, l := range strings.Split(stderr.String(), "\n") {
-		if len(l) > clip.Line+3 {
-			t.Errorf("a line of %d bytes", len(l))
-		}
-	}
+	clitest.CheckLines(t, stderr.String())
 }

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/internal/clip"
+	"github.com/expertd/expertd/internal/clitest"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -204,21 +205,7 @@ func runBounded(t *testing.T, args ...string) (err error, stdout, stderr string)
 // never answers, the command ends with an error after -timeout instead of
 // waiting for ever in the dial.
 func TestRunTimeout(t *testing.T) {
-	silent, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer silent.Close()
-	go func() {
-		for {
-			c, err := silent.Accept()
-			if err != nil {
-				return
-			}
-			defer c.Close()
-		}
-	}()
-	for _, addr := range []string{"127.0.0.1:1", silent.Addr().String()} {
+	for _, addr := range []string{"127.0.0.1:1", clitest.SilentPeer(t)} {
 		err, _, _ := runBounded(t, "-addr", addr, "-timeout", "300ms", "-path", "x", "-layers", "0")
 		if err == nil || !strings.Contains(err.Error(), "within -timeout 300ms") {
 			t.Errorf("-addr %s: %v; want an error naming -timeout", addr, err)
@@ -286,9 +273,7 @@ func TestRunInvalidIndex(t *testing.T) {
 	}
 	var line bytes.Buffer
 	clip.Fprintf(&line, "expertd-load: %v\n", err)
-	if line.Len() > clip.Line+40 {
-		t.Errorf("the error line is %d bytes", line.Len())
-	}
+	clitest.CheckLines(t, line.String())
 }
 
 // TestUsageLinesBounded: a megabyte flag value reaches stderr in lines of
@@ -298,9 +283,5 @@ func TestUsageLinesBounded(t *testing.T) {
 	if _, err := parseFlags([]string{"-num-layers", strings.Repeat("9", 1<<20) + "x"}, &stderr); err == nil {
 		t.Fatal("parseFlags accepted a megabyte -num-layers")
 	}
-	for _, l := range strings.Split(stderr.String(), "\n") {
-		if len(l) > clip.Line+3 {
-			t.Errorf("a line of %d bytes", len(l))
-		}
-	}
+	clitest.CheckLines(t, stderr.String())
 }

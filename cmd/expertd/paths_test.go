@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/expertd/expertd/internal/clip"
+	"github.com/expertd/expertd/internal/clitest"
 	"github.com/expertd/expertd/service/servicetest"
 )
 
@@ -90,10 +91,6 @@ func TestUsageLinesBounded(t *testing.T) {
 		if err := run(context.Background(), args, func(string) string { return "" }, &stderr, nil); err != errUsage {
 			t.Fatalf("run(%.20q) = %.200v, want errUsage", args, err)
 		}
-		for _, l := range strings.Split(stderr.String(), "\n") {
-			if len(l) > clip.Line+40 {
-				t.Errorf("run(%.20q) printed a line of %d bytes", args, len(l))
-			}
-		}
+		clitest.CheckLines(t, stderr.String())
 	}
 }

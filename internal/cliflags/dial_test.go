@@ -17,6 +17,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/expertd/expertd/internal/clitest"
 )
 
 // writePair writes a self-signed certificate and its key as PEM files.
@@ -131,27 +133,13 @@ func TestDialFlags(t *testing.T) {
 // that accepts TCP and never speaks HTTP/2, ends after -timeout with an
 // error naming it.
 func TestConnectTimeout(t *testing.T) {
-	silent, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer silent.Close()
-	go func() {
-		for {
-			c, err := silent.Accept()
-			if err != nil {
-				return
-			}
-			defer c.Close()
-		}
-	}()
 	closed, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	closedAddr := closed.Addr().String()
 	closed.Close()
-	for _, addr := range []string{silent.Addr().String(), closedAddr} {
+	for _, addr := range []string{clitest.SilentPeer(t), closedAddr} {
 		d, err := parse(t, "-addr", addr, "-timeout", "200ms")
 		if err != nil {
 			t.Fatal(err)
