@@ -33,11 +33,15 @@ import (
 	"slices"
 	"sync"
 
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"github.com/expertd/expertd/internal/clip"
 )
 
 // Name is the codec's name: it replaces the standard protobuf codec, and
@@ -67,6 +71,15 @@ type Codec struct {
 	// every page; see Pool). Whoever handles such a message must call
 	// Release once nothing refers to it or to its bytes fields.
 	Recycle func(proto.Message) bool
+	// Refuse, when set, makes a request that does not parse the caller's
+	// InvalidArgument instead of grpc-go's Internal: grpc-go answers any
+	// error of a codec's Unmarshal with Internal ("grpc: failed to
+	// unmarshal the received message"), whatever its type, before any
+	// interceptor runs. So Unmarshal of such a message succeeds, leaving
+	// the message empty, and keeps an InvalidArgument status that
+	// UnaryServerInterceptor and StreamServerInterceptor return in the
+	// handler's place. A server that sets it must install both.
+	Refuse bool
 }
 
 var _ encoding.CodecV2 = Codec{}
@@ -102,6 +115,21 @@ func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !ok {
 		return fmt.Errorf("codec: cannot unmarshal into %T: not a proto.Message", v)
 	}
+	err := c.unmarshal(data, m)
+	if err == nil || !c.Refuse {
+		return err
+	}
+	msg := "malformed request: " + clip.To(err.Error(), clip.Line)
+	if field := badUTF8Field(data.Materialize(), m.ProtoReflect().Descriptor(), 0); field != "" {
+		msg = "malformed request: field " + field + " is not valid UTF-8"
+	}
+	proto.Reset(m)
+	refused.Store(m, status.Error(codes.InvalidArgument, msg))
+	nRefused.Add(1)
+	return nil
+}
+
+func (c Codec) unmarshal(data mem.BufferSlice, m proto.Message) error {
 	if data.Len() >= AliasBytes && c.Recycle != nil && c.Recycle(m) {
 		buf, err := unmarshalPooled(data, m)
 		if err != nil {

@@ -2,13 +2,18 @@ package codec
 
 import (
 	"bytes"
+	"context"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 	"unsafe"
 
 	"github.com/google/go-cmp/cmp"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/testing/protocmp"
 
@@ -181,7 +186,9 @@ func TestUnmarshalErrors(t *testing.T) {
 }
 
 // FuzzUnmarshal: on any input, Unmarshal fails exactly when
-// proto.Unmarshal does, and otherwise gives the same message.
+// proto.Unmarshal does, and otherwise gives the same message; with
+// Refuse, the codec never fails and the interceptor answers
+// InvalidArgument exactly then.
 func FuzzUnmarshal(f *testing.F) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	for _, m := range messages(rng) {
@@ -197,6 +204,7 @@ func FuzzUnmarshal(f *testing.F) {
 		}
 	}
 	f.Add([]byte{0x1a, 0x03, 0x1a, 0x01, 0x00, 0x1a, 0x02, 0x08, 0x02})
+	f.Add([]byte{0x0a, 0x02, 'a', 0xff})
 	f.Fuzz(func(t *testing.T, in []byte) {
 		var want, got pb.FusedMoERequest
 		werr := proto.Unmarshal(in, &want)
@@ -206,6 +214,14 @@ func FuzzUnmarshal(f *testing.F) {
 		}
 		if werr == nil && !proto.Equal(&want, &got) {
 			t.Fatalf("messages differ:\n%v\n%v", &want, &got)
+		}
+		var refused pb.FusedMoERequest
+		if err := (Codec{Refuse: true}).Unmarshal(mem.BufferSlice{mem.SliceBuffer(in)}, &refused); err != nil {
+			t.Fatalf("Unmarshal with Refuse: %v", err)
+		}
+		_, ierr := UnaryServerInterceptor(context.Background(), &refused, nil, func(context.Context, any) (any, error) { return nil, nil })
+		if (werr == nil) != (ierr == nil) || (ierr != nil && status.Code(ierr) != codes.InvalidArgument) {
+			t.Fatalf("proto.Unmarshal error %v, interceptor error %v", werr, ierr)
 		}
 	})
 }
@@ -244,4 +260,56 @@ func FuzzMarshal(f *testing.F) {
 			t.Fatalf("Marshal gave\n%x\nproto.Marshal gave\n%x", got, want)
 		}
 	})
+}
+
+// TestRefuse: with Refuse, a request that does not parse reaches no
+// handler: the interceptors answer InvalidArgument naming the field that
+// is not UTF-8, once, and forget it.
+func TestRefuse(t *testing.T) {
+	hidden := (&pb.FusedMoERequest{}).ProtoReflect().Descriptor().Fields().ByName("hidden_states").Number()
+	shmRef := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), []byte{0xc3, 0x28}) // region_name
+	tensor := protowire.AppendBytes(protowire.AppendTag(nil, 4, protowire.BytesType), shmRef)             // shm
+	nested := protowire.AppendBytes(protowire.AppendTag(nil, hidden, protowire.BytesType), tensor)
+	top := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), []byte{'a', 0xff}) // expert_set
+	for _, tc := range []struct {
+		name string
+		in   []byte
+		want string
+	}{
+		{"top", top, "malformed request: field expert_set is not valid UTF-8"},
+		{"nested", nested, "malformed request: field hidden_states.shm.region_name is not valid UTF-8"},
+		{"wire", []byte{0xff, 0xff, 0xff}, "malformed request: proto: cannot parse invalid wire-format data"},
+		// Above AliasBytes, parsed field by field.
+		{"large", append(protowire.AppendBytes(protowire.AppendTag(nil, hidden, protowire.BytesType),
+			protowire.AppendBytes(protowire.AppendTag(nil, 3, protowire.BytesType), make([]byte, 2*AliasBytes))), top...),
+			"malformed request: field expert_set is not valid UTF-8"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			data := mem.BufferSlice{mem.SliceBuffer(tc.in)}
+			if err := (Codec{}).Unmarshal(data, &pb.FusedMoERequest{}); err == nil {
+				t.Fatal("Unmarshal without Refuse accepted the message")
+			}
+			m := &pb.FusedMoERequest{}
+			if err := (Codec{Refuse: true, Recycle: func(proto.Message) bool { return true }}).Unmarshal(data, m); err != nil {
+				t.Fatalf("Unmarshal with Refuse = %v, want nil", err)
+			}
+			if proto.Size(m) != 0 {
+				t.Errorf("the refused message holds %d bytes of fields", proto.Size(m))
+			}
+			called := false
+			handler := func(context.Context, any) (any, error) { called = true; return nil, nil }
+			_, err := UnaryServerInterceptor(context.Background(), m, nil, handler)
+			// protobuf's messages put a no-break space after "proto:" at
+			// random, against matching them exactly.
+			if st := status.Convert(err); called || st.Code() != codes.InvalidArgument || strings.ReplaceAll(st.Message(), "\u00a0", " ") != tc.want {
+				t.Errorf("interceptor = %v (handler called %v); want InvalidArgument %q", err, called, tc.want)
+			}
+			if _, err := UnaryServerInterceptor(context.Background(), m, nil, handler); err != nil || !called {
+				t.Errorf("second pass = %v (handler called %v); want the handler", err, called)
+			}
+			if n := nRefused.Load(); n != 0 {
+				t.Errorf("%d refusals still held", n)
+			}
+		})
+	}
 }

@@ -5,10 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
@@ -16,6 +14,7 @@ import (
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/kernels"
 )
 
@@ -127,53 +126,17 @@ func (s *Server) toStatus(ctx context.Context, method string, err error) error {
 	return status.Errorf(codes.Internal, "%s: internal error (logged on the server)", method)
 }
 
-// maxQuoted is how many bytes of a client's string Quote and Clip keep:
-// enough to recognise a name, too few for a hostile one to bloat a status
-// or a log line.
-const maxQuoted = 128
-
 // Quote is how every string a client controls (names, keys, paths,
-// templates, tensor names) enters a status message: %q-quoted, so control
-// characters and quotes cannot forge a line, and cut to maxQuoted bytes
-// with the original length after it, so a megabyte name costs a megabyte
-// nowhere but the request.
-func Quote(s string) string {
-	head, n := cut(s)
-	if n < 0 {
-		return strconv.Quote(s)
-	}
-	return strconv.Quote(head) + "... (" + strconv.Itoa(n) + " bytes)"
-}
+// templates, tensor names) enters a status message: clip.Quote.
+func Quote(s string) string { return clip.Quote(s) }
 
 // Clip is Quote without the quotes, for log attributes, which the log
 // handler quotes itself.
-func Clip(s string) string { return ClipTo(s, maxQuoted) }
+func Clip(s string) string { return clip.To(s, clip.Quoted) }
 
 // ClipTo is Clip keeping up to n bytes, for text that is mostly the
 // server's own (an error chain, say) but may carry a client's string.
-func ClipTo(s string, n int) string {
-	head, l := cutTo(s, n)
-	if l < 0 {
-		return s
-	}
-	return head + "... (" + strconv.Itoa(l) + " bytes)"
-}
-
-// cut is cutTo at maxQuoted.
-func cut(s string) (string, int) { return cutTo(s, maxQuoted) }
-
-// cutTo returns s's first n bytes, ending on a UTF-8 boundary, and len(s);
-// or s and -1 when s is short enough to keep whole.
-func cutTo(s string, n int) (string, int) {
-	if len(s) <= n {
-		return s, -1
-	}
-	i := n
-	for i > 0 && !utf8.RuneStart(s[i]) {
-		i--
-	}
-	return s[:i], len(s)
-}
+func ClipTo(s string, n int) string { return clip.To(s, n) }
 
 // maxNameBytes bounds every name a request looks up (expert sets,
 // shared-memory regions): longer than any name LoadExperts or

@@ -17,6 +17,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/moe"
@@ -385,14 +386,14 @@ func FuzzQuote(f *testing.F) {
 	f.Add("a\nlevel=ERROR msg=forged")
 	f.Fuzz(func(t *testing.T, s string) {
 		q := Quote(s)
-		if len(q) > 4*maxQuoted+40 || !utf8.ValidString(q) || strings.ContainsAny(q, "\n\r") {
+		if len(q) > 4*clip.Quoted+40 || !utf8.ValidString(q) || strings.ContainsAny(q, "\n\r") {
 			t.Fatalf("Quote(%d bytes) = %d bytes %.200q", len(s), len(q), q)
 		}
 		head, err := strconv.QuotedPrefix(q)
 		if err != nil {
 			t.Fatalf("Quote(%.100q) = %.200q: %v", s, q, err)
 		}
-		if u, _ := strconv.Unquote(head); !strings.HasPrefix(s, u) || (len(s) <= maxQuoted && u != s) {
+		if u, _ := strconv.Unquote(head); !strings.HasPrefix(s, u) || (len(s) <= clip.Quoted && u != s) {
 			t.Fatalf("Quote(%.100q) quotes %.100q", s, u)
 		}
 	})

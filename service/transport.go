@@ -30,10 +30,13 @@ import (
 // included); its wire format is the same.
 func (s *Server) ServerOptions() []grpc.ServerOption {
 	opts := []grpc.ServerOption{
-		grpc.ForceServerCodecV2(codec.Codec{Recycle: isFusedMoERequest}),
-		// Outermost, so it runs after every other interceptor is done
-		// with the request.
-		grpc.ChainUnaryInterceptor(releaseRequest),
+		// A request that does not parse is InvalidArgument (codec.Codec
+		// Refuse), answered by the codec's interceptors.
+		grpc.ForceServerCodecV2(codec.Codec{Recycle: isFusedMoERequest, Refuse: true}),
+		// releaseRequest is outermost, so it runs after every other
+		// interceptor is done with the request.
+		grpc.ChainUnaryInterceptor(releaseRequest, codec.UnaryServerInterceptor),
+		grpc.ChainStreamInterceptor(codec.StreamServerInterceptor),
 		grpc.StatsHandler(receiveTimer{}),
 		grpc.InitialWindowSize(codec.StreamWindowBytes),
 		grpc.InitialConnWindowSize(codec.ConnWindowBytes),

@@ -13,13 +13,10 @@ import (
 	"time"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/internal/durstat"
 	"github.com/expertd/expertd/kernels/cuda"
 )
-
-// callTimeout bounds one FusedMoE call: far above any sane layer time, so
-// a hung server ends the run instead of holding it.
-const callTimeout = time.Minute
 
 // requestsPerWorker distinct requests each client cycles through, so the
 // server sees varying tokens without the generator paying for fresh random
@@ -196,7 +193,7 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 	}
 	conns := []*client.Client{c}
 	for range cfg.conns - 1 {
-		more, err := client.Dial(ctx, cfg.dial.Addr, cfg.dialOpts...)
+		more, err := cfg.dial.Connect(ctx, cfg.extraDial...)
 		if err != nil {
 			return nil, fmt.Errorf("-conns: %w", err)
 		}
@@ -252,7 +249,7 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 				if cfg.calls > 0 && issued.Add(1) > int64(cfg.calls) {
 					return
 				}
-				callCtx, callCancel := context.WithTimeout(ctx, callTimeout)
+				callCtx, callCancel := cfg.dial.Call(ctx)
 				callCtx, ct := withTrace(callCtx)
 				t0 := time.Now()
 				res, err := call(callCtx, reqs[i%len(reqs)])
@@ -321,6 +318,10 @@ loop:
 // streamWorker is one caller over a FusedMoEStream, keeping cfg.inflight
 // calls in flight: a call's latency runs from its Go to its result.
 func streamWorker(ctx context.Context, c *client.Client, cfg config, reqs []*client.FusedMoERequest, deadline time.Time, issued *atomic.Int64, rec *recorder) error {
+	// The stream lives for the run; a call it holds past the run's end by
+	// more than -timeout ends it.
+	ctx, cancel := context.WithDeadline(ctx, deadline.Add(cfg.dial.Timeout))
+	defer cancel()
 	p, err := c.Pipeline(ctx, cfg.inflight)
 	if err != nil {
 		return err
@@ -401,7 +402,7 @@ breakdown    (p50 of each)
   client     %s  (send %s; request %d B, response %d B on the wire)
   server     receive %s  decode %s  queue %s  h2d %s  kernel %s  d2h %s  total %s
   overhead   rpc (client - server total) %s  service (server total - kernel) %s  client over kernel +%.1f%%
-`, r.Model, r.Backend, r.Tokens, r.Concurrency, r.Calls, r.Elapsed.Seconds(), r.CallsPerSec, r.TokensPerS,
+`, r.Model, clip.To(r.Backend, clip.Quoted), r.Tokens, r.Concurrency, r.Calls, r.Elapsed.Seconds(), r.CallsPerSec, r.TokensPerS,
 		r.mode(), ms(r.P50), ms(r.P90), ms(r.P99), ms(r.Max), ms(r.KernelP50), ms(r.TotalP50), ms(r.QueueP50),
 		ms(r.RTT.Bare.P50), ms(r.RTT.Bare.P90), ms(r.RTT.Bare.P99), ms(r.RTT.Daemon.P50), ms(r.RTT.Daemon.P90), ms(r.RTT.Daemon.P99),
 		ms(b.Client), ms(b.Send), b.RequestBytes, b.ResponseBytes,

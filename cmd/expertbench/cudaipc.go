@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"time"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/kernels"
@@ -33,7 +32,9 @@ func toCUDAIPC(ctx context.Context, c *client.Client, gpu *cuda.Backend, w int, 
 	outBytes, size := slots(reqs, cfg, align)
 	var want []byte
 	if w == 0 {
-		res, err := c.FusedMoE(ctx, reqs[0])
+		cctx, cancel := cfg.dial.Call(ctx)
+		defer cancel()
+		res, err := c.FusedMoE(cctx, reqs[0])
 		if err != nil {
 			return nil, fmt.Errorf("inline reference call: %w", err)
 		}
@@ -49,13 +50,15 @@ func toCUDAIPC(ctx context.Context, c *client.Client, gpu *cuda.Backend, w int, 
 		return nil, err
 	}
 	name := fmt.Sprintf("expertbench-cuda-%d", w)
-	region, err := c.RegisterCUDASharedMemory(ctx, name, handle, 0, size)
+	rctx, cancel := cfg.dial.Call(ctx)
+	defer cancel()
+	region, err := c.RegisterCUDASharedMemory(rctx, name, handle, 0, size)
 	if err != nil {
 		mem.Free()
 		return nil, err
 	}
 	free = func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := cfg.dial.Call(context.Background())
 		defer cancel()
 		c.UnregisterSharedMemory(ctx, name) //nolint:errcheck // the connection's end frees it too
 		mem.Free()
@@ -73,7 +76,9 @@ func toCUDAIPC(ctx context.Context, c *client.Client, gpu *cuda.Backend, w int, 
 		return nil, err
 	}
 	if want != nil {
-		if _, err := c.FusedMoE(ctx, reqs[0]); err != nil {
+		cctx, cancel := cfg.dial.Call(ctx)
+		defer cancel()
+		if _, err := c.FusedMoE(cctx, reqs[0]); err != nil {
 			free()
 			return nil, fmt.Errorf("first call through CUDA IPC: %w", err)
 		}

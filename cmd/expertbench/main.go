@@ -55,6 +55,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/internal/cliflags"
+	"github.com/expertd/expertd/internal/clip"
 )
 
 func main() {
@@ -62,7 +63,7 @@ func main() {
 	defer stop()
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if !errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintln(os.Stderr, "expertbench:", err)
+			clip.Fprintf(os.Stderr, "expertbench: %v\n", err)
 		}
 		if errors.Is(err, errSoakFailed) {
 			os.Exit(1)
@@ -116,8 +117,10 @@ type config struct {
 	inflight int
 	// conns is how many client connections the callers take turns on
 	// (caller w uses connection w mod conns), dialed with dialOpts.
-	conns    int
-	dialOpts []client.Option
+	conns int
+	// extraDial are the client options beyond the flags' (cliflags.Dial
+	// Connect) of every connection.
+	extraDial []client.Option
 	// traceFile receives a Go execution trace of the run.
 	traceFile string
 	// noRTT skips the round-trip measurements at start.
@@ -131,8 +134,9 @@ type config struct {
 func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("expertbench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	c.dial.Register(fs, "127.0.0.1:50051", "file holding a bearer token (FusedMoE needs the user role; -load also admin)")
+	fs.SetOutput(clip.LineWriter(stderr))
+	c.dial.Register(fs, "127.0.0.1:50051", "file holding a bearer token (FusedMoE needs the user role; -load also admin)",
+		time.Minute, "each call (a FusedMoEStream's run ends at most this long after -duration)")
 	fs.BoolVar(&c.allowRemote, "allow-remote", false, "allow a non-loopback -addr")
 	name := fs.String("model", "qwen3", "layer shape: "+strings.Join(modelNames(), ", "))
 	e := fs.Int("e", 0, "number of experts E (0: the model's)")
@@ -303,14 +307,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	dialCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	opts, err := cfg.dial.Options()
-	if err != nil {
-		return err
-	}
-	cfg.dialOpts = append(opts, client.WithDialOptions(grpc.WithStatsHandler(traceHandler{})))
-	c, err := client.Dial(dialCtx, cfg.dial.Addr, cfg.dialOpts...)
+	cfg.extraDial = []client.Option{client.WithDialOptions(grpc.WithStatsHandler(traceHandler{}))}
+	c, err := cfg.dial.Connect(ctx, cfg.extraDial...)
 	if err != nil {
 		return err
 	}
@@ -331,20 +329,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		if !cfg.keep {
 			defer func() {
-				unloadCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				unloadCtx, cancel := cfg.dial.Call(context.Background())
 				defer cancel()
 				if _, err := c.UnloadExperts(unloadCtx, cfg.set); err != nil {
-					fmt.Fprintln(stderr, "expertbench: unloading:", err)
+					clip.Fprintf(stderr, "expertbench: unloading: %v\n", err)
 				}
 			}()
 		}
 	}
 	var rtts rttPair
 	if !cfg.noRTT {
-		if rtts.Bare, err = bareRTT(ctx); err != nil {
+		if rtts.Bare, err = bareRTT(ctx, cfg.dial.Timeout); err != nil {
 			return fmt.Errorf("bare grpc-go round trip: %w", err)
 		}
-		if rtts.Daemon, err = checkRTT(ctx, c.Conn()); err != nil {
+		if rtts.Daemon, err = checkRTT(ctx, c.Conn(), cfg.dial.Timeout); err != nil {
 			return fmt.Errorf("daemon round trip: %w", err)
 		}
 	}
@@ -376,17 +374,19 @@ func loadSet(ctx context.Context, c *client.Client, cfg config, stderr io.Writer
 		formatBytes(cfg.model.weightBytes()), cfg.model, time.Since(start).Round(time.Millisecond))
 	start = time.Now()
 	last := start
+	ctx, cancel := cfg.dial.Call(ctx)
+	defer cancel()
 	info, err := c.LoadExperts(ctx, cfg.set, w, client.Overwrite(), client.OnProgress(func(p client.Progress) {
 		if time.Since(last) >= time.Second {
 			last = time.Now()
-			fmt.Fprintf(stderr, "expertbench: loading %s: %s of %s\n", cfg.set, formatBytes(p.SentBytes), formatBytes(p.TotalBytes))
+			clip.Fprintf(stderr, "expertbench: loading %s: %s of %s\n", cfg.set, formatBytes(p.SentBytes), formatBytes(p.TotalBytes))
 		}
 	}))
 	if err != nil {
 		return err
 	}
 	secs := time.Since(start).Seconds()
-	fmt.Fprintf(stderr, "expertbench: loaded %s (%s) in %.2fs, %.0f MB/s, on %s\n",
+	clip.Fprintf(stderr, "expertbench: loaded %s (%s) in %.2fs, %.0f MB/s, on %s\n",
 		info.Name, formatBytes(info.Bytes), secs, float64(info.Bytes)/secs/1e6, info.Backend)
 	return nil
 }

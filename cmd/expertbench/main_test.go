@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"net"
 	"os"
 	"path/filepath"
@@ -16,14 +17,18 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/stats"
+	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/clitest"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 )
 
@@ -163,6 +168,7 @@ func TestFlags(t *testing.T) {
 		{[]string{"-soak", "-check-share", "-0.1"}, "-check-share -0.1"},
 		{[]string{"-soak", "-admin-addr", "10.1.2.3:9090"}, `-admin-addr "10.1.2.3:9090" is not a loopback`},
 		{[]string{"-soak", "-admin-addr", "127.0.0.1:9090"}, ""},
+		{[]string{"-timeout", "0s"}, "-timeout 0s: want > 0"},
 	}
 	for _, tc := range tests {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
@@ -305,3 +311,50 @@ func (*connCounter) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.C
 func (*connCounter) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
 
 func (*connCounter) HandleRPC(context.Context, stats.RPCStats) {}
+
+// stalled answers health checks but holds every FusedMoE call until the
+// caller gives up: a daemon whose backend hangs.
+type stalled struct {
+	pb.UnimplementedExpertServiceServer
+}
+
+func (stalled) FusedMoE(ctx context.Context, _ *pb.FusedMoERequest) (*pb.FusedMoEResponse, error) {
+	<-ctx.Done()
+	return nil, ctx.Err()
+}
+
+// TestTimeout: -timeout bounds the dial (a peer that accepts TCP and never
+// answers) and each call (a daemon that holds it).
+func TestTimeout(t *testing.T) {
+	_, _, err := runBench(t, "-addr", clitest.SilentPeer(t), "-timeout", "300ms", "-e", "8", "-k", "32", "-n", "16", "-calls", "1")
+	if err == nil || !strings.Contains(err.Error(), "within -timeout 300ms") {
+		t.Errorf("run against a silent peer = %v, want an error naming -timeout", err)
+	}
+
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer()
+	healthpb.RegisterHealthServer(gs, health.NewServer())
+	pb.RegisterExpertServiceServer(gs, stalled{})
+	go gs.Serve(lis)
+	defer gs.Stop()
+	stdout, _, err := runBench(t, "-addr", lis.Addr().String(), "-timeout", "300ms", "-e", "8", "-k", "32", "-n", "16", "-calls", "1")
+	if err == nil || (status.Code(errors.Unwrap(err)) != codes.DeadlineExceeded && !strings.Contains(err.Error(), "DeadlineExceeded")) {
+		t.Errorf("run against a stalled daemon = %v, want DeadlineExceeded", err)
+	}
+	if stdout != "" {
+		t.Errorf("a failed run printed a summary:\n%s", stdout)
+	}
+}
+
+// TestUsageLinesBounded: a megabyte flag value reaches stderr in lines of
+// at most clip.Line bytes.
+func TestUsageLinesBounded(t *testing.T) {
+	var stderr bytes.Buffer
+	if _, err := parseFlags([]string{"-m", strings.Repeat("9", 1<<20) + "x"}, &stderr); err == nil {
+		t.Fatal("parseFlags accepted a megabyte -m")
+	}
+	clitest.CheckLines(t, stderr.String())
+}

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"github.com/expertd/expertd/client"
 )
@@ -30,19 +29,21 @@ func openRing(ctx context.Context, c *client.Client, w int, reqs []*client.Fused
 		return nil, nil, err
 	}
 	name := fmt.Sprintf("expertbench-ring-%d", w)
-	region, err := c.RegisterSharedMemory(ctx, name, shm, 0, shm.Size())
+	rctx, cancel := cfg.dial.Call(ctx)
+	defer cancel()
+	region, err := c.RegisterSharedMemory(rctx, name, shm, 0, shm.Size())
 	if err != nil {
 		shm.Close()
 		return nil, nil, err
 	}
 	shm.Unlink() //nolint:errcheck // Close unlinks again and reports
-	if r, err = c.OpenRing(ctx, region, 0, opts); err != nil {
+	if r, err = c.OpenRing(rctx, region, 0, opts); err != nil {
 		shm.Close()
 		return nil, nil, err
 	}
 	return r, func() {
 		r.Close() //nolint:errcheck // exit path
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := cfg.dial.Call(context.Background())
 		defer cancel()
 		c.UnregisterSharedMemory(ctx, name) //nolint:errcheck // the connection's end frees it too
 		shm.Close()

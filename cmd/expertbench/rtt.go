@@ -31,14 +31,17 @@ type rtt struct {
 	P99 time.Duration `json:"p99_ns"`
 }
 
-// checkRTT times health checks on conn, one at a time.
-func checkRTT(ctx context.Context, conn grpc.ClientConnInterface) (rtt, error) {
+// checkRTT times health checks on conn, one at a time, each within timeout.
+func checkRTT(ctx context.Context, conn grpc.ClientConnInterface, timeout time.Duration) (rtt, error) {
 	hc := healthpb.NewHealthClient(conn)
 	d := make([]time.Duration, 0, rttCalls)
 	end := time.Now().Add(rttBudget)
 	for i := 0; i < rttWarmup+rttCalls && (i < rttWarmup+10 || time.Now().Before(end)); i++ {
+		cctx, cancel := context.WithTimeout(ctx, timeout)
 		t0 := time.Now()
-		if _, err := hc.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+		_, err := hc.Check(cctx, &healthpb.HealthCheckRequest{})
+		cancel()
+		if err != nil {
 			return rtt{}, fmt.Errorf("health check: %w", err)
 		}
 		if i >= rttWarmup {
@@ -53,7 +56,7 @@ func checkRTT(ctx context.Context, conn grpc.ClientConnInterface) (rtt, error) {
 // server (health only, no interceptors, no stats handlers, default
 // options) and client in this process over loopback TCP. What expertd
 // adds to a call is measured against it.
-func bareRTT(ctx context.Context) (rtt, error) {
+func bareRTT(ctx context.Context, timeout time.Duration) (rtt, error) {
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return rtt{}, err
@@ -67,5 +70,5 @@ func bareRTT(ctx context.Context) (rtt, error) {
 		return rtt{}, err
 	}
 	defer conn.Close()
-	return checkRTT(ctx, conn)
+	return checkRTT(ctx, conn, timeout)
 }

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"github.com/expertd/expertd/client"
 )
@@ -24,7 +23,9 @@ func toSharedMemory(ctx context.Context, c *client.Client, w int, reqs []*client
 		return nil, err
 	}
 	name := fmt.Sprintf("expertbench-%d", w)
-	region, err := c.RegisterSharedMemory(ctx, name, shm, 0, size)
+	rctx, cancel := cfg.dial.Call(ctx)
+	defer cancel()
+	region, err := c.RegisterSharedMemory(rctx, name, shm, 0, size)
 	if err != nil {
 		shm.Close()
 		return nil, err
@@ -41,7 +42,7 @@ func toSharedMemory(ctx context.Context, c *client.Client, w int, reqs []*client
 		return nil, err
 	}
 	return func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := cfg.dial.Call(context.Background())
 		defer cancel()
 		c.UnregisterSharedMemory(ctx, name) //nolint:errcheck // the connection's end frees it too
 		shm.Close()

@@ -20,6 +20,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/internal/durstat"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
@@ -251,7 +252,9 @@ func (s *soakState) checked(relErr float64, wrong bool) {
 // clients, then judge. It returns the summary and errSoakFailed (wrapped)
 // when the verdict is a failure; other errors mean it could not run.
 func soak(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) (*soakResult, error) {
-	info, err := c.ServerInfo(ctx)
+	infoCtx, cancel := cfg.dial.Call(ctx)
+	info, err := c.ServerInfo(infoCtx)
+	cancel()
 	if err != nil {
 		return nil, err
 	}
@@ -263,18 +266,21 @@ func soak(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) (
 		if cfg.keep {
 			return
 		}
-		unloadCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
 		for _, name := range loaded {
-			if _, err := c.UnloadExperts(unloadCtx, name); err != nil {
-				fmt.Fprintln(stderr, "expertbench: unloading:", err)
+			unloadCtx, cancel := cfg.dial.Call(context.Background())
+			_, err := c.UnloadExperts(unloadCtx, name)
+			cancel()
+			if err != nil {
+				clip.Fprintf(stderr, "expertbench: unloading: %v\n", err)
 			}
 		}
 	}()
 	res := &soakResult{Concurrency: cfg.concurrency, Expected: map[string]int{}, Unexpected: map[string]int{}, Failures: []string{}}
 	for _, ss := range sets {
 		set, _ := kerneltest.NewCase(rng, ss.shape, 1, ss.opts...)
-		li, err := c.LoadExperts(ctx, ss.name, clienttest.Weights(set), client.Overwrite())
+		loadCtx, cancel := cfg.dial.Call(ctx)
+		li, err := c.LoadExperts(loadCtx, ss.name, clienttest.Weights(set), client.Overwrite())
+		cancel()
 		if err != nil {
 			return nil, fmt.Errorf("loading %s: %w", ss.name, err)
 		}
@@ -506,7 +512,7 @@ func soakWorker(ctx context.Context, c *client.Client, cfg config, maxTokens int
 	sc := cfg.soak
 	for ctx.Err() == nil && time.Now().Before(deadline) {
 		e := pool[rng.IntN(len(pool))]
-		callCtx, cancel := context.WithTimeout(ctx, callTimeout)
+		callCtx, cancel := cfg.dial.Call(ctx)
 		if rng.Float64() < sc.badShare {
 			kind, e := st.nextMalformed(pool, e, maxTokens)
 			p := breakRequest(kind, e, maxTokens)
@@ -600,7 +606,7 @@ func (r *soakResult) print(w io.Writer, cfg config) error {
 	fmt.Fprintf(&b, "expected     %s\n", codeCounts(r.Expected))
 	fmt.Fprintf(&b, "unexpected   %s\n", codeCounts(r.Unexpected))
 	for _, u := range r.FirstUnexpected {
-		fmt.Fprintf(&b, "  first      %s\n", u)
+		clip.Fprintf(&b, "  first      %s\n", u)
 	}
 	fmt.Fprintf(&b, "latency      good p50 %s  p99 %s  max %s; malformed p50 %s  p99 %s\n", ms(r.GoodP50), ms(r.GoodP99), ms(r.GoodMax), ms(r.BadP50), ms(r.BadP99))
 	if r.ServerBefore != nil && r.ServerEnd != nil {
@@ -617,7 +623,7 @@ func (r *soakResult) print(w io.Writer, cfg config) error {
 	if len(r.Failures) == 0 {
 		fmt.Fprintf(&b, "verdict      PASS\n")
 	} else {
-		fmt.Fprintf(&b, "verdict      FAIL: %s\n", strings.Join(r.Failures, "; "))
+		clip.Fprintf(&b, "verdict      FAIL: %s\n", strings.Join(r.Failures, "; "))
 	}
 	_, err := io.WriteString(w, b.String())
 	return err

@@ -28,8 +28,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/internal/capfile"
 	"github.com/expertd/expertd/internal/cliflags"
+	"github.com/expertd/expertd/internal/clip"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -40,27 +41,40 @@ type config struct {
 	numLayers                          int
 	configPath                         string
 	overwrite                          bool
-	timeout                            time.Duration
 	progress                           string
 }
+
+// maxLayers bounds -num-layers and every layer index: the deepest MoE
+// checkpoints have about a hundred layers, so a larger count is a typo
+// that would otherwise issue a load call per number.
+const maxLayers = 1024
+
+// maxConfigBytes bounds -config: a config.json is a few kilobytes.
+const maxConfigBytes = 4 << 20
 
 func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("expertd-load", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	c.dial.Register(fs, "localhost:50051", "file holding an admin bearer token (LoadExperts needs the admin role)")
+	fs.SetOutput(clip.LineWriter(stderr))
+	c.dial.Register(fs, "localhost:50051", "file holding an admin bearer token (LoadExperts needs the admin role)",
+		10*time.Minute, "each layer's load")
 	fs.StringVar(&c.path, "path", "", "checkpoint directory (or .safetensors file), relative to the daemon's -weights-dir")
 	fs.StringVar(&c.layers, "layers", "", `layers to load: "all", or a list of indices and ranges ("0", "3-60", "0,2,4-7")`)
-	fs.IntVar(&c.numLayers, "num-layers", 0, "layer count for -layers all (default: num_hidden_layers of -config)")
+	fs.IntVar(&c.numLayers, "num-layers", 0, fmt.Sprintf("layer count for -layers all, at most %d (default: num_hidden_layers of -config)", maxLayers))
 	fs.StringVar(&c.configPath, "config", "", "a local copy of the checkpoint's config.json, for -layers all")
 	fs.StringVar(&c.name, "name", "", `expert set name, {L} replaced by the layer (default "<path>/layer{L}")`)
 	fs.StringVar(&c.preset, "preset", "auto", "naming preset: auto, nemotron_h, qwen3_moe, deepseek_v3, mixtral")
 	fs.StringVar(&c.prefix, "tensor-prefix", "", `what precedes "layers.{L}" in tensor names, if not the preset's`)
 	fs.BoolVar(&c.overwrite, "overwrite", false, "replace sets of the same names")
-	fs.DurationVar(&c.timeout, "timeout", 10*time.Minute, "deadline of each layer's load")
 	fs.StringVar(&c.progress, "progress", "auto", "progress bar: auto (when stderr is a terminal), bar, lines, none")
 	if err := fs.Parse(args); err != nil {
 		return c, err
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if c.numLayers < 0 || c.numLayers > maxLayers {
+		return c, fmt.Errorf("-num-layers %d: want 1 to %d (0: num_hidden_layers of -config)", c.numLayers, maxLayers)
 	}
 	if c.path == "" || c.layers == "" {
 		return c, errors.New("-path and -layers are required")
@@ -80,11 +94,15 @@ func isSingle(spec string) bool {
 }
 
 // parseLayers expands "all" (with n layers) or a list of indices and
-// ranges, in order, without repeats.
+// ranges, in order, without repeats; every index is below maxLayers, so
+// there are at most maxLayers.
 func parseLayers(spec string, n int) ([]int, error) {
 	if spec == "all" {
 		if n < 1 {
 			return nil, errors.New("-layers all needs -num-layers or -config")
+		}
+		if n > maxLayers {
+			return nil, fmt.Errorf("-layers all: %d layers, more than %d", n, maxLayers)
 		}
 		out := make([]int, n)
 		for i := range out {
@@ -101,8 +119,11 @@ func parseLayers(spec string, n int) ([]int, error) {
 		if err == nil && isRange {
 			b, err = strconv.Atoi(hi)
 		}
-		if err != nil || a < 0 || b < a || b-a > 1<<16 {
-			return nil, fmt.Errorf("-layers: %q is not an index or a range a-b", part)
+		if err != nil || a < 0 || b < a {
+			return nil, fmt.Errorf("-layers: %s is not an index or a range a-b", clip.Quote(part))
+		}
+		if b >= maxLayers {
+			return nil, fmt.Errorf("-layers: %s: layer indices go up to %d", clip.Quote(part), maxLayers-1)
 		}
 		for l := a; l <= b; l++ {
 			if !seen[l] {
@@ -115,9 +136,9 @@ func parseLayers(spec string, n int) ([]int, error) {
 }
 
 func numHiddenLayers(path string) (int, error) {
-	b, err := os.ReadFile(path)
+	b, err := capfile.ReadAll(path, maxConfigBytes)
 	if err != nil {
-		return 0, err
+		return 0, fmt.Errorf("-config: %w", err)
 	}
 	var cfg struct {
 		N    int `json:"num_hidden_layers"`
@@ -126,13 +147,13 @@ func numHiddenLayers(path string) (int, error) {
 		} `json:"text_config"`
 	}
 	if err := json.Unmarshal(b, &cfg); err != nil {
-		return 0, fmt.Errorf("%s: %w", path, err)
+		return 0, fmt.Errorf("-config %s: %w", path, err)
 	}
 	if cfg.N == 0 && cfg.Text != nil {
 		cfg.N = cfg.Text.N
 	}
-	if cfg.N < 1 {
-		return 0, fmt.Errorf("%s has no num_hidden_layers", path)
+	if cfg.N < 1 || cfg.N > maxLayers {
+		return 0, fmt.Errorf("-config %s: num_hidden_layers %d: want 1 to %d", path, cfg.N, maxLayers)
 	}
 	return cfg.N, nil
 }
@@ -174,7 +195,7 @@ func loadLayers(ctx context.Context, rpc pb.ExpertServiceClient, c config, layer
 		}
 		if err != nil {
 			prog.finish()
-			return out, fmt.Errorf("layer %d (%s): %w", l, name, err)
+			return out, fmt.Errorf("layer %d (%s): %w", l, clip.Quote(name), err)
 		}
 		out = append(out, loaded{layer: l, info: info})
 		prog.done(i+1, l, info.GetBytes(), name)
@@ -184,7 +205,7 @@ func loadLayers(ctx context.Context, rpc pb.ExpertServiceClient, c config, layer
 }
 
 func loadOne(ctx context.Context, rpc pb.ExpertServiceClient, c config, src *pb.LoadExpertsRequest_SafetensorsSource) (*pb.ExpertSetInfo, error) {
-	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	ctx, cancel := c.dial.Call(ctx)
 	defer cancel()
 	stream, err := rpc.LoadExperts(ctx)
 	if err != nil {
@@ -210,11 +231,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	opts, err := c.dial.Options()
-	if err != nil {
-		return err
-	}
-	cl, err := client.Dial(ctx, c.dial.Addr, opts...)
+	cl, err := c.dial.Connect(ctx)
 	if err != nil {
 		return err
 	}
@@ -230,7 +247,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		sets++
 		bytes += r.info.GetBytes()
-		fmt.Fprintf(stdout, "%s\tlayer %d\tE=%d K=%d N=%d\t%d bytes\t%s\n", r.info.GetName(), r.layer,
+		clip.Fprintf(stdout, "%s\tlayer %d\tE=%d K=%d N=%d\t%d bytes\t%s\n", r.info.GetName(), r.layer,
 			r.info.GetNumExperts(), r.info.GetHiddenSize(), r.info.GetIntermediateSize(), r.info.GetBytes(), r.info.GetFingerprint())
 	}
 	fmt.Fprintf(stderr, "expertd-load: %d sets loaded (%s), %d layers without experts skipped\n", sets, humanBytes(bytes), skipped)
@@ -240,7 +257,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 func main() {
 	if err := run(context.Background(), os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if !errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintln(os.Stderr, "expertd-load:", err)
+			clip.Fprintf(os.Stderr, "expertd-load: %v\n", err)
 		}
 		os.Exit(1)
 	}

@@ -5,8 +5,10 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -14,6 +16,12 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/expertd/expertd/internal/clip"
+	"github.com/expertd/expertd/internal/clitest"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -36,9 +44,17 @@ func TestParseLayers(t *testing.T) {
 		{"5-3", 0, nil, true},
 		{"x", 0, nil, true},
 		{"-1", 0, nil, true},
+		{"0-1023", 0, nil, false},
+		{"1024", 0, nil, true},
+		{"0-1000000000", 0, nil, true},
+		{"all", 1024, nil, false},
+		{"all", 1025, nil, true},
 	}
 	for _, tt := range tests {
 		got, err := parseLayers(tt.spec, tt.n)
+		if tt.want == nil && !tt.err {
+			tt.want = got // only the error is checked
+		}
 		if (err != nil) != tt.err || !slices.Equal(got, tt.want) {
 			t.Errorf("parseLayers(%q, %d) = %v, %v; want %v (error %v)", tt.spec, tt.n, got, err, tt.want, tt.err)
 		}
@@ -126,7 +142,8 @@ func TestLoadLayers(t *testing.T) {
 	}
 	layers, _ := parseLayers("all", n3)
 	var log bytes.Buffer
-	c := config{path: "qwen", name: "qwen/layer{L}", preset: "auto", timeout: 10 * time.Second}
+	c := config{path: "qwen", name: "qwen/layer{L}", preset: "auto"}
+	c.dial.Timeout = 10 * time.Second
 	res, err := loadLayers(ctx, rpc, c, layers, newProgress(&log, "lines", len(layers)))
 	if err != nil {
 		t.Fatalf("loadLayers: %v\n%s", err, log.String())
@@ -150,7 +167,7 @@ func TestLoadLayers(t *testing.T) {
 	}
 
 	// Loading again without -overwrite stops at the first layer in use.
-	_, err = loadLayers(ctx, rpc, config{path: "qwen", name: "qwen/layer{L}", preset: "auto", timeout: time.Second}, []int{1, 2}, newProgress(&log, "none", 2))
+	_, err = loadLayers(ctx, rpc, c, []int{1, 2}, newProgress(&log, "none", 2))
 	if err == nil || !strings.Contains(err.Error(), "layer 1") || !strings.Contains(err.Error(), "already loaded") {
 		t.Errorf("second load: %v, want layer 1 already loaded", err)
 	}
@@ -167,4 +184,104 @@ func TestLoadLayers(t *testing.T) {
 	if !strings.Contains(bar.String(), "\r\x1b[K[===============               ] 1/2 layers  3.0 MiB") {
 		t.Errorf("bar %q", bar.String())
 	}
+}
+
+// runBounded runs the command, failing the test if it does not return
+// within a minute: every case here must end long before.
+func runBounded(t *testing.T, args ...string) (err error, stdout, stderr string) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	done := make(chan error, 1)
+	go func() { done <- run(context.Background(), args, &out, &errOut) }()
+	select {
+	case err = <-done:
+	case <-time.After(time.Minute):
+		t.Fatalf("expertd-load %q still running after a minute", args)
+	}
+	return err, out.String(), errOut.String()
+}
+
+// TestRunTimeout: with no daemon at -addr, or a peer that accepts TCP and
+// never answers, the command ends with an error after -timeout instead of
+// waiting for ever in the dial.
+func TestRunTimeout(t *testing.T) {
+	for _, addr := range []string{"127.0.0.1:1", clitest.SilentPeer(t)} {
+		err, _, _ := runBounded(t, "-addr", addr, "-timeout", "300ms", "-path", "x", "-layers", "0")
+		if err == nil || !strings.Contains(err.Error(), "within -timeout 300ms") {
+			t.Errorf("-addr %s: %v; want an error naming -timeout", addr, err)
+		}
+	}
+}
+
+// TestRunBoundedInputs: files are read only when regular and small, and
+// layer counts are capped, before anything is dialled.
+func TestRunBoundedInputs(t *testing.T) {
+	dir := t.TempDir()
+	huge := filepath.Join(dir, "huge")
+	os.WriteFile(huge, nil, 0o600)
+	if err := os.Truncate(huge, 4<<30); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"-addr", "127.0.0.1:1", "-timeout", "5s", "-path", "x"}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-layers", "all", "-config", huge}, "-config: \"huge\" is 4294967296 bytes, over the size cap of 4 MiB"},
+		{[]string{"-layers", "all", "-config", dir}, "not a regular file (a directory)"},
+		{[]string{"-layers", "0", "-token-file", huge}, "-token-file: \"huge\" is 4294967296 bytes, over the size cap of 64 KiB"},
+		{[]string{"-layers", "all", "-num-layers", "1000000000"}, "-num-layers 1000000000: want 1 to 1024"},
+		{[]string{"-layers", "all", "-num-layers", "-3"}, "-num-layers -3: want 1 to 1024"},
+		{[]string{"-layers", "0-99999999"}, "layer indices go up to 1023"},
+		{[]string{"-layers", "0", "-timeout", "0s"}, "-timeout 0s: want > 0"},
+	} {
+		err, _, _ := runBounded(t, append(base, tc.args...)...)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: %v; want an error with %q", tc.args, err, tc.want)
+		}
+	}
+}
+
+// invalidIndex answers every load as the daemon does a checkpoint whose
+// index is corrupt, with a message far longer than a line.
+type invalidIndex struct {
+	pb.UnimplementedExpertServiceServer
+}
+
+func (invalidIndex) LoadExperts(pb.ExpertService_LoadExpertsServer) error {
+	return status.Error(codes.InvalidArgument, "model.safetensors.index.json: weight_map is empty "+strings.Repeat("x", 1<<20))
+}
+
+// TestRunInvalidIndex: a load the daemon refuses with InvalidArgument (a
+// corrupt index) stops the run with that error, which main turns into a
+// non-zero exit, and is not counted as a layer without experts.
+func TestRunInvalidIndex(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer()
+	pb.RegisterExpertServiceServer(gs, invalidIndex{})
+	go gs.Serve(lis)
+	defer gs.Stop()
+	err, stdout, stderr := runBounded(t, "-addr", lis.Addr().String(), "-timeout", "10s", "-path", "x", "-layers", "all", "-num-layers", "3", "-progress", "lines")
+	if status.Code(errors.Unwrap(err)) != codes.InvalidArgument || !strings.Contains(err.Error(), "layer 0") {
+		t.Fatalf("run = %.200v; want InvalidArgument for layer 0", err)
+	}
+	if stdout != "" || strings.Contains(stderr, "skipped\n[") || !strings.Contains(stderr, "0 sets loaded") {
+		t.Errorf("stdout %q, stderr %.300q", stdout, stderr)
+	}
+	var line bytes.Buffer
+	clip.Fprintf(&line, "expertd-load: %v\n", err)
+	clitest.CheckLines(t, line.String())
+}
+
+// TestUsageLinesBounded: a megabyte flag value reaches stderr in lines of
+// at most clip.Line bytes.
+func TestUsageLinesBounded(t *testing.T) {
+	var stderr bytes.Buffer
+	if _, err := parseFlags([]string{"-num-layers", strings.Repeat("9", 1<<20) + "x"}, &stderr); err == nil {
+		t.Fatal("parseFlags accepted a megabyte -num-layers")
+	}
+	clitest.CheckLines(t, stderr.String())
 }

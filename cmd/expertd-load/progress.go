@@ -6,6 +6,8 @@ import (
 	"os"
 	"strings"
 	"time"
+
+	"github.com/expertd/expertd/internal/clip"
 )
 
 // progress draws the run's progress on stderr: a bar redrawn in place on a
@@ -44,7 +46,7 @@ func (p *progress) done(i, layer int, n int64, what string) {
 	case "bar":
 		p.draw(i, fmt.Sprintf("layer %d: %s", layer, what))
 	case "lines":
-		fmt.Fprintf(p.w, "[%d/%d] layer %d: %s (%s in %s)\n", i, p.total, layer, what, humanBytes(n), time.Since(p.layerBegan).Round(time.Millisecond))
+		clip.Fprintf(p.w, "[%d/%d] layer %d: %s (%s in %s)\n", i, p.total, layer, what, humanBytes(n), time.Since(p.layerBegan).Round(time.Millisecond))
 	}
 }
 
@@ -59,7 +61,7 @@ func (p *progress) draw(i int, what string) {
 	if i > 0 && i < p.total {
 		eta = "eta " + (el / time.Duration(i) * time.Duration(p.total-i)).Round(time.Second).String()
 	}
-	fmt.Fprintf(p.w, "\r\x1b[K[%s%s] %d/%d layers  %s  %s  %s  %s", strings.Repeat("=", fill), strings.Repeat(" ", width-fill),
+	clip.Fprintf(p.w, "\r\x1b[K[%s%s] %d/%d layers  %s  %s  %s  %s", strings.Repeat("=", fill), strings.Repeat(" ", width-fill),
 		i, p.total, humanBytes(p.bytes), rate, eta, what)
 }
 

@@ -25,6 +25,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/expertd/expertd/internal/capfile"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 )
@@ -95,13 +96,20 @@ func (a *authorizer) learnMethods(gs *grpc.Server) {
 	if a == nil {
 		return
 	}
+	served := servedMethods(gs)
+	a.registered = func(m string) bool { return served[m] }
+}
+
+// servedMethods is the set of full method names ("/service/method") gs
+// serves.
+func servedMethods(gs *grpc.Server) map[string]bool {
 	served := map[string]bool{}
 	for svc, info := range gs.GetServiceInfo() {
 		for _, m := range info.Methods {
 			served["/"+svc+"/"+m.Name] = true
 		}
 	}
-	a.registered = func(m string) bool { return served[m] }
+	return served
 }
 
 // unknownMethod answers calls to methods the server does not serve. As a
@@ -149,7 +157,7 @@ func newAuthorizer(c Config) (*authorizer, error) {
 		a.admins[id] = true
 	}
 	if c.AuthTokensFile != "" {
-		f, err := os.Open(c.AuthTokensFile)
+		f, err := capfile.Open(c.AuthTokensFile, maxTokensFileBytes)
 		if err != nil {
 			return nil, fmt.Errorf("-auth-tokens-file: %w", err)
 		}
@@ -157,7 +165,7 @@ func newAuthorizer(c Config) (*authorizer, error) {
 		if fi, err := f.Stat(); err == nil && fi.Mode().Perm()&0o077 != 0 {
 			a.looseMode = fi.Mode().Perm()
 		}
-		if a.tokens, err = parseTokens(f); err != nil {
+		if a.tokens, err = parseTokens(io.LimitReader(f, maxTokensFileBytes)); err != nil {
 			return nil, fmt.Errorf("-auth-tokens-file %s: %w", c.AuthTokensFile, err)
 		}
 	}

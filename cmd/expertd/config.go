@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/kernels/cuda"
 	"github.com/expertd/expertd/service"
 )
@@ -215,7 +216,7 @@ func messageBytesFor(maxTokens int) int64 {
 func parseConfig(args []string, getenv func(string) string, usage io.Writer) (Config, error) {
 	var c Config
 	fs := flag.NewFlagSet("expertd", flag.ContinueOnError)
-	fs.SetOutput(usage)
+	fs.SetOutput(clip.LineWriter(usage))
 	var envErrs []error
 	str := func(p *string, name, def, help string) {
 		env := envName(name)

@@ -5,15 +5,11 @@ import (
 	"fmt"
 	"log/slog"
 
-	"github.com/expertd/expertd/service"
+	"github.com/expertd/expertd/internal/clip"
 )
 
-// maxLogAttr bounds one log attribute: room for any error chain the
-// daemon builds, far below what a request can carry.
-const maxLogAttr = 2048
-
 // clipHandler cuts every string attribute (and error and Stringer) of a
-// record to maxLogAttr bytes before the real handler writes it, except a
+// record to clip.Line bytes before the real handler writes it, except a
 // panic's stack, which is the daemon's own and wanted whole. The
 // service bounds what it echoes, but the middleware logs things a caller
 // chose too (an unknown method's name, a status message from elsewhere):
@@ -49,7 +45,7 @@ func clipAttr(a slog.Attr) slog.Attr {
 	}
 	switch v.Kind() {
 	case slog.KindString:
-		return slog.String(a.Key, service.ClipTo(v.String(), maxLogAttr))
+		return slog.String(a.Key, clip.To(v.String(), clip.Line))
 	case slog.KindGroup:
 		g := v.Group()
 		cs := make([]any, len(g))
@@ -60,13 +56,13 @@ func clipAttr(a slog.Attr) slog.Attr {
 	case slog.KindAny:
 		switch x := v.Any().(type) {
 		case error:
-			return slog.String(a.Key, service.ClipTo(x.Error(), maxLogAttr))
+			return slog.String(a.Key, clip.To(x.Error(), clip.Line))
 		case fmt.Stringer:
-			return slog.String(a.Key, service.ClipTo(x.String(), maxLogAttr))
+			return slog.String(a.Key, clip.To(x.String(), clip.Line))
 		case []string:
 			cs := make([]string, len(x))
 			for i, s := range x {
-				cs[i] = service.ClipTo(s, maxLogAttr)
+				cs[i] = clip.To(s, clip.Line)
 			}
 			return slog.Any(a.Key, cs)
 		}

@@ -44,6 +44,7 @@ import (
 	v1alphareflectiongrpc "google.golang.org/grpc/reflection/grpc_reflection_v1alpha"
 	"google.golang.org/grpc/status"
 
+	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/kernels"
 	_ "github.com/expertd/expertd/kernels/cpu"  // registers "cpu"
 	_ "github.com/expertd/expertd/kernels/cuda" // registers "cuda" (purego: no cgo; fails to open without the library)
@@ -58,7 +59,7 @@ func main() {
 		if errors.Is(err, errUsage) {
 			os.Exit(2)
 		}
-		fmt.Fprintln(os.Stderr, "expertd:", err)
+		clip.Fprintf(os.Stderr, "expertd: %v\n", err)
 		os.Exit(1)
 	}
 }
@@ -79,7 +80,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		return nil
 	}
 	if err != nil {
-		fmt.Fprintln(stderr, err)
+		clip.Fprintf(stderr, "%v\n", err)
 		return errUsage
 	}
 	if cfg.ShowVersion {
@@ -88,6 +89,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	if cfg.Probe != "" {
 		return probeURL(cfg.Probe)
+	}
+	if err := cfg.checkPaths(); err != nil {
+		return err
 	}
 	log := cfg.logger(stderr)
 	slog.SetDefault(log)
@@ -311,6 +315,10 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 	// its code: a healthy daemon at the default info level logs no line
 	// per call.
 	logOpts := []logging.Option{logging.WithLogOnEvents(logging.FinishCall), logging.WithLevels(callLevel)}
+	// OpenTelemetry RPC metrics and spans, recording methods the server
+	// does not serve under one name.
+	rpcTelemetry := &knownMethods{Handler: otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters),
+		otelgrpc.WithTracerProvider(tracer), otelgrpc.WithPropagators(propagator()))}
 	logged := selector.MatchFunc(func(_ context.Context, c interceptors.CallMeta) bool {
 		return c.Service != healthpb.Health_ServiceDesc.ServiceName && !strings.HasPrefix(c.Service, "grpc.reflection.")
 	})
@@ -321,8 +329,7 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 		// logging) like the others, instead of grpc-go's Unimplemented
 		// answered before them.
 		grpc.UnknownServiceHandler(unknownMethod),
-		grpc.StatsHandler(otelgrpc.NewServerHandler(otelgrpc.WithMeterProvider(meters), otelgrpc.WithTracerProvider(tracer),
-			otelgrpc.WithPropagators(propagator()))),
+		grpc.StatsHandler(rpcTelemetry),
 		grpc.StatsHandler(refusedLog{log}),
 		// Recovery runs innermost so a panic is logged as the Internal it
 		// becomes.
@@ -341,7 +348,9 @@ func newGRPCServer(cfg Config, log *slog.Logger, meters *sdkmetric.MeterProvider
 	if cfg.StreamWorkers > 0 {
 		opts = append(opts, grpc.NumStreamWorkers(uint32(cfg.StreamWorkers)))
 	}
-	return grpc.NewServer(append(opts, extra...)...)
+	gs := grpc.NewServer(append(opts, extra...)...)
+	rpcTelemetry.gs = gs
+	return gs
 }
 
 // registerReflection serves reflection v1 and v1alpha with expert.proto's

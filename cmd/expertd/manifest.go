@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"sigs.k8s.io/yaml"
 
+	"github.com/expertd/expertd/internal/capfile"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/shard"
@@ -57,19 +58,12 @@ type manifestShard struct {
 	Index *int `json:"index"`
 }
 
-// maxManifestBytes bounds the file read at start; a manifest is a few
-// lines per set.
-const maxManifestBytes = 4 << 20
-
 // readManifest parses path, refusing unknown keys anywhere so a typo is an
 // error at start instead of a set that silently loads wrong.
 func readManifest(path string) (*manifest, error) {
-	raw, err := os.ReadFile(path)
+	raw, err := capfile.ReadAll(path, maxManifestBytes)
 	if err != nil {
-		return nil, fmt.Errorf("manifest: %w", err)
-	}
-	if len(raw) > maxManifestBytes {
-		return nil, fmt.Errorf("manifest %s: %d bytes, more than %d", path, len(raw), maxManifestBytes)
+		return nil, fmt.Errorf("-manifest: %w", err)
 	}
 	m, err := parseManifest(raw)
 	if err != nil {
@@ -113,7 +107,7 @@ func parseManifest(raw []byte) (*manifest, error) {
 			return nil, fmt.Errorf("sets[%d]: want a safetensors source (uploads cannot be named in a manifest)", i)
 		}
 		if j, dup := names[src.GetName()]; dup {
-			return nil, fmt.Errorf("sets[%d]: name %q is also sets[%d]'s", i, src.GetName(), j)
+			return nil, fmt.Errorf("sets[%d]: name %s is also sets[%d]'s", i, service.Quote(src.GetName()), j)
 		}
 		names[src.GetName()] = i
 		m.Sets = append(m.Sets, req)
@@ -214,7 +208,7 @@ func loadManifest(ctx context.Context, m *manifest, svc *service.Server, weights
 	for i, req := range m.Sets {
 		src := req.GetSafetensors()
 		if err := waitForFile(ctx, weightsDir, src.GetPath(), m.WaitForFiles, log); err != nil {
-			return fmt.Errorf("manifest sets[%d] (%q): %w", i, src.GetName(), err)
+			return fmt.Errorf("manifest sets[%d] (%s): %w", i, service.Quote(src.GetName()), err)
 		}
 		t0 := time.Now()
 		info, err := svc.LoadSafetensors(ctx, src, subset)

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"runtime"
 	"strings"
+	"sync"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
 	"github.com/prometheus/client_golang/prometheus"
@@ -20,7 +21,9 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.26.0"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/stats"
 
 	"github.com/expertd/expertd/service"
 )
@@ -76,6 +79,36 @@ func newMeterProvider(reg prometheus.Registerer, res *resource.Resource) (*sdkme
 	}
 	return sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter), sdkmetric.WithResource(res),
 		sdkmetric.WithView(rpcDurationViews()...)), nil
+}
+
+// otherMethod is the method the RPC metrics and spans record for a call
+// to a method the server does not serve, as OpenTelemetry's semantic
+// conventions name an unknown method: such a name is the caller's choice,
+// and recorded as it is each would add a series to every RPC metric and
+// a span name, without bound, and before any credential is checked.
+const otherMethod = "/_OTHER"
+
+// knownMethods is a stats.Handler in front of otelgrpc's that passes a
+// call's method on only when the server serves it, otherMethod
+// otherwise, so the rpc_method label takes one value per served method
+// plus one. The served set is read from the server at its first call,
+// when every service is registered (grpc-go refuses a registration after
+// Serve).
+type knownMethods struct {
+	stats.Handler
+	gs     *grpc.Server
+	once   sync.Once
+	served map[string]bool
+}
+
+func (h *knownMethods) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
+	h.once.Do(func() { h.served = servedMethods(h.gs) })
+	if !h.served[info.FullMethodName] {
+		other := *info
+		other.FullMethodName = otherMethod
+		info = &other
+	}
+	return h.Handler.TagRPC(ctx, info)
 }
 
 // registerBuildInfo exports expertd_build_info, always 1, labelled with what

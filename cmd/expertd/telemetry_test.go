@@ -432,3 +432,63 @@ func TestCallLogLevels(t *testing.T) {
 		})
 	}
 }
+
+// rpcSeries counts the series of the RPC metrics, and those with a label
+// value containing s.
+func rpcSeries(fams map[string]*dto.MetricFamily, s string) (all, with int) {
+	for name, f := range fams {
+		if !strings.HasPrefix(name, "rpc_") {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			all++
+			for _, v := range labels(m) {
+				if strings.Contains(v, s) {
+					with++
+					break
+				}
+			}
+		}
+	}
+	return all, with
+}
+
+// TestUnknownMethodsBounded: calls to methods the server does not serve,
+// without credentials, add no series per method name: they are all
+// recorded as _OTHER, and a served method keeps its own label.
+func TestUnknownMethodsBounded(t *testing.T) {
+	path, user, _ := writeTokens(t)
+	addrs, _ := startDaemonAddrs(t, "-auth-tokens-file", path, "-admin-addr", "127.0.0.1:0")
+	conn := dial(t, addrs.grpc, insecure.NewCredentials())
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+	unknown := func(from, to int) {
+		for i := from; i < to; i++ {
+			err := conn.Invoke(ctx, fmt.Sprintf("/zqx.Svc%d/M", i), &pb.ListExpertsRequest{}, &pb.ListExpertsResponse{})
+			if status.Code(err) != codes.Unauthenticated {
+				t.Fatalf("unknown method %d without a token: %v, want Unauthenticated", i, err)
+			}
+		}
+	}
+	unknown(0, 5)
+	authed := metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+user)
+	if _, err := pb.NewExpertServiceClient(conn).GetServerInfo(authed, &pb.GetServerInfoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	before, named := rpcSeries(scrape(t, addrs.admin), "zqx")
+	if named != 0 {
+		t.Errorf("%d RPC series carry a caller's method name", named)
+	}
+	unknown(5, 50)
+	fams := scrape(t, addrs.admin)
+	after, named := rpcSeries(fams, "zqx")
+	if named != 0 || after != before {
+		t.Errorf("45 more unknown methods: %d RPC series -> %d, %d with a caller's method name; want no new series", before, after, named)
+	}
+	if _, other := rpcSeries(fams, "_OTHER"); other == 0 {
+		t.Error("no RPC series records the unknown methods as _OTHER")
+	}
+	if _, info := rpcSeries(fams, "GetServerInfo"); info == 0 {
+		t.Error("GetServerInfo is not recorded under its own method")
+	}
+}

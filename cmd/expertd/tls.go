@@ -6,9 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 
 	"google.golang.org/grpc/credentials"
+
+	"github.com/expertd/expertd/internal/pemfile"
 )
 
 // serverTLS builds the listener's TLS configuration from -tls-cert,
@@ -19,7 +20,7 @@ func (c Config) serverTLS() (*tls.Config, error) {
 	if c.TLSCert == "" {
 		return nil, nil
 	}
-	cert, err := tls.LoadX509KeyPair(c.TLSCert, c.TLSKey)
+	cert, err := pemfile.KeyPair(c.TLSCert, c.TLSKey)
 	if err != nil {
 		return nil, fmt.Errorf("-tls-cert %s, -tls-key %s: %w", c.TLSCert, c.TLSKey, err)
 	}
@@ -30,13 +31,9 @@ func (c Config) serverTLS() (*tls.Config, error) {
 		MinVersion: tls.VersionTLS12,
 	}
 	if c.TLSClientCA != "" {
-		pemBytes, err := os.ReadFile(c.TLSClientCA)
+		pool, err := pemfile.CertPool(c.TLSClientCA)
 		if err != nil {
-			return nil, fmt.Errorf("-tls-client-ca: %w", err)
-		}
-		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pemBytes) {
-			return nil, fmt.Errorf("-tls-client-ca %s: no PEM certificate in the file", c.TLSClientCA)
+			return nil, fmt.Errorf("-tls-client-ca %s: %w", c.TLSClientCA, err)
 		}
 		tc.ClientCAs = pool
 		tc.ClientAuth = tls.RequireAndVerifyClientCert

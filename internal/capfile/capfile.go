@@ -72,7 +72,7 @@ func Check(f *os.File, max int64) (fs.FileInfo, error) {
 		return nil, fmt.Errorf("%s: %w", quote(f.Name()), err)
 	}
 	if !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s: %w (%v)", quote(f.Name()), ErrNotRegular, st.Mode().Type())
+		return nil, fmt.Errorf("%s: %w (%s)", quote(f.Name()), ErrNotRegular, kind(st.Mode()))
 	}
 	if st.Size() > max {
 		return nil, tooLarge(f.Name(), st.Size(), max)
@@ -104,6 +104,23 @@ func read(f *os.File, max int64) ([]byte, error) {
 		return nil, fmt.Errorf("%s grew while it was read, %w of %s", quote(f.Name()), ErrTooLarge, Size(max))
 	}
 	return b, nil
+}
+
+// kind names a file type for an error message.
+func kind(m fs.FileMode) string {
+	switch {
+	case m.IsDir():
+		return "a directory"
+	case m&fs.ModeNamedPipe != 0:
+		return "a named pipe"
+	case m&fs.ModeSocket != 0:
+		return "a socket"
+	case m&fs.ModeDevice != 0:
+		return "a device"
+	case m&fs.ModeSymlink != 0:
+		return "a symbolic link"
+	}
+	return "type " + m.Type().String()
 }
 
 func tooLarge(name string, size, max int64) error {

@@ -1,6 +1,7 @@
 package cliflags
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -10,11 +11,14 @@ import (
 	"flag"
 	"io"
 	"math/big"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/expertd/expertd/internal/clitest"
 )
 
 // writePair writes a self-signed certificate and its key as PEM files.
@@ -52,7 +56,7 @@ func parse(t *testing.T, args ...string) (*Dial, error) {
 	var d Dial
 	fs := flag.NewFlagSet("test", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	d.Register(fs, "localhost:1", "token")
+	d.Register(fs, "localhost:1", "token", time.Minute, "each call")
 	if err := fs.Parse(args); err != nil {
 		t.Fatal(err)
 	}
@@ -68,6 +72,15 @@ func TestDialFlags(t *testing.T) {
 	write(t, empty, "\n")
 	notPEM := filepath.Join(dir, "not.pem")
 	write(t, notPEM, "hello")
+	// A sparse file far over every cap: reading it whole would take
+	// seconds and gigabytes.
+	big := filepath.Join(dir, "big")
+	if err := os.WriteFile(big, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(big, 4<<30); err != nil {
+		t.Fatal(err)
+	}
 
 	for _, tc := range []struct {
 		name    string
@@ -82,10 +95,14 @@ func TestDialFlags(t *testing.T) {
 		{name: "token alone", args: []string{"-token-file", token}, n: 1},
 		{name: "cert without key", args: []string{"-tls-cert", cert}, check: "-tls-cert and -tls-key go together"},
 		{name: "server name without tls", args: []string{"-server-name", "x"}, check: "-server-name needs TLS"},
-		{name: "ca not pem", args: []string{"-tls-ca", notPEM}, options: "holds no PEM certificate"},
-		{name: "ca missing", args: []string{"-tls-ca", filepath.Join(dir, "nope")}, options: "-tls-ca:"},
+		{name: "ca not pem", args: []string{"-tls-ca", notPEM}, options: "no PEM certificate"},
+		{name: "ca missing", args: []string{"-tls-ca", filepath.Join(dir, "nope")}, options: "-tls-ca "},
 		{name: "key mismatch", args: []string{"-tls-cert", cert, "-tls-key", cert}, options: "-tls-cert, -tls-key:"},
 		{name: "empty token", args: []string{"-token-file", empty}, options: "is empty"},
+		{name: "token directory", args: []string{"-token-file", dir}, options: "not a regular file (a directory)"},
+		{name: "token too large", args: []string{"-token-file", big}, options: "over the size cap"},
+		{name: "ca too large", args: []string{"-tls-ca", big}, options: "over the size cap"},
+		{name: "zero timeout", args: []string{"-timeout", "0s"}, check: "-timeout 0s: want > 0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			d, err := parse(t, tc.args...)
@@ -109,5 +126,39 @@ func TestDialFlags(t *testing.T) {
 				t.Fatalf("Options() = %d options, %v; want %d", len(opts), err, tc.n)
 			}
 		})
+	}
+}
+
+// TestConnectTimeout: a dial to a port nobody listens on, or to a peer
+// that accepts TCP and never speaks HTTP/2, ends after -timeout with an
+// error naming it.
+func TestConnectTimeout(t *testing.T) {
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closedAddr := closed.Addr().String()
+	closed.Close()
+	for _, addr := range []string{clitest.SilentPeer(t), closedAddr} {
+		d, err := parse(t, "-addr", addr, "-timeout", "200ms")
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() {
+			c, err := d.Connect(context.Background())
+			if err == nil {
+				c.Close()
+			}
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), "within -timeout 200ms") {
+				t.Errorf("Connect(%s) = %v, want an error naming -timeout", addr, err)
+			}
+		case <-time.After(time.Minute):
+			t.Fatalf("Connect(%s) still waiting a minute past -timeout 200ms", addr)
+		}
 	}
 }
