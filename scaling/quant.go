@@ -71,8 +71,17 @@ func checkGroups(codes, scales, vals, rows, cols, group int) int {
 // data generators use it; the returned scale has E, Rows and Cols set. It
 // panics on a length mismatch or an unknown granularity.
 func QuantizeWeights(src []float32, e, rows, cols int, g Granularity, block [2]int) ([]uint8, WeightScale) {
-	if len(src) != e*rows*cols {
-		panic(fmt.Sprintf("scaling: QuantizeWeights: %d values for [%d %d %d]", len(src), e, rows, cols))
+	q := make([]uint8, len(src))
+	return q, QuantizeWeightsInto(q, src, e, rows, cols, g, block)
+}
+
+// QuantizeWeightsInto is QuantizeWeights writing the codes into dst, which
+// must hold len(src) bytes: a loader quantizes each expert's matrix
+// straight into the expert set's buffer. It panics like QuantizeWeights,
+// and if dst is shorter than src.
+func QuantizeWeightsInto(dst []uint8, src []float32, e, rows, cols int, g Granularity, block [2]int) WeightScale {
+	if len(src) != e*rows*cols || len(dst) < len(src) {
+		panic(fmt.Sprintf("scaling: QuantizeWeights: %d values and %d codes for [%d %d %d]", len(src), len(dst), e, rows, cols))
 	}
 	ws := WeightScale{Granularity: g, E: e, Rows: rows, Cols: cols}
 	switch g {
@@ -109,12 +118,11 @@ func QuantizeWeights(src []float32, e, rows, cols int, g Granularity, block [2]i
 	default:
 		panic(fmt.Sprintf("scaling: QuantizeWeights: granularity %v", g))
 	}
-	q := make([]uint8, len(src))
 	for i, x := range src {
 		col, row, ex := i%cols, i/cols%rows, i/(rows*cols)
-		q[i] = Float32ToE4M3(x / ws.At(ex, row, col))
+		dst[i] = Float32ToE4M3(x / ws.At(ex, row, col))
 	}
-	return q, ws
+	return ws
 }
 
 func abs32(x float32) float32 {
