@@ -171,8 +171,9 @@ func inputScales(f *stFile, names func(e int) []projection, numE int) ([]float32
 }
 
 // assemble reads an expert set per src from f, reserving its bytes in reg
-// before reading the weights.
-func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset, block [2]int, reg *registry) (*assembled, error) {
+// before reading the weights; BF16 and F16 weights are quantized with hq
+// (nil: on the host).
+func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset, block [2]int, reg *registry, hq HalfQuantizer) (*assembled, error) {
 	wrap := func(err error) error { return invalidf("safetensors", "%s: %v", Quote(src.GetPath()), err) }
 	// ids[e] is the file's expert that the set serves as expert e.
 	var ids []int
@@ -216,13 +217,18 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		numE = len(ids)
 	}
 	l0 := lay(0)
+	// F8_E4M3 weights, or BF16 or F16 ones to quantize on load.
+	wdt := "F8_E4M3"
+	if _, half := halfDtypes[f.tensors[l0.w13[0].weight].Dtype]; half {
+		wdt = f.tensors[l0.w13[0].weight].Dtype
+	}
 	shapeOf := func(name string) ([]int64, error) {
 		t, ok := f.tensors[name]
 		if !ok {
 			return nil, fmt.Errorf("no tensor named %s", Quote(name))
 		}
-		if t.Dtype != "F8_E4M3" {
-			return nil, fmt.Errorf("tensor %s has dtype %s, want F8_E4M3", Quote(name), Quote(t.Dtype))
+		if t.Dtype != wdt {
+			return nil, fmt.Errorf("tensor %s has dtype %s, want %s as the layer's first weight has", Quote(name), Quote(t.Dtype), wdt)
 		}
 		if len(t.Shape) != 2 || t.Shape[0] < 1 || t.Shape[1] < 1 {
 			return nil, fmt.Errorf("tensor %s has shape %v, want [rows, cols]", Quote(name), t.Shape)
@@ -255,6 +261,9 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 	}
 	w2s, _ := shapeOf(l0.w2.weight)
 	n := int(w2s[1])
+	if wdt != "F8_E4M3" {
+		return assembleHalf(ctx, f, src, lay, numE, rows, k, n, wdt, block, reg, hq, wrap)
+	}
 	r := 0
 	for _, x := range rows {
 		r += x
@@ -324,13 +333,13 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		}
 		at := e * r * k
 		for p, pr := range lay(e).w13 {
-			if err := f.readInto(pr.weight, a.bufs[tW13][at:at+rows[p]*k]); err != nil {
+			if err := f.readInto(pr.weight, "F8_E4M3", a.bufs[tW13][at:at+rows[p]*k]); err != nil {
 				a.release()
 				return nil, wrap(err)
 			}
 			at += rows[p] * k
 		}
-		if err := f.readInto(lay(e).w2.weight, a.bufs[tW2][e*k*n:(e+1)*k*n]); err != nil {
+		if err := f.readInto(lay(e).w2.weight, "F8_E4M3", a.bufs[tW2][e*k*n:(e+1)*k*n]); err != nil {
 			a.release()
 			return nil, wrap(err)
 		}
