@@ -1,13 +1,20 @@
 package service_test
 
 import (
+	"context"
 	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"path/filepath"
+	"runtime"
 	"slices"
+	"strings"
+	"sync/atomic"
 	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
@@ -375,5 +382,148 @@ func TestWeightQuantizationAccuracy(t *testing.T) {
 				t.Errorf("%s weights: the default %v's output error %.3e is larger than %v's %.3e", kind.name, def, outErr[def], g, outErr[g])
 			}
 		}
+	}
+}
+
+// TestLoadHalfCheckpointErrors checks that what cannot be quantized is
+// refused with the field or tensor named, and leaves the server as it
+// was: the reservation of a refused load is returned, so a set of exactly
+// the server's limit loads after it.
+func TestLoadHalfCheckpointErrors(t *testing.T) {
+	rng := newRand(t)
+	root := t.TempDir()
+	const e, k, n = 2, 16, 16
+	h := halfLayer{e: e, k: k, n: n, gated: true, dtype: "BF16", expert: hfExpert("model.", "mlp", projNames)}
+	good := map[string]stTensor{}
+	h.write(rng, randomMatrix, good, 0)
+	writeCheckpoint(t, filepath.Join(root, "good"), good, 2, nil)
+	poisoned := func(dir string, v float32) {
+		ts := map[string]stTensor{}
+		h.write(rng, randomMatrix, ts, 0)
+		name := h.expert(0, 1, "up") + ".weight"
+		x := ts[name]
+		x.data = slices.Clone(x.data)
+		binary.LittleEndian.PutUint16(x.data[2*37:], scaling.Float32ToBF16(v))
+		ts[name] = x
+		writeCheckpoint(t, filepath.Join(root, dir), ts, 1, nil)
+	}
+	poisoned("nan", float32(math.NaN()))
+	poisoned("inf", float32(math.Inf(-1)))
+	mixed := map[string]stTensor{}
+	h.write(rng, randomMatrix, mixed, 0)
+	mixed[h.expert(0, 1, "down")+".weight"] = stTensor{"F8_E4M3", []int64{k, n}, fp8Bytes(rng, k*n)}
+	writeCheckpoint(t, filepath.Join(root, "mixed"), mixed, 1, nil)
+
+	// The set's bytes: FP8 weights and per-channel float32 scales.
+	setBytes := int64(e*(2*n*k+k*n) + 4*e*(2*n+k))
+	c, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root, MaxLoadedBytes: setBytes}, &fakeBackend{})
+	tests := []struct {
+		name, path string
+		q          pb.WeightQuantization
+		want       string
+	}{
+		{"unknown granularity", "good", pb.WeightQuantization(9), "safetensors.weight_quantization"},
+		{"NaN weight", "nan", 0, `a weight of ["model.layers.0.mlp.experts.1.gate_proj.weight" "model.layers.0.mlp.experts.1.up_proj.weight"] is NaN or infinite`},
+		{"infinite weight", "inf", pb.WeightQuantization_WEIGHT_QUANTIZATION_BLOCK, "is NaN or infinite"},
+		{"mixed dtypes", "mixed", 0, `"model.layers.0.mlp.experts.1.down_proj.weight" has dtype "F8_E4M3", want BF16`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := loadSafetensors(t, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: "x", Path: tt.path,
+				Preset: pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, WeightQuantization: tt.q})
+			if status.Code(err) != codes.InvalidArgument || !strings.Contains(status.Convert(err).Message(), tt.want) {
+				t.Errorf("got %v, want InvalidArgument containing %q", err, tt.want)
+			}
+		})
+	}
+	info, err := loadSafetensors(t, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: "x", Path: "good", Preset: pb.NamingPreset_NAMING_PRESET_QWEN3_MOE})
+	if err != nil || info.GetBytes() != setBytes {
+		t.Fatalf("after the refusals, a load of exactly the limit: %v, %v bytes; want %d", err, info.GetBytes(), setBytes)
+	}
+}
+
+// quantizingBackend is a backend with the HalfQuantizer hook, counting
+// its calls; it quantizes as the host path does.
+type quantizingBackend struct {
+	kernels.Backend
+	calls atomic.Int64
+}
+
+func (b *quantizingBackend) QuantizeHalf(_ context.Context, dst, src []byte, dt kernels.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error {
+	b.calls.Add(1)
+	v := make([]float32, rows*cols)
+	for i := range v {
+		h := binary.LittleEndian.Uint16(src[2*i:])
+		if v[i] = scaling.BF16ToFloat32(h); dt == kernels.Float16 {
+			v[i] = scaling.FP16ToFloat32(h)
+		}
+	}
+	copy(scales, scaling.QuantizeWeightsInto(dst, v, 1, rows, cols, g, block).Values)
+	return nil
+}
+
+// TestLoadHalfCheckpointBackendQuantizer checks that a backend with the
+// HalfQuantizer hook quantizes each expert's two matrices, into the set
+// the host path builds.
+func TestLoadHalfCheckpointBackendQuantizer(t *testing.T) {
+	rng := newRand(t)
+	root := t.TempDir()
+	const e = 3
+	h := halfLayer{e: e, k: 32, n: 16, dtype: "F16", expert: hfExpert("backbone.", "mixer", projNames)}
+	ts := map[string]stTensor{}
+	h.write(rng, randomMatrix, ts, 2)
+	writeCheckpoint(t, filepath.Join(root, "ck"), ts, 2, nil)
+	src := &pb.LoadExpertsRequest_SafetensorsSource{Name: "x", Path: "ck", Layer: 2, Preset: pb.NamingPreset_NAMING_PRESET_NEMOTRON_H,
+		WeightQuantization: pb.WeightQuantization_WEIGHT_QUANTIZATION_BLOCK, WeightBlockShape: []int32{8, 8}}
+	hostC, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, &fakeBackend{})
+	host, err := loadSafetensors(t, hostC, src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &quantizingBackend{Backend: &fakeBackend{}}
+	c, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, b)
+	got, err := loadSafetensors(t, c, src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := b.calls.Load(); n != 2*e {
+		t.Errorf("QuantizeHalf called %d times, want %d (two matrices per expert)", n, 2*e)
+	}
+	if got.GetFingerprint() != host.GetFingerprint() {
+		t.Errorf("fingerprint %s, want the host path's %s", got.GetFingerprint(), host.GetFingerprint())
+	}
+}
+
+// TestLoadHalfCheckpointMemory checks that a load streams: what it
+// allocates stays under the layer's BF16 bytes plus the FP8 set it builds,
+// where reading the layer whole, or widening it to float32, would not.
+func TestLoadHalfCheckpointMemory(t *testing.T) {
+	rng := newRand(t)
+	root := t.TempDir()
+	const e, k, n = 64, 256, 128
+	h := halfLayer{e: e, k: k, n: n, gated: true, dtype: "BF16", expert: hfExpert("model.", "mlp", projNames)}
+	ts := map[string]stTensor{}
+	h.write(rng, randomMatrix, ts, 0)
+	writeCheckpoint(t, filepath.Join(root, "ck"), ts, 4, nil)
+	c, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, &fakeBackend{})
+	layerBF16 := uint64(2 * e * 3 * n * k)
+	// The connection's buffers are not the load's.
+	if _, err := c.ListExperts(testContext(t), &pb.ListExpertsRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	info, err := loadSafetensors(t, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: "x", Path: "ck", Preset: pb.NamingPreset_NAMING_PRESET_QWEN3_MOE})
+	runtime.ReadMemStats(&after)
+	if err != nil {
+		t.Fatal(err)
+	}
+	alloc := after.TotalAlloc - before.TotalAlloc
+	t.Logf("allocated %d bytes for a layer of %d BF16 bytes and a set of %d", alloc, layerBF16, info.GetBytes())
+	// The design's bound, 3/4 of the layer's BF16 bytes of staging besides
+	// the set, plus room for the headers and the RPC.
+	if bound := uint64(info.GetBytes()) + layerBF16*3/4 + 1<<20; alloc > bound {
+		t.Errorf("the load allocated %d bytes, want <= %d", alloc, bound)
 	}
 }
