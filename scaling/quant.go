@@ -104,11 +104,16 @@ func QuantizeWeightsInto(dst []uint8, src []float32, e, rows, cols int, g Granul
 		ws.Block = block
 		nb, kb := ceilDiv(rows, block[0]), ceilDiv(cols, block[1])
 		amax := make([]float32, e*nb*kb)
-		for i, x := range src {
-			col, row, ex := i%cols, i/cols%rows, i/(rows*cols)
-			j := (ex*nb+row/block[0])*kb + col/block[1]
-			if a := abs32(x); a > amax[j] || a != a {
-				amax[j] = a
+		for ex := range e {
+			for row := range rows {
+				tiles := amax[(ex*nb+row/block[0])*kb:][:kb]
+				for tc := range kb {
+					lo := (ex*rows+row)*cols + tc*block[1]
+					a := absMax(src[lo : lo+min(block[1], cols-tc*block[1])])
+					if a > tiles[tc] || a != a {
+						tiles[tc] = a
+					}
+				}
 			}
 		}
 		for j, a := range amax {
@@ -118,16 +123,22 @@ func QuantizeWeightsInto(dst []uint8, src []float32, e, rows, cols int, g Granul
 	default:
 		panic(fmt.Sprintf("scaling: QuantizeWeights: granularity %v", g))
 	}
-	for i, x := range src {
-		col, row, ex := i%cols, i/cols%rows, i/(rows*cols)
-		dst[i] = Float32ToE4M3(x / ws.At(ex, row, col))
+	// The scale is constant along a row, or along a tile's Bk columns of
+	// it: one lookup per run, not per element.
+	run := cols
+	if g == Block {
+		run = block[1]
+	}
+	for ex := range e {
+		for row := range rows {
+			base := (ex*rows + row) * cols
+			for c0 := 0; c0 < cols; c0 += run {
+				s := ws.At(ex, row, c0)
+				for i := base + c0; i < base+min(c0+run, cols); i++ {
+					dst[i] = Float32ToE4M3(src[i] / s)
+				}
+			}
+		}
 	}
 	return ws
-}
-
-func abs32(x float32) float32 {
-	if x < 0 {
-		return -x
-	}
-	return x
 }

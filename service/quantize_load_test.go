@@ -527,3 +527,28 @@ func TestLoadHalfCheckpointMemory(t *testing.T) {
 		t.Errorf("the load allocated %d bytes, want <= %d", alloc, bound)
 	}
 }
+
+// BenchmarkLoadHalfCheckpoint loads a 32-expert BF16 layer of Qwen3-30B-A3B's
+// expert shape (K = 2048, N = 768) at each granularity; weights/s is the
+// host path's quantization rate, reading included.
+func BenchmarkLoadHalfCheckpoint(b *testing.B) {
+	rng := rand.New(rand.NewPCG(1, 1))
+	root := b.TempDir()
+	const e, k, n = 32, 2048, 768
+	h := halfLayer{e: e, k: k, n: n, gated: true, dtype: "BF16", expert: hfExpert("model.", "mlp", projNames)}
+	ts := map[string]stTensor{}
+	h.write(rng, randomMatrix, ts, 0)
+	writeCheckpoint(b, filepath.Join(root, "ck"), ts, 4, nil)
+	c, _, _ := servicetest.StartServerConfig(b, service.Config{WeightsDir: root}, &fakeBackend{})
+	for _, g := range halfGranularities[:3] {
+		b.Run(g.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := loadSafetensors(b, c, &pb.LoadExpertsRequest_SafetensorsSource{Name: "x", Path: "ck",
+					Preset: pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, WeightQuantization: g.q, Overwrite: true}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.N)*3*e*k*n/b.Elapsed().Seconds(), "weights/s")
+		})
+	}
+}
