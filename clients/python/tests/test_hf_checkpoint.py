@@ -164,9 +164,9 @@ MODELOPT = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_alg
 # A 16-bit layer quantized to FP8 differs from its own forward by E4M3's
 # rounding of every weight: about 2.6% relative RMS on random weights,
 # which both GEMMs, the gate-up product and the intermediate's
-# requantization carry into the output (4.5-6.2% in service's
-# TestLoadHalfCheckpoint): the FP8 bar of 2e-2 holds against the
-# quantized weights, this one against the 16-bit ones.
+# requantization carry into the output: the FP8 bar of 2e-2 holds against
+# the quantized weights, this one against the 16-bit ones (as service's
+# TestLoadHalfCheckpoint bounds them).
 HALF_BAR = 8e-2
 # weight_quantization: the daemon's granularity name and how it is done here.
 HALF_GRANULARITY = {"per_tensor": ("per-expert", "tensor"), "per_channel": ("per-channel", "channel"),
