@@ -156,16 +156,10 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 	if g == scaling.Block {
 		w.WeightBlockShape = []int32{int32(block[0]), int32(block[1])}
 	}
-	l, err := checkLayout("safetensors", w)
+	l, a, err := reserveSet(w, reg)
 	if err != nil {
 		return nil, err
 	}
-	a := &assembled{bytes: l.totalBytes(), reg: reg}
-	if err := reg.reserve("safetensors", a.bytes); err != nil {
-		return nil, err
-	}
-	a.bufs[tW13] = make([]byte, numE*r*k)
-	a.bufs[tW2] = make([]byte, numE*k*n)
 
 	// Each worker stages one matrix at a time: its 16-bit bytes, and
 	// float32 values on the host path, at most 3 times the matrix's 16-bit

@@ -102,6 +102,14 @@ func (h halfLayer) write(rng *rand.Rand, gen weightGen, ts map[string]stTensor, 
 	return w13, w2
 }
 
+// writeHalfCheckpoint writes a checkpoint of random weights in h's layout
+// at layer, without a config.json.
+func writeHalfCheckpoint(t testing.TB, rng *rand.Rand, h halfLayer, dir string, layer, shards int) {
+	ts := map[string]stTensor{}
+	h.write(rng, randomMatrix, ts, layer)
+	writeCheckpoint(t, dir, ts, shards, nil)
+}
+
 // refMoE is the layer's output in float64 with the weights as the
 // checkpoint holds them, unquantized; with group > 0 the experts' input
 // and the intermediate are FP8-quantized per token and group of group
@@ -470,9 +478,7 @@ func TestLoadHalfCheckpointBackendQuantizer(t *testing.T) {
 	root := t.TempDir()
 	const e = 3
 	h := halfLayer{e: e, k: 32, n: 16, dtype: "F16", expert: hfExpert("backbone.", "mixer", projNames)}
-	ts := map[string]stTensor{}
-	h.write(rng, randomMatrix, ts, 2)
-	writeCheckpoint(t, filepath.Join(root, "ck"), ts, 2, nil)
+	writeHalfCheckpoint(t, rng, h, filepath.Join(root, "ck"), 2, 2)
 	src := &pb.LoadExpertsRequest_SafetensorsSource{Name: "x", Path: "ck", Layer: 2, Preset: pb.NamingPreset_NAMING_PRESET_NEMOTRON_H,
 		WeightQuantization: pb.WeightQuantization_WEIGHT_QUANTIZATION_BLOCK, WeightBlockShape: []int32{8, 8}}
 	hostC, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, &fakeBackend{})
@@ -502,9 +508,7 @@ func TestLoadHalfCheckpointMemory(t *testing.T) {
 	root := t.TempDir()
 	const e, k, n = 64, 256, 128
 	h := halfLayer{e: e, k: k, n: n, gated: true, dtype: "BF16", expert: hfExpert("model.", "mlp", projNames)}
-	ts := map[string]stTensor{}
-	h.write(rng, randomMatrix, ts, 0)
-	writeCheckpoint(t, filepath.Join(root, "ck"), ts, 4, nil)
+	writeHalfCheckpoint(t, rng, h, filepath.Join(root, "ck"), 0, 4)
 	c, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, &fakeBackend{})
 	layerBF16 := uint64(2 * e * 3 * n * k)
 	// The connection's buffers are not the load's.
@@ -536,9 +540,7 @@ func BenchmarkLoadHalfCheckpoint(b *testing.B) {
 	root := b.TempDir()
 	const e, k, n = 32, 2048, 768
 	h := halfLayer{e: e, k: k, n: n, gated: true, dtype: "BF16", expert: hfExpert("model.", "mlp", projNames)}
-	ts := map[string]stTensor{}
-	h.write(rng, randomMatrix, ts, 0)
-	writeCheckpoint(b, filepath.Join(root, "ck"), ts, 4, nil)
+	writeHalfCheckpoint(b, rng, h, filepath.Join(root, "ck"), 0, 4)
 	c, _, _ := servicetest.StartServerConfig(b, service.Config{WeightsDir: root}, &fakeBackend{})
 	for _, g := range halfGranularities[:3] {
 		b.Run(g.name, func(b *testing.B) {

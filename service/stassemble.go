@@ -28,6 +28,23 @@ func (a *assembled) release() {
 	}
 }
 
+// reserveSet validates the set w declares, as a client's would be, and
+// reserves its bytes in reg, with its weight buffers allocated for the
+// reads to fill.
+func reserveSet(w *pb.ExpertWeights, reg *registry) (*layout, *assembled, error) {
+	l, err := checkLayout("safetensors", w)
+	if err != nil {
+		return nil, nil, err
+	}
+	a := &assembled{bytes: l.totalBytes(), reg: reg}
+	if err := reg.reserve("safetensors", a.bytes); err != nil {
+		return nil, nil, err
+	}
+	a.bufs[tW13] = make([]byte, l.metas[tW13].bytes)
+	a.bufs[tW2] = make([]byte, l.metas[tW2].bytes)
+	return l, a, nil
+}
+
 // scaleForm is how one projection's per-expert weight scale is laid out.
 type scaleForm int
 
@@ -313,16 +330,10 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 	if b13 || b2 {
 		w.WeightBlockShape = []int32{int32(block[0]), int32(block[1])}
 	}
-	l, err := checkLayout("safetensors", w)
+	l, a, err := reserveSet(w, reg)
 	if err != nil {
 		return nil, err
 	}
-	a := &assembled{bytes: l.totalBytes(), reg: reg}
-	if err := reg.reserve("safetensors", a.bytes); err != nil {
-		return nil, err
-	}
-	a.bufs[tW13] = make([]byte, numE*r*k)
-	a.bufs[tW2] = make([]byte, numE*k*n)
 	for e := range numE {
 		// A load of many experts reads for a long time: its deadline, its
 		// cancellation and the drain (which cancels it) stop it between
