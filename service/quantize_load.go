@@ -173,6 +173,7 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 		staging += int64(elems) * 4
 	}
 	workers := min(runtime.GOMAXPROCS(0), max(1, numE/4), max(1, int(maxQuantStaging/staging)))
+	hl := &halfLoad{f: f, a: a, dt: dt, g: g, block: block, wrap: wrap}
 	eg, ctx := errgroup.WithContext(ctx)
 	var next struct {
 		sync.Mutex
@@ -205,11 +206,11 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 					return err
 				}
 				for _, m := range mats {
-					if err := m.quantize(ctx, f, a, e, half, dt, g, block, wq); err != nil {
+					if err := hl.quantize(ctx, m, e, half, wq); err != nil {
 						if ctx.Err() != nil {
 							return ctx.Err()
 						}
-						return wrap(err)
+						return err
 					}
 				}
 			}
@@ -228,10 +229,21 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 	return a, nil
 }
 
-// quantize reads expert e's parts of m into half and quantizes them into
-// the set's buffer and m's scales.
-func (m *halfMatrix) quantize(ctx context.Context, f *stFile, a *assembled, e int, half []byte, dt string,
-	g scaling.Granularity, block [2]int, q HalfQuantizer) error {
+// halfLoad is what a load's workers share: the file, the set they fill,
+// how to quantize, and wrap, which names the file in a request's errors.
+type halfLoad struct {
+	f     *stFile
+	a     *assembled
+	dt    string
+	g     scaling.Granularity
+	block [2]int
+	wrap  func(error) error
+}
+
+// quantize reads expert e's parts of m into half and quantizes them with q
+// into the set's buffer and m's scales. A fault of q's is the server's
+// (Internal), not the request's.
+func (h *halfLoad) quantize(ctx context.Context, m *halfMatrix, e int, half []byte, q HalfQuantizer) error {
 	r := 0
 	for _, x := range m.rows {
 		r += x
@@ -241,13 +253,13 @@ func (m *halfMatrix) quantize(ctx context.Context, f *stFile, a *assembled, e in
 	parts := m.names(e)
 	for p, pr := range parts {
 		n := m.rows[p] * m.cols * 2
-		if err := f.readInto(pr.weight, dt, half[at:at+n]); err != nil {
-			return err
+		if err := h.f.readInto(pr.weight, h.dt, half[at:at+n]); err != nil {
+			return h.wrap(err)
 		}
 		at += n
 	}
 	scales := m.scales[e*m.per : (e+1)*m.per]
-	if err := q.QuantizeHalf(ctx, a.bufs[m.buf][e*size:(e+1)*size], half[:2*size], halfDtypes[dt], r, m.cols, g, block, scales); err != nil {
+	if err := q.QuantizeHalf(ctx, h.a.bufs[m.buf][e*size:(e+1)*size], half[:2*size], halfDtypes[h.dt], r, m.cols, h.g, h.block, scales); err != nil {
 		return fmt.Errorf("quantizing %s: %w", Quote(parts[0].weight), err)
 	}
 	// amax/448 is finite and > 0 exactly when the matrix is: NaN and Inf
@@ -257,7 +269,7 @@ func (m *halfMatrix) quantize(ctx context.Context, f *stFile, a *assembled, e in
 		for p, pr := range parts {
 			names[p] = pr.weight
 		}
-		return fmt.Errorf("a weight of %s is NaN or infinite, which no FP8 scale covers", quoteAll(names))
+		return h.wrap(fmt.Errorf("a weight of %s is NaN or infinite, which no FP8 scale covers", quoteAll(names)))
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package service_test
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -421,6 +422,9 @@ func TestLoadHalfCheckpointErrors(t *testing.T) {
 	h.write(rng, randomMatrix, mixed, 0)
 	mixed[h.expert(0, 1, "down")+".weight"] = stTensor{"F8_E4M3", []int64{k, n}, fp8Bytes(rng, k*n)}
 	writeCheckpoint(t, filepath.Join(root, "mixed"), mixed, 1, nil)
+	fp8 := map[string]stTensor{}
+	ckLayer{e: e, k: k, n: n, gated: true, form: ckChannel, expert: h.expert}.write(rng, fp8, 0)
+	writeCheckpoint(t, filepath.Join(root, "fp8"), fp8, 1, nil)
 
 	// The set's bytes: FP8 weights and per-channel float32 scales.
 	setBytes := int64(e*(2*n*k+k*n) + 4*e*(2*n+k))
@@ -431,6 +435,7 @@ func TestLoadHalfCheckpointErrors(t *testing.T) {
 		want       string
 	}{
 		{"unknown granularity", "good", pb.WeightQuantization(9), "safetensors.weight_quantization"},
+		{"unknown granularity, FP8 weights", "fp8", pb.WeightQuantization(-1), "safetensors.weight_quantization"},
 		{"NaN weight", "nan", 0, `a weight of ["model.layers.0.mlp.experts.1.gate_proj.weight" "model.layers.0.mlp.experts.1.up_proj.weight"] is NaN or infinite`},
 		{"infinite weight", "inf", pb.WeightQuantization_WEIGHT_QUANTIZATION_BLOCK, "is NaN or infinite"},
 		{"mixed dtypes", "mixed", 0, `"model.layers.0.mlp.experts.1.down_proj.weight" has dtype "F8_E4M3", want BF16`},
@@ -451,14 +456,17 @@ func TestLoadHalfCheckpointErrors(t *testing.T) {
 }
 
 // quantizingBackend is a backend with the HalfQuantizer hook, counting
-// its calls; it quantizes as the host path does.
+// its calls; it quantizes as the host path does, or fails with fail.
 type quantizingBackend struct {
 	kernels.Backend
 	calls atomic.Int64
+	fail  error
 }
 
 func (b *quantizingBackend) QuantizeHalf(_ context.Context, dst, src []byte, dt kernels.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error {
-	b.calls.Add(1)
+	if b.calls.Add(1) > 1 && b.fail != nil {
+		return b.fail
+	}
 	v := make([]float32, rows*cols)
 	for i := range v {
 		h := binary.LittleEndian.Uint16(src[2*i:])
@@ -497,6 +505,16 @@ func TestLoadHalfCheckpointBackendQuantizer(t *testing.T) {
 	}
 	if got.GetFingerprint() != host.GetFingerprint() {
 		t.Errorf("fingerprint %s, want the host path's %s", got.GetFingerprint(), host.GetFingerprint())
+	}
+
+	// The backend's fault is the server's, and the load leaves nothing.
+	failing := &quantizingBackend{Backend: &fakeBackend{}, fail: errors.New("device lost")}
+	fc, _, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: root}, failing)
+	if _, err := loadSafetensors(t, fc, src); status.Code(err) != codes.Internal {
+		t.Errorf("load with a failing quantizer: %v, want Internal", err)
+	}
+	if list, err := fc.ListExperts(testContext(t), &pb.ListExpertsRequest{}); err != nil || len(list.GetExpertSets()) != 0 {
+		t.Errorf("after the failed load: %v, %v; want no sets", list, err)
 	}
 }
 

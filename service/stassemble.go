@@ -201,6 +201,10 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		l, _ := presetLayout(src, e)
 		return l
 	}
+	// Refused whatever the weights' dtype, though only 16-bit ones use it.
+	if _, err := weightGranularity(src); err != nil {
+		return nil, err
+	}
 	numE := int(src.GetNumExperts())
 	if numE < 0 || numE > maxExperts {
 		return nil, invalidf("safetensors.num_experts", "%d: want in [0, %d]", numE, maxExperts)
