@@ -7,7 +7,7 @@ import (
 	"math"
 	"runtime"
 	"slices"
-	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sync/semaphore"
@@ -163,10 +163,10 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 
 	// Each worker stages one matrix at a time: its 16-bit bytes, and
 	// float32 values on the host path, at most 3 times the matrix's 16-bit
-	// bytes. With at most a quarter of the experts staged at once, the
-	// staging stays under 3/4 of the layer's 16-bit bytes however many
-	// cores there are, and the load under 1.25 times them with the FP8
-	// set it builds.
+	// bytes. With at most a quarter of the experts staged at once (one
+	// below four experts), the staging of a layer of four or more stays
+	// under 3/4 of its 16-bit bytes however many cores there are, and the
+	// load under 1.25 times them with the FP8 set it builds.
 	elems := max(r*k, k*n)
 	staging := int64(elems) * 2
 	if q == nil {
@@ -175,10 +175,7 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 	workers := min(runtime.GOMAXPROCS(0), max(1, numE/4), max(1, int(maxQuantStaging/staging)))
 	hl := &halfLoad{f: f, a: a, dt: dt, g: g, block: block, wrap: wrap}
 	eg, ctx := errgroup.WithContext(ctx)
-	var next struct {
-		sync.Mutex
-		e int
-	}
+	var next atomic.Int64 // the next expert to quantize
 	for range workers {
 		eg.Go(func() error {
 			hold := min(staging, maxQuantStaging)
@@ -192,10 +189,7 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 				wq = &cpuQuantizer{f: make([]float32, elems)}
 			}
 			for {
-				next.Lock()
-				e := next.e
-				next.e++
-				next.Unlock()
+				e := int(next.Add(1) - 1)
 				if e >= numE {
 					return nil
 				}
