@@ -71,8 +71,17 @@ func checkGroups(codes, scales, vals, rows, cols, group int) int {
 // data generators use it; the returned scale has E, Rows and Cols set. It
 // panics on a length mismatch or an unknown granularity.
 func QuantizeWeights(src []float32, e, rows, cols int, g Granularity, block [2]int) ([]uint8, WeightScale) {
-	if len(src) != e*rows*cols {
-		panic(fmt.Sprintf("scaling: QuantizeWeights: %d values for [%d %d %d]", len(src), e, rows, cols))
+	q := make([]uint8, len(src))
+	return q, QuantizeWeightsInto(q, src, e, rows, cols, g, block)
+}
+
+// QuantizeWeightsInto is QuantizeWeights writing the codes into dst, which
+// must hold len(src) bytes: a loader quantizes each expert's matrix
+// straight into the expert set's buffer. It panics like QuantizeWeights,
+// and if dst is shorter than src.
+func QuantizeWeightsInto(dst []uint8, src []float32, e, rows, cols int, g Granularity, block [2]int) WeightScale {
+	if len(src) != e*rows*cols || len(dst) < len(src) {
+		panic(fmt.Sprintf("scaling: QuantizeWeights: %d values and %d codes for [%d %d %d]", len(src), len(dst), e, rows, cols))
 	}
 	ws := WeightScale{Granularity: g, E: e, Rows: rows, Cols: cols}
 	switch g {
@@ -95,11 +104,16 @@ func QuantizeWeights(src []float32, e, rows, cols int, g Granularity, block [2]i
 		ws.Block = block
 		nb, kb := ceilDiv(rows, block[0]), ceilDiv(cols, block[1])
 		amax := make([]float32, e*nb*kb)
-		for i, x := range src {
-			col, row, ex := i%cols, i/cols%rows, i/(rows*cols)
-			j := (ex*nb+row/block[0])*kb + col/block[1]
-			if a := abs32(x); a > amax[j] || a != a {
-				amax[j] = a
+		for ex := range e {
+			for row := range rows {
+				tiles := amax[(ex*nb+row/block[0])*kb:][:kb]
+				for tc := range kb {
+					lo := (ex*rows+row)*cols + tc*block[1]
+					a := absMax(src[lo : lo+min(block[1], cols-tc*block[1])])
+					if a > tiles[tc] || a != a {
+						tiles[tc] = a
+					}
+				}
 			}
 		}
 		for j, a := range amax {
@@ -109,17 +123,22 @@ func QuantizeWeights(src []float32, e, rows, cols int, g Granularity, block [2]i
 	default:
 		panic(fmt.Sprintf("scaling: QuantizeWeights: granularity %v", g))
 	}
-	q := make([]uint8, len(src))
-	for i, x := range src {
-		col, row, ex := i%cols, i/cols%rows, i/(rows*cols)
-		q[i] = Float32ToE4M3(x / ws.At(ex, row, col))
+	// The scale is constant along a row, or along a tile's Bk columns of
+	// it: one lookup per run, not per element.
+	run := cols
+	if g == Block {
+		run = block[1]
 	}
-	return q, ws
-}
-
-func abs32(x float32) float32 {
-	if x < 0 {
-		return -x
+	for ex := range e {
+		for row := range rows {
+			base := (ex*rows + row) * cols
+			for c0 := 0; c0 < cols; c0 += run {
+				s := ws.At(ex, row, c0)
+				for i := base + c0; i < base+min(c0+run, cols); i++ {
+					dst[i] = Float32ToE4M3(src[i] / s)
+				}
+			}
+		}
 	}
-	return x
+	return ws
 }

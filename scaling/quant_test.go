@@ -1,8 +1,10 @@
 package scaling
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -198,4 +200,37 @@ func TestQuantizeWeights(t *testing.T) {
 			}
 		})
 	}
+}
+
+func TestQuantizeWeightsInto(t *testing.T) {
+	const rows, cols = 10, 40
+	rng := newRNG()
+	src := randn(rng, rows*cols, 1)
+	for _, g := range []Granularity{PerTensor, PerChannel, Block} {
+		t.Run(g.String(), func(t *testing.T) {
+			want, wantScale := QuantizeWeights(src, 1, rows, cols, g, [2]int{4, 16})
+			dst := make([]uint8, len(src)+3)
+			for i := range dst {
+				dst[i] = 0xAA
+			}
+			ws := QuantizeWeightsInto(dst, src, 1, rows, cols, g, [2]int{4, 16})
+			if string(dst[:len(src)]) != string(want) {
+				t.Errorf("codes differ from QuantizeWeights'")
+			}
+			if string(dst[len(src):]) != "\xaa\xaa\xaa" {
+				t.Errorf("wrote past len(src): % x", dst[len(src):])
+			}
+			if !slices.Equal(ws.Values, wantScale.Values) || ws.Granularity != g {
+				t.Errorf("scale %v %v, want %v %v", ws.Granularity, ws.Values, g, wantScale.Values)
+			}
+		})
+	}
+	t.Run("short dst panics", func(t *testing.T) {
+		defer func() {
+			if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), "codes") {
+				t.Errorf("recover() = %v, want a panic naming the codes", r)
+			}
+		}()
+		QuantizeWeightsInto(make([]uint8, len(src)-1), src, 1, rows, cols, PerTensor, [2]int{})
+	})
 }

@@ -495,7 +495,8 @@ func (s *Server) loadAssembled(ctx context.Context, f *stFile, src *pb.LoadExper
 		}
 		block = [2]int{int(bs[0]), int(bs[1])}
 	}
-	a, err := assemble(ctx, f, src, subset, block, s.reg)
+	hq, _ := s.backend.(HalfQuantizer)
+	a, err := assemble(ctx, f, src, subset, block, s.reg, hq)
 	if err != nil {
 		return nil, err
 	}

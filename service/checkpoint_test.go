@@ -152,7 +152,7 @@ func bf16Floats(b []byte) []float32 {
 // model-0000i-of-0000n.safetensors with model.safetensors.index.json;
 // with 1, a single model.safetensors. config is written as config.json
 // when not nil.
-func writeCheckpoint(t *testing.T, dir string, ts map[string]stTensor, shards int, config map[string]any) {
+func writeCheckpoint(t testing.TB, dir string, ts map[string]stTensor, shards int, config map[string]any) {
 	t.Helper()
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)

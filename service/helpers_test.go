@@ -20,7 +20,7 @@ import (
 // defaultTestTimeout bounds every RPC in these tests.
 const defaultTestTimeout = 10 * time.Second
 
-func testContext(t *testing.T) context.Context {
+func testContext(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
 	t.Cleanup(cancel)
 	return ctx

@@ -147,10 +147,10 @@ func (f *stFile) read(name string, dtypes ...string) (stTensor, []byte, error) {
 	return t, b, nil
 }
 
-// readInto reads the named F8_E4M3 tensor into dst, which must be its
-// exact size: weights go straight into the set's buffer.
-func (f *stFile) readInto(name string, dst []byte) error {
-	t, size, err := f.check(name, "F8_E4M3")
+// readInto reads the named tensor of dtype dt into dst, which must be its
+// exact size: weights go straight into the set's buffer or a staging one.
+func (f *stFile) readInto(name, dt string, dst []byte) error {
+	t, size, err := f.check(name, dt)
 	if err != nil {
 		return err
 	}

@@ -29,7 +29,7 @@ type stTensor struct {
 
 // writeSafetensors writes tensors in the safetensors format: header length,
 // JSON header padded to 8 bytes, data.
-func writeSafetensors(t *testing.T, path string, tensors map[string]stTensor, meta map[string]string) {
+func writeSafetensors(t testing.TB, path string, tensors map[string]stTensor, meta map[string]string) {
 	t.Helper()
 	names := make([]string, 0, len(tensors))
 	for n := range tensors {
@@ -186,7 +186,7 @@ func qwenFile(t *testing.T, rng *rand.Rand, path string, e, k, n int, block []in
 	return w
 }
 
-func loadSafetensors(t *testing.T, c pb.ExpertServiceClient, src *pb.LoadExpertsRequest_SafetensorsSource) (*pb.ExpertSetInfo, error) {
+func loadSafetensors(t testing.TB, c pb.ExpertServiceClient, src *pb.LoadExpertsRequest_SafetensorsSource) (*pb.ExpertSetInfo, error) {
 	t.Helper()
 	stream, err := c.LoadExperts(testContext(t))
 	if err != nil {

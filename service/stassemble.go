@@ -28,6 +28,23 @@ func (a *assembled) release() {
 	}
 }
 
+// reserveSet validates the set w declares, as a client's would be, and
+// reserves its bytes in reg, with its weight buffers allocated for the
+// reads to fill.
+func reserveSet(w *pb.ExpertWeights, reg *registry) (*layout, *assembled, error) {
+	l, err := checkLayout("safetensors", w)
+	if err != nil {
+		return nil, nil, err
+	}
+	a := &assembled{bytes: l.totalBytes(), reg: reg}
+	if err := reg.reserve("safetensors", a.bytes); err != nil {
+		return nil, nil, err
+	}
+	a.bufs[tW13] = make([]byte, l.metas[tW13].bytes)
+	a.bufs[tW2] = make([]byte, l.metas[tW2].bytes)
+	return l, a, nil
+}
+
 // scaleForm is how one projection's per-expert weight scale is laid out.
 type scaleForm int
 
@@ -172,8 +189,9 @@ func inputScales(f *stFile, names func(e int) []projection, numE int) ([]float32
 }
 
 // assemble reads an expert set per src from f, reserving its bytes in reg
-// before reading the weights.
-func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset, block [2]int, reg *registry) (*assembled, error) {
+// before reading the weights; BF16 and F16 weights are quantized with hq
+// (nil: on the host).
+func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset, block [2]int, reg *registry, hq HalfQuantizer) (*assembled, error) {
 	wrap := func(err error) error { return invalidf("safetensors", "%s: %v", Quote(src.GetPath()), err) }
 	// ids[e] is the file's expert that the set serves as expert e.
 	var ids []int
@@ -183,6 +201,10 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		}
 		l, _ := presetLayout(src, e)
 		return l
+	}
+	// Refused whatever the weights' dtype, though only 16-bit ones use it.
+	if _, err := weightGranularity(src); err != nil {
+		return nil, err
 	}
 	numE := int(src.GetNumExperts())
 	if numE < 0 || numE > maxExperts {
@@ -217,13 +239,18 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		numE = len(ids)
 	}
 	l0 := lay(0)
+	// F8_E4M3 weights, or BF16 or F16 ones to quantize on load.
+	wdt := "F8_E4M3"
+	if _, half := halfDtypes[f.tensors[l0.w13[0].weight].Dtype]; half {
+		wdt = f.tensors[l0.w13[0].weight].Dtype
+	}
 	shapeOf := func(name string) ([]int64, error) {
 		t, ok := f.tensors[name]
 		if !ok {
 			return nil, fmt.Errorf("no tensor named %s", Quote(name))
 		}
-		if t.Dtype != "F8_E4M3" {
-			return nil, fmt.Errorf("tensor %s has dtype %s, want F8_E4M3", Quote(name), Quote(t.Dtype))
+		if t.Dtype != wdt {
+			return nil, fmt.Errorf("tensor %s has dtype %s, want %s as the layer's first weight has", Quote(name), Quote(t.Dtype), wdt)
 		}
 		if len(t.Shape) != 2 || t.Shape[0] < 1 || t.Shape[1] < 1 {
 			return nil, fmt.Errorf("tensor %s has shape %v, want [rows, cols]", Quote(name), t.Shape)
@@ -261,6 +288,9 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 	}
 	w2s, _ := shapeOf(l0.w2.weight)
 	n := int(w2s[1])
+	if wdt != "F8_E4M3" {
+		return assembleHalf(ctx, f, src, lay, numE, rows, k, n, wdt, block, reg, hq, wrap)
+	}
 	r := 0
 	for _, x := range rows {
 		r += x
@@ -310,16 +340,10 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 	if b13 || b2 {
 		w.WeightBlockShape = []int32{int32(block[0]), int32(block[1])}
 	}
-	l, err := checkLayout("safetensors", w)
+	l, a, err := reserveSet(w, reg)
 	if err != nil {
 		return nil, err
 	}
-	a := &assembled{bytes: l.totalBytes(), reg: reg}
-	if err := reg.reserve("safetensors", a.bytes); err != nil {
-		return nil, err
-	}
-	a.bufs[tW13] = make([]byte, numE*r*k)
-	a.bufs[tW2] = make([]byte, numE*k*n)
 	for e := range numE {
 		// A load of many experts reads for a long time: its deadline, its
 		// cancellation and the drain (which cancels it) stop it between
@@ -330,13 +354,13 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		}
 		at := e * r * k
 		for p, pr := range lay(e).w13 {
-			if err := f.readInto(pr.weight, a.bufs[tW13][at:at+rows[p]*k]); err != nil {
+			if err := f.readInto(pr.weight, "F8_E4M3", a.bufs[tW13][at:at+rows[p]*k]); err != nil {
 				a.release()
 				return nil, wrap(err)
 			}
 			at += rows[p] * k
 		}
-		if err := f.readInto(lay(e).w2.weight, a.bufs[tW2][e*k*n:(e+1)*k*n]); err != nil {
+		if err := f.readInto(lay(e).w2.weight, "F8_E4M3", a.bufs[tW2][e*k*n:(e+1)*k*n]); err != nil {
 			a.release()
 			return nil, wrap(err)
 		}

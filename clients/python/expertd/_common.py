@@ -23,6 +23,10 @@ ACTIVATIONS = {"silu_gated": pb.ACTIVATION_SILU_GATED, "relu2": pb.ACTIVATION_RE
 SCORINGS = {"softmax": pb.SCORING_SOFTMAX, "sigmoid": pb.SCORING_SIGMOID}
 PRESETS = {"nemotron_h": pb.NAMING_PRESET_NEMOTRON_H, "qwen3_moe": pb.NAMING_PRESET_QWEN3_MOE,
            "custom": pb.NAMING_PRESET_CUSTOM}
+# SafetensorsSource.weight_quantization: how BF16/F16 checkpoints become FP8.
+WEIGHT_QUANTIZATIONS = {"per_tensor": pb.WEIGHT_QUANTIZATION_PER_TENSOR,
+                        "per_channel": pb.WEIGHT_QUANTIZATION_PER_CHANNEL,
+                        "block": pb.WEIGHT_QUANTIZATION_BLOCK}
 
 
 def _enum(table: dict, value, what: str) -> int:
@@ -220,7 +224,9 @@ def safetensors_source(name: str, path: str, layer: int = 0, preset="qwen3_moe",
     """A LoadExperts message reading a layer from the server's weights
     directory. preset is a NamingPreset name (lowercase, without the
     NAMING_PRESET_ prefix) or value; fields are further SafetensorsSource
-    fields (e.g. w13_template=... with preset="custom")."""
+    fields (e.g. w13_template=... with preset="custom";
+    weight_quantization="per_tensor", "per_channel" or "block" for a BF16
+    or F16 checkpoint)."""
     if isinstance(preset, str):
         key = preset.lower()
         value = getattr(pb, "NAMING_PRESET_" + key.upper(), None)
@@ -229,6 +235,9 @@ def safetensors_source(name: str, path: str, layer: int = 0, preset="qwen3_moe",
         preset = value
     if "activation" in fields:
         fields["activation"] = _enum(ACTIVATIONS, fields["activation"], "activation")
+    if "weight_quantization" in fields:
+        fields["weight_quantization"] = _enum(WEIGHT_QUANTIZATIONS, fields["weight_quantization"],
+                                              "weight_quantization")
     src = pb.LoadExpertsRequest.SafetensorsSource(
         name=name, path=path, layer=layer, preset=preset, overwrite=overwrite,
         num_experts=num_experts, weight_block_shape=list(weight_block_shape or ()), **fields)

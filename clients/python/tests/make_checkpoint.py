@@ -1,11 +1,14 @@
 """Writes one of test_hf_checkpoint.py's cases as a checkpoint directory:
 a small random transformers MoE block's layer (and a second MoE layer) in
-the layout of the model's FP8 release, sharded with
-model.safetensors.index.json, with config.json. For trying expertd-load and
-RemoteMoE without downloading a model; needs torch and transformers (the
-Python that make test installs has them: .tools/e2e/venv/bin/python).
+the layout of the model's FP8 release, or of its BF16/FP16 release (the
+*-bf16* and *-fp16* cases, which the daemon quantizes as it loads them),
+sharded with model.safetensors.index.json, with config.json. For trying
+expertd-load and RemoteMoE without downloading a model; needs torch and
+transformers (the Python that make test installs has them:
+.tools/e2e/venv/bin/python).
 
     .tools/e2e/venv/bin/python clients/python/tests/make_checkpoint.py deepseek_v3-block-fp8 /tmp/models/tiny-dsv3
+    .tools/e2e/venv/bin/python clients/python/tests/make_checkpoint.py qwen3_moe-bf16 /tmp/models/tiny-qwen3-bf16
 
 The MoE layers are 1 and 3 (of num_hidden_layers 4).
 """

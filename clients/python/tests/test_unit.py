@@ -9,6 +9,7 @@ from google.rpc import error_details_pb2, status_pb2
 import expertd
 from expertd import tensors
 from expertd.errors import from_rpc_error
+from expertd.v1 import expert_pb2 as pb
 from moeref import fp8_decode, fp8_encode
 
 
@@ -120,3 +121,13 @@ def test_load_requests_chunks_and_digest():
     assert [c.tensor for c in chunks] == ["w13"] * 4 + ["w2"] * 2 + ["w13_scale", "w2_scale"]
     assert b"".join(c.data for c in chunks if c.tensor == "w13") == w13.tobytes()
     assert seen[-1] == (158, 158)
+
+
+def test_safetensors_source_weight_quantization():
+    src = expertd.safetensors_source("x", "ck", weight_quantization="block").safetensors
+    assert src.weight_quantization == pb.WEIGHT_QUANTIZATION_BLOCK
+    src = expertd.safetensors_source("x", "ck", weight_quantization=pb.WEIGHT_QUANTIZATION_PER_TENSOR).safetensors
+    assert src.weight_quantization == pb.WEIGHT_QUANTIZATION_PER_TENSOR
+    assert expertd.safetensors_source("x", "ck").safetensors.weight_quantization == 0
+    with pytest.raises(ValueError, match="weight_quantization 'fp8'"):
+        expertd.safetensors_source("x", "ck", weight_quantization="fp8")

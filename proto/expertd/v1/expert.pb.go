@@ -298,6 +298,70 @@ func (NamingPreset) EnumDescriptor() ([]byte, []int) {
 	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{3}
 }
 
+// WeightQuantization is how a load quantizes a BF16 or FP16 checkpoint's
+// expert weights to FP8 E4M3FN: which elements share one weight scale
+// (amax / 448 of the elements it covers).
+type WeightQuantization int32
+
+const (
+	// The server's default, which is WEIGHT_QUANTIZATION_PER_CHANNEL: of the
+	// three it keeps the most accuracy (see README, "BF16 checkpoints").
+	WeightQuantization_WEIGHT_QUANTIZATION_UNSPECIFIED WeightQuantization = 0
+	// One scale per expert and matrix (gate and up stacked as w13, and w2),
+	// as vLLM's --quantization fp8 scales MoE weights: the smallest scale
+	// tensors.
+	WeightQuantization_WEIGHT_QUANTIZATION_PER_TENSOR WeightQuantization = 1
+	// One scale per output row of each expert's matrices.
+	WeightQuantization_WEIGHT_QUANTIZATION_PER_CHANNEL WeightQuantization = 2
+	// One scale per [Bn, Bk] tile of each expert's matrices
+	// (weight_block_shape, else [128, 128]), as DeepSeek-V3's FP8 release;
+	// FusedMoE then quantizes activations per token and group of Bk.
+	WeightQuantization_WEIGHT_QUANTIZATION_BLOCK WeightQuantization = 3
+)
+
+// Enum value maps for WeightQuantization.
+var (
+	WeightQuantization_name = map[int32]string{
+		0: "WEIGHT_QUANTIZATION_UNSPECIFIED",
+		1: "WEIGHT_QUANTIZATION_PER_TENSOR",
+		2: "WEIGHT_QUANTIZATION_PER_CHANNEL",
+		3: "WEIGHT_QUANTIZATION_BLOCK",
+	}
+	WeightQuantization_value = map[string]int32{
+		"WEIGHT_QUANTIZATION_UNSPECIFIED": 0,
+		"WEIGHT_QUANTIZATION_PER_TENSOR":  1,
+		"WEIGHT_QUANTIZATION_PER_CHANNEL": 2,
+		"WEIGHT_QUANTIZATION_BLOCK":       3,
+	}
+)
+
+func (x WeightQuantization) Enum() *WeightQuantization {
+	p := new(WeightQuantization)
+	*p = x
+	return p
+}
+
+func (x WeightQuantization) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (WeightQuantization) Descriptor() protoreflect.EnumDescriptor {
+	return file_expertd_v1_expert_proto_enumTypes[4].Descriptor()
+}
+
+func (WeightQuantization) Type() protoreflect.EnumType {
+	return &file_expertd_v1_expert_proto_enumTypes[4]
+}
+
+func (x WeightQuantization) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use WeightQuantization.Descriptor instead.
+func (WeightQuantization) EnumDescriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{4}
+}
+
 // SharedMemoryKind is what a registered region is.
 type SharedMemoryKind int32
 
@@ -356,11 +420,11 @@ func (x SharedMemoryKind) String() string {
 }
 
 func (SharedMemoryKind) Descriptor() protoreflect.EnumDescriptor {
-	return file_expertd_v1_expert_proto_enumTypes[4].Descriptor()
+	return file_expertd_v1_expert_proto_enumTypes[5].Descriptor()
 }
 
 func (SharedMemoryKind) Type() protoreflect.EnumType {
-	return &file_expertd_v1_expert_proto_enumTypes[4]
+	return &file_expertd_v1_expert_proto_enumTypes[5]
 }
 
 func (x SharedMemoryKind) Number() protoreflect.EnumNumber {
@@ -369,7 +433,7 @@ func (x SharedMemoryKind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use SharedMemoryKind.Descriptor instead.
 func (SharedMemoryKind) EnumDescriptor() ([]byte, []int) {
-	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{4}
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{5}
 }
 
 // Tensor is a dense, row-major, little-endian array.
@@ -2491,7 +2555,9 @@ func (x *LoadExpertsRequest_Chunk) GetData() []byte {
 
 // SafetensorsSource loads one layer's experts from a .safetensors file,
 // or from a checkpoint directory, in the server's weights directory.
-// Supported dtypes: F8_E4M3 weights, F32 or BF16 scales.
+// Supported dtypes: F8_E4M3 weights with F32 or BF16 scales, or BF16 or
+// F16 weights, which the server quantizes to FP8 as it reads them (see
+// weight_quantization).
 //
 // A checkpoint directory holds model.safetensors.index.json (whose
 // weight_map names the shard of every tensor; only the shards holding the
@@ -2560,8 +2626,12 @@ type LoadExpertsRequest_SafetensorsSource struct {
 	// CUSTOM only: per-expert static input-scale template of GEMM2's input
 	// (w2's); empty means dynamic.
 	W2InputScaleTemplate string `protobuf:"bytes,19,opt,name=w2_input_scale_template,json=w2InputScaleTemplate,proto3" json:"w2_input_scale_template,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// For BF16 or F16 weights: the granularity of the FP8 weight scales the
+	// server computes as it quantizes them (activations stay dynamic).
+	// Ignored for FP8 weights, whose scales come from the checkpoint.
+	WeightQuantization WeightQuantization `protobuf:"varint,20,opt,name=weight_quantization,json=weightQuantization,proto3,enum=expertd.v1.WeightQuantization" json:"weight_quantization,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *LoadExpertsRequest_SafetensorsSource) Reset() {
@@ -2725,6 +2795,13 @@ func (x *LoadExpertsRequest_SafetensorsSource) GetW2InputScaleTemplate() string 
 		return x.W2InputScaleTemplate
 	}
 	return ""
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetWeightQuantization() WeightQuantization {
+	if x != nil {
+		return x.WeightQuantization
+	}
+	return WeightQuantization_WEIGHT_QUANTIZATION_UNSPECIFIED
 }
 
 // BackendInfo is one backend's capabilities.
@@ -3075,7 +3152,8 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\td2h_nanos\x18\x05 \x01(\x03R\bd2hNanos\x12\x1f\n" +
 	"\vtotal_nanos\x18\x06 \x01(\x03R\n" +
 	"totalNanos\x12#\n" +
-	"\rreceive_nanos\x18\a \x01(\x03R\freceiveNanos\"\xec\t\n" +
+	"\rreceive_nanos\x18\a \x01(\x03R\freceiveNanos\"\xbd\n" +
+	"\n" +
 	"\x12LoadExpertsRequest\x12?\n" +
 	"\x06header\x18\x01 \x01(\v2%.expertd.v1.LoadExpertsRequest.HeaderH\x00R\x06header\x12<\n" +
 	"\x05chunk\x18\x02 \x01(\v2$.expertd.v1.LoadExpertsRequest.ChunkH\x00R\x05chunk\x12T\n" +
@@ -3090,7 +3168,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x05Chunk\x12\x16\n" +
 	"\x06tensor\x18\x01 \x01(\tR\x06tensor\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x12\n" +
-	"\x04data\x18\x03 \x01(\fR\x04data\x1a\xfd\x05\n" +
+	"\x04data\x18\x03 \x01(\fR\x04data\x1a\xce\x06\n" +
 	"\x11SafetensorsSource\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x14\n" +
@@ -3116,7 +3194,8 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x13gate_scale_template\x18\x10 \x01(\tR\x11gateScaleTemplate\x12*\n" +
 	"\x11up_scale_template\x18\x11 \x01(\tR\x0fupScaleTemplate\x127\n" +
 	"\x18w13_input_scale_template\x18\x12 \x01(\tR\x15w13InputScaleTemplate\x125\n" +
-	"\x17w2_input_scale_template\x18\x13 \x01(\tR\x14w2InputScaleTemplateB\t\n" +
+	"\x17w2_input_scale_template\x18\x13 \x01(\tR\x14w2InputScaleTemplate\x12O\n" +
+	"\x13weight_quantization\x18\x14 \x01(\x0e2\x1e.expertd.v1.WeightQuantizationR\x12weightQuantizationB\t\n" +
 	"\apayload\"\x88\x05\n" +
 	"\rExpertSetInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x126\n" +
@@ -3246,7 +3325,12 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x14NAMING_PRESET_CUSTOM\x10\x03\x12\x1d\n" +
 	"\x19NAMING_PRESET_DEEPSEEK_V3\x10\x04\x12\x19\n" +
 	"\x15NAMING_PRESET_MIXTRAL\x10\x05\x12\x16\n" +
-	"\x12NAMING_PRESET_AUTO\x10\x06*u\n" +
+	"\x12NAMING_PRESET_AUTO\x10\x06*\xa1\x01\n" +
+	"\x12WeightQuantization\x12#\n" +
+	"\x1fWEIGHT_QUANTIZATION_UNSPECIFIED\x10\x00\x12\"\n" +
+	"\x1eWEIGHT_QUANTIZATION_PER_TENSOR\x10\x01\x12#\n" +
+	"\x1fWEIGHT_QUANTIZATION_PER_CHANNEL\x10\x02\x12\x1d\n" +
+	"\x19WEIGHT_QUANTIZATION_BLOCK\x10\x03*u\n" +
 	"\x10SharedMemoryKind\x12\"\n" +
 	"\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18SHARED_MEMORY_KIND_POSIX\x10\x01\x12\x1f\n" +
@@ -3276,117 +3360,119 @@ func file_expertd_v1_expert_proto_rawDescGZIP() []byte {
 	return file_expertd_v1_expert_proto_rawDescData
 }
 
-var file_expertd_v1_expert_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
+var file_expertd_v1_expert_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
 var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_expertd_v1_expert_proto_goTypes = []any{
 	(DataType)(0),                                // 0: expertd.v1.DataType
 	(Activation)(0),                              // 1: expertd.v1.Activation
 	(Scoring)(0),                                 // 2: expertd.v1.Scoring
 	(NamingPreset)(0),                            // 3: expertd.v1.NamingPreset
-	(SharedMemoryKind)(0),                        // 4: expertd.v1.SharedMemoryKind
-	(*Tensor)(nil),                               // 5: expertd.v1.Tensor
-	(*SharedMemoryRef)(nil),                      // 6: expertd.v1.SharedMemoryRef
-	(*ExpertWeights)(nil),                        // 7: expertd.v1.ExpertWeights
-	(*Routing)(nil),                              // 8: expertd.v1.Routing
-	(*FusedMoERequest)(nil),                      // 9: expertd.v1.FusedMoERequest
-	(*FusedMoEResponse)(nil),                     // 10: expertd.v1.FusedMoEResponse
-	(*Timings)(nil),                              // 11: expertd.v1.Timings
-	(*LoadExpertsRequest)(nil),                   // 12: expertd.v1.LoadExpertsRequest
-	(*ExpertSetInfo)(nil),                        // 13: expertd.v1.ExpertSetInfo
-	(*ListExpertsRequest)(nil),                   // 14: expertd.v1.ListExpertsRequest
-	(*ListExpertsResponse)(nil),                  // 15: expertd.v1.ListExpertsResponse
-	(*UnloadExpertsRequest)(nil),                 // 16: expertd.v1.UnloadExpertsRequest
-	(*UnloadExpertsResponse)(nil),                // 17: expertd.v1.UnloadExpertsResponse
-	(*GetServerInfoRequest)(nil),                 // 18: expertd.v1.GetServerInfoRequest
-	(*ServerInfo)(nil),                           // 19: expertd.v1.ServerInfo
-	(*RegisterSharedMemoryRequest)(nil),          // 20: expertd.v1.RegisterSharedMemoryRequest
-	(*RegisterSharedMemoryResponse)(nil),         // 21: expertd.v1.RegisterSharedMemoryResponse
-	(*SharedMemoryRegion)(nil),                   // 22: expertd.v1.SharedMemoryRegion
-	(*UnregisterSharedMemoryRequest)(nil),        // 23: expertd.v1.UnregisterSharedMemoryRequest
-	(*UnregisterSharedMemoryResponse)(nil),       // 24: expertd.v1.UnregisterSharedMemoryResponse
-	(*ListSharedMemoryRequest)(nil),              // 25: expertd.v1.ListSharedMemoryRequest
-	(*ListSharedMemoryResponse)(nil),             // 26: expertd.v1.ListSharedMemoryResponse
-	(*AttachRingRequest)(nil),                    // 27: expertd.v1.AttachRingRequest
-	(*AttachRingResponse)(nil),                   // 28: expertd.v1.AttachRingResponse
-	(*LoadExpertsRequest_Header)(nil),            // 29: expertd.v1.LoadExpertsRequest.Header
-	(*LoadExpertsRequest_Chunk)(nil),             // 30: expertd.v1.LoadExpertsRequest.Chunk
-	(*LoadExpertsRequest_SafetensorsSource)(nil), // 31: expertd.v1.LoadExpertsRequest.SafetensorsSource
-	(*ServerInfo_BackendInfo)(nil),               // 32: expertd.v1.ServerInfo.BackendInfo
-	(*ServerInfo_Limits)(nil),                    // 33: expertd.v1.ServerInfo.Limits
-	(*ServerInfo_RingInfo)(nil),                  // 34: expertd.v1.ServerInfo.RingInfo
-	nil,                                          // 35: expertd.v1.ServerInfo.BackendInfo.DetailsEntry
-	(*timestamppb.Timestamp)(nil),                // 36: google.protobuf.Timestamp
+	(WeightQuantization)(0),                      // 4: expertd.v1.WeightQuantization
+	(SharedMemoryKind)(0),                        // 5: expertd.v1.SharedMemoryKind
+	(*Tensor)(nil),                               // 6: expertd.v1.Tensor
+	(*SharedMemoryRef)(nil),                      // 7: expertd.v1.SharedMemoryRef
+	(*ExpertWeights)(nil),                        // 8: expertd.v1.ExpertWeights
+	(*Routing)(nil),                              // 9: expertd.v1.Routing
+	(*FusedMoERequest)(nil),                      // 10: expertd.v1.FusedMoERequest
+	(*FusedMoEResponse)(nil),                     // 11: expertd.v1.FusedMoEResponse
+	(*Timings)(nil),                              // 12: expertd.v1.Timings
+	(*LoadExpertsRequest)(nil),                   // 13: expertd.v1.LoadExpertsRequest
+	(*ExpertSetInfo)(nil),                        // 14: expertd.v1.ExpertSetInfo
+	(*ListExpertsRequest)(nil),                   // 15: expertd.v1.ListExpertsRequest
+	(*ListExpertsResponse)(nil),                  // 16: expertd.v1.ListExpertsResponse
+	(*UnloadExpertsRequest)(nil),                 // 17: expertd.v1.UnloadExpertsRequest
+	(*UnloadExpertsResponse)(nil),                // 18: expertd.v1.UnloadExpertsResponse
+	(*GetServerInfoRequest)(nil),                 // 19: expertd.v1.GetServerInfoRequest
+	(*ServerInfo)(nil),                           // 20: expertd.v1.ServerInfo
+	(*RegisterSharedMemoryRequest)(nil),          // 21: expertd.v1.RegisterSharedMemoryRequest
+	(*RegisterSharedMemoryResponse)(nil),         // 22: expertd.v1.RegisterSharedMemoryResponse
+	(*SharedMemoryRegion)(nil),                   // 23: expertd.v1.SharedMemoryRegion
+	(*UnregisterSharedMemoryRequest)(nil),        // 24: expertd.v1.UnregisterSharedMemoryRequest
+	(*UnregisterSharedMemoryResponse)(nil),       // 25: expertd.v1.UnregisterSharedMemoryResponse
+	(*ListSharedMemoryRequest)(nil),              // 26: expertd.v1.ListSharedMemoryRequest
+	(*ListSharedMemoryResponse)(nil),             // 27: expertd.v1.ListSharedMemoryResponse
+	(*AttachRingRequest)(nil),                    // 28: expertd.v1.AttachRingRequest
+	(*AttachRingResponse)(nil),                   // 29: expertd.v1.AttachRingResponse
+	(*LoadExpertsRequest_Header)(nil),            // 30: expertd.v1.LoadExpertsRequest.Header
+	(*LoadExpertsRequest_Chunk)(nil),             // 31: expertd.v1.LoadExpertsRequest.Chunk
+	(*LoadExpertsRequest_SafetensorsSource)(nil), // 32: expertd.v1.LoadExpertsRequest.SafetensorsSource
+	(*ServerInfo_BackendInfo)(nil),               // 33: expertd.v1.ServerInfo.BackendInfo
+	(*ServerInfo_Limits)(nil),                    // 34: expertd.v1.ServerInfo.Limits
+	(*ServerInfo_RingInfo)(nil),                  // 35: expertd.v1.ServerInfo.RingInfo
+	nil,                                          // 36: expertd.v1.ServerInfo.BackendInfo.DetailsEntry
+	(*timestamppb.Timestamp)(nil),                // 37: google.protobuf.Timestamp
 }
 var file_expertd_v1_expert_proto_depIdxs = []int32{
 	0,  // 0: expertd.v1.Tensor.dtype:type_name -> expertd.v1.DataType
-	6,  // 1: expertd.v1.Tensor.shm:type_name -> expertd.v1.SharedMemoryRef
+	7,  // 1: expertd.v1.Tensor.shm:type_name -> expertd.v1.SharedMemoryRef
 	1,  // 2: expertd.v1.ExpertWeights.activation:type_name -> expertd.v1.Activation
-	5,  // 3: expertd.v1.ExpertWeights.w13:type_name -> expertd.v1.Tensor
-	5,  // 4: expertd.v1.ExpertWeights.w2:type_name -> expertd.v1.Tensor
-	5,  // 5: expertd.v1.ExpertWeights.w13_scale:type_name -> expertd.v1.Tensor
-	5,  // 6: expertd.v1.ExpertWeights.w2_scale:type_name -> expertd.v1.Tensor
-	5,  // 7: expertd.v1.ExpertWeights.a13_scale:type_name -> expertd.v1.Tensor
-	5,  // 8: expertd.v1.ExpertWeights.a2_scale:type_name -> expertd.v1.Tensor
+	6,  // 3: expertd.v1.ExpertWeights.w13:type_name -> expertd.v1.Tensor
+	6,  // 4: expertd.v1.ExpertWeights.w2:type_name -> expertd.v1.Tensor
+	6,  // 5: expertd.v1.ExpertWeights.w13_scale:type_name -> expertd.v1.Tensor
+	6,  // 6: expertd.v1.ExpertWeights.w2_scale:type_name -> expertd.v1.Tensor
+	6,  // 7: expertd.v1.ExpertWeights.a13_scale:type_name -> expertd.v1.Tensor
+	6,  // 8: expertd.v1.ExpertWeights.a2_scale:type_name -> expertd.v1.Tensor
 	2,  // 9: expertd.v1.Routing.scoring:type_name -> expertd.v1.Scoring
-	5,  // 10: expertd.v1.Routing.correction_bias:type_name -> expertd.v1.Tensor
-	7,  // 11: expertd.v1.FusedMoERequest.weights:type_name -> expertd.v1.ExpertWeights
-	5,  // 12: expertd.v1.FusedMoERequest.hidden_states:type_name -> expertd.v1.Tensor
-	5,  // 13: expertd.v1.FusedMoERequest.hidden_states_scale:type_name -> expertd.v1.Tensor
-	5,  // 14: expertd.v1.FusedMoERequest.router_logits:type_name -> expertd.v1.Tensor
-	8,  // 15: expertd.v1.FusedMoERequest.routing:type_name -> expertd.v1.Routing
-	5,  // 16: expertd.v1.FusedMoERequest.topk_ids:type_name -> expertd.v1.Tensor
-	5,  // 17: expertd.v1.FusedMoERequest.topk_weights:type_name -> expertd.v1.Tensor
+	6,  // 10: expertd.v1.Routing.correction_bias:type_name -> expertd.v1.Tensor
+	8,  // 11: expertd.v1.FusedMoERequest.weights:type_name -> expertd.v1.ExpertWeights
+	6,  // 12: expertd.v1.FusedMoERequest.hidden_states:type_name -> expertd.v1.Tensor
+	6,  // 13: expertd.v1.FusedMoERequest.hidden_states_scale:type_name -> expertd.v1.Tensor
+	6,  // 14: expertd.v1.FusedMoERequest.router_logits:type_name -> expertd.v1.Tensor
+	9,  // 15: expertd.v1.FusedMoERequest.routing:type_name -> expertd.v1.Routing
+	6,  // 16: expertd.v1.FusedMoERequest.topk_ids:type_name -> expertd.v1.Tensor
+	6,  // 17: expertd.v1.FusedMoERequest.topk_weights:type_name -> expertd.v1.Tensor
 	0,  // 18: expertd.v1.FusedMoERequest.output_dtype:type_name -> expertd.v1.DataType
-	6,  // 19: expertd.v1.FusedMoERequest.output_shm:type_name -> expertd.v1.SharedMemoryRef
-	5,  // 20: expertd.v1.FusedMoEResponse.output:type_name -> expertd.v1.Tensor
-	5,  // 21: expertd.v1.FusedMoEResponse.topk_ids:type_name -> expertd.v1.Tensor
-	5,  // 22: expertd.v1.FusedMoEResponse.topk_weights:type_name -> expertd.v1.Tensor
-	11, // 23: expertd.v1.FusedMoEResponse.timings:type_name -> expertd.v1.Timings
-	29, // 24: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
-	30, // 25: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
-	31, // 26: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
+	7,  // 19: expertd.v1.FusedMoERequest.output_shm:type_name -> expertd.v1.SharedMemoryRef
+	6,  // 20: expertd.v1.FusedMoEResponse.output:type_name -> expertd.v1.Tensor
+	6,  // 21: expertd.v1.FusedMoEResponse.topk_ids:type_name -> expertd.v1.Tensor
+	6,  // 22: expertd.v1.FusedMoEResponse.topk_weights:type_name -> expertd.v1.Tensor
+	12, // 23: expertd.v1.FusedMoEResponse.timings:type_name -> expertd.v1.Timings
+	30, // 24: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
+	31, // 25: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
+	32, // 26: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
 	1,  // 27: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
-	36, // 28: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
-	8,  // 29: expertd.v1.ExpertSetInfo.routing:type_name -> expertd.v1.Routing
-	13, // 30: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
-	32, // 31: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
-	33, // 32: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
-	34, // 33: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
-	4,  // 34: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
-	22, // 35: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
-	4,  // 36: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
-	36, // 37: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
-	22, // 38: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
-	7,  // 39: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
+	37, // 28: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
+	9,  // 29: expertd.v1.ExpertSetInfo.routing:type_name -> expertd.v1.Routing
+	14, // 30: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
+	33, // 31: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
+	34, // 32: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
+	35, // 33: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
+	5,  // 34: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
+	23, // 35: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
+	5,  // 36: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
+	37, // 37: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
+	23, // 38: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
+	8,  // 39: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
 	3,  // 40: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
 	1,  // 41: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
-	1,  // 42: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
-	35, // 43: expertd.v1.ServerInfo.BackendInfo.details:type_name -> expertd.v1.ServerInfo.BackendInfo.DetailsEntry
-	12, // 44: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
-	14, // 45: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
-	16, // 46: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
-	9,  // 47: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
-	9,  // 48: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
-	18, // 49: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
-	20, // 50: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
-	23, // 51: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
-	25, // 52: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
-	27, // 53: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
-	13, // 54: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
-	15, // 55: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
-	17, // 56: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
-	10, // 57: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
-	10, // 58: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
-	19, // 59: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
-	21, // 60: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
-	24, // 61: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
-	26, // 62: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
-	28, // 63: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
-	54, // [54:64] is the sub-list for method output_type
-	44, // [44:54] is the sub-list for method input_type
-	44, // [44:44] is the sub-list for extension type_name
-	44, // [44:44] is the sub-list for extension extendee
-	0,  // [0:44] is the sub-list for field type_name
+	4,  // 42: expertd.v1.LoadExpertsRequest.SafetensorsSource.weight_quantization:type_name -> expertd.v1.WeightQuantization
+	1,  // 43: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
+	36, // 44: expertd.v1.ServerInfo.BackendInfo.details:type_name -> expertd.v1.ServerInfo.BackendInfo.DetailsEntry
+	13, // 45: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
+	15, // 46: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
+	17, // 47: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
+	10, // 48: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
+	10, // 49: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
+	19, // 50: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
+	21, // 51: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
+	24, // 52: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
+	26, // 53: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
+	28, // 54: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
+	14, // 55: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
+	16, // 56: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
+	18, // 57: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
+	11, // 58: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
+	11, // 59: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
+	20, // 60: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
+	22, // 61: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
+	25, // 62: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
+	27, // 63: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
+	29, // 64: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
+	55, // [55:65] is the sub-list for method output_type
+	45, // [45:55] is the sub-list for method input_type
+	45, // [45:45] is the sub-list for extension type_name
+	45, // [45:45] is the sub-list for extension extendee
+	0,  // [0:45] is the sub-list for field type_name
 }
 
 func init() { file_expertd_v1_expert_proto_init() }
@@ -3412,7 +3498,7 @@ func file_expertd_v1_expert_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_expertd_v1_expert_proto_rawDesc), len(file_expertd_v1_expert_proto_rawDesc)),
-			NumEnums:      5,
+			NumEnums:      6,
 			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   1,
