@@ -36,12 +36,12 @@ import (
 
 // config is the command line.
 type config struct {
-	dial                               cliflags.Dial
-	path, layers, name, preset, prefix string
-	numLayers                          int
-	configPath                         string
-	overwrite                          bool
-	progress                           string
+	dial                                      cliflags.Dial
+	path, layers, name, preset, prefix, quant string
+	numLayers                                 int
+	configPath                                string
+	overwrite                                 bool
+	progress                                  string
 }
 
 // maxLayers bounds -num-layers and every layer index: the deepest MoE
@@ -64,6 +64,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&c.configPath, "config", "", "a local copy of the checkpoint's config.json, for -layers all")
 	fs.StringVar(&c.name, "name", "", `expert set name, {L} replaced by the layer (default "<path>/layer{L}")`)
 	fs.StringVar(&c.preset, "preset", "auto", "naming preset: auto, nemotron_h, qwen3_moe, deepseek_v3, mixtral")
+	fs.StringVar(&c.quant, "weight-quantization", "", "how a BF16/FP16 checkpoint is quantized to FP8: per_channel (the daemon's default), per_tensor or block")
 	fs.StringVar(&c.prefix, "tensor-prefix", "", `what precedes "layers.{L}" in tensor names, if not the preset's`)
 	fs.BoolVar(&c.overwrite, "overwrite", false, "replace sets of the same names")
 	fs.StringVar(&c.progress, "progress", "auto", "progress bar: auto (when stderr is a terminal), bar, lines, none")
@@ -166,6 +167,17 @@ func presetOf(name string) (pb.NamingPreset, error) {
 	return pb.NamingPreset(v), nil
 }
 
+func quantizationOf(name string) (pb.WeightQuantization, error) {
+	if name == "" {
+		return pb.WeightQuantization_WEIGHT_QUANTIZATION_UNSPECIFIED, nil
+	}
+	v, ok := pb.WeightQuantization_value["WEIGHT_QUANTIZATION_"+strings.ToUpper(name)]
+	if !ok || v == 0 {
+		return 0, fmt.Errorf("-weight-quantization %s: want per_channel, per_tensor or block", clip.Quote(name))
+	}
+	return pb.WeightQuantization(v), nil
+}
+
 // loaded is the outcome of one layer.
 type loaded struct {
 	layer   int
@@ -181,12 +193,17 @@ func loadLayers(ctx context.Context, rpc pb.ExpertServiceClient, c config, layer
 	if err != nil {
 		return nil, err
 	}
+	quant, err := quantizationOf(c.quant)
+	if err != nil {
+		return nil, err
+	}
 	var out []loaded
 	for i, l := range layers {
 		name := strings.ReplaceAll(c.name, "{L}", strconv.Itoa(l))
 		prog.start(i, l)
 		info, err := loadOne(ctx, rpc, c, &pb.LoadExpertsRequest_SafetensorsSource{
 			Name: name, Path: c.path, Layer: int32(l), Preset: preset, TensorPrefix: c.prefix, Overwrite: c.overwrite,
+			WeightQuantization: quant,
 		})
 		if status.Code(err) == codes.NotFound && len(layers) > 1 && strings.Contains(status.Convert(err).Message(), "no tensor of layer") {
 			out = append(out, loaded{layer: l, skipped: true})

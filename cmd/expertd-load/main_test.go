@@ -285,3 +285,27 @@ func TestUsageLinesBounded(t *testing.T) {
 	}
 	clitest.CheckLines(t, stderr.String())
 }
+
+// TestQuantizationOf: -weight-quantization names the proto's values in
+// lower case; empty leaves the daemon's default; anything else is refused
+// before a call is made.
+func TestQuantizationOf(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want pb.WeightQuantization
+	}{
+		{"", pb.WeightQuantization_WEIGHT_QUANTIZATION_UNSPECIFIED},
+		{"per_channel", pb.WeightQuantization_WEIGHT_QUANTIZATION_PER_CHANNEL},
+		{"per_tensor", pb.WeightQuantization_WEIGHT_QUANTIZATION_PER_TENSOR},
+		{"BLOCK", pb.WeightQuantization_WEIGHT_QUANTIZATION_BLOCK},
+	} {
+		if got, err := quantizationOf(tc.in); err != nil || got != tc.want {
+			t.Errorf("quantizationOf(%q) = %v, %v; want %v", tc.in, got, err, tc.want)
+		}
+	}
+	for _, bad := range []string{"unspecified", "fp8", "per-channel"} {
+		if _, err := quantizationOf(bad); err == nil || !strings.Contains(err.Error(), "-weight-quantization") {
+			t.Errorf("quantizationOf(%q): %v, want an error naming the flag", bad, err)
+		}
+	}
+}
