@@ -153,8 +153,8 @@ class _Link:
         try:
             if region is not None:
                 self.client.unregister_shared_memory(region.name)
-        except ExpertdError:
-            pass  # the connection is gone, and the daemon forgot the region with it
+        except (ExpertdError, ValueError):
+            pass  # the connection (or the channel) is gone, and the daemon forgot the region with it
         finally:
             if shm is not None:
                 shm.close()

@@ -93,7 +93,9 @@ def test_ring_call_errors_are_typed(ring_client, moe_set, rng):
         remote.close()
 
 
-def test_grpc_without_ring(client, moe_set, rng, caplog):
+def _falls_back(client, moe_set, rng, caplog, missing):
+    """RemoteMoE on client's daemon takes gRPC, right, and logs the flag
+    missing; returns the hidden states it sent and the set's name."""
     load, gate = moe_set
     name, ref = load(client)
     remote = _module(client, name, gate)
@@ -103,22 +105,18 @@ def test_grpc_without_ring(client, moe_set, rng, caplog):
     assert remote.path == "grpc"
     assert moeref.rel_l2(got.numpy()[0], ref(x.numpy()[0])) <= 2e-2
     msgs = _picked(caplog)
-    assert len(msgs) == 1 and "path grpc" in msgs[0] and "-ring" in msgs[0], msgs
+    assert len(msgs) == 1 and "path grpc" in msgs[0] and missing in msgs[0], msgs
+    return x, name, gate
+
+
+def test_grpc_without_ring(client, moe_set, rng, caplog):
+    x, name, gate = _falls_back(client, moe_set, rng, caplog, "-ring")
     with pytest.raises(ValueError, match="path ring is not available.*-ring"):
         _module(client, name, gate, path="ring")(x)
 
 
 def test_grpc_without_shared_memory(plain_client, moe_set, rng, caplog):
-    load, gate = moe_set
-    name, ref = load(plain_client)
-    remote = _module(plain_client, name, gate)
-    with caplog.at_level(logging.INFO, logger="expertd.torch"):
-        x = _x(rng)
-        got = remote(x)
-    assert remote.path == "grpc"
-    assert moeref.rel_l2(got.numpy()[0], ref(x.numpy()[0])) <= 2e-2
-    msgs = _picked(caplog)
-    assert len(msgs) == 1 and "-shared-memory" in msgs[0], msgs
+    _falls_back(plain_client, moe_set, rng, caplog, "-shared-memory")
 
 
 def test_grpc_when_the_daemon_cannot_map_the_ring(ring_client, moe_set, rng, monkeypatch, caplog):
