@@ -159,8 +159,9 @@ func TestPython(t *testing.T) {
 }
 
 // TestPythonPackage runs the package's pytest suite (clients/python/tests:
-// sync, asyncio, FusedMoEStream, POSIX shared memory, typed errors; CUDA
-// IPC skips without a GPU; sharded checkpoints in its weights directory,
+// sync, asyncio, FusedMoEStream, POSIX shared memory, typed errors,
+// RemoteMoE's choice of path on two more daemons, one with -ring and one
+// without -shared-memory; CUDA IPC skips without a GPU; sharded checkpoints in its weights directory,
 // among them the real layouts written from transformers' MoE blocks and
 // compared with their forward) against a real daemon serving shared
 // memory. It runs outside the source tree, so the installed package is
@@ -171,6 +172,10 @@ func TestPythonPackage(t *testing.T) {
 	python := pythonPath(t)
 	weights := t.TempDir()
 	d := startDaemon(t, "-shared-memory", "-weights-dir", weights)
+	// RemoteMoE's path choice wants a daemon with call rings and one
+	// without shared memory besides d, which serves shared memory only.
+	ring := startDaemon(t, "-shared-memory", "-ring")
+	plain := startDaemon(t)
 	tests := filepath.Join(repoRoot(t), "clients/python/tests")
 	// The transformers comparisons import torch and build a dozen blocks:
 	// tens of seconds on two busy cores.
@@ -178,11 +183,12 @@ func TestPythonPackage(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", tests)
 	cmd.Dir = t.TempDir()
-	cmd.Env = append(os.Environ(), "EXPERTD_ADDR="+d.Addr, "EXPERTD_SHM=1", "EXPERTD_WEIGHTS_DIR="+weights, "EXPERTD_CUDA=")
+	cmd.Env = append(os.Environ(), "EXPERTD_ADDR="+d.Addr, "EXPERTD_SHM=1", "EXPERTD_WEIGHTS_DIR="+weights, "EXPERTD_CUDA=",
+		"EXPERTD_RING_ADDR="+ring.Addr, "EXPERTD_PLAIN_ADDR="+plain.Addr)
 	if os.Getenv(requireEnv) == "1" && os.Getenv("EXPERTD_E2E_TORCH") != "0" {
 		cmd.Env = append(cmd.Env, "EXPERTD_REQUIRE_TORCH=1")
 	}
-	t.Logf("$ EXPERTD_ADDR=localhost:PORT EXPERTD_SHM=1 python -m pytest -q clients/python/tests")
+	t.Logf("$ EXPERTD_ADDR=localhost:PORT EXPERTD_SHM=1 EXPERTD_RING_ADDR=localhost:PORT2 EXPERTD_PLAIN_ADDR=localhost:PORT3 python -m pytest -q clients/python/tests")
 	out, err := cmd.CombinedOutput()
 	t.Logf("pytest:\n%s", out)
 	if err != nil {

@@ -21,6 +21,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/internal/durstat"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
@@ -44,7 +45,8 @@ import (
 //	           interceptors and OpenTelemetry (chain, at each log level,
 //	           and with -stream-workers)
 //	null/m256  M = 256 at K = 2688 (1.4 MB each way), TCP and Unix socket,
-//	           unary and stream, each call split into stages (below)
+//	           unary and stream, each call split into stages (below),
+//	           and socket: the same bytes echoed over a bare connection
 //	daemon     FusedMoE on the real daemon (run, -log-level as given by
 //	           the sub-benchmark), SDK client
 //	stream     the same over a client.Pipeline of depth 1
@@ -236,25 +238,66 @@ func BenchmarkCallPath(b *testing.B) {
 		RouterLogits: client.FromFloat32(randF32(rng, bigM*e), bigM, e), Routing: client.Routing{TopK: 2}, OutputDType: client.BFloat16,
 	}
 	for _, network := range []string{"tcp", "unix"} {
+		listen := func(b *testing.B) net.Listener {
+			addr := "127.0.0.1:0"
+			if network == "unix" {
+				dir, err := os.MkdirTemp("", "expertd-bench")
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { os.RemoveAll(dir) })
+				addr = filepath.Join(dir, "s.sock")
+			}
+			lis, err := net.Listen(network, addr)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return lis
+		}
+		// null/m256/*/socket: the same bytes each way over a bare
+		// connection of the same kind, written in chunks of gRPC's write
+		// buffer and echoed: the socket's floor under the gRPC variants.
+		b.Run("null/m256/"+network+"/socket", func(b *testing.B) {
+			lis := listen(b)
+			b.Cleanup(func() { lis.Close() })
+			size := len(bigReq.Hidden.Data)
+			go func() {
+				conn, err := lis.Accept()
+				if err != nil {
+					return
+				}
+				defer conn.Close()
+				buf := make([]byte, size)
+				for {
+					if _, err := io.ReadFull(conn, buf); err != nil {
+						return
+					}
+					if err := writeChunks(conn, buf, codec.IOBufferBytes); err != nil {
+						return
+					}
+				}
+			}()
+			conn, err := net.Dial(network, lis.Addr().String())
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { conn.Close() })
+			in := make([]byte, size)
+			measure(b, func() (client.Timings, error) {
+				if err := writeChunks(conn, bigReq.Hidden.Data, codec.IOBufferBytes); err != nil {
+					return client.Timings{}, err
+				}
+				_, err := io.ReadFull(conn, in)
+				return client.Timings{}, err
+			})
+		})
 		for _, stream := range []bool{false, true} {
 			name := "null/m256/" + network + "/unary"
 			if stream {
 				name = "null/m256/" + network + "/stream"
 			}
 			b.Run(name, func(b *testing.B) {
-				addr := "127.0.0.1:0"
-				if network == "unix" {
-					dir, err := os.MkdirTemp("", "expertd-bench")
-					if err != nil {
-						b.Fatal(err)
-					}
-					b.Cleanup(func() { os.RemoveAll(dir) })
-					addr = filepath.Join(dir, "s.sock")
-				}
-				lis, err := net.Listen(network, addr)
-				if err != nil {
-					b.Fatal(err)
-				}
+				lis := listen(b)
 				svc := service.New(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow, MaxTokens: 8192},
 					servicetest.NullBackend{Backend: cpu.New(kernels.Config{Threads: 1})}, nil)
 				st := &stages{}
@@ -393,3 +436,16 @@ func (stageHandler) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Con
 func (stageHandler) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
 
 func (stageHandler) HandleConn(context.Context, stats.ConnStats) {}
+
+// writeChunks writes p to w in writes of at most chunk bytes, as gRPC's
+// write buffer flushes a large message.
+func writeChunks(w io.Writer, p []byte, chunk int) error {
+	for len(p) > 0 {
+		n := min(chunk, len(p))
+		if _, err := w.Write(p[:n]); err != nil {
+			return err
+		}
+		p = p[n:]
+	}
+	return nil
+}

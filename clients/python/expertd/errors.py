@@ -86,6 +86,17 @@ def _details(metadata) -> list:
     return []
 
 
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def from_status(st: status_pb2.Status) -> ExpertdError:
+    """The typed error of a google.rpc.Status, as a call ring completes a
+    failed call."""
+    code = _CODES.get(st.code, grpc.StatusCode.UNKNOWN)
+    cls = _BY_CODE.get(code, ExpertdError)
+    return cls(code, st.message, _details(((_DETAILS_KEY, st.SerializeToString()),)))
+
+
 def from_rpc_error(e: grpc.RpcError) -> ExpertdError:
     """The typed error of a grpc.RpcError (sync or aio)."""
     code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN

@@ -216,15 +216,16 @@ class Ring:
 
     def fused_moe(self, request, timeout_s: float | None = None, spin_s: float = 1e-3):
         """Runs an expert_pb2.FusedMoERequest through the ring and returns
-        the expert_pb2.FusedMoEResponse; an error completion raises
-        RuntimeError with the gRPC code and message."""
+        the expert_pb2.FusedMoEResponse; an error completion raises the
+        expertd.ExpertdError subclass of its gRPC code, as a unary call
+        does."""
+        from expertd.errors import from_status
         from expertd.v1 import expert_pb2  # the package's generated stubs
         from google.rpc import status_pb2  # googleapis-common-protos
 
         kind, payload = self.call(request.SerializeToString(), timeout_s=timeout_s, spin_s=spin_s)
         if kind == KIND_STATUS:
-            st = status_pb2.Status.FromString(payload)
-            raise RuntimeError(f"ring call failed: code {st.code}: {st.message}")
+            raise from_status(status_pb2.Status.FromString(payload))
         return expert_pb2.FusedMoEResponse.FromString(payload)
 
 

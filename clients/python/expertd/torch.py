@@ -13,21 +13,49 @@ Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, DeepseekV3MoE (also Kimi-K2)
 and NemotronH's MoE, with experts stored either as a ModuleList of MLPs or
 as fused [E, 2N, K] / [E, K, N] parameters.
 
-CUDA inputs go through a CUDA IPC region when the daemon runs the cuda
-backend on this host's GPU (cuda_ipc=True); otherwise they are copied to
-the host and sent inline.
+RemoteMoE picks the fastest path the daemon offers at its first forward
+(path="auto"), says which in its path attribute and one log line (logger
+"expertd.torch"), and falls back to plain gRPC where a faster one is not
+served:
+
+    "ring+cuda_ipc"  CUDA tensors in a CUDA IPC region, calls posted into a
+                     call ring (cuda backend on this GPU, -shared-memory -ring)
+    "cuda_ipc"       the same region, each call a unary gRPC call (no -ring)
+    "ring"           host tensors in a POSIX shared-memory region, calls
+                     posted into a call ring (same host, -shared-memory -ring)
+    "grpc"           tensors inline in unary gRPC calls (any daemon)
+
+CUDA tensors that cannot go through CUDA IPC (a cpu-backend daemon, a GPU
+the daemon cannot open) take the host path picked for host tensors.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
+
+import grpc
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from expertd import _common
+from expertd import ring as _ring
+from expertd import shm as _shm
+from expertd.errors import ExpertdError, from_rpc_error
 from expertd.v1 import expert_pb2 as pb
 
 FP8_MAX = 448.0
+
+log = logging.getLogger("expertd.torch")
+
+# PATHS are the values of RemoteMoE's path argument besides "auto".
+PATHS = ("ring+cuda_ipc", "cuda_ipc", "ring", "grpc")
+
+# A ring's slots carry requests and responses whose tensors are region
+# references: a few hundred bytes each, so small slots suffice.
+_RING_SLOTS, _RING_SLOT_BYTES = 4, 16 << 10
+_ALIGN = 256
 
 
 def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,33 +111,145 @@ def _expert_weights(experts, k: int):
     return gu, down, gated
 
 
+def _layout(*sizes: int) -> tuple[list[int], int]:
+    """Offsets of buffers of sizes bytes laid out in order on _ALIGN
+    boundaries, and the bytes they span."""
+    offs, end = [], 0
+    for n in sizes:
+        offs.append(end)
+        end += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return offs, end
+
+
+class _Link:
+    """What one RemoteMoE holds on the daemon's side of its client's
+    connection: a call ring, a POSIX region for host tensors and a CUDA IPC
+    region for CUDA tensors, each made on first use. close releases them;
+    it runs when the module is closed or collected."""
+
+    def __init__(self, client, name: str):
+        self.client = client
+        # Region names are bounded (128 bytes); the suffix keeps them
+        # unique per module.
+        self.prefix = f"{name[:96]}/{id(self):x}"
+        self.ring = None
+        self._attached = None
+        self._shms: dict[str, _shm.SharedMemory] = {}
+        self._regions: dict[str, object] = {}
+
+    def _register_posix(self, what: str, size: int):
+        shm = _shm.SharedMemory.create(size)
+        try:
+            region = self.client.register_shared_memory(f"{self.prefix}/{what}", shm)
+        except BaseException:
+            shm.close()
+            raise
+        shm.unlink()
+        self._shms[what], self._regions[what] = shm, region
+        return shm, region
+
+    def _drop(self, what: str) -> None:
+        region, shm = self._regions.pop(what, None), self._shms.pop(what, None)
+        try:
+            if region is not None:
+                self.client.unregister_shared_memory(region.name)
+        except (ExpertdError, ValueError):
+            pass  # the connection (or the channel) is gone, and the daemon forgot the region with it
+        finally:
+            if shm is not None:
+                shm.close()
+
+    def open_ring(self) -> None:
+        """Attaches a call ring; raises where the daemon cannot map this
+        process's shared memory (another host) or serves no rings."""
+        if self.ring is not None:
+            return
+        shm, region = self._register_posix("ring", _ring.size(_RING_SLOTS, _RING_SLOT_BYTES))
+        r = _ring.Ring(shm._buf, 0, slots=_RING_SLOTS, slot_size=_RING_SLOT_BYTES)
+        try:
+            self._attached = _ring.attach(self.client.stub, region.name, r, metadata=self.client._md(None))
+        except grpc.RpcError as e:
+            r.drop_memory()
+            self._drop("ring")
+            raise from_rpc_error(e) from None
+        self.ring = r
+
+    def host(self, size: int):
+        """A registered POSIX region of at least size bytes."""
+        region = self._regions.get("host")
+        if region is None or region.size < size:
+            self._drop("host")
+            region = self._register_posix("host", max(2 * size, 1 << 20))[1]
+        return region
+
+    def cuda(self, device, size: int):
+        """A CUDA IPC region of at least size bytes on device."""
+        region = self._regions.get("cuda")
+        if region is None or region.size < size or region.base.device != device:
+            self._drop("cuda")
+            arena = torch.empty(max(2 * size, 1 << 20), dtype=torch.uint8, device=device)
+            region = self.client.register_cuda_tensor(f"{self.prefix}/cuda", arena)
+            self._regions["cuda"] = region
+        return region
+
+    def call(self, req: pb.FusedMoERequest, ring: bool) -> pb.FusedMoEResponse:
+        if ring:
+            return self.ring.fused_moe(req, timeout_s=self.client.timeout)
+        return self.client._call(self.client.stub.FusedMoE, req)
+
+    def close(self) -> None:
+        if self._attached is not None:
+            self._attached.cancel()
+            self._attached = None
+        if self.ring is not None:
+            self.ring.drop_memory()
+            self.ring = None
+        for what in list(self._regions):
+            self._drop(what)
+
+
 class RemoteMoE(nn.Module):
     """A MoE block whose routed experts run in expertd.
 
     gate_weight [E, K] makes router logits from the hidden states here;
     routing is a Routing message (or expertd.routing(...)); shared is an
     optional module added to the output (DeepSeek-V3 and Nemotron-H shared
-    experts); output_dtype is the service's output dtype (default float32
-    for float32 hidden states, else bfloat16). Use from_hf to build one
-    from a transformers block.
+    experts); output_dtype is the service's output dtype on the host paths
+    (default float32 for float32 hidden states, else bfloat16; the CUDA IPC
+    paths return bfloat16). path is "auto" (the fastest the daemon serves
+    for the inputs' device) or one of PATHS, which must then be served.
+    After a forward, the path attribute names the path it took. close()
+    releases the ring and regions (the module's collection does too). Use
+    from_hf to build one from a transformers block.
     """
 
     def __init__(self, client, name: str, gate_weight: torch.Tensor, routing: pb.Routing,
                  shared: nn.Module | None = None, returns_router_logits: bool = False,
-                 cuda_ipc: bool = False, output_dtype: str | None = None):
+                 output_dtype: str | None = None, path: str = "auto"):
         super().__init__()
+        if path != "auto" and path not in PATHS:
+            raise ValueError(f"path {path!r}: want 'auto' or one of {', '.join(PATHS)}")
         self.client, self.name, self.routing = client, name, routing
         self.gate_weight = nn.Parameter(gate_weight.detach().clone(), requires_grad=False)
         self.shared = shared
         self.returns_router_logits = returns_router_logits
-        self.cuda_ipc = cuda_ipc
         self.output_dtype = output_dtype
-        self._arena = None
-        self._region = None
+        self.requested_path = path
+        self.path: str | None = None
+        self._paths: dict[str, str] = {}
+        self._why: dict[str, str | None] = {}
+        self._info = None
+        self._link = _Link(client, name)
+        weakref.finalize(self, self._link.close)
+
+    def close(self) -> None:
+        self._link.close()
+        self._paths.clear()
+        self._why.clear()
 
     @classmethod
     def from_hf(cls, block: nn.Module, client, name: str, config=None, overwrite: bool = True,
-                cuda_ipc: bool = False, chunk_bytes: int = _common.CHUNK_BYTES) -> "RemoteMoE":
+                path: str = "auto", chunk_bytes: int = _common.CHUNK_BYTES) -> "RemoteMoE":
         """Uploads block's experts as expert set name and returns the module
         that serves the block. config is the model's config when the block
         does not keep one (block.config is used otherwise)."""
@@ -155,44 +295,128 @@ class RemoteMoE(nn.Module):
             probe = block(torch.zeros(1, 1, k, dtype=gate_w.dtype, device=gate_w.device))
         returns = isinstance(probe, tuple)
         return cls(client, name, gate_w, routing, shared=getattr(block, "shared_experts", None),
-                   returns_router_logits=returns, cuda_ipc=cuda_ipc)
+                   returns_router_logits=returns, path=path)
 
-    def _call_ipc(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    # Path choice: each reason is None where the means is served, else why
+    # not; each is found out once.
+
+    def _server(self):
+        if self._info is None:
+            self._info = self.client.server_info()
+        return self._info
+
+    def _ring_why(self) -> str | None:
+        if "ring" not in self._why:
+            info = self._server()
+            if not info.limits.max_shm_regions:
+                why = "the daemon serves no shared memory (-shared-memory)"
+            elif not info.ring.enabled:
+                why = "the daemon serves no call rings (-ring)"
+            else:
+                try:
+                    self._link.open_ring()
+                    why = None
+                except (ExpertdError, OSError) as e:  # another host cannot map this process's memory
+                    why = f"attaching a ring failed: {e}"
+            self._why["ring"] = why
+        return self._why["ring"]
+
+    def _cuda_why(self, device) -> str | None:
+        key = f"cuda:{device}"
+        if key not in self._why:
+            info = self._server()
+            backend = info.backends[0].name if info.backends else ""
+            if not info.limits.max_shm_regions:
+                why = "the daemon serves no shared memory (-shared-memory)"
+            elif backend != "cuda":
+                why = f"the daemon runs the {backend or 'unknown'} backend, not cuda"
+            else:
+                try:
+                    self._link.cuda(device, 1 << 20)
+                    why = None
+                except (ExpertdError, ValueError) as e:  # another host, or a GPU the daemon cannot open
+                    why = f"registering a CUDA IPC region on {device} failed: {e}"
+            self._why[key] = why
+        return self._why[key]
+
+    def _why_not(self, path: str, device) -> str | None:
+        cuda = path.endswith("cuda_ipc")
+        if cuda and device.type != "cuda":
+            return "the tensors are not on a CUDA device"
+        reasons = [self._cuda_why(device) if cuda else None, self._ring_why() if path.startswith("ring") else None]
+        return next((r for r in reasons if r is not None), None)
+
+    def _choose(self, device) -> str:
+        key = str(device)
+        if key in self._paths:
+            return self._paths[key]
+        if self.requested_path != "auto":
+            why = self._why_not(self.requested_path, device)
+            if why is not None:
+                raise ValueError(f"RemoteMoE {self.name}: path {self.requested_path} is not available: {why}")
+            path, skipped = self.requested_path, []
+        else:
+            skipped = []
+            for path in PATHS:
+                if path.endswith("cuda_ipc") and device.type != "cuda":
+                    continue
+                why = self._why_not(path, device) if path != "grpc" else None
+                if why is None:
+                    break
+                skipped.append(f"{path} unavailable: {why}")
+        self._paths[key] = path
+        log.info("RemoteMoE %s on %s: path %s%s", self.name, key, path,
+                 f" ({'; '.join(skipped)})" if skipped else "")
+        return path
+
+    # Calls.
+
+    def _call_cuda(self, x: torch.Tensor, logits: torch.Tensor, ring: bool) -> torch.Tensor:
         m, k = x.shape
         need = [m * k * 2, m * logits.shape[1] * 4, m * k * 2]
-        offs = [0]
-        for n in need[:-1]:
-            offs.append(offs[-1] + (n + 255) // 256 * 256)
-        size = offs[-1] + need[-1]
-        if self._arena is None or self._arena.numel() < size or self._arena.device != x.device:
-            if self._region is not None:
-                self.client.unregister_shared_memory(self._region.name)
-            self._arena = torch.empty(max(size, 1 << 20) * 2, dtype=torch.uint8, device=x.device)
-            self._region = self.client.register_cuda_tensor(f"{self.name}/ipc-{id(self)}"[:128], self._arena)
-        a = self._arena
+        offs, size = _layout(*need)
+        region = self._link.cuda(x.device, size)
+        a = region.base
         h = a[offs[0]:offs[0] + need[0]].view(torch.bfloat16).view(m, k)
         lg = a[offs[1]:offs[1] + need[1]].view(torch.float32).view(m, -1)
         out = a[offs[2]:offs[2] + need[2]].view(torch.bfloat16).view(m, k)
         h.copy_(x)
         lg.copy_(logits)
         torch.cuda.current_stream(x.device).synchronize()
-        self.client.fused_moe(self._region.tensor(h), expert_set=self.name, router_logits=self._region.tensor(lg),
-                              routing_message=self.routing, output_shm=self._region.ref(out), like="torch")
+        self._link.call(_common.fused_moe_request(
+            region.tensor(h), expert_set=self.name, router_logits=region.tensor(lg),
+            routing_message=self.routing, output_shm=region.ref(out)), ring)
         return out.clone()
+
+    def _call_host(self, x: torch.Tensor, logits: torch.Tensor, output_dtype: str, ring: bool) -> torch.Tensor:
+        # BF16 travels as itself; any other dtype as float32, which holds it.
+        h = x.detach().to("cpu", torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+        logits = logits.detach().cpu()
+        if not ring:
+            return self.client.fused_moe(h, expert_set=self.name, router_logits=logits,
+                                         routing_message=self.routing, output_dtype=output_dtype,
+                                         like="torch").output
+        m, k = h.shape
+        need = [h.numel() * h.element_size(), logits.numel() * 4, m * k * (4 if output_dtype == "float32" else 2)]
+        offs, size = _layout(*need)
+        region = self._link.host(size)
+        req = _common.fused_moe_request(region.put(offs[0], h), expert_set=self.name,
+                                        router_logits=region.put(offs[1], logits), routing_message=self.routing,
+                                        output_dtype=output_dtype, output_shm=region.ref(offs[2], need[2]))
+        resp = self._link.call(req, ring=True)
+        # The output is a view of the region, which the next call reuses.
+        return region.read(offs[2], resp.output.dtype, resp.output.shape, like="torch").clone()
 
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits = F.linear(x.float(), self.gate_weight.float())
-        if self.cuda_ipc and x.is_cuda:
-            y = self._call_ipc(x.to(torch.bfloat16), logits)
+        self.path = self._choose(x.device)
+        if self.path.endswith("cuda_ipc"):
+            y = self._call_cuda(x.to(torch.bfloat16), logits, ring=self.path.startswith("ring"))
         else:
-            res = self.client.fused_moe(x.detach().to("cpu", torch.float32), expert_set=self.name,
-                                        router_logits=logits.detach().cpu(), routing_message=self.routing,
-                                        output_dtype=self.output_dtype or (
-                                            "float32" if hidden_states.dtype == torch.float32 else "bfloat16"),
-                                        like="torch")
-            y = res.output
+            out = self.output_dtype or ("float32" if hidden_states.dtype == torch.float32 else "bfloat16")
+            y = self._call_host(x, logits, out, ring=self.path == "ring")
         y = y.to(hidden_states.device, hidden_states.dtype).reshape(shape)
         if self.shared is not None:
             y = y + self.shared(hidden_states)

@@ -1,7 +1,10 @@
 """Fixtures of the tests against a real daemon. EXPERTD_ADDR names it
 (e2e/python_test.go starts one and sets it); without it every test that
 needs a daemon skips. EXPERTD_SHM=1 says the daemon serves shared memory;
-EXPERTD_CUDA=1 that it runs the cuda backend on this host's GPU."""
+EXPERTD_CUDA=1 that it runs the cuda backend on this host's GPU.
+EXPERTD_RING_ADDR names a second daemon with -shared-memory -ring, and
+EXPERTD_PLAIN_ADDR a third with neither (the tests of RemoteMoE's path
+choice; they skip without them)."""
 
 import os
 import sys
@@ -27,6 +30,27 @@ def addr():
 @pytest.fixture
 def client(addr):
     with expertd.Client(addr) as c:
+        yield c
+
+
+def _client_of(env):
+    a = os.environ.get(env)
+    if not a:
+        pytest.skip(f"{env} is not set: no such daemon to test against")
+    return expertd.Client(a)
+
+
+@pytest.fixture
+def ring_client():
+    """A client of the daemon run with -shared-memory -ring."""
+    with _client_of("EXPERTD_RING_ADDR") as c:
+        yield c
+
+
+@pytest.fixture
+def plain_client():
+    """A client of the daemon run without -shared-memory."""
+    with _client_of("EXPERTD_PLAIN_ADDR") as c:
         yield c
 
 

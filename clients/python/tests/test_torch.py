@@ -8,7 +8,7 @@ The daemon quantizes activations to FP8 per token; the reference does the
 same, on the block's input and on its down projections' input, so the
 comparison measures the service and not FP8 itself. Needs torch and
 transformers (skips without them, fails with EXPERTD_REQUIRE_TORCH=1); EXPERTD_CUDA=1 also runs the blocks on
-the GPU through CUDA IPC.
+the GPU, where RemoteMoE picks CUDA IPC.
 """
 
 import os
@@ -133,7 +133,7 @@ def test_remote_moe_matches_transformers(client, kind, device):
     block = block.float().eval()
     _init(block)
     _round_trip_experts(block)
-    remote = et.RemoteMoE.from_hf(block, client, f"pytest-torch-{kind}", config=cfg, cuda_ipc=device == "cuda")
+    remote = et.RemoteMoE.from_hf(block, client, f"pytest-torch-{kind}", config=cfg)
     try:
         block.to(device)
         remote.to(device)
@@ -148,7 +148,11 @@ def test_remote_moe_matches_transformers(client, kind, device):
         with torch.no_grad():
             got = _out(remote(x.unsqueeze(0))).squeeze(0)
         assert got.shape == want.shape and got.device == want.device
+        # On the GPU the default path is CUDA IPC (through a ring if the
+        # daemon serves one).
+        assert device == "cpu" or remote.path.endswith("cuda_ipc"), remote.path
         rel = (torch.linalg.norm(got.float() - want.float()) / torch.linalg.norm(want.float())).item()
         assert rel <= 2e-2, f"{kind} on {device}: rel L2 {rel:.4f}"
     finally:
+        remote.close()
         client.unload_experts(f"pytest-torch-{kind}")

@@ -1,0 +1,143 @@
+"""expertd.torch.RemoteMoE's choice of path: the call ring when the daemon
+serves one on this host, plain gRPC otherwise, the choice named in its
+path attribute and one log line, and the same answer on every path. Needs
+torch; the daemons of EXPERTD_RING_ADDR (-shared-memory -ring),
+EXPERTD_ADDR (-shared-memory) and EXPERTD_PLAIN_ADDR (neither)."""
+
+import logging
+
+import grpc
+import numpy as np
+import pytest
+
+import needs
+import moeref
+
+torch = needs.module("torch")
+
+import expertd  # noqa: E402
+import expertd.torch as et  # noqa: E402
+
+E, K, N, TOPK, M = 8, 64, 32, 2, 6
+
+
+@pytest.fixture
+def moe_set(rng, request):
+    """A loaded layer and its gate on each client the test asks for: a
+    function of a client that loads the layer there and returns
+    (set name, reference of hidden states)."""
+    w13, w2, s13, s2 = moeref.random_layer(rng, E, K, N)
+    gate = (rng.standard_normal((E, K)) / 4).astype(np.float32)
+    name = "pytest-paths-" + request.node.name[:40]
+    loaded = []
+
+    def load(client):
+        client.load_experts(name, w13, w2, s13, s2, overwrite=True)
+        loaded.append(client)
+
+        def ref(x):
+            # The logits RemoteMoE computes, bit for bit: numpy's matmul
+            # may round differently and flip a near tie in the top-k.
+            logits = torch.nn.functional.linear(torch.from_numpy(x), torch.from_numpy(gate)).numpy()
+            ids, w = moeref.route(logits, TOPK, True)
+            return moeref.fused_moe(x, w13, w2, s13, s2, ids, w)
+        return name, ref
+
+    yield load, torch.from_numpy(gate)
+    for c in loaded:
+        c.unload_experts(name)
+
+
+def _module(client, name, gate, **kw):
+    return et.RemoteMoE(client, name, gate, expertd.routing(top_k=TOPK, renormalize=True), **kw)
+
+
+def _x(rng, m=M, dtype=torch.float32):
+    return torch.from_numpy((rng.standard_normal((1, m, K)) / 4).astype(np.float32)).to(dtype)
+
+
+def _picked(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "expertd.torch"]
+
+
+def test_ring_when_served(ring_client, moe_set, rng, caplog):
+    load, gate = moe_set
+    name, ref = load(ring_client)
+    remote, inline = _module(ring_client, name, gate), _module(ring_client, name, gate, path="grpc")
+    try:
+        with caplog.at_level(logging.INFO, logger="expertd.torch"):
+            for m, dtype in ((M, torch.float32), (3, torch.bfloat16), (M, torch.float32)):
+                x = _x(rng, m, dtype)
+                got = remote(x)
+                assert remote.path == "ring"
+                assert got.shape == x.shape and got.dtype == dtype
+                assert torch.equal(got, inline(x)), "ring and gRPC answers differ"
+                assert moeref.rel_l2(got.float().numpy()[0], ref(x.float().numpy()[0])) <= 2e-2
+        assert inline.path == "grpc"
+        msgs = _picked(caplog)
+        assert len(msgs) == 2 and "path ring" in msgs[0] and "path grpc" in msgs[1], msgs
+        regions = [r.name for r in ring_client.list_shared_memory()]
+        assert len(regions) == 2 and all(r.startswith(name) for r in regions), regions
+    finally:
+        remote.close()
+    assert ring_client.list_shared_memory() == []
+
+
+def test_ring_call_errors_are_typed(ring_client, moe_set, rng):
+    load, gate = moe_set
+    name, _ = load(ring_client)
+    remote = _module(ring_client, name + "-absent", gate, path="ring")
+    try:
+        with pytest.raises(expertd.NotFoundError, match="absent"):
+            remote(_x(rng))
+        assert remote.path == "ring"
+    finally:
+        remote.close()
+
+
+def _falls_back(client, moe_set, rng, caplog, missing):
+    """RemoteMoE on client's daemon takes gRPC, right, and logs the flag
+    missing; returns the hidden states it sent and the set's name."""
+    load, gate = moe_set
+    name, ref = load(client)
+    remote = _module(client, name, gate)
+    with caplog.at_level(logging.INFO, logger="expertd.torch"):
+        x = _x(rng)
+        got = remote(x)
+    assert remote.path == "grpc"
+    assert moeref.rel_l2(got.numpy()[0], ref(x.numpy()[0])) <= 2e-2
+    msgs = _picked(caplog)
+    assert len(msgs) == 1 and "path grpc" in msgs[0] and missing in msgs[0], msgs
+    return x, name, gate
+
+
+def test_grpc_without_ring(client, moe_set, rng, caplog):
+    x, name, gate = _falls_back(client, moe_set, rng, caplog, "-ring")
+    with pytest.raises(ValueError, match="path ring is not available.*-ring"):
+        _module(client, name, gate, path="ring")(x)
+
+
+def test_grpc_without_shared_memory(plain_client, moe_set, rng, caplog):
+    _falls_back(plain_client, moe_set, rng, caplog, "-shared-memory")
+
+
+def test_grpc_when_the_daemon_cannot_map_the_ring(ring_client, moe_set, rng, monkeypatch, caplog):
+    # A daemon on another host answers a registration with an error: it
+    # has no such /dev/shm object.
+    load, gate = moe_set
+    name, _ = load(ring_client)
+
+    def refuse(*a, **kw):
+        raise expertd.FailedPreconditionError(grpc.StatusCode.FAILED_PRECONDITION, "shared memory object not found")
+    monkeypatch.setattr(ring_client, "register_shared_memory", refuse)
+    remote = _module(ring_client, name, gate)
+    with caplog.at_level(logging.INFO, logger="expertd.torch"):
+        remote(_x(rng))
+    assert remote.path == "grpc"
+    msgs = _picked(caplog)
+    assert len(msgs) == 1 and "not found" in msgs[0], msgs
+
+
+def test_bad_path():
+    with pytest.raises(ValueError, match="path 'tcp'"):
+        et.RemoteMoE(None, "x", torch.zeros(2, 4), expertd.routing(top_k=1), path="tcp")
