@@ -202,6 +202,9 @@ func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loa
 	default:
 		return nil, fmt.Errorf("cuda: activation %v: %w", set.Activation, kernels.ErrUnsupported)
 	}
+	if set.W13Bias != nil || set.W2Bias != nil {
+		return nil, fmt.Errorf("cuda: expert biases: %w", kernels.ErrUnsupported)
+	}
 	for _, ws := range []scaling.WeightScale{set.W13Scale, set.W2Scale} {
 		switch ws.Granularity {
 		case scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block:

@@ -283,6 +283,21 @@ func wantCase(name string) bool {
 	return strings.Contains(name, os.Getenv("EXPERTD_TEST_CASE"))
 }
 
+// TestUnsupportedRefused: sets the kernels do not run (the newer
+// activations, expert biases) are refused at Load with
+// kernels.ErrUnsupported, which the service reports as FAILED_PRECONDITION.
+func TestUnsupportedRefused(t *testing.T) {
+	b := gpuBackend(t)
+	for i, c := range kerneltest.ActivationCases() {
+		set, _ := c.New(rand.New(rand.NewPCG(uint64(i), 1)))
+		if set.Activation != kernels.Relu2 && set.Activation != kernels.SiluGated || set.W13Bias != nil {
+			if _, err := b.Load(context.Background(), set); !errors.Is(err, kernels.ErrUnsupported) {
+				t.Errorf("%s: Load: %v, want kernels.ErrUnsupported", c.Name, err)
+			}
+		}
+	}
+}
+
 // TestCases runs the shared table plus extraCases and blockCases through
 // checkCase.
 func TestCases(t *testing.T) {
