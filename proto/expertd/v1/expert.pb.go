@@ -252,13 +252,14 @@ const (
 	// .input_scale siblings (up_proj.input_scale -> a13, down_proj.input_scale
 	// -> a2).
 	NamingPreset_NAMING_PRESET_NEMOTRON_H NamingPreset = 1
-	// Qwen3-MoE (SILU_GATED): model.layers.{L}.mlp.experts.{e}.gate_proj,
-	// up_proj, down_proj (.weight, .weight_scale, .input_scale); gate and up
-	// are stacked into w13, gate rows first.
+	// Qwen3-MoE and Qwen3-Next (SILU_GATED):
+	// model.layers.{L}.mlp.experts.{e}.gate_proj, up_proj, down_proj
+	// (.weight, .weight_scale, .input_scale); gate and up are stacked into
+	// w13, gate rows first. Qwen3-Next's shared expert is not part of the set.
 	NamingPreset_NAMING_PRESET_QWEN3_MOE NamingPreset = 2
 	// Names from SafetensorsSource's templates.
 	NamingPreset_NAMING_PRESET_CUSTOM NamingPreset = 3
-	// DeepSeek-V3 and Kimi-K2 (SILU_GATED): model.layers.{L}.mlp.experts.{e}
+	// DeepSeek-V3, Kimi-K2 and GLM-4.5/4.6 (SILU_GATED): model.layers.{L}.mlp.experts.{e}
 	// gate_proj, up_proj, down_proj (.weight, block .weight_scale_inv); the
 	// routing's correction bias is model.layers.{L}.mlp.gate.e_score_correction_bias.
 	NamingPreset_NAMING_PRESET_DEEPSEEK_V3 NamingPreset = 4
@@ -267,7 +268,8 @@ const (
 	// siblings (ModelOpt or compressed-tensors FP8).
 	NamingPreset_NAMING_PRESET_MIXTRAL NamingPreset = 5
 	// The preset named by the checkpoint's config.json model_type
-	// (nemotron_h, qwen3_moe, qwen3_vl_moe, deepseek_v3, kimi_k2, mixtral);
+	// (nemotron_h, qwen2_moe, qwen3_moe, qwen3_vl_moe, qwen3_next, deepseek_v3,
+	// kimi_k2, glm4_moe, mixtral);
 	// needs path to name a checkpoint directory.
 	NamingPreset_NAMING_PRESET_AUTO NamingPreset = 6
 )
