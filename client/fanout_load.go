@@ -10,9 +10,9 @@ import (
 // shardWeights is shard i's part of w under m: the experts m places on
 // shard i, in local-id order.
 //
-//   - w13, w2 and every weight scale with a leading expert dimension
-//     (per-expert [E], per-channel [E, rows], block [E, rows/Bn, cols/Bk])
-//     are sliced by expert;
+//   - w13, w2, the biases and every weight scale with a leading expert
+//     dimension (per-expert [E], per-channel [E, rows], block [E, rows/Bn,
+//     cols/Bk]) are sliced by expert;
 //   - per-tensor weight scales ([] or [1]) are sent whole to every shard;
 //   - static activation scales are reduced to one value first: the server
 //     takes the max of a per-expert [E] a13/a2 scale (vLLM's rule), and the
@@ -31,6 +31,20 @@ func shardWeights(w *ExpertWeights, m *shard.Map, i int) (*ExpertWeights, error)
 	p := &ExpertWeights{
 		Activation: w.Activation, BlockShape: w.BlockShape,
 		W13: takeExperts(w.W13, ids), W2: takeExperts(w.W2, ids),
+		SwigluLimit: w.SwigluLimit, SwigluAlpha: w.SwigluAlpha,
+	}
+	for _, b := range []struct {
+		name string
+		src  Tensor
+		dst  *Tensor
+	}{{"w13_bias", w.W13Bias, &p.W13Bias}, {"w2_bias", w.W2Bias, &p.W2Bias}} {
+		if b.src.IsZero() {
+			continue
+		}
+		if len(b.src.Shape) != 2 || b.src.Shape[0] != e {
+			return nil, fmt.Errorf("weights.%s: shape %v: want [%d, rows] (E of the shard map)", b.name, b.src.Shape, e)
+		}
+		*b.dst = takeExperts(b.src, ids)
 	}
 	var err error
 	if p.W13Scale, err = weightScalePart("w13_scale", w.W13Scale, e, ids); err != nil {

@@ -65,22 +65,30 @@ func TestShardedMatchesSingle(t *testing.T) {
 	sc, _ := startShards(t, m, service.Config{MaxTokens: 5})
 
 	mix := kerneltest.Mixtral.Scaled(72, 40) // E = 8, top-2, softmax
+	oai := kerneltest.GptOss.Scaled(48, 32)  // expert biases, sliced too
+	oai.E = 8
 	tests := []struct {
 		name     string
 		m        int
 		opts     []kerneltest.Option
 		perExpAS bool // send the static activation scales per expert
+		shape    *kerneltest.Shape
 	}{
-		{"per-channel/bf16-out", 11, []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, false},
+		{"per-channel/bf16-out", 11, []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, false, nil},
 		{"block/fp8-per-group/fp32-out", 9, []kerneltest.Option{kerneltest.WithBlock(16, 32), kerneltest.WithHidden(kernels.Float8E4M3FN),
-			kerneltest.WithHiddenScale(scaling.Block), kerneltest.WithOutput(kernels.Float32)}, false},
+			kerneltest.WithHiddenScale(scaling.Block), kerneltest.WithOutput(kernels.Float32)}, false, nil},
 		{"static-per-expert/fp32-in", 7, []kerneltest.Option{kerneltest.WithStaticScales(), kerneltest.WithHidden(kernels.Float32),
-			kerneltest.WithOutput(kernels.Float32)}, true},
-		{"per-tensor-fp8-in/M=1", 1, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}, false},
+			kerneltest.WithOutput(kernels.Float32)}, true, nil},
+		{"per-tensor-fp8-in/M=1", 1, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}, false, nil},
+		{"swiglu-oai/biases/per-channel", 13, []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, false, &oai},
 	}
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			set, req := kerneltest.NewCase(rng, mix, tc.m, tc.opts...)
+			shape := mix
+			if tc.shape != nil {
+				shape = *tc.shape
+			}
+			set, req := kerneltest.NewCase(rng, shape, tc.m, tc.opts...)
 			w := clienttest.Weights(set)
 			if tc.perExpAS {
 				// The max is the set's scale; the server and the fan-out

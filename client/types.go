@@ -17,6 +17,18 @@ const (
 	SiluGated = moe.SiluGated
 	// Relu2 is relu(h)^2; W13 holds w1, [E, N, K]. Nemotron-H.
 	Relu2 = moe.Relu2
+	// SwigluOAI is gpt-oss's clamped SwiGLU, g * sigmoid(alpha * g) *
+	// (u + 1) with g = min(gate, limit) and u = clamp(up, -limit, limit)
+	// (ExpertWeights.SwigluLimit and SwigluAlpha); W13 is [E, 2N, K] with
+	// gate and up rows interleaved (row 2j gate, 2j+1 up), as gpt-oss
+	// checkpoints store them.
+	SwigluOAI = moe.SwigluOAI
+	// GeluTanhGated is gelu_tanh(h[:, :N]) * h[:, N:] (Gemma's GeGLU); W13
+	// as for SiluGated.
+	GeluTanhGated = moe.GeluTanhGated
+	// GeluGated is the exact, erf-based gelu(h[:, :N]) * h[:, N:]; W13 as
+	// for SiluGated.
+	GeluGated = moe.GeluGated
 )
 
 // Scoring is how router logits become expert scores (the backends' type).
@@ -36,8 +48,8 @@ const (
 // block (with BlockShape set).
 type ExpertWeights struct {
 	Activation Activation
-	// W13 is FP8 [E, 2N, K] (SiluGated) or [E, N, K] (Relu2); W2 is FP8
-	// [E, K, N].
+	// W13 is FP8 [E, 2N, K] (gated activations) or [E, N, K] (Relu2); W2
+	// is FP8 [E, K, N].
 	W13, W2 Tensor
 	// W13Scale and W2Scale dequantize the weights; required.
 	W13Scale, W2Scale Tensor
@@ -46,6 +58,14 @@ type ExpertWeights struct {
 	A13Scale, A2Scale Tensor
 	// BlockShape is [Bn, Bk] for block-scaled weights, zero otherwise.
 	BlockShape [2]int
+	// W13Bias (FP32 or BF16 [E, 2N] in W13's row order, or [E, N] for
+	// Relu2) and W2Bias ([E, K]) are optional per-expert biases added to
+	// GEMM1's output before the activation and to GEMM2's before the
+	// router weight (gpt-oss); the zero Tensor means none.
+	W13Bias, W2Bias Tensor
+	// SwigluLimit and SwigluAlpha are SwigluOAI's clamp limit and sigmoid
+	// slope; 0 means gpt-oss's (7 and 1.702).
+	SwigluLimit, SwigluAlpha float32
 }
 
 // tensors lists the weights with the names LoadExperts chunks use, in
@@ -54,6 +74,7 @@ func (w *ExpertWeights) tensors() []namedTensor {
 	return []namedTensor{
 		{"w13", w.W13}, {"w2", w.W2}, {"w13_scale", w.W13Scale},
 		{"w2_scale", w.W2Scale}, {"a13_scale", w.A13Scale}, {"a2_scale", w.A2Scale},
+		{"w13_bias", w.W13Bias}, {"w2_bias", w.W2Bias},
 	}
 }
 
@@ -87,6 +108,8 @@ func (w *ExpertWeights) proto(meta bool) *pb.ExpertWeights {
 		W13:        conv(w.W13), W2: conv(w.W2),
 		W13Scale: conv(w.W13Scale), W2Scale: conv(w.W2Scale),
 		A13Scale: conv(w.A13Scale), A2Scale: conv(w.A2Scale),
+		W13Bias: conv(w.W13Bias), W2Bias: conv(w.W2Bias),
+		SwigluLimit: w.SwigluLimit, SwigluAlpha: w.SwigluAlpha,
 	}
 	if w.BlockShape != [2]int{} {
 		p.WeightBlockShape = []int32{int32(w.BlockShape[0]), int32(w.BlockShape[1])}
@@ -262,7 +285,7 @@ type ExpertSetInfo struct {
 	// Bytes of weights and scales resident on the server.
 	Bytes int64
 	// Fingerprint is the hex SHA-256 of the tensor bytes (w13, w2,
-	// w13_scale, w2_scale, a13_scale, a2_scale).
+	// w13_scale, w2_scale, a13_scale, a2_scale, w13_bias, w2_bias).
 	Fingerprint string
 	Backend     string
 	LoadedAt    time.Time

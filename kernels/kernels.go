@@ -33,16 +33,19 @@ type (
 
 // The element types, activations and scorings of the model.
 const (
-	Float32      = moe.Float32
-	BFloat16     = moe.BFloat16
-	Float16      = moe.Float16
-	Float8E4M3FN = moe.Float8E4M3FN
-	Float8E5M2   = moe.Float8E5M2
-	Int32        = moe.Int32
-	SiluGated    = moe.SiluGated
-	Relu2        = moe.Relu2
-	Softmax      = moe.Softmax
-	Sigmoid      = moe.Sigmoid
+	Float32       = moe.Float32
+	BFloat16      = moe.BFloat16
+	Float16       = moe.Float16
+	Float8E4M3FN  = moe.Float8E4M3FN
+	Float8E5M2    = moe.Float8E5M2
+	Int32         = moe.Int32
+	SiluGated     = moe.SiluGated
+	Relu2         = moe.Relu2
+	SwigluOAI     = moe.SwigluOAI
+	GeluTanhGated = moe.GeluTanhGated
+	GeluGated     = moe.GeluGated
+	Softmax       = moe.Softmax
+	Sigmoid       = moe.Sigmoid
 )
 
 // DeviceRegion is device memory another process shared through CUDA IPC,

@@ -145,17 +145,55 @@ const (
 	SiluGated Activation = iota + 1
 	// Relu2 is relu(h)^2 over GEMM1's N outputs (Nemotron-H, no up branch).
 	Relu2
+	// SwigluOAI is gpt-oss's clamped SwiGLU over GEMM1's 2N outputs, whose
+	// w13 rows interleave gate and up (GateUp): with g = min(gate, limit)
+	// and u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1).
+	SwigluOAI
+	// GeluTanhGated is gelu_tanh(h[:, :N]) * h[:, N:] (Gemma's GeGLU).
+	GeluTanhGated
+	// GeluGated is gelu(h[:, :N]) * h[:, N:] with the exact, erf-based gelu.
+	GeluGated
 )
 
+// gpt-oss's SwiGLU constants (transformers' GptOssConfig defaults), which
+// an expert set's zero SwigluLimit and SwigluAlpha stand for.
+const (
+	DefaultSwigluLimit = 7.0
+	DefaultSwigluAlpha = 1.702
+)
+
+// activationNames are each Activation's name and its expertd.v1.Activation
+// spelling.
+var activationNames = [...]struct{ name, wire string }{
+	0:             {"", "ACTIVATION_UNSPECIFIED"},
+	SiluGated:     {"silu_gated", "ACTIVATION_SILU_GATED"},
+	Relu2:         {"relu2", "ACTIVATION_RELU2"},
+	SwigluOAI:     {"swiglu_oai", "ACTIVATION_SWIGLU_OAI"},
+	GeluTanhGated: {"gelu_tanh_gated", "ACTIVATION_GELU_TANH_GATED"},
+	GeluGated:     {"gelu_gated", "ACTIVATION_GELU_GATED"},
+}
+
 func (a Activation) String() string {
-	switch a {
-	case SiluGated:
-		return "silu_gated"
-	case Relu2:
-		return "relu2"
+	if a.Valid() {
+		return activationNames[a].name
 	}
 	return fmt.Sprintf("Activation(%d)", int(a))
 }
+
+// Valid reports whether a is one of the activations above.
+func (a Activation) Valid() bool { return a >= SiluGated && a <= GeluGated }
+
+// WireName is a as expertd.v1.Activation spells it.
+func (a Activation) WireName() string {
+	if a >= 0 && int(a) < len(activationNames) {
+		return activationNames[a].wire
+	}
+	return strconv.Itoa(int(a))
+}
+
+// Gated reports whether GEMM1 yields a gate and an up row per channel
+// (2N rows); only Relu2 has one row per channel.
+func (a Activation) Gated() bool { return a.Valid() && a != Relu2 }
 
 // Scoring is how router logits become expert scores.
 type Scoring int
@@ -197,14 +235,31 @@ type ExpertSet struct {
 	// Block is [Bn, Bk] in block mode, zero otherwise; it also sets the
 	// group size of dynamic per-group activation quantization.
 	Block [2]int
+	// W13Bias [E, Rows1()] (in w13's row order) is added to GEMM1's
+	// dequantized output before the activation, and W2Bias [E, K] to
+	// GEMM2's before the router weight; nil means no bias.
+	W13Bias, W2Bias []float32
+	// SwigluLimit and SwigluAlpha are SwigluOAI's clamp limit and sigmoid
+	// slope, > 0 once validated (zero on the wire means gpt-oss's).
+	SwigluLimit, SwigluAlpha float32
 }
 
 // Rows1 is the number of GEMM1 output rows per expert: 2N gated, N for ReLU².
 func (s *ExpertSet) Rows1() int {
-	if s.Activation == SiluGated {
+	if s.Activation.Gated() {
 		return 2 * s.N
 	}
 	return s.N
+}
+
+// GateUp is the GEMM1 rows of channel j's gate and up (gated activations
+// only): rows j and N+j, except SwigluOAI's, which interleave them as
+// gpt-oss checkpoints store gate_up_proj (2j and 2j+1).
+func (s *ExpertSet) GateUp(j int) (gate, up int) {
+	if s.Activation == SwigluOAI {
+		return 2 * j, 2*j + 1
+	}
+	return j, s.N + j
 }
 
 // Groups is the number of Bk-column groups of a hidden row in block mode
@@ -218,7 +273,7 @@ func (s *ExpertSet) Groups() int {
 
 // Bytes is the weight and scale memory the set occupies.
 func (s *ExpertSet) Bytes() int64 {
-	return int64(len(s.W13)+len(s.W2)) + 4*int64(len(s.W13Scale.Values)+len(s.W2Scale.Values))
+	return int64(len(s.W13)+len(s.W2)) + 4*int64(len(s.W13Scale.Values)+len(s.W2Scale.Values)+len(s.W13Bias)+len(s.W2Bias))
 }
 
 // Routing configures top-k expert selection.

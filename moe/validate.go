@@ -287,6 +287,20 @@ func DecodeScales(field string, b []byte) ([]float32, error) {
 	return v, nil
 }
 
+// DecodeFinite decodes FP32 or BF16 elements (a bias), requiring each to
+// be finite.
+func DecodeFinite(field string, dt DType, b []byte) ([]float32, error) {
+	v := make([]float32, len(b)/dt.Size())
+	for i := range v {
+		x := Element(dt, b, i)
+		if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
+			return nil, invalidf(field, "element %d is %v: want finite", i, x)
+		}
+		v[i] = x
+	}
+	return v, nil
+}
+
 // ValidateRouting checks rt for E experts and returns the routing Route
 // runs, defaults filled in.
 func ValidateRouting(rt *RoutingInput, e int) (Routing, error) {
@@ -316,13 +330,9 @@ func ValidateRouting(rt *RoutingInput, e int) (Routing, error) {
 		if err := WantShape(field, b.Shape, e); err != nil {
 			return r, err
 		}
-		r.CorrectionBias = make([]float32, e)
-		for i := range r.CorrectionBias {
-			x := Element(b.DType, b.Data, i)
-			if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
-				return r, invalidf(field, "element %d is %v: want finite", i, x)
-			}
-			r.CorrectionBias[i] = x
+		var err error
+		if r.CorrectionBias, err = DecodeFinite(field, b.DType, b.Data); err != nil {
+			return r, err
 		}
 	}
 	if g := rt.NumGroups; g > 1 {

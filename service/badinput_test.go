@@ -159,6 +159,14 @@ func fusedMoEBadInput(rng *rand.Rand) []fusedBad {
 	fp8Hidden := func(r *pb.FusedMoERequest) {
 		r.HiddenStates = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{m, testK}, Source: &pb.Tensor_Data{Data: fp8Bytes(rng, m*testK)}}
 	}
+	// inline sends fresh random weights of act, edited, in the request.
+	inline := func(act pb.Activation, edit func(w *pb.ExpertWeights)) func(*pb.FusedMoERequest) {
+		return func(r *pb.FusedMoERequest) {
+			w := randomWeights(rng, act, testE, testK, testN)
+			edit(w)
+			r.Experts = &pb.FusedMoERequest_Weights{Weights: w}
+		}
+	}
 	precomputed := func(r *pb.FusedMoERequest) {
 		r.RouterLogits, r.Routing = nil, nil
 		r.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, 2}, Source: &pb.Tensor_Data{Data: i32Bytes([]int32{0, 1, 2, 3, 4, 5})}}
@@ -338,6 +346,42 @@ func fusedMoEBadInput(rng *rand.Rand) []fusedBad {
 			w.W13Scale.Source = &pb.Tensor_Data{Data: f32Bytes(s)}
 			r.Experts = &pb.FusedMoERequest_Weights{Weights: w}
 		}, service.Config{}, codes.InvalidArgument, "weights.w13_scale: element 4 is NaN"},
+		{"inline unknown activation", inline(pb.Activation_ACTIVATION_SILU_GATED, func(w *pb.ExpertWeights) {
+			w.Activation = 9
+		}), service.Config{}, codes.InvalidArgument, "weights.activation: 9: want one of [ACTIVATION_SILU_GATED ACTIVATION_RELU2 " +
+			"ACTIVATION_SWIGLU_OAI ACTIVATION_GELU_TANH_GATED ACTIVATION_GELU_GATED]"},
+		{"inline swiglu_oai odd rows", func(r *pb.FusedMoERequest) {
+			w := randomWeights(rng, pb.Activation_ACTIVATION_RELU2, testE, testK, 2*testN+1)
+			w.Activation = pb.Activation_ACTIVATION_SWIGLU_OAI
+			r.Experts = &pb.FusedMoERequest_Weights{Weights: w}
+		}, service.Config{}, codes.InvalidArgument, "weights.w13: shape [6 49 40]: ACTIVATION_SWIGLU_OAI needs [E, 2N, K] with an even middle dimension"},
+		{"inline w13_bias of N rows on a gated set", inline(pb.Activation_ACTIVATION_GELU_GATED, func(w *pb.ExpertWeights) {
+			w.W13Bias = f32Tensor(make([]float32, testE*testN), testE, testN)
+		}), service.Config{}, codes.InvalidArgument, "weights.w13_bias: shape [6 24]: want [6 48]"},
+		{"inline w2_bias flat", inline(pb.Activation_ACTIVATION_SWIGLU_OAI, func(w *pb.ExpertWeights) {
+			w.W2Bias = f32Tensor(make([]float32, testE*testK), testE*testK)
+		}), service.Config{}, codes.InvalidArgument, "weights.w2_bias: shape [240]: want [6 40]"},
+		{"inline w2_bias fp8", inline(pb.Activation_ACTIVATION_RELU2, func(w *pb.ExpertWeights) {
+			w.W2Bias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{testE, testK},
+				Source: &pb.Tensor_Data{Data: make([]byte, testE*testK)}}
+		}), service.Config{}, codes.InvalidArgument, "weights.w2_bias: dtype DATA_TYPE_FLOAT8_E4M3FN: want one of [DATA_TYPE_FLOAT32 DATA_TYPE_BFLOAT16]"},
+		{"inline w13_bias short", inline(pb.Activation_ACTIVATION_SWIGLU_OAI, func(w *pb.ExpertWeights) {
+			w.W13Bias = f32Tensor(make([]float32, testE*2*testN-1), testE, 2*testN)
+		}), service.Config{}, codes.InvalidArgument, "weights.w13_bias: shape [6 48] needs 1152 bytes, got 1148"},
+		{"inline w2_bias inf", inline(pb.Activation_ACTIVATION_SILU_GATED, func(w *pb.ExpertWeights) {
+			b := make([]float32, testE*testK)
+			b[7] = float32(math.Inf(-1))
+			w.W2Bias = f32Tensor(b, testE, testK)
+		}), service.Config{}, codes.InvalidArgument, "weights.w2_bias: element 7 is -Inf: want finite"},
+		{"inline swiglu_limit on silu", inline(pb.Activation_ACTIVATION_SILU_GATED, func(w *pb.ExpertWeights) {
+			w.SwigluLimit = 7
+		}), service.Config{}, codes.InvalidArgument, "weights.swiglu_limit: 7: only valid with ACTIVATION_SWIGLU_OAI"},
+		{"inline swiglu_alpha negative", inline(pb.Activation_ACTIVATION_SWIGLU_OAI, func(w *pb.ExpertWeights) {
+			w.SwigluAlpha = -1
+		}), service.Config{}, codes.InvalidArgument, "weights.swiglu_alpha: -1: want finite and >= 0 (0 means 1.702)"},
+		{"inline swiglu_limit nan", inline(pb.Activation_ACTIVATION_SWIGLU_OAI, func(w *pb.ExpertWeights) {
+			w.SwigluLimit = float32(math.NaN())
+		}), service.Config{}, codes.InvalidArgument, "weights.swiglu_limit: NaN: want finite and >= 0 (0 means 7)"},
 		{"inline over max loaded bytes", func(r *pb.FusedMoERequest) {
 			r.Experts = &pb.FusedMoERequest_Weights{Weights: randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)}
 		}, service.Config{MaxLoadedBytes: layerBytes + 1000}, codes.ResourceExhausted, "weights: 17328 bytes would exceed the server's max loaded bytes (17328 of 18328 in use)"},
@@ -526,6 +570,18 @@ func loadBadInput(rng *rand.Rand) (*pb.ExpertWeights, []loadBad) {
 			setScale(ch, "w13_scale", 0, float32(math.Inf(1)))
 			return ch
 		}, service.Config{}, codes.InvalidArgument, "header.weights.w13_scale: element 0 is +Inf"},
+		{"w2_bias declared, never sent", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W2Bias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_BFLOAT16, Shape: []int64{3, 32}}
+			h.TotalBytes += 3 * 32 * 2
+			return ch
+		}, service.Config{}, codes.InvalidArgument, "chunk[w2_bias]: incomplete: missing bytes [0, 192) of 192"},
+		{"w13_bias nan chunk", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
+			h.Weights.W13Bias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{3, 16}}
+			h.TotalBytes += 3 * 16 * 4
+			b := make([]float32, 3*16)
+			b[20] = float32(math.NaN())
+			return append(ch, &pb.LoadExpertsRequest_Chunk{Tensor: "w13_bias", Data: f32Bytes(b)})
+		}, service.Config{}, codes.InvalidArgument, "header.weights.w13_bias: element 20 is NaN: want finite"},
 		{"chunk one byte past the end", func(h *pb.LoadExpertsRequest_Header, ch []*pb.LoadExpertsRequest_Chunk) []*pb.LoadExpertsRequest_Chunk {
 			last := ch[15] // w13 bytes [1500, 1536)
 			last.Data = append(last.Data, 1)

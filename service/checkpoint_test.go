@@ -466,7 +466,9 @@ func TestLoadCheckpointErrors(t *testing.T) {
 // TestLoadCheckpointDefaults: where config.json is silent, the routing is
 // what the model type's own transformers config class and router give
 // (DeepseekV3Config: n_group 8, topk_group 4, routed_scaling_factor 2.5;
-// Qwen3-VL-MoE's router renormalizes always), not Qwen3's defaults.
+// Qwen3-VL-MoE's router renormalizes always; Qwen3NextConfig's
+// norm_topk_prob is True; Glm4MoeConfig routes like DeepSeek-V3 with one
+// group and no scaling), not Qwen3's defaults.
 func TestLoadCheckpointDefaults(t *testing.T) {
 	rng := newRand(t)
 	root := t.TempDir()
@@ -499,6 +501,11 @@ func TestLoadCheckpointDefaults(t *testing.T) {
 			&pb.Routing{TopK: 2, Scoring: pb.Scoring_SCORING_SOFTMAX}},
 		{"mixtral", "model.", map[string]any{"model_type": "mixtral", "num_local_experts": e, "num_experts_per_tok": 2}, nil,
 			&pb.Routing{TopK: 2, Renormalize: true, Scoring: pb.Scoring_SCORING_SOFTMAX}},
+		{"qwen3-next", "model.", map[string]any{"model_type": "qwen3_next", "num_experts": e, "num_experts_per_tok": 2}, nil,
+			&pb.Routing{TopK: 2, Renormalize: true, Scoring: pb.Scoring_SCORING_SOFTMAX}},
+		{"glm4-moe", "model.", map[string]any{"model_type": "glm4_moe", "n_routed_experts": e, "num_experts_per_tok": 2}, biasT,
+			&pb.Routing{TopK: 2, Renormalize: true, Scoring: pb.Scoring_SCORING_SIGMOID, NumExpertGroups: 1, TopkGroups: 1,
+				RoutedScalingFactor: 1, CorrectionBias: f32Tensor(bias, e)}},
 	}
 	for _, tt := range tests {
 		ts := map[string]stTensor{}

@@ -151,6 +151,14 @@ var (
 		routedScalingFactor: 1}
 	// Qwen3MoeConfig and Qwen2MoeConfig: norm_topk_prob False; softmax.
 	qwenMoERouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX}
+	// Qwen3NextConfig: norm_topk_prob True; softmax. Its shared expert is
+	// a dense MLP the caller runs beside the routed experts.
+	qwenNextRouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX, normTopKProb: true}
+	// Glm4MoeConfig (GLM-4.5 and 4.6): n_group 1, topk_group 1,
+	// routed_scaling_factor 1.0, norm_topk_prob True; Glm4MoeTopkRouter
+	// as DeepSeek-V3's, with no topk_method key.
+	glm4MoERouter = routerDefaults{scoring: pb.Scoring_SCORING_SIGMOID, normTopKProb: true, grouped: true, nGroup: 1, topKGroup: 1,
+		routedScalingFactor: 1}
 	// Qwen3VLMoeTextTopKRouter and MixtralTopKRouter renormalize their
 	// top-k softmax weights always; their configs have no norm_topk_prob.
 	renormalizingRouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX, alwaysRenormalize: true}
@@ -165,6 +173,8 @@ var modelTypes = map[string]modelType{
 	"nemotron_h":   {pb.NamingPreset_NAMING_PRESET_NEMOTRON_H, "", nemotronHRouter},
 	"qwen3_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "", qwenMoERouter},
 	"qwen2_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "", qwenMoERouter},
+	"qwen3_next":   {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "", qwenNextRouter},
+	"glm4_moe":     {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, "", glm4MoERouter},
 	"qwen3_vl_moe": {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "model.language_model.", renormalizingRouter},
 	"mixtral":      {pb.NamingPreset_NAMING_PRESET_MIXTRAL, "", renormalizingRouter},
 }

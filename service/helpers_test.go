@@ -93,7 +93,7 @@ func quantizeExperts(rng *rand.Rand, e, rows, cols int) ([]byte, []float32) {
 // and no static activation scales.
 func randomWeights(rng *rand.Rand, act pb.Activation, e, k, n int) *pb.ExpertWeights {
 	rows := n
-	if act == pb.Activation_ACTIVATION_SILU_GATED {
+	if act != pb.Activation_ACTIVATION_RELU2 {
 		rows = 2 * n
 	}
 	w13, s13 := quantizeExperts(rng, e, rows, k)
@@ -114,7 +114,8 @@ func randomWeights(rng *rand.Rand, act pb.Activation, e, k, n int) *pb.ExpertWei
 // bytes in field order.
 func fingerprintOf(w *pb.ExpertWeights) string {
 	h := sha256.New()
-	for _, t := range []*pb.Tensor{w.GetW13(), w.GetW2(), w.GetW13Scale(), w.GetW2Scale(), w.GetA13Scale(), w.GetA2Scale()} {
+	for _, t := range []*pb.Tensor{w.GetW13(), w.GetW2(), w.GetW13Scale(), w.GetW2Scale(), w.GetA13Scale(), w.GetA2Scale(),
+		w.GetW13Bias(), w.GetW2Bias()} {
 		h.Write(t.GetData())
 	}
 	return hex.EncodeToString(h.Sum(nil))

@@ -11,6 +11,7 @@ import (
 	"github.com/expertd/expertd/kernels/cpu"
 	_ "github.com/expertd/expertd/kernels/cuda" // registers "cuda" for the GPU variant
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
@@ -49,7 +50,34 @@ func weightsProto(s *kernels.ExpertSet) *pb.ExpertWeights {
 	if s.Block != [2]int{} {
 		w.WeightBlockShape = []int32{int32(s.Block[0]), int32(s.Block[1])}
 	}
+	// The defaults travel as 0, as a gpt-oss client leaves them.
+	if s.SwigluLimit != moe.DefaultSwigluLimit {
+		w.SwigluLimit = s.SwigluLimit
+	}
+	if s.SwigluAlpha != moe.DefaultSwigluAlpha {
+		w.SwigluAlpha = s.SwigluAlpha
+	}
+	// GEMM1's bias goes as FP32 and GEMM2's as BF16, which must then hold
+	// BF16 values (roundBiasBF16), so both dtypes are exercised.
+	if s.W13Bias != nil {
+		w.W13Bias = f32Tensor(s.W13Bias, int64(s.E), int64(s.Rows1()))
+	}
+	if s.W2Bias != nil {
+		b := make([]byte, 2*len(s.W2Bias))
+		for i, v := range s.W2Bias {
+			binary.LittleEndian.PutUint16(b[2*i:], scaling.Float32ToBF16(v))
+		}
+		w.W2Bias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_BFLOAT16, Shape: []int64{int64(s.E), int64(s.K)}, Source: &pb.Tensor_Data{Data: b}}
+	}
 	return w
+}
+
+// roundBiasBF16 rounds the set's GEMM2 bias to BF16, the dtype
+// weightsProto sends it in, so the reference sees what the server gets.
+func roundBiasBF16(s *kernels.ExpertSet) {
+	for i, v := range s.W2Bias {
+		s.W2Bias[i] = scaling.BF16ToFloat32(scaling.Float32ToBF16(v))
+	}
 }
 
 // requestProto is the wire form of a kernels request on the set "layer".
@@ -90,15 +118,19 @@ func requestProto(r *kernels.Request, e int) *pb.FusedMoERequest {
 
 // referenceCases are the kerneltest cases the service runs end to end: every
 // granularity, static scales, FP8 input with each scale layout, BF16 logits,
-// precomputed routing, grouped sigmoid routing and odd sizes.
+// precomputed routing, grouped sigmoid routing and odd sizes, every
+// activation, expert biases and E = 512 with top_k = 16.
 func referenceCases(t *testing.T) []kerneltest.Case {
 	want := []string{
 		"Nemotron/M=16", "Nemotron/M=8/static/fp8-in", "Qwen3/M=16/per-expert", "Qwen3/M=12/block/bf16-logits",
 		"Mixtral/M=9/precomputed/all-to-one", "DeepSeekV3/M=1/fp8-in-per-group", "top_k=E/sigmoid-groups",
 		"odd/block-16x24/fp8-per-group", "odd/per-channel/precomputed",
+		"GptOss/M=16", "GptOss/M=24/per-channel/static", "SwigluOAI/limit=0.5/M=20/per-channel",
+		"GeluTanhGated/M=10", "GeluGated/M=5/bias/precomputed", "Nemotron/M=12/bias",
+		"Qwen3Next/top_k=16/M=33/per-channel",
 	}
 	var cases []kerneltest.Case
-	for _, c := range kerneltest.Cases() {
+	for _, c := range append(kerneltest.Cases(), kerneltest.ActivationCases()...) {
 		if slices.Contains(want, c.Name) {
 			cases = append(cases, c)
 		}
@@ -135,6 +167,7 @@ func checkAgainstReference(t *testing.T, backend kernels.Backend, exact bool) {
 		t.Run(strings.ReplaceAll(tc.Name, "/", "_"), func(t *testing.T) {
 			ctx := testContext(t)
 			set, req := kerneltest.NewCase(rand.New(rand.NewPCG(rng.Uint64(), rng.Uint64())), tc.Shape, tc.M, tc.Opts...)
+			roundBiasBF16(set)
 			c, _, _ := servicetest.StartServerConfig(t, service.Config{}, backend)
 			w := weightsProto(set)
 			h := servicetest.Header("layer", w, false)

@@ -465,14 +465,13 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 	}, nil
 }
 
+// wireActivation is a as the contract numbers it (the model mirrors the
+// wire enum's values; TestModelWireNames checks they agree).
 func wireActivation(a kernels.Activation) pb.Activation {
-	switch a {
-	case kernels.SiluGated:
-		return pb.Activation_ACTIVATION_SILU_GATED
-	case kernels.Relu2:
-		return pb.Activation_ACTIVATION_RELU2
+	if !a.Valid() {
+		return pb.Activation_ACTIVATION_UNSPECIFIED
 	}
-	return pb.Activation_ACTIVATION_UNSPECIFIED
+	return pb.Activation(a)
 }
 
 // callAttrs are the metric attributes of a call of activation a on the

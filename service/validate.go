@@ -2,6 +2,7 @@ package service
 
 import (
 	"errors"
+	"math"
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/moe"
@@ -116,11 +117,13 @@ const (
 	tW2Scale
 	tA13Scale
 	tA2Scale
+	tW13Bias
+	tW2Bias
 	numTensors
 )
 
 // tensorNames are the ExpertWeights field names, as chunks name them.
-var tensorNames = [numTensors]string{"w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale"}
+var tensorNames = [numTensors]string{"w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_bias", "w2_bias"}
 
 func tensorIndex(name string) (int, bool) {
 	for i, n := range tensorNames {
@@ -132,7 +135,8 @@ func tensorIndex(name string) (int, bool) {
 }
 
 func weightTensors(w *pb.ExpertWeights) [numTensors]*pb.Tensor {
-	return [numTensors]*pb.Tensor{w.GetW13(), w.GetW2(), w.GetW13Scale(), w.GetW2Scale(), w.GetA13Scale(), w.GetA2Scale()}
+	return [numTensors]*pb.Tensor{w.GetW13(), w.GetW2(), w.GetW13Scale(), w.GetW2Scale(), w.GetA13Scale(), w.GetA2Scale(),
+		w.GetW13Bias(), w.GetW2Bias()}
 }
 
 // layout is an expert set's declared geometry, checked before any data is
@@ -141,6 +145,8 @@ type layout struct {
 	act     kernels.Activation
 	e, k, n int
 	block   [2]int
+	// limit and alpha are SWIGLU_OAI's, defaults filled in.
+	limit, alpha float32
 	// metas[i] is tensor i's declaration; present[i] says whether it was
 	// declared (the activation scales are optional).
 	metas   [numTensors]tensorMeta
@@ -149,7 +155,7 @@ type layout struct {
 
 // rows1 is GEMM1's output rows per expert.
 func (l *layout) rows1() int {
-	if l.act == kernels.SiluGated {
+	if l.act.Gated() {
 		return 2 * l.n
 	}
 	return l.n
@@ -172,14 +178,16 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*layout, error) {
 	if w == nil {
 		return nil, invalidf(prefix, "is required")
 	}
-	l := &layout{}
-	switch w.GetActivation() {
-	case pb.Activation_ACTIVATION_SILU_GATED:
-		l.act = kernels.SiluGated
-	case pb.Activation_ACTIVATION_RELU2:
-		l.act = kernels.Relu2
-	default:
-		return nil, invalidf(prefix+".activation", "%v: want ACTIVATION_SILU_GATED or ACTIVATION_RELU2", w.GetActivation())
+	l := &layout{act: kernels.Activation(w.GetActivation())}
+	if !l.act.Valid() {
+		return nil, invalidf(prefix+".activation", "%v: want one of %v", w.GetActivation(), activationWireNames())
+	}
+	var err error
+	if l.limit, err = swigluParam(prefix+".swiglu_limit", l.act, w.GetSwigluLimit(), moe.DefaultSwigluLimit); err != nil {
+		return nil, err
+	}
+	if l.alpha, err = swigluParam(prefix+".swiglu_alpha", l.act, w.GetSwigluAlpha(), moe.DefaultSwigluAlpha); err != nil {
+		return nil, err
 	}
 	ts := weightTensors(w)
 	f := func(i int) string { return prefix + "." + tensorNames[i] }
@@ -188,17 +196,18 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*layout, error) {
 			return nil, invalidf(f(i), "is required")
 		}
 	}
-	var err error
-	fp8, f32 := kernels.Float8E4M3FN, kernels.Float32
 	for i, t := range ts {
 		if t == nil {
 			continue
 		}
-		allowed := f32
-		if i == tW13 || i == tW2 {
-			allowed = fp8
+		allowed := []kernels.DType{kernels.Float32}
+		switch i {
+		case tW13, tW2:
+			allowed = []kernels.DType{kernels.Float8E4M3FN}
+		case tW13Bias, tW2Bias:
+			allowed = []kernels.DType{kernels.Float32, kernels.BFloat16}
 		}
-		if l.metas[i], err = checkMeta(f(i), t, allowed); err != nil {
+		if l.metas[i], err = checkMeta(f(i), t, allowed...); err != nil {
 			return nil, err
 		}
 		l.present[i] = true
@@ -209,9 +218,9 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*layout, error) {
 	}
 	l.e, l.k = w13[0], w13[2]
 	l.n = w13[1]
-	if l.act == kernels.SiluGated {
+	if l.act.Gated() {
 		if w13[1]%2 != 0 {
-			return nil, invalidf(f(tW13), "shape %v: ACTIVATION_SILU_GATED needs [E, 2N, K] with an even middle dimension", w13)
+			return nil, invalidf(f(tW13), "shape %v: %v needs [E, 2N, K] with an even middle dimension", w13, l.act.WireName())
 		}
 		l.n = w13[1] / 2
 	}
@@ -232,6 +241,13 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*layout, error) {
 		l.block = [2]int{int(bs[0]), int(bs[1])}
 	default:
 		return nil, invalidf(prefix+".weight_block_shape", "%v: want [] or [Bn, Bk]", bs)
+	}
+	for _, b := range []struct{ i, rows int }{{tW13Bias, l.rows1()}, {tW2Bias, l.k}} {
+		if l.present[b.i] {
+			if err := moe.WantShape(f(b.i), l.metas[b.i].shape, l.e, b.rows); err != nil {
+				return nil, fromModel(err)
+			}
+		}
 	}
 	for _, i := range []int{tA13Scale, tA2Scale} {
 		if !l.present[i] {
@@ -293,6 +309,7 @@ func buildSet(prefix string, l *layout, data [numTensors][]byte) (*kernels.Exper
 	set := &kernels.ExpertSet{
 		Activation: l.act, E: l.e, K: l.k, N: l.n,
 		W13: data[tW13], W2: data[tW2], Block: l.block,
+		SwigluLimit: l.limit, SwigluAlpha: l.alpha,
 	}
 	var err error
 	for _, i := range []int{tW13Scale, tW2Scale} {
@@ -316,7 +333,42 @@ func buildSet(prefix string, l *layout, data [numTensors][]byte) (*kernels.Exper
 	if set.A2Scale, err = staticScale(prefix+".a2_scale", l.present[tA2Scale], data[tA2Scale]); err != nil {
 		return nil, err
 	}
+	for _, b := range []struct {
+		i   int
+		dst *[]float32
+	}{{tW13Bias, &set.W13Bias}, {tW2Bias, &set.W2Bias}} {
+		if l.present[b.i] {
+			if *b.dst, err = moe.DecodeFinite(prefix+"."+tensorNames[b.i], l.metas[b.i].dtype, data[b.i]); err != nil {
+				return nil, fromModel(err)
+			}
+		}
+	}
 	return set, nil
+}
+
+// swigluParam checks one of SWIGLU_OAI's parameters (v, 0 meaning def):
+// finite and >= 0, and only set with that activation.
+func swigluParam(field string, act kernels.Activation, v, def float32) (float32, error) {
+	switch {
+	case v == 0 && act == kernels.SwigluOAI:
+		return def, nil
+	case v == 0:
+		return 0, nil
+	case act != kernels.SwigluOAI:
+		return 0, invalidf(field, "%v: only valid with ACTIVATION_SWIGLU_OAI", v)
+	case !(v > 0) || math.IsInf(float64(v), 0):
+		return 0, invalidf(field, "%v: want finite and >= 0 (0 means %v)", v, def)
+	}
+	return v, nil
+}
+
+// activationWireNames lists the activations the contract names.
+func activationWireNames() []string {
+	var names []string
+	for a := kernels.SiluGated; a.Valid(); a++ {
+		names = append(names, a.WireName())
+	}
+	return names
 }
 
 // staticScale reduces a per-tensor or per-expert activation scale to the

@@ -99,12 +99,19 @@ func Weights(set *kernels.ExpertSet) *client.ExpertWeights {
 		return client.FromFloat32(ws.Values, ws.Shape()...)
 	}
 	w := &client.ExpertWeights{
-		Activation: client.Activation(set.Activation),
-		W13:        client.FromFP8(set.W13, set.E, set.Rows1(), set.K),
-		W2:         client.FromFP8(set.W2, set.E, set.K, set.N),
-		W13Scale:   scale(set.W13Scale),
-		W2Scale:    scale(set.W2Scale),
-		BlockShape: set.Block,
+		Activation:  client.Activation(set.Activation),
+		W13:         client.FromFP8(set.W13, set.E, set.Rows1(), set.K),
+		W2:          client.FromFP8(set.W2, set.E, set.K, set.N),
+		W13Scale:    scale(set.W13Scale),
+		W2Scale:     scale(set.W2Scale),
+		BlockShape:  set.Block,
+		SwigluLimit: set.SwigluLimit, SwigluAlpha: set.SwigluAlpha,
+	}
+	if set.W13Bias != nil {
+		w.W13Bias = client.FromFloat32(set.W13Bias, set.E, set.Rows1())
+	}
+	if set.W2Bias != nil {
+		w.W2Bias = client.FromFloat32(set.W2Bias, set.E, set.K)
 	}
 	if set.A13Scale != nil {
 		w.A13Scale = client.FromFloat32([]float32{*set.A13Scale})

@@ -37,7 +37,7 @@ var models = map[string]model{
 }
 
 func (m model) rows1() int {
-	if m.activation == client.SiluGated {
+	if m.activation.Gated() {
 		return 2 * m.n
 	}
 	return m.n

@@ -52,7 +52,7 @@ func (b *Backend) Name() string { return "cpu" }
 // granularity, no token limit.
 func (b *Backend) Capabilities() kernels.Capabilities {
 	return kernels.Capabilities{
-		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2},
+		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2, kernels.SwigluOAI, kernels.GeluTanhGated, kernels.GeluGated},
 		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block},
 		Devices:       []string{fmt.Sprintf("%s (%d threads, pure Go, %s dot products)", cpuModel(), b.workers, simdKernel)},
 	}

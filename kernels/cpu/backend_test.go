@@ -41,6 +41,19 @@ func TestFP32Output(t *testing.T) {
 	kerneltest.CheckBackend(t, New(kernels.Config{}), cases...)
 }
 
+// TestActivations runs the table of the newer activations and expert
+// biases at the spec's bar and, with FP32 output, at TestFP32Output's.
+func TestActivations(t *testing.T) {
+	cases := kerneltest.ActivationCases()
+	for _, c := range kerneltest.ActivationCases() {
+		c.Name += "/fp32-out/tight"
+		c.Opts = append(c.Opts[:len(c.Opts):len(c.Opts)], kerneltest.WithOutput(kernels.Float32))
+		c.Tol = 1e-5
+		cases = append(cases, c)
+	}
+	kerneltest.CheckBackend(t, New(kernels.Config{}), cases...)
+}
+
 // TestThreadsAgree checks the result is bit-identical whatever the number
 // of goroutines: every output element is computed by exactly one work item
 // in a fixed order, so scheduling must not leak into numerics.
@@ -71,8 +84,8 @@ func TestRegistered(t *testing.T) {
 		t.Errorf("Name() = %q, want %q", got, want)
 	}
 	caps := b.Capabilities()
-	if len(caps.Activations) != 2 || len(caps.Granularities) != 4 || len(caps.Devices) != 1 {
-		t.Errorf("Capabilities() = %+v, want 2 activations, 4 granularities, 1 device", caps)
+	if len(caps.Activations) != 5 || len(caps.Granularities) != 4 || len(caps.Devices) != 1 {
+		t.Errorf("Capabilities() = %+v, want 5 activations, 4 granularities, 1 device", caps)
 	}
 }
 

@@ -23,6 +23,7 @@ type plan struct {
 	off     []int   // [E+1]
 	pos     []int32 // [M*TopK] pair -> position
 	tok     []int32 // [M*TopK] position -> token
+	expert  []int32 // [M*TopK] position -> expert
 	iota    []int32 // [M*TopK] position -> position
 }
 
@@ -39,12 +40,14 @@ func newPlan(set *kernels.ExpertSet, m, topK int, ids []int32, weights []float32
 	next := append([]int(nil), p.off[:set.E]...)
 	p.pos = make([]int32, n)
 	p.tok = make([]int32, n)
+	p.expert = make([]int32, n)
 	p.iota = make([]int32, n)
 	for i, e := range ids {
 		at := next[e]
 		next[e]++
 		p.pos[i] = int32(at)
 		p.tok[at] = int32(i / topK)
+		p.expert[at] = e
 	}
 	for i := range p.iota {
 		p.iota[i] = int32(i)
@@ -128,7 +131,7 @@ func (b *Backend) pass(ctx context.Context, set *kernels.ExpertSet, req *kernels
 	seg2, nseg2 := segments(set, N)
 	x := make([]float32, m*topK*N)
 	xS := make([]float32, m*topK*nseg2)
-	b.activate(set, h, x, xS, m*topK, seg2, nseg2)
+	b.activate(set, h, p.expert, x, xS, m*topK, seg2, nseg2)
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -141,7 +144,7 @@ func (b *Backend) pass(ctx context.Context, set *kernels.ExpertSet, req *kernels
 		y = make([]float32, m*topK*K)
 	}
 	b.grouped(set, set.W2, set.W2Scale, K, N, seg2, nseg2, x, xS, p, p.iota, y)
-	b.combine(p, y, K, req.OutDType, out)
+	b.combine(set, p, y, req.OutDType, out)
 	return nil
 }
 
@@ -245,11 +248,12 @@ func (b *Backend) grouped(set *kernels.ExpertSet, w []byte, ws scaling.WeightSca
 	})
 }
 
-// activate applies the activation to each of the n GEMM1 output rows of h
-// and requantizes it to FP8: static A2Scale when set, else dynamic per row
-// (per group of Bk in block mode). x receives the decoded FP8 values [n, N],
-// xS the scales [n, nseg].
-func (b *Backend) activate(set *kernels.ExpertSet, h, x, xS []float32, n, seg, nseg int) {
+// activate adds the GEMM1 bias of each of the n GEMM1 output rows of h
+// (row p from expert expert[p]), applies the activation and requantizes it
+// to FP8: static A2Scale when set, else dynamic per row (per group of Bk
+// in block mode). x receives the decoded FP8 values [n, N], xS the scales
+// [n, nseg].
+func (b *Backend) activate(set *kernels.ExpertSet, h []float32, expert []int32, x, xS []float32, n, seg, nseg int) {
 	N, R1 := set.N, set.Rows1()
 	const chunk = 16
 	qs := make([][]uint8, b.workers)
@@ -262,18 +266,13 @@ func (b *Backend) activate(set *kernels.ExpertSet, h, x, xS []float32, n, seg, n
 		act := x[p0*N : p1*N]
 		for p := p0; p < p1; p++ {
 			hr := h[p*R1 : (p+1)*R1]
-			xr := act[(p-p0)*N : (p-p0+1)*N]
-			if set.Activation == kernels.SiluGated {
-				for j := range xr {
-					g := hr[j]
-					xr[j] = g / (1 + float32(math.Exp(float64(-g)))) * hr[N+j]
-				}
-			} else {
-				for j := range xr {
-					v := max(hr[j], 0)
-					xr[j] = v * v
+			if set.W13Bias != nil {
+				e := int(expert[p])
+				for r, v := range set.W13Bias[e*R1 : (e+1)*R1] {
+					hr[r] += v
 				}
 			}
+			activateRow(set, act[(p-p0)*N:(p-p0+1)*N], hr)
 		}
 		if set.A2Scale != nil {
 			sc := scaling.ClampScale(*set.A2Scale)
@@ -288,9 +287,57 @@ func (b *Backend) activate(set *kernels.ExpertSet, h, x, xS []float32, n, seg, n
 	})
 }
 
-// combine sums each token's expert outputs weighted by its routing weights,
-// in slot order, and encodes the [M, K] result into out.
-func (b *Backend) combine(p *plan, y []float32, k int, dt kernels.DType, out []byte) {
+// activateRow writes the activation of one GEMM1 output row h (bias
+// added) into x.
+func activateRow(set *kernels.ExpertSet, x, h []float32) {
+	switch set.Activation {
+	case kernels.Relu2:
+		for j := range x {
+			v := max(h[j], 0)
+			x[j] = v * v
+		}
+		return
+	case kernels.SwigluOAI:
+		limit, alpha := set.SwigluLimit, set.SwigluAlpha
+		for j := range x {
+			gr, ur := set.GateUp(j)
+			g := min(h[gr], limit)
+			u := min(max(h[ur], -limit), limit)
+			x[j] = g * sigmoid(alpha*g) * (u + 1)
+		}
+		return
+	}
+	var f func(float32) float32
+	switch set.Activation {
+	case kernels.GeluTanhGated:
+		f = geluTanh
+	case kernels.GeluGated:
+		f = gelu
+	default: // kernels.SiluGated
+		f = func(g float32) float32 { return g * sigmoid(g) }
+	}
+	for j := range x {
+		gr, ur := set.GateUp(j)
+		x[j] = f(h[gr]) * h[ur]
+	}
+}
+
+func sigmoid(x float32) float32 { return 1 / (1 + float32(math.Exp(float64(-x)))) }
+
+// geluTanh is GELU's tanh approximation (PyTorch's approximate="tanh").
+func geluTanh(x float32) float32 {
+	const c = 0.7978845608028654 // sqrt(2/pi)
+	return 0.5 * x * (1 + float32(math.Tanh(c*(float64(x)+0.044715*float64(x)*float64(x)*float64(x)))))
+}
+
+// gelu is the exact, erf-based GELU.
+func gelu(x float32) float32 { return 0.5 * x * (1 + float32(math.Erf(float64(x)/math.Sqrt2))) }
+
+// combine adds each pair's GEMM2 bias, sums each token's expert outputs
+// weighted by its routing weights, in slot order, and encodes the [M, K]
+// result into out.
+func (b *Backend) combine(set *kernels.ExpertSet, p *plan, y []float32, dt kernels.DType, out []byte) {
+	k := set.K
 	// Poison first (0xFF is NaN in FP32 and BF16): an element the loop
 	// below missed reads NaN, which fails every check, not a plausible zero.
 	for i := range out {
@@ -304,6 +351,13 @@ func (b *Backend) combine(p *plan, y []float32, k int, dt kernels.DType, out []b
 			for j := range p.topK {
 				w := p.weights[t*p.topK+j]
 				yr := y[int(p.pos[t*p.topK+j])*k:][:k]
+				if set.W2Bias != nil {
+					e := int(p.ids[t*p.topK+j])
+					for i, v := range set.W2Bias[e*k : (e+1)*k] {
+						acc[i] += w * (yr[i] + v)
+					}
+					continue
+				}
 				for i, v := range yr {
 					acc[i] += w * v
 				}

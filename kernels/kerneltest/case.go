@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -111,7 +112,7 @@ func sharedWeights(key weightKey) *weights {
 
 func genWeights(rng *rand.Rand, key weightKey) *weights {
 	r1 := key.n
-	if key.act == kernels.SiluGated {
+	if key.act.Gated() {
 		r1 = 2 * key.n
 	}
 	var w weights
@@ -147,6 +148,21 @@ func newCase(rng *rand.Rand, s Shape, m int, shared func(weightKey) *weights, op
 		w = genWeights(rng, key)
 	}
 	set.W13, set.W13Scale, set.W2, set.W2Scale = w.w13, w.w13Scale, w.w2, w.w2Scale
+	if s.Activation == kernels.SwigluOAI {
+		set.SwigluLimit, set.SwigluAlpha = s.SwigluLimit, s.SwigluAlpha
+		if set.SwigluLimit == 0 {
+			set.SwigluLimit = moe.DefaultSwigluLimit
+		}
+		if set.SwigluAlpha == 0 {
+			set.SwigluAlpha = moe.DefaultSwigluAlpha
+		}
+	}
+	if s.ExpertBias {
+		// Of the order of the GEMM outputs they are added to, so a backend
+		// that drops or misplaces one misses the bar by far.
+		set.W13Bias = randn(rng, s.E*s.Rows1(), 0.5)
+		set.W2Bias = randn(rng, s.E*s.K, 0.5)
+	}
 
 	hidden := randn(rng, m*s.K, 0.1)
 	req := &kernels.Request{

@@ -115,6 +115,46 @@ func Cases() []Case {
 	}
 }
 
+// ActivationCases is the table of the gated activations beyond SiluGated
+// and of expert biases: gpt-oss's clamped SwiGLU (at its own limit and at a
+// small one that clamps most gates and ups), both GeGLUs, biases with
+// every activation, and Qwen3-Next's E = 512 and a top_k of 16. Each shape
+// is scaled down like Cases'; K and N are multiples of 16 so the Hopper
+// kernels can take every case.
+func ActivationCases() []Case {
+	oai := GptOss.Scaled(96, 64)
+	clamp := Shape{Name: "SwigluOAI/limit=0.5", Activation: kernels.SwigluOAI, E: 16, TopK: 4, K: 64, N: 48,
+		Scoring: kernels.Softmax, Renormalize: true, ExpertBias: true, ScalingFactor: 1, SwigluLimit: 0.5, SwigluAlpha: 1}
+	geluTanh := Shape{Name: "GeluTanhGated", Activation: kernels.GeluTanhGated, E: 12, TopK: 3, K: 80, N: 48,
+		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	gelu := Shape{Name: "GeluGated", Activation: kernels.GeluGated, E: 12, TopK: 3, K: 80, N: 48,
+		Scoring: kernels.Sigmoid, Bias: true, Renormalize: true, ScalingFactor: 2.5, ExpertBias: true}
+	relu2 := Nemotron.Scaled(64, 48)
+	relu2.Name, relu2.ExpertBias = "Nemotron/bias", true
+	next := Qwen3Next.Scaled(32, 32)
+	top16 := next
+	top16.Name, top16.TopK = "Qwen3Next/top_k=16", 16
+	return []Case{
+		{Name: "GptOss/M=16", Shape: oai, M: 16, EmptyExperts: true},
+		{Name: "GptOss/M=1/fp8-in", Shape: oai, M: 1, Opts: []Option{WithHidden(kernels.Float8E4M3FN)}},
+		{Name: "GptOss/M=24/per-channel/static", Shape: oai, M: 24,
+			Opts: []Option{WithGranularity(scaling.PerChannel), WithStaticScales()}},
+		{Name: "GptOss/M=9/block", Shape: oai, M: 9, Opts: []Option{WithBlock(32, 32), WithOutput(kernels.Float32)}},
+		{Name: "SwigluOAI/limit=0.5/M=20/per-channel", Shape: clamp, M: 20,
+			Opts: []Option{WithGranularity(scaling.PerChannel)}},
+		{Name: "GeluTanhGated/M=10", Shape: geluTanh, M: 10},
+		{Name: "GeluTanhGated/M=1/fp8-in/per-channel", Shape: geluTanh, M: 1,
+			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithGranularity(scaling.PerChannel)}},
+		{Name: "GeluGated/M=14/bias/per-expert", Shape: gelu, M: 14, Opts: []Option{WithGranularity(scaling.PerExpert)}},
+		{Name: "GeluGated/M=5/bias/precomputed", Shape: gelu, M: 5, Opts: []Option{WithPrecomputedRouting()}},
+		{Name: "Nemotron/M=12/bias", Shape: relu2, M: 12},
+		{Name: "Qwen3Next/M=40", Shape: next, M: 40, EmptyExperts: true},
+		{Name: "Qwen3Next/M=1", Shape: next, M: 1, EmptyExperts: true},
+		{Name: "Qwen3Next/top_k=16/M=33/per-channel", Shape: top16, M: 33,
+			Opts: []Option{WithGranularity(scaling.PerChannel)}},
+	}
+}
+
 // TB is the part of testing.TB that CheckBackend uses. Declaring it here
 // keeps the package free of an import of testing, so the CUDA backend's
 // start-up self-test can build cases with it inside the daemon.

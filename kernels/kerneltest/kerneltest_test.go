@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -287,10 +288,52 @@ func TestReferenceTol(t *testing.T) {
 	// the 416/448 midpoint.
 	ids, _ := referenceRouting(set, req)
 	a := referenceHidden(set, req)
-	x := referenceIntermediate(set, a[:set.K], dequantExpert(set.W13, set.W13Scale, int(ids[0]), set.Rows1(), set.K))
+	x := referenceIntermediate(set, a[:set.K], dequantExpert(set.W13, set.W13Scale, int(ids[0]), set.Rows1(), set.K), int(ids[0]))
 	s := float32(slices.Max(x) / 432)
 	set.A2Scale = &s
 	if _, _, _, tol := ReferenceTol(set, req); !(tol > FP8Tol) {
 		t.Errorf("tol %g with an element at a midpoint, want > FP8Tol", tol)
+	}
+}
+
+// TestReferenceActivations pins the reference's activations, GEMM1 bias
+// and gpt-oss's gate/up interleaving to values from PyTorch: transformers
+// 5.23's GptOssExperts._apply_gate (limit 7, alpha 1.702) and
+// torch.nn.functional's silu and gelu, in float64. GEMM1 here is a K = 1
+// product whose result plus the bias is h.
+func TestReferenceActivations(t *testing.T) {
+	gated := []float64{-2, 0.3, 1.7, 0.5, -1.25, 3} // gate rows, then up rows
+	tests := []struct {
+		act  kernels.Activation
+		h    []float64
+		want []float64
+	}{
+		// Interleaved (gate, up) pairs; the first clamps both, the last up.
+		{kernels.SwigluOAI, []float64{8, -9, -3, 2.5, 0.7, 7.5},
+			[]float64{-41.99971876981991, -0.06324958397725089, 4.295151613785201}},
+		{kernels.SiluGated, gated, []float64{-0.11920292202211755, -0.21541594380437212, 4.312227148073973}},
+		{kernels.GeluTanhGated, gated, []float64{-0.02270115295611247, -0.23171365442844902, 4.872317686653468}},
+		{kernels.GeluGated, gated, []float64{-0.02275013194817921, -0.23171678332085724, 4.8727161399314305}},
+	}
+	for _, tt := range tests {
+		set := &kernels.ExpertSet{Activation: tt.act, E: 2, K: 1, N: 3,
+			SwigluLimit: moe.DefaultSwigluLimit, SwigluAlpha: moe.DefaultSwigluAlpha}
+		// Expert 1's bias holds a quarter of h and GEMM1 the rest; expert
+		// 0's bias must not be read.
+		set.W13Bias = make([]float32, 2*len(tt.h))
+		w13 := make([]float64, len(tt.h))
+		for r, v := range tt.h {
+			set.W13Bias[len(tt.h)+r] = float32(v / 4)
+			set.W13Bias[r] = 1e3
+			w13[r] = v - float64(float32(v/4))
+		}
+		got := referenceIntermediate(set, []float64{1}, w13, 1)
+		for i := range tt.want {
+			// Loose enough for alpha and limit travelling as float32 (1.702
+			// is not one), far below any formula's error.
+			if math.Abs(got[i]-tt.want[i]) > 1e-6*math.Max(1, math.Abs(tt.want[i])) {
+				t.Errorf("%v: x[%d] = %v, want %v", tt.act, i, got[i], tt.want[i])
+			}
+		}
 	}
 }

@@ -69,12 +69,15 @@ func ReferenceTol(set *kernels.ExpertSet, req *kernels.Request) (out []float64, 
 				w2[e] = dequantExpert(set.W2, set.W2Scale, int(e), set.K, set.N)
 				w2Norms[e] = columnNorms(w2[e], set.K, set.N)
 			}
-			x := referenceIntermediate(set, a[t*set.K:(t+1)*set.K], w13[e])
+			x := referenceIntermediate(set, a[t*set.K:(t+1)*set.K], w13[e], int(e))
 			xq, flip := requantize(set, x)
 			for r := range set.K {
 				var y float64
 				for n := range set.N {
 					y += xq[n] * w2[e][r*set.N+n]
+				}
+				if set.W2Bias != nil {
+					y += float64(set.W2Bias[int(e)*set.K+r])
 				}
 				out[t*set.K+r] += w64[t*k+j] * y
 			}
@@ -183,22 +186,39 @@ func dequantExpert(w []byte, ws scaling.WeightScale, e, rows, cols int) []float6
 	return out
 }
 
-// referenceIntermediate is GEMM1 and the activation for one token row.
-func referenceIntermediate(set *kernels.ExpertSet, a []float64, w13 []float64) []float64 {
+// referenceIntermediate is GEMM1, its bias and the activation for one
+// token row routed to expert e.
+func referenceIntermediate(set *kernels.ExpertSet, a []float64, w13 []float64, e int) []float64 {
 	kk, n := set.K, set.N
 	h := make([]float64, set.Rows1())
 	for r := range h {
 		for c := range kk {
 			h[r] += a[c] * w13[r*kk+c]
 		}
+		if set.W13Bias != nil {
+			h[r] += float64(set.W13Bias[e*len(h)+r])
+		}
 	}
 	x := make([]float64, n)
 	for i := range x {
-		if set.Activation == kernels.SiluGated {
-			g := h[i]
-			x[i] = g / (1 + math.Exp(-g)) * h[n+i]
-		} else {
+		if set.Activation == kernels.Relu2 {
 			x[i] = math.Pow(math.Max(h[i], 0), 2)
+			continue
+		}
+		gr, ur := set.GateUp(i)
+		g, u := h[gr], h[ur]
+		switch set.Activation {
+		case kernels.SwigluOAI:
+			limit, alpha := float64(set.SwigluLimit), float64(set.SwigluAlpha)
+			g = math.Min(g, limit)
+			u = math.Max(-limit, math.Min(u, limit))
+			x[i] = g / (1 + math.Exp(-alpha*g)) * (u + 1)
+		case kernels.GeluTanhGated:
+			x[i] = 0.5 * g * (1 + math.Tanh(math.Sqrt(2/math.Pi)*(g+0.044715*g*g*g))) * u
+		case kernels.GeluGated:
+			x[i] = 0.5 * g * (1 + math.Erf(g/math.Sqrt2)) * u
+		default: // kernels.SiluGated
+			x[i] = g / (1 + math.Exp(-g)) * u
 		}
 	}
 	return x
@@ -259,7 +279,7 @@ func intermediateAmax(set *kernels.ExpertSet, req *kernels.Request) float64 {
 	for i, e := range ids {
 		t := i / k
 		w13 := dequantExpert(set.W13, set.W13Scale, int(e), set.Rows1(), set.K)
-		for _, v := range referenceIntermediate(set, a[t*set.K:(t+1)*set.K], w13) {
+		for _, v := range referenceIntermediate(set, a[t*set.K:(t+1)*set.K], w13, int(e)) {
 			mx = math.Max(mx, math.Abs(v))
 		}
 	}

@@ -23,6 +23,11 @@ type Shape struct {
 	Renormalize   bool
 	// Bias says the router has a correction bias (random per case).
 	Bias bool
+	// ExpertBias says the experts have GEMM1 and GEMM2 biases (random per
+	// case), as gpt-oss's do.
+	ExpertBias bool
+	// SwigluLimit and SwigluAlpha are SwigluOAI's; 0 means gpt-oss's.
+	SwigluLimit, SwigluAlpha float32
 	// NumGroups and TopKGroups restrict top-k to the best groups.
 	NumGroups, TopKGroups int
 	// ScalingFactor multiplies routing weights (1 for none).
@@ -45,6 +50,16 @@ var (
 		Block: [2]int{128, 128}}
 )
 
+// Shapes of models beyond MOE_SPEC.md's: gpt-oss-120b's
+// layer (clamped SwiGLU with expert biases) and Qwen3-Next's (E = 512 with
+// a small intermediate size).
+var (
+	GptOss = Shape{Name: "GptOss", Activation: kernels.SwigluOAI, E: 128, TopK: 4, K: 2880, N: 2880,
+		Scoring: kernels.Softmax, Renormalize: true, ExpertBias: true, ScalingFactor: 1}
+	Qwen3Next = Shape{Name: "Qwen3Next", Activation: kernels.SiluGated, E: 512, TopK: 10, K: 2048, N: 512,
+		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+)
+
 // Shapes lists the reference shapes.
 func Shapes() []Shape { return []Shape{Nemotron, Qwen3, Mixtral, DeepSeekV3} }
 
@@ -58,7 +73,7 @@ func (s Shape) Scaled(k, n int) Shape {
 
 // Rows1 is GEMM1's output rows per expert: 2N gated, N for ReLU².
 func (s Shape) Rows1() int {
-	if s.Activation == kernels.SiluGated {
+	if s.Activation.Gated() {
 		return 2 * s.N
 	}
 	return s.N

@@ -71,6 +71,7 @@ func tensorFields(w *pb.ExpertWeights) []struct {
 	}{
 		{"w13", w.GetW13()}, {"w2", w.GetW2()}, {"w13_scale", w.GetW13Scale()},
 		{"w2_scale", w.GetW2Scale()}, {"a13_scale", w.GetA13Scale()}, {"a2_scale", w.GetA2Scale()},
+		{"w13_bias", w.GetW13Bias()}, {"w2_bias", w.GetW2Bias()},
 	}
 }
 

@@ -17,9 +17,14 @@ from expertd.v1 import expert_pb2 as pb
 MAX_MESSAGE_BYTES = 1 << 30
 CHUNK_BYTES = 2 << 20
 # Weight tensors in the order of LoadExpertsRequest.Header.sha256.
-WEIGHT_FIELDS = ("w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale")
+WEIGHT_FIELDS = ("w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale", "w13_bias", "w2_bias")
+# The wire dtype each weight field is sent as; None keeps the array's own
+# (FP8 codes for the weights; FP32 or BF16 for the biases).
+_FIELD_DTYPES = {"w13": None, "w2": None, "w13_bias": None, "w2_bias": None}
 
-ACTIVATIONS = {"silu_gated": pb.ACTIVATION_SILU_GATED, "relu2": pb.ACTIVATION_RELU2}
+ACTIVATIONS = {"silu_gated": pb.ACTIVATION_SILU_GATED, "relu2": pb.ACTIVATION_RELU2,
+               "swiglu_oai": pb.ACTIVATION_SWIGLU_OAI, "gelu_tanh_gated": pb.ACTIVATION_GELU_TANH_GATED,
+               "gelu_gated": pb.ACTIVATION_GELU_GATED}
 SCORINGS = {"softmax": pb.SCORING_SOFTMAX, "sigmoid": pb.SCORING_SIGMOID}
 PRESETS = {"nemotron_h": pb.NAMING_PRESET_NEMOTRON_H, "qwen3_moe": pb.NAMING_PRESET_QWEN3_MOE,
            "custom": pb.NAMING_PRESET_CUSTOM}
@@ -124,16 +129,26 @@ def routing(top_k=0, renormalize=False, scoring="softmax", correction_bias=None,
     return r
 
 
-def expert_weights(w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None,
-                   activation="silu_gated", block_shape=None) -> pb.ExpertWeights:
-    """An ExpertWeights message with the tensors inline (for FusedMoE's
-    weights oneof). FP8 weights as uint8 codes or torch float8 tensors."""
-    w = pb.ExpertWeights(activation=_enum(ACTIVATIONS, activation, "activation"))
-    for name, a in zip(WEIGHT_FIELDS, (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)):
-        if a is not None:
-            getattr(w, name).CopyFrom(tensors.encode(a, None if name in ("w13", "w2") else "float32"))
+def _weights_header(activation, block_shape, swiglu_limit, swiglu_alpha) -> pb.ExpertWeights:
+    w = pb.ExpertWeights(activation=_enum(ACTIVATIONS, activation, "activation"),
+                         swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     if block_shape:
         w.weight_block_shape.extend(block_shape)
+    return w
+
+
+def expert_weights(w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None,
+                   activation="silu_gated", block_shape=None, *, w13_bias=None, w2_bias=None,
+                   swiglu_limit=0.0, swiglu_alpha=0.0) -> pb.ExpertWeights:
+    """An ExpertWeights message with the tensors inline (for FusedMoE's
+    weights oneof). FP8 weights as uint8 codes or torch float8 tensors;
+    the optional biases w13_bias [E, 2N or N] and w2_bias [E, K] as FP32 or
+    BF16. swiglu_limit and swiglu_alpha (0: gpt-oss's 7 and 1.702) are
+    activation "swiglu_oai"'s."""
+    w = _weights_header(activation, block_shape, swiglu_limit, swiglu_alpha)
+    for name, a in zip(WEIGHT_FIELDS, (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, w13_bias, w2_bias)):
+        if a is not None:
+            getattr(w, name).CopyFrom(tensors.encode(a, _FIELD_DTYPES.get(name, "float32")))
     return w
 
 
@@ -185,25 +200,25 @@ def fused_moe_request(hidden, expert_set=None, weights=None, router_logits=None,
 
 def load_requests(name: str, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None,
                   activation="silu_gated", block_shape=None, overwrite=False,
-                  chunk_bytes=CHUNK_BYTES, progress=None) -> Iterator[pb.LoadExpertsRequest]:
+                  chunk_bytes=CHUNK_BYTES, progress=None, *, w13_bias=None, w2_bias=None,
+                  swiglu_limit=0.0, swiglu_alpha=0.0) -> Iterator[pb.LoadExpertsRequest]:
     """The LoadExperts stream of an upload: a header with the tensors'
     dtypes, shapes and SHA-256, then chunks of at most chunk_bytes cut from
     the arrays without copying them whole. progress(sent, total) is called
-    after each chunk."""
+    after each chunk. The biases and SwiGLU parameters are as in
+    expert_weights."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes {chunk_bytes}: want >= 1")
-    w = pb.ExpertWeights(activation=_enum(ACTIVATIONS, activation, "activation"))
+    w = _weights_header(activation, block_shape, swiglu_limit, swiglu_alpha)
     blobs = []
     digest = hashlib.sha256()
-    for fname, a in zip(WEIGHT_FIELDS, (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)):
+    for fname, a in zip(WEIGHT_FIELDS, (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, w13_bias, w2_bias)):
         if a is None:
             continue
-        meta, raw = tensors.describe(a, None if fname in ("w13", "w2") else "float32")
+        meta, raw = tensors.describe(a, _FIELD_DTYPES.get(fname, "float32"))
         getattr(w, fname).CopyFrom(meta)
         digest.update(memoryview(raw))
         blobs.append((fname, raw))
-    if block_shape:
-        w.weight_block_shape.extend(block_shape)
     total = sum(raw.nbytes for _, raw in blobs)
     yield pb.LoadExpertsRequest(header=pb.LoadExpertsRequest.Header(
         name=name, weights=w, total_bytes=total, sha256=digest.hexdigest(), overwrite=overwrite))

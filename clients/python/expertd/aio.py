@@ -60,9 +60,9 @@ class Client(_Base):
     async def load_experts(self, name: str, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None,
                            a2_scale=None, *, activation="silu_gated", block_shape=None, overwrite=False,
                            chunk_bytes=c.CHUNK_BYTES, progress=None, timeout=600,
-                           metadata=None) -> pb.ExpertSetInfo:
+                           metadata=None, **extra) -> pb.ExpertSetInfo:
         reqs = c.load_requests(name, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale,
-                               activation, block_shape, overwrite, chunk_bytes, progress)
+                               activation, block_shape, overwrite, chunk_bytes, progress, **extra)
         return await self._call(self.stub.LoadExperts, reqs, timeout, metadata)
 
     async def load_safetensors(self, name: str, path: str, layer: int = 0, preset="qwen3_moe", *,

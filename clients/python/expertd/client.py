@@ -112,17 +112,19 @@ class Client(_Base):
     def load_experts(self, name: str, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None,
                      a2_scale=None, *, activation="silu_gated", block_shape=None, overwrite=False,
                      chunk_bytes=c.CHUNK_BYTES, progress=None, timeout=600,
-                     metadata=None) -> pb.ExpertSetInfo:
+                     metadata=None, **extra) -> pb.ExpertSetInfo:
         """Uploads a layer in chunks with a SHA-256 the server checks.
 
-        w13 [E, 2N, K] (gated; gate rows first) or [E, N, K] and w2 [E, K, N]
-        are FP8 E4M3FN: uint8 code arrays or torch float8_e4m3fn tensors.
-        Scales are float32 of the shapes MOE_SPEC.md lists; block_shape
-        [Bn, Bk] names block scales. progress(sent, total) follows the
-        chunks.
+        w13 [E, 2N, K] (gated; gate rows first, interleaved for
+        "swiglu_oai") or [E, N, K] and w2 [E, K, N] are FP8 E4M3FN: uint8
+        code arrays or torch float8_e4m3fn tensors. Scales are float32 of
+        the shapes MOE_SPEC.md lists; block_shape [Bn, Bk] names block
+        scales. progress(sent, total) follows the chunks. extra takes
+        w13_bias, w2_bias, swiglu_limit and swiglu_alpha (see
+        expertd.expert_weights).
         """
         reqs = c.load_requests(name, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale,
-                               activation, block_shape, overwrite, chunk_bytes, progress)
+                               activation, block_shape, overwrite, chunk_bytes, progress, **extra)
         return self._call(self.stub.LoadExperts, reqs, timeout, metadata)
 
     def load_safetensors(self, name: str, path: str, layer: int = 0, preset="qwen3_moe", *,

@@ -134,6 +134,33 @@ def deepseek_block(cfg):
     return DeepseekV3MoE(cfg)
 
 
+def qwen3_next_config(k, n, e, top_k):
+    from transformers import Qwen3NextConfig
+    # norm_topk_prob left at Qwen3NextConfig's default (True), which the
+    # loader must know.
+    return _eager(Qwen3NextConfig(hidden_size=k, moe_intermediate_size=n, shared_expert_intermediate_size=2 * n,
+                                  num_experts=e, num_experts_per_tok=top_k, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64))
+
+
+def qwen3_next_block(cfg):
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+    return Qwen3NextSparseMoeBlock(cfg)
+
+
+def glm4_moe_config(k, n, e, top_k):
+    from transformers import Glm4MoeConfig
+    return _eager(Glm4MoeConfig(hidden_size=k, moe_intermediate_size=n, intermediate_size=4 * k, n_routed_experts=e,
+                                num_experts_per_tok=top_k, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                n_shared_experts=1, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, vocab_size=64, first_k_dense_replace=0))
+
+
+def glm4_moe_block(cfg):
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+    return Glm4MoeMoE(cfg)
+
+
 def nemotron_config(k, n, e, top_k):
     from transformers import NemotronHConfig
     return _eager(NemotronHConfig(hidden_size=k, moe_intermediate_size=n, n_routed_experts=e, num_experts_per_tok=top_k,
@@ -201,6 +228,14 @@ CASES = {
                                   scales="block", suffix="weight_scale_inv", quant=DYNAMIC_FP8, prefix="model.layers",
                                   proj=("gate_proj", "up_proj", "down_proj"), module="mlp", bias=True,
                                   preset="deepseek_v3"),
+    "qwen3_next-block-fp8": dict(config=qwen3_next_config, block=qwen3_next_block, dims=(256, 256, 16, 4),
+                                 scales="block", scale_dtype=torch.bfloat16, suffix="weight_scale_inv",
+                                 quant=DYNAMIC_FP8, prefix="model.layers", proj=("gate_proj", "up_proj", "down_proj"),
+                                 module="mlp", preset="qwen3_moe"),
+    "glm4_moe-block-fp8": dict(config=glm4_moe_config, block=glm4_moe_block, dims=(256, 256, 16, 4),
+                               scales="block", suffix="weight_scale_inv", quant=DYNAMIC_FP8, prefix="model.layers",
+                               proj=("gate_proj", "up_proj", "down_proj"), module="mlp", bias=True,
+                               preset="deepseek_v3"),
     "mixtral-fp8-static": dict(config=mixtral_config, block=mixtral_block, dims=(64, 32, 8, 2), scales="tensor",
                                suffix="weight_scale", static=True, quant=AUTOFP8, prefix="model.layers",
                                proj=("w1", "w3", "w2"), module="block_sparse_moe", preset="mixtral"),
@@ -221,6 +256,10 @@ CASES = {
                                     dtype=torch.bfloat16, weight_quantization="per_tensor", prefix="model.layers",
                                     proj=("w1", "w3", "w2"), module="block_sparse_moe", preset="mixtral"),
 }
+
+
+# The blocks' shared-expert modules (DeepSeek-V3 and GLM-4.5's, Qwen3-Next's).
+SHARED_EXPERTS = ("shared_experts", "shared_expert")
 
 
 def _init(block, g):
@@ -289,10 +328,11 @@ def _router_and_shared(block, case, base, ts):
         ts[f"{base}.gate.weight"] = block.gate.weight.detach().to(torch.bfloat16).contiguous()
         if case.get("bias"):
             ts[f"{base}.gate.e_score_correction_bias"] = block.gate.e_score_correction_bias.detach().float().clone()
-        shared = getattr(block, "shared_experts", None)
-        if shared is not None:
-            for pname, t in shared.state_dict().items():
-                ts[f"{base}.shared_experts.{pname}"] = t.detach().to(torch.bfloat16).contiguous()
+        for attr in SHARED_EXPERTS:
+            shared = getattr(block, attr, None)
+            if shared is not None:
+                for pname, t in shared.state_dict().items():
+                    ts[f"{base}.{attr}.{pname}"] = t.detach().to(torch.bfloat16).contiguous()
 
 
 def _quantize_layer(block, case, layer):
@@ -377,8 +417,10 @@ def make_case(case_name, g):
     _init(other, g)
     ts = _quantize_layer(block, case, LAYER)
     ts_other = _quantize_layer(other, case, OTHER_LAYER)
-    if getattr(block, "shared_experts", None) is not None:
-        block.shared_experts = _Zero()
+    for attr in SHARED_EXPERTS:
+        # The caller runs the shared expert, not the daemon.
+        if getattr(block, attr, None) is not None:
+            setattr(block, attr, _Zero())
 
     x = torch.randn(M, k, generator=g) * 0.5
     if case.get("static"):

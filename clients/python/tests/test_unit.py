@@ -131,3 +131,33 @@ def test_safetensors_source_weight_quantization():
     assert expertd.safetensors_source("x", "ck").safetensors.weight_quantization == 0
     with pytest.raises(ValueError, match="weight_quantization 'fp8'"):
         expertd.safetensors_source("x", "ck", weight_quantization="fp8")
+
+
+def test_load_requests_biases_and_swiglu():
+    """Biases go last in the digest's field order, each in its own dtype
+    (a torch bfloat16 bias stays BF16), with SwiGLU's parameters on the
+    header; activation names map to their enum values."""
+    import hashlib
+
+    torch = pytest.importorskip("torch")
+    w13 = np.zeros((2, 8, 4), np.uint8)
+    w2 = np.zeros((2, 4, 4), np.uint8)
+    s = np.ones(1, np.float32)
+    b13 = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
+    b2 = torch.arange(8, dtype=torch.bfloat16).reshape(2, 4)
+    msgs = list(expertd._common.load_requests("x", w13, w2, s, s, activation="swiglu_oai",
+                                              w13_bias=b13, w2_bias=b2, swiglu_limit=5.0))
+    hdr = msgs[0].header
+    w = hdr.weights
+    pb = expertd.v1.expert_pb2
+    assert w.activation == pb.ACTIVATION_SWIGLU_OAI
+    assert w.swiglu_limit == 5.0 and w.swiglu_alpha == 0.0
+    assert list(w.w13_bias.shape) == [2, 8] and w.w13_bias.dtype == pb.DATA_TYPE_FLOAT32
+    assert list(w.w2_bias.shape) == [2, 4] and w.w2_bias.dtype == pb.DATA_TYPE_BFLOAT16
+    b2_bytes = b2.view(torch.int16).numpy().tobytes()
+    assert hdr.sha256 == hashlib.sha256(w13.tobytes() + w2.tobytes() + s.tobytes() + s.tobytes()
+                                        + b13.tobytes() + b2_bytes).hexdigest()
+    assert [m.chunk.tensor for m in msgs[1:]][-2:] == ["w13_bias", "w2_bias"]
+    for name, value in (("gelu_tanh_gated", pb.ACTIVATION_GELU_TANH_GATED), ("gelu_gated", pb.ACTIVATION_GELU_GATED)):
+        ew = expertd._common.expert_weights(w13, w2, s, s, activation=name, w2_bias=b13[:, :4])
+        assert ew.activation == value and list(ew.w2_bias.shape) == [2, 4]

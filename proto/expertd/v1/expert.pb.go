@@ -8,9 +8,10 @@
 //     multi-byte element is little-endian.
 //   - E is the number of experts, K the hidden size, N the expert
 //     intermediate size, M the number of tokens in a call.
-//   - Weights are K-contiguous as in vLLM: w13 is [E, 2N, K] for
-//     ACTIVATION_SILU_GATED (rows [0,N) gate, rows [N,2N) up) or [E, N, K]
-//     for ACTIVATION_RELU2 (then called w1); w2 is [E, K, N].
+//   - Weights are K-contiguous as in vLLM: w13 is [E, 2N, K] for the gated
+//     activations (rows [0,N) gate, rows [N,2N) up; interleaved for
+//     ACTIVATION_SWIGLU_OAI) or [E, N, K] for ACTIVATION_RELU2 (then called
+//     w1); w2 is [E, K, N].
 //   - Errors: INVALID_ARGUMENT names the offending field and what was
 //     expected; NOT_FOUND for an unknown expert set; RESOURCE_EXHAUSTED for
 //     server limits; UNAVAILABLE while the server drains.
@@ -121,6 +122,22 @@ const (
 	Activation_ACTIVATION_SILU_GATED Activation = 1
 	// relu(h)^2 over GEMM1's N outputs; w13 holds w1, [E, N, K]. Nemotron-H.
 	Activation_ACTIVATION_RELU2 Activation = 2
+	// gpt-oss's clamped SwiGLU over GEMM1's 2N outputs (bias included).
+	// w13 is [E, 2N, K] with gate and up rows interleaved as gpt-oss
+	// checkpoints store them: row 2j is channel j's gate, row 2j+1 its up
+	// (w13_bias and per-channel w13_scale follow the same order). With
+	// limit = ExpertWeights.swiglu_limit and alpha = swiglu_alpha:
+	//
+	//	g = min(gate, limit); u = clamp(up, -limit, limit);
+	//	out = g * sigmoid(alpha * g) * (u + 1).
+	Activation_ACTIVATION_SWIGLU_OAI Activation = 3
+	// gelu_tanh(h[:, :N]) * h[:, N:] (GeGLU with the tanh approximation,
+	// gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))); w13 as for
+	// ACTIVATION_SILU_GATED. Gemma-style gated GELU.
+	Activation_ACTIVATION_GELU_TANH_GATED Activation = 4
+	// gelu(h[:, :N]) * h[:, N:] with the exact gelu(x) = 0.5 x (1 + erf(x /
+	// sqrt(2))); w13 as for ACTIVATION_SILU_GATED.
+	Activation_ACTIVATION_GELU_GATED Activation = 5
 )
 
 // Enum value maps for Activation.
@@ -129,11 +146,17 @@ var (
 		0: "ACTIVATION_UNSPECIFIED",
 		1: "ACTIVATION_SILU_GATED",
 		2: "ACTIVATION_RELU2",
+		3: "ACTIVATION_SWIGLU_OAI",
+		4: "ACTIVATION_GELU_TANH_GATED",
+		5: "ACTIVATION_GELU_GATED",
 	}
 	Activation_value = map[string]int32{
-		"ACTIVATION_UNSPECIFIED": 0,
-		"ACTIVATION_SILU_GATED":  1,
-		"ACTIVATION_RELU2":       2,
+		"ACTIVATION_UNSPECIFIED":     0,
+		"ACTIVATION_SILU_GATED":      1,
+		"ACTIVATION_RELU2":           2,
+		"ACTIVATION_SWIGLU_OAI":      3,
+		"ACTIVATION_GELU_TANH_GATED": 4,
+		"ACTIVATION_GELU_GATED":      5,
 	}
 )
 
@@ -229,13 +252,14 @@ const (
 	// .input_scale siblings (up_proj.input_scale -> a13, down_proj.input_scale
 	// -> a2).
 	NamingPreset_NAMING_PRESET_NEMOTRON_H NamingPreset = 1
-	// Qwen3-MoE (SILU_GATED): model.layers.{L}.mlp.experts.{e}.gate_proj,
-	// up_proj, down_proj (.weight, .weight_scale, .input_scale); gate and up
-	// are stacked into w13, gate rows first.
+	// Qwen3-MoE and Qwen3-Next (SILU_GATED):
+	// model.layers.{L}.mlp.experts.{e}.gate_proj, up_proj, down_proj
+	// (.weight, .weight_scale, .input_scale); gate and up are stacked into
+	// w13, gate rows first. Qwen3-Next's shared expert is not part of the set.
 	NamingPreset_NAMING_PRESET_QWEN3_MOE NamingPreset = 2
 	// Names from SafetensorsSource's templates.
 	NamingPreset_NAMING_PRESET_CUSTOM NamingPreset = 3
-	// DeepSeek-V3 and Kimi-K2 (SILU_GATED): model.layers.{L}.mlp.experts.{e}
+	// DeepSeek-V3, Kimi-K2 and GLM-4.5/4.6 (SILU_GATED): model.layers.{L}.mlp.experts.{e}
 	// gate_proj, up_proj, down_proj (.weight, block .weight_scale_inv); the
 	// routing's correction bias is model.layers.{L}.mlp.gate.e_score_correction_bias.
 	NamingPreset_NAMING_PRESET_DEEPSEEK_V3 NamingPreset = 4
@@ -244,7 +268,8 @@ const (
 	// siblings (ModelOpt or compressed-tensors FP8).
 	NamingPreset_NAMING_PRESET_MIXTRAL NamingPreset = 5
 	// The preset named by the checkpoint's config.json model_type
-	// (nemotron_h, qwen3_moe, qwen3_vl_moe, deepseek_v3, kimi_k2, mixtral);
+	// (nemotron_h, qwen2_moe, qwen3_moe, qwen3_vl_moe, qwen3_next, deepseek_v3,
+	// kimi_k2, glm4_moe, mixtral);
 	// needs path to name a checkpoint directory.
 	NamingPreset_NAMING_PRESET_AUTO NamingPreset = 6
 )
@@ -634,7 +659,8 @@ type ExpertWeights struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The nonlinearity; decides whether w13 has 2N or N rows. Required.
 	Activation Activation `protobuf:"varint,1,opt,name=activation,proto3,enum=expertd.v1.Activation" json:"activation,omitempty"`
-	// GEMM1 weights, FP8 E4M3FN, [E, 2N, K] (SILU_GATED) or [E, N, K] (RELU2).
+	// GEMM1 weights, FP8 E4M3FN, [E, 2N, K] (gated activations) or [E, N, K]
+	// (RELU2).
 	W13 *Tensor `protobuf:"bytes,2,opt,name=w13,proto3" json:"w13,omitempty"`
 	// GEMM2 weights, FP8 E4M3FN, [E, K, N].
 	W2 *Tensor `protobuf:"bytes,3,opt,name=w2,proto3" json:"w2,omitempty"`
@@ -651,8 +677,23 @@ type ExpertWeights struct {
 	// [Bn, Bk] for block-scaled weights (usually [128, 128]); empty
 	// otherwise. Both must be > 0.
 	WeightBlockShape []int32 `protobuf:"varint,8,rep,packed,name=weight_block_shape,json=weightBlockShape,proto3" json:"weight_block_shape,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Optional per-expert bias of GEMM1, FP32 or BF16 [E, 2N] (gated, in
+	// w13's row order) or [E, N] (RELU2), added to GEMM1's dequantized
+	// output before the activation (gpt-oss's gate_up_proj_bias). Must be
+	// finite.
+	W13Bias *Tensor `protobuf:"bytes,9,opt,name=w13_bias,json=w13Bias,proto3" json:"w13_bias,omitempty"`
+	// Optional per-expert bias of GEMM2, FP32 or BF16 [E, K], added to
+	// GEMM2's dequantized output before the router weight multiplies it
+	// (gpt-oss's down_proj_bias). Must be finite.
+	W2Bias *Tensor `protobuf:"bytes,10,opt,name=w2_bias,json=w2Bias,proto3" json:"w2_bias,omitempty"`
+	// ACTIVATION_SWIGLU_OAI only: the clamp limit; 0 means gpt-oss's 7.0.
+	// Must be finite and >= 0.
+	SwigluLimit float32 `protobuf:"fixed32,11,opt,name=swiglu_limit,json=swigluLimit,proto3" json:"swiglu_limit,omitempty"`
+	// ACTIVATION_SWIGLU_OAI only: the sigmoid's slope; 0 means gpt-oss's
+	// 1.702. Must be finite and >= 0.
+	SwigluAlpha   float32 `protobuf:"fixed32,12,opt,name=swiglu_alpha,json=swigluAlpha,proto3" json:"swiglu_alpha,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ExpertWeights) Reset() {
@@ -739,6 +780,34 @@ func (x *ExpertWeights) GetWeightBlockShape() []int32 {
 		return x.WeightBlockShape
 	}
 	return nil
+}
+
+func (x *ExpertWeights) GetW13Bias() *Tensor {
+	if x != nil {
+		return x.W13Bias
+	}
+	return nil
+}
+
+func (x *ExpertWeights) GetW2Bias() *Tensor {
+	if x != nil {
+		return x.W2Bias
+	}
+	return nil
+}
+
+func (x *ExpertWeights) GetSwigluLimit() float32 {
+	if x != nil {
+		return x.SwigluLimit
+	}
+	return 0
+}
+
+func (x *ExpertWeights) GetSwigluAlpha() float32 {
+	if x != nil {
+		return x.SwigluAlpha
+	}
+	return 0
 }
 
 // Routing configures top-k expert selection from router_logits.
@@ -2411,8 +2480,8 @@ type LoadExpertsRequest_Header struct {
 	// Sum of the declared tensors' byte sizes; must match.
 	TotalBytes int64 `protobuf:"varint,3,opt,name=total_bytes,json=totalBytes,proto3" json:"total_bytes,omitempty"`
 	// Optional lowercase hex SHA-256 of all tensor bytes concatenated in
-	// field order (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale; unset
-	// tensors skipped). When set, a mismatch fails the load.
+	// field order (w13, w2, w13_scale, w2_scale, a13_scale, a2_scale,
+	// w13_bias, w2_bias; unset tensors skipped). When set, a mismatch fails the load.
 	Sha256 string `protobuf:"bytes,4,opt,name=sha256,proto3" json:"sha256,omitempty"`
 	// Replace a set of the same name; otherwise a name in use is
 	// ALREADY_EXISTS. The old set serves until the new one is complete, so
@@ -2491,7 +2560,7 @@ func (x *LoadExpertsRequest_Header) GetOverwrite() bool {
 type LoadExpertsRequest_Chunk struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// ExpertWeights field name of the tensor: "w13", "w2", "w13_scale",
-	// "w2_scale", "a13_scale" or "a2_scale".
+	// "w2_scale", "a13_scale", "a2_scale", "w13_bias" or "w2_bias".
 	Tensor string `protobuf:"bytes,1,opt,name=tensor,proto3" json:"tensor,omitempty"`
 	// Byte offset within the tensor.
 	Offset int64 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
@@ -3100,7 +3169,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\vregion_name\x18\x01 \x01(\tR\n" +
 	"regionName\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x1b\n" +
-	"\tbyte_size\x18\x03 \x01(\x03R\bbyteSize\"\xff\x02\n" +
+	"\tbyte_size\x18\x03 \x01(\x03R\bbyteSize\"\xa1\x04\n" +
 	"\rExpertWeights\x126\n" +
 	"\n" +
 	"activation\x18\x01 \x01(\x0e2\x16.expertd.v1.ActivationR\n" +
@@ -3111,7 +3180,12 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\bw2_scale\x18\x05 \x01(\v2\x12.expertd.v1.TensorR\aw2Scale\x12/\n" +
 	"\ta13_scale\x18\x06 \x01(\v2\x12.expertd.v1.TensorR\ba13Scale\x12-\n" +
 	"\ba2_scale\x18\a \x01(\v2\x12.expertd.v1.TensorR\aa2Scale\x12,\n" +
-	"\x12weight_block_shape\x18\b \x03(\x05R\x10weightBlockShape\"\xad\x02\n" +
+	"\x12weight_block_shape\x18\b \x03(\x05R\x10weightBlockShape\x12-\n" +
+	"\bw13_bias\x18\t \x01(\v2\x12.expertd.v1.TensorR\aw13Bias\x12+\n" +
+	"\aw2_bias\x18\n" +
+	" \x01(\v2\x12.expertd.v1.TensorR\x06w2Bias\x12!\n" +
+	"\fswiglu_limit\x18\v \x01(\x02R\vswigluLimit\x12!\n" +
+	"\fswiglu_alpha\x18\f \x01(\x02R\vswigluAlpha\"\xad\x02\n" +
 	"\aRouting\x12\x13\n" +
 	"\x05top_k\x18\x01 \x01(\x05R\x04topK\x12 \n" +
 	"\vrenormalize\x18\x02 \x01(\bR\vrenormalize\x12-\n" +
@@ -3308,12 +3382,15 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x11DATA_TYPE_FLOAT16\x10\x03\x12\x1b\n" +
 	"\x17DATA_TYPE_FLOAT8_E4M3FN\x10\x04\x12\x19\n" +
 	"\x15DATA_TYPE_FLOAT8_E5M2\x10\x05\x12\x13\n" +
-	"\x0fDATA_TYPE_INT32\x10\x06*Y\n" +
+	"\x0fDATA_TYPE_INT32\x10\x06*\xaf\x01\n" +
 	"\n" +
 	"Activation\x12\x1a\n" +
 	"\x16ACTIVATION_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15ACTIVATION_SILU_GATED\x10\x01\x12\x14\n" +
-	"\x10ACTIVATION_RELU2\x10\x02*L\n" +
+	"\x10ACTIVATION_RELU2\x10\x02\x12\x19\n" +
+	"\x15ACTIVATION_SWIGLU_OAI\x10\x03\x12\x1e\n" +
+	"\x1aACTIVATION_GELU_TANH_GATED\x10\x04\x12\x19\n" +
+	"\x15ACTIVATION_GELU_GATED\x10\x05*L\n" +
 	"\aScoring\x12\x17\n" +
 	"\x13SCORING_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fSCORING_SOFTMAX\x10\x01\x12\x13\n" +
@@ -3412,67 +3489,69 @@ var file_expertd_v1_expert_proto_depIdxs = []int32{
 	6,  // 6: expertd.v1.ExpertWeights.w2_scale:type_name -> expertd.v1.Tensor
 	6,  // 7: expertd.v1.ExpertWeights.a13_scale:type_name -> expertd.v1.Tensor
 	6,  // 8: expertd.v1.ExpertWeights.a2_scale:type_name -> expertd.v1.Tensor
-	2,  // 9: expertd.v1.Routing.scoring:type_name -> expertd.v1.Scoring
-	6,  // 10: expertd.v1.Routing.correction_bias:type_name -> expertd.v1.Tensor
-	8,  // 11: expertd.v1.FusedMoERequest.weights:type_name -> expertd.v1.ExpertWeights
-	6,  // 12: expertd.v1.FusedMoERequest.hidden_states:type_name -> expertd.v1.Tensor
-	6,  // 13: expertd.v1.FusedMoERequest.hidden_states_scale:type_name -> expertd.v1.Tensor
-	6,  // 14: expertd.v1.FusedMoERequest.router_logits:type_name -> expertd.v1.Tensor
-	9,  // 15: expertd.v1.FusedMoERequest.routing:type_name -> expertd.v1.Routing
-	6,  // 16: expertd.v1.FusedMoERequest.topk_ids:type_name -> expertd.v1.Tensor
-	6,  // 17: expertd.v1.FusedMoERequest.topk_weights:type_name -> expertd.v1.Tensor
-	0,  // 18: expertd.v1.FusedMoERequest.output_dtype:type_name -> expertd.v1.DataType
-	7,  // 19: expertd.v1.FusedMoERequest.output_shm:type_name -> expertd.v1.SharedMemoryRef
-	6,  // 20: expertd.v1.FusedMoEResponse.output:type_name -> expertd.v1.Tensor
-	6,  // 21: expertd.v1.FusedMoEResponse.topk_ids:type_name -> expertd.v1.Tensor
-	6,  // 22: expertd.v1.FusedMoEResponse.topk_weights:type_name -> expertd.v1.Tensor
-	12, // 23: expertd.v1.FusedMoEResponse.timings:type_name -> expertd.v1.Timings
-	30, // 24: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
-	31, // 25: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
-	32, // 26: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
-	1,  // 27: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
-	37, // 28: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
-	9,  // 29: expertd.v1.ExpertSetInfo.routing:type_name -> expertd.v1.Routing
-	14, // 30: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
-	33, // 31: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
-	34, // 32: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
-	35, // 33: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
-	5,  // 34: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
-	23, // 35: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
-	5,  // 36: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
-	37, // 37: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
-	23, // 38: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
-	8,  // 39: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
-	3,  // 40: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
-	1,  // 41: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
-	4,  // 42: expertd.v1.LoadExpertsRequest.SafetensorsSource.weight_quantization:type_name -> expertd.v1.WeightQuantization
-	1,  // 43: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
-	36, // 44: expertd.v1.ServerInfo.BackendInfo.details:type_name -> expertd.v1.ServerInfo.BackendInfo.DetailsEntry
-	13, // 45: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
-	15, // 46: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
-	17, // 47: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
-	10, // 48: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
-	10, // 49: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
-	19, // 50: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
-	21, // 51: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
-	24, // 52: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
-	26, // 53: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
-	28, // 54: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
-	14, // 55: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
-	16, // 56: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
-	18, // 57: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
-	11, // 58: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
-	11, // 59: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
-	20, // 60: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
-	22, // 61: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
-	25, // 62: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
-	27, // 63: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
-	29, // 64: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
-	55, // [55:65] is the sub-list for method output_type
-	45, // [45:55] is the sub-list for method input_type
-	45, // [45:45] is the sub-list for extension type_name
-	45, // [45:45] is the sub-list for extension extendee
-	0,  // [0:45] is the sub-list for field type_name
+	6,  // 9: expertd.v1.ExpertWeights.w13_bias:type_name -> expertd.v1.Tensor
+	6,  // 10: expertd.v1.ExpertWeights.w2_bias:type_name -> expertd.v1.Tensor
+	2,  // 11: expertd.v1.Routing.scoring:type_name -> expertd.v1.Scoring
+	6,  // 12: expertd.v1.Routing.correction_bias:type_name -> expertd.v1.Tensor
+	8,  // 13: expertd.v1.FusedMoERequest.weights:type_name -> expertd.v1.ExpertWeights
+	6,  // 14: expertd.v1.FusedMoERequest.hidden_states:type_name -> expertd.v1.Tensor
+	6,  // 15: expertd.v1.FusedMoERequest.hidden_states_scale:type_name -> expertd.v1.Tensor
+	6,  // 16: expertd.v1.FusedMoERequest.router_logits:type_name -> expertd.v1.Tensor
+	9,  // 17: expertd.v1.FusedMoERequest.routing:type_name -> expertd.v1.Routing
+	6,  // 18: expertd.v1.FusedMoERequest.topk_ids:type_name -> expertd.v1.Tensor
+	6,  // 19: expertd.v1.FusedMoERequest.topk_weights:type_name -> expertd.v1.Tensor
+	0,  // 20: expertd.v1.FusedMoERequest.output_dtype:type_name -> expertd.v1.DataType
+	7,  // 21: expertd.v1.FusedMoERequest.output_shm:type_name -> expertd.v1.SharedMemoryRef
+	6,  // 22: expertd.v1.FusedMoEResponse.output:type_name -> expertd.v1.Tensor
+	6,  // 23: expertd.v1.FusedMoEResponse.topk_ids:type_name -> expertd.v1.Tensor
+	6,  // 24: expertd.v1.FusedMoEResponse.topk_weights:type_name -> expertd.v1.Tensor
+	12, // 25: expertd.v1.FusedMoEResponse.timings:type_name -> expertd.v1.Timings
+	30, // 26: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
+	31, // 27: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
+	32, // 28: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
+	1,  // 29: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
+	37, // 30: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
+	9,  // 31: expertd.v1.ExpertSetInfo.routing:type_name -> expertd.v1.Routing
+	14, // 32: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
+	33, // 33: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
+	34, // 34: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
+	35, // 35: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
+	5,  // 36: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
+	23, // 37: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
+	5,  // 38: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
+	37, // 39: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
+	23, // 40: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
+	8,  // 41: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
+	3,  // 42: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
+	1,  // 43: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
+	4,  // 44: expertd.v1.LoadExpertsRequest.SafetensorsSource.weight_quantization:type_name -> expertd.v1.WeightQuantization
+	1,  // 45: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
+	36, // 46: expertd.v1.ServerInfo.BackendInfo.details:type_name -> expertd.v1.ServerInfo.BackendInfo.DetailsEntry
+	13, // 47: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
+	15, // 48: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
+	17, // 49: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
+	10, // 50: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
+	10, // 51: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
+	19, // 52: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
+	21, // 53: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
+	24, // 54: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
+	26, // 55: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
+	28, // 56: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
+	14, // 57: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
+	16, // 58: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
+	18, // 59: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
+	11, // 60: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
+	11, // 61: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
+	20, // 62: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
+	22, // 63: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
+	25, // 64: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
+	27, // 65: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
+	29, // 66: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
+	57, // [57:67] is the sub-list for method output_type
+	47, // [47:57] is the sub-list for method input_type
+	47, // [47:47] is the sub-list for extension type_name
+	47, // [47:47] is the sub-list for extension extendee
+	0,  // [0:47] is the sub-list for field type_name
 }
 
 func init() { file_expertd_v1_expert_proto_init() }

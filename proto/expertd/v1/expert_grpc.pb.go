@@ -8,9 +8,10 @@
 //     multi-byte element is little-endian.
 //   - E is the number of experts, K the hidden size, N the expert
 //     intermediate size, M the number of tokens in a call.
-//   - Weights are K-contiguous as in vLLM: w13 is [E, 2N, K] for
-//     ACTIVATION_SILU_GATED (rows [0,N) gate, rows [N,2N) up) or [E, N, K]
-//     for ACTIVATION_RELU2 (then called w1); w2 is [E, K, N].
+//   - Weights are K-contiguous as in vLLM: w13 is [E, 2N, K] for the gated
+//     activations (rows [0,N) gate, rows [N,2N) up; interleaved for
+//     ACTIVATION_SWIGLU_OAI) or [E, N, K] for ACTIVATION_RELU2 (then called
+//     w1); w2 is [E, K, N].
 //   - Errors: INVALID_ARGUMENT names the offending field and what was
 //     expected; NOT_FOUND for an unknown expert set; RESOURCE_EXHAUSTED for
 //     server limits; UNAVAILABLE while the server drains.

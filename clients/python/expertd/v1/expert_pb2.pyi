@@ -25,6 +25,9 @@ class Activation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACTIVATION_UNSPECIFIED: _ClassVar[Activation]
     ACTIVATION_SILU_GATED: _ClassVar[Activation]
     ACTIVATION_RELU2: _ClassVar[Activation]
+    ACTIVATION_SWIGLU_OAI: _ClassVar[Activation]
+    ACTIVATION_GELU_TANH_GATED: _ClassVar[Activation]
+    ACTIVATION_GELU_GATED: _ClassVar[Activation]
 
 class Scoring(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -64,6 +67,9 @@ DATA_TYPE_INT32: DataType
 ACTIVATION_UNSPECIFIED: Activation
 ACTIVATION_SILU_GATED: Activation
 ACTIVATION_RELU2: Activation
+ACTIVATION_SWIGLU_OAI: Activation
+ACTIVATION_GELU_TANH_GATED: Activation
+ACTIVATION_GELU_GATED: Activation
 SCORING_UNSPECIFIED: Scoring
 SCORING_SOFTMAX: Scoring
 SCORING_SIGMOID: Scoring
@@ -105,7 +111,7 @@ class SharedMemoryRef(_message.Message):
     def __init__(self, region_name: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class ExpertWeights(_message.Message):
-    __slots__ = ("activation", "w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale", "weight_block_shape")
+    __slots__ = ("activation", "w13", "w2", "w13_scale", "w2_scale", "a13_scale", "a2_scale", "weight_block_shape", "w13_bias", "w2_bias", "swiglu_limit", "swiglu_alpha")
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     W13_FIELD_NUMBER: _ClassVar[int]
     W2_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +120,10 @@ class ExpertWeights(_message.Message):
     A13_SCALE_FIELD_NUMBER: _ClassVar[int]
     A2_SCALE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    W13_BIAS_FIELD_NUMBER: _ClassVar[int]
+    W2_BIAS_FIELD_NUMBER: _ClassVar[int]
+    SWIGLU_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SWIGLU_ALPHA_FIELD_NUMBER: _ClassVar[int]
     activation: Activation
     w13: Tensor
     w2: Tensor
@@ -122,7 +132,11 @@ class ExpertWeights(_message.Message):
     a13_scale: Tensor
     a2_scale: Tensor
     weight_block_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, activation: _Optional[_Union[Activation, str]] = ..., w13: _Optional[_Union[Tensor, _Mapping]] = ..., w2: _Optional[_Union[Tensor, _Mapping]] = ..., w13_scale: _Optional[_Union[Tensor, _Mapping]] = ..., w2_scale: _Optional[_Union[Tensor, _Mapping]] = ..., a13_scale: _Optional[_Union[Tensor, _Mapping]] = ..., a2_scale: _Optional[_Union[Tensor, _Mapping]] = ..., weight_block_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    w13_bias: Tensor
+    w2_bias: Tensor
+    swiglu_limit: float
+    swiglu_alpha: float
+    def __init__(self, activation: _Optional[_Union[Activation, str]] = ..., w13: _Optional[_Union[Tensor, _Mapping]] = ..., w2: _Optional[_Union[Tensor, _Mapping]] = ..., w13_scale: _Optional[_Union[Tensor, _Mapping]] = ..., w2_scale: _Optional[_Union[Tensor, _Mapping]] = ..., a13_scale: _Optional[_Union[Tensor, _Mapping]] = ..., a2_scale: _Optional[_Union[Tensor, _Mapping]] = ..., weight_block_shape: _Optional[_Iterable[int]] = ..., w13_bias: _Optional[_Union[Tensor, _Mapping]] = ..., w2_bias: _Optional[_Union[Tensor, _Mapping]] = ..., swiglu_limit: _Optional[float] = ..., swiglu_alpha: _Optional[float] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("top_k", "renormalize", "scoring", "correction_bias", "num_expert_groups", "topk_groups", "routed_scaling_factor")
