@@ -9,6 +9,7 @@ import (
 	"sync"
 	"testing"
 
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/expertd/expertd/kernels"
@@ -41,7 +42,20 @@ func StartServerConfig(t testing.TB, cfg service.Config, backend kernels.Backend
 // for tests that check what the server reports.
 func StartServerLogger(t testing.TB, cfg service.Config, backend kernels.Backend, log *slog.Logger) (pb.ExpertServiceClient, *service.Server, func()) {
 	t.Helper()
-	m := serveMem(cfg, backend, log)
+	return startServer(t, cfg, backend, log)
+}
+
+// StartServerOptions is StartServerConfig with more gRPC server options
+// after the service's own, for tests that intercept calls.
+func StartServerOptions(t testing.TB, cfg service.Config, backend kernels.Backend, opts ...grpc.ServerOption) (pb.ExpertServiceClient, *service.Server) {
+	t.Helper()
+	c, srv, _ := startServer(t, cfg, backend, nil, opts...)
+	return c, srv
+}
+
+func startServer(t testing.TB, cfg service.Config, backend kernels.Backend, log *slog.Logger, opts ...grpc.ServerOption) (pb.ExpertServiceClient, *service.Server, func()) {
+	t.Helper()
+	m := serveMem(cfg, backend, log, opts...)
 	conn, err := m.dial()
 	if err != nil {
 		t.Fatalf("servicetest: dialing bufconn: %v", err)
