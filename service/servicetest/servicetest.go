@@ -141,13 +141,42 @@ func Upload(ctx context.Context, c pb.ExpertServiceClient, h *pb.LoadExpertsRequ
 type LogBuffer struct {
 	mu sync.Mutex
 	b  strings.Builder
+	// grew, made by a waiting WaitFor, is closed by the next Write.
+	grew chan struct{}
 }
 
 // Write appends p.
 func (l *LogBuffer) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.grew != nil {
+		close(l.grew)
+		l.grew = nil
+	}
 	return l.b.Write(p)
+}
+
+// WaitFor waits until cond holds for everything written so far, checking
+// after each Write, or until ctx ends: for what a server logs after the
+// client has its answer.
+func (l *LogBuffer) WaitFor(ctx context.Context, cond func(log string) bool) error {
+	for {
+		l.mu.Lock()
+		log := l.b.String()
+		if l.grew == nil {
+			l.grew = make(chan struct{})
+		}
+		grew := l.grew
+		l.mu.Unlock()
+		if cond(log) {
+			return nil
+		}
+		select {
+		case <-grew:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 // String returns everything written so far.
