@@ -98,6 +98,9 @@ func TestGoSDK(t *testing.T) {
 	loaded := map[string]*kernels.ExpertSet{}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
+			// Each step its own bound: the float64 references of the
+			// steps before must not eat into this one's on a slow machine.
+			ctx := testContext(t)
 			set, _ := kerneltest.NewCase(rng, tc.shape, 1, tc.opts...)
 			loaded[tc.name] = set
 			t.Logf("Go: info, err := c.LoadExperts(ctx, %q, &client.ExpertWeights{Activation: client.%v, W13: client.FromFP8(w13, %d, %d, %d), ...}, client.OnProgress(fn))",
@@ -132,6 +135,7 @@ func TestGoSDK(t *testing.T) {
 	}
 
 	t.Run("concurrent", func(t *testing.T) {
+		ctx := testContext(t)
 		var wg sync.WaitGroup
 		errs := make(chan error, 8)
 		for g := range 4 {
@@ -164,6 +168,7 @@ func TestGoSDK(t *testing.T) {
 	})
 
 	t.Run("errors", func(t *testing.T) {
+		ctx := testContext(t)
 		set := loaded["qwen3"]
 		req := tokens(rng, tests[0].shape, 513, tests[0].opts...)
 		if _, err := c.FusedMoE(ctx, clienttest.Request("qwen3", set, req)); status.Code(err) != codes.ResourceExhausted {
@@ -186,6 +191,7 @@ func TestGoSDK(t *testing.T) {
 		}
 	})
 
+	ctx = testContext(t)
 	sets, err := c.ListExperts(ctx)
 	if err != nil || len(sets) != 3 || sets[0].Name != "deepseek" || sets[0].W13ScaleGranularity != "block" {
 		t.Errorf("ListExperts = %+v, %v; want deepseek (block), nemotron, qwen3", sets, err)

@@ -114,6 +114,8 @@ func TestShardedFanOut(t *testing.T) {
 
 			for _, tc := range l.cases {
 				t.Run(tc.name, func(t *testing.T) {
+					// Each case its own bound, as in TestSharedMemory.
+					ctx := testContext(t)
 					req := request(rng, l.shape, tc.m, append(append([]kerneltest.Option(nil), l.opts...), tc.opts...)...)
 					if tc.onShard >= 0 {
 						routeToShard(rng, req, l.m, tc.onShard)

@@ -51,6 +51,11 @@ type serverState struct {
 func stateOf(t *testing.T, c pb.ExpertServiceClient, srv *service.Server, b *fakeBackend) serverState {
 	t.Helper()
 	ctx := testContext(t)
+	// A refused call's status can reach the client before the call's
+	// clean-up has run (Server.WaitIdle).
+	if err := srv.WaitIdle(ctx); err != nil {
+		t.Fatalf("waiting for the server's calls to end: %v", err)
+	}
 	list, err := c.ListExperts(ctx, &pb.ListExpertsRequest{})
 	if err != nil {
 		t.Fatalf("ListExperts: %v", err)

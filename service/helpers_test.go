@@ -17,8 +17,11 @@ import (
 	"github.com/expertd/expertd/scaling"
 )
 
-// defaultTestTimeout bounds every RPC in these tests.
-const defaultTestTimeout = 10 * time.Second
+// defaultTestTimeout bounds every RPC in these tests. It guards against
+// a hang, so it sits far above what the slowest case (the numerics
+// checks, with their float64 references) takes on a loaded 2-core machine
+// under the race detector.
+const defaultTestTimeout = time.Minute
 
 func testContext(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)

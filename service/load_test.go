@@ -1,10 +1,15 @@
 package service_test
 
 import (
+	"context"
+	"errors"
+	"io"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/testing/protocmp"
@@ -178,4 +183,75 @@ func TestLoadedBytesAccounting(t *testing.T) {
 			t.Errorf("%s: got %v, want %v", s.name, got, s.wantCode)
 		}
 	}
+}
+
+// TestWaitIdleAfterRefusedChunk checks that an upload whose chunk the
+// transport refuses has given its reservation back once WaitIdle
+// returns. grpc-go answers the client from inside the handler's Recv,
+// before the handler's clean-up; gating that Recv's return holds the
+// reservation past the answer, so the order is the same on every run.
+func TestWaitIdleAfterRefusedChunk(t *testing.T) {
+	ctx := testContext(t)
+	rng := newRand(t)
+	gate := make(chan struct{})
+	hold := func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		return handler(srv, gatedStream{ss, gate})
+	}
+	c, srv := servicetest.StartServerOptions(t, service.Config{MaxMessageBytes: oversizedLimit}, &fakeBackend{}, grpc.ChainStreamInterceptor(hold))
+	release := sync.OnceFunc(func() { close(gate) })
+	t.Cleanup(release) // a failed test must not leave the handler blocked
+	if srv.WaitIdle(ctx) != nil || srv.LoadedBytes() != 0 {
+		t.Fatalf("a fresh server is busy or holds %d bytes", srv.LoadedBytes())
+	}
+
+	w := randomWeights(rng, pb.Activation_ACTIVATION_RELU2, 8, 64, 64) // 32 KiB per weight tensor
+	h := servicetest.Header("big", w, false)
+	stream, err := c.LoadExperts(ctx, grpc.MaxCallSendMsgSize(64<<20))
+	if err != nil {
+		t.Fatalf("LoadExperts: %v", err)
+	}
+	for _, m := range []*pb.LoadExpertsRequest{
+		{Payload: &pb.LoadExpertsRequest_Header_{Header: h}},
+		{Payload: &pb.LoadExpertsRequest_Chunk_{Chunk: servicetest.Chunks(w, 1<<20)[0]}},
+	} {
+		if stream.Send(m) != nil {
+			break
+		}
+	}
+	if _, err := stream.CloseAndRecv(); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("oversized chunk: got %v, want ResourceExhausted", err)
+	}
+	// The client has its answer; the handler is still in Recv.
+	if got := srv.LoadedBytes(); got != h.GetTotalBytes() {
+		t.Fatalf("loaded bytes %d while the refused upload's handler runs, want its reservation %d", got, h.GetTotalBytes())
+	}
+	if _, running := srv.Activity(); running != 1 {
+		t.Fatalf("%d calls running, want the refused upload's", running)
+	}
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := srv.WaitIdle(cancelled); !errors.Is(err, context.Canceled) {
+		t.Fatalf("WaitIdle while the upload's handler runs: %v, want %v", err, context.Canceled)
+	}
+	release()
+	if err := srv.WaitIdle(ctx); err != nil {
+		t.Fatalf("WaitIdle: %v", err)
+	}
+	if got := srv.LoadedBytes(); got != 0 {
+		t.Errorf("loaded bytes %d once idle, want 0", got)
+	}
+}
+
+// gatedStream holds a failed receive's return until gate is closed.
+type gatedStream struct {
+	grpc.ServerStream
+	gate <-chan struct{}
+}
+
+func (g gatedStream) RecvMsg(m any) error {
+	err := g.ServerStream.RecvMsg(m)
+	if err != nil && !errors.Is(err, io.EOF) {
+		<-g.gate
+	}
+	return err
 }

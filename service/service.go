@@ -132,10 +132,12 @@ type Server struct {
 
 	mu       sync.Mutex
 	draining bool
-	inflight sync.WaitGroup
 	// calls counts calls admitted by begin, running those not yet done,
 	// for Activity.
 	calls, running atomic.Int64
+	// busy, guarded by mu, is made when a call begins on an idle server
+	// and closed, then cleared, when running drops back to 0 (WaitIdle).
+	busy chan struct{}
 
 	tokens      metric.Int64Counter
 	queuedCalls metric.Int64ObservableGauge
@@ -301,13 +303,46 @@ func (s *Server) begin() (func(), error) {
 	if s.draining {
 		return nil, errDraining
 	}
-	s.inflight.Add(1)
 	s.calls.Add(1)
 	s.running.Add(1)
+	if s.busy == nil {
+		s.busy = make(chan struct{})
+	}
 	return func() {
-		s.running.Add(-1)
-		s.inflight.Done()
+		if s.running.Add(-1) > 0 {
+			return
+		}
+		// A call may have begun since the count hit 0; its end closes
+		// busy then.
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if s.running.Load() == 0 && s.busy != nil {
+			close(s.busy)
+			s.busy = nil
+		}
 	}, nil
+}
+
+// WaitIdle waits until no call admitted by begin is running, or ctx
+// ends. A call's status can reach its client before the call has ended:
+// grpc-go sends the status of a failed receive (a message over the size
+// limit, say) itself, from inside the handler's Recv, so the handler's
+// clean-up (an upload's reservation, its buffers) runs after the client
+// has its answer. Whoever reads the server's state after such an error
+// waits here first.
+func (s *Server) WaitIdle(ctx context.Context) error {
+	s.mu.Lock()
+	busy := s.busy
+	s.mu.Unlock()
+	if busy == nil {
+		return nil
+	}
+	select {
+	case <-busy:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // Activity reports the calls admitted so far (FusedMoE, each request of a
@@ -388,17 +423,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Unlock()
 	s.rings.closeAll()
 	s.batch.flush()
-	idle := make(chan struct{})
-	go func() {
-		s.inflight.Wait()
-		close(idle)
-	}()
-	var err error
-	select {
-	case <-idle:
-	case <-ctx.Done():
-		err = ctx.Err()
-	}
+	err := s.WaitIdle(ctx)
 	s.reg.removeAll()
 	s.shm.closeAll()
 	return err

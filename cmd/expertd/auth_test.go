@@ -498,9 +498,9 @@ func TestOversizedLogged(t *testing.T) {
 	if status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("a 2 MiB FusedMoE: %v, want ResourceExhausted", err)
 	}
-	deadline := time.Now().Add(defaultTestTimeout)
-	for !strings.Contains(logs.String(), "call refused before its handler") && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond) // the stats handler runs after the status is sent
+	// The stats handler logs after the status is sent.
+	if err := logs.WaitFor(ctx, func(log string) bool { return strings.Contains(log, "call refused before its handler") }); err != nil {
+		t.Fatalf("waiting for the refusal's log: %v\n%s", err, logs.String())
 	}
 	out := logs.String()
 	for _, want := range []string{`"msg":"call refused before its handler"`, `"grpc.method":"/expertd.v1.ExpertService/FusedMoE"`, `"grpc.code":"ResourceExhausted"`, "-max-message-bytes"} {

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/net/http2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
@@ -55,17 +56,20 @@ func newPinger(t *testing.T, addr string) *pinger {
 	return &pinger{conn: conn, fr: fr}
 }
 
-// ping sends one ping and reads frames until its ack, answering the
-// server's settings; it returns the GOAWAY frame if one comes instead.
-func (p *pinger) ping(t *testing.T, n byte) *http2.GoAwayFrame {
+// ping sends pings numbered first to last back to back and reads frames
+// until the last one's ack, answering the server's settings; it returns
+// the GOAWAY frame if one comes instead.
+func (p *pinger) ping(t *testing.T, first, last byte) *http2.GoAwayFrame {
 	t.Helper()
-	if err := p.fr.WritePing(false, [8]byte{n}); err != nil {
-		t.Fatalf("ping %d: %v", n, err)
+	for n := first; n <= last; n++ {
+		if err := p.fr.WritePing(false, [8]byte{n}); err != nil {
+			t.Fatalf("ping %d: %v", n, err)
+		}
 	}
 	for {
 		f, err := p.fr.ReadFrame()
 		if err != nil {
-			t.Fatalf("ping %d: reading: %v", n, err)
+			t.Fatalf("ping %d: reading: %v", last, err)
 		}
 		switch f := f.(type) {
 		case *http2.SettingsFrame:
@@ -73,7 +77,7 @@ func (p *pinger) ping(t *testing.T, n byte) *http2.GoAwayFrame {
 				p.fr.WriteSettingsAck() //nolint:errcheck // a lost ack fails the reads
 			}
 		case *http2.PingFrame:
-			if f.IsAck() && f.Data[0] == n {
+			if f.IsAck() && f.Data[0] == last {
 				return nil
 			}
 		case *http2.GoAwayFrame:
@@ -94,38 +98,39 @@ func TestKeepaliveEnforcement(t *testing.T) {
 	// grpc-go closes the connection at the fourth ping that breaks its
 	// policy; six at the allowed pace break none.
 	for i := range byte(6) {
-		if ga := p.ping(t, i+1); ga != nil {
+		if ga := p.ping(t, i+1, i+1); ga != nil {
 			t.Fatalf("ping %d, %v after the last: GOAWAY %v %q, want an ack", i+1, 2*minTime, ga.ErrCode, ga.DebugData())
 		}
 		time.Sleep(2 * minTime)
 	}
 
+	// Sent at once, not each after the last one's ack, so that a stalled
+	// machine cannot space them out past the minimum.
 	p = newPinger(t, addr)
-	for i := range byte(10) {
-		if ga := p.ping(t, i+1); ga != nil {
-			if ga.ErrCode != http2.ErrCodeEnhanceYourCalm || string(ga.DebugData()) != "too_many_pings" {
-				t.Fatalf("GOAWAY %v %q, want ENHANCE_YOUR_CALM too_many_pings", ga.ErrCode, ga.DebugData())
-			}
-			return
-		}
+	ga := p.ping(t, 1, 10)
+	if ga == nil {
+		t.Fatal("10 pings back to back were all answered, want GOAWAY too_many_pings")
 	}
-	t.Fatal("10 pings back to back were all answered, want GOAWAY too_many_pings")
+	if ga.ErrCode != http2.ErrCodeEnhanceYourCalm || string(ga.DebugData()) != "too_many_pings" {
+		t.Fatalf("GOAWAY %v %q, want ENHANCE_YOUR_CALM too_many_pings", ga.ErrCode, ga.DebugData())
+	}
 }
 
 // TestMaxConnectionAge checks connections are aged (the client connects
 // again after -max-connection-age) and that a stream open across the age
-// keeps working within the grace, and is cut once the grace is over.
+// keeps working within the grace, and is cut once the grace is over. The
+// test waits for the client to see the GOAWAY, and for the cut, rather
+// than for times: a loaded machine only makes each step later.
 func TestMaxConnectionAge(t *testing.T) {
 	const age = 200 * time.Millisecond
 	tests := []struct {
-		name     string
-		grace    time.Duration
-		wait     time.Duration // between the stream's two calls
-		wantCode codes.Code    // of the second call
+		name string
+		// grace leaves the first call room to finish on a loaded machine.
+		grace time.Duration
+		cut   bool // whether the stream outlives the grace
 	}{
-		// Past the age with its +10% jitter; the grace is still running.
-		{"within grace", 20 * time.Second, 3 * age, codes.OK},
-		{"past grace", 300 * time.Millisecond, 3*age + 300*time.Millisecond, codes.Unavailable},
+		{"within grace", 20 * time.Second, false},
+		{"past grace", 2 * time.Second, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -139,6 +144,7 @@ func TestMaxConnectionAge(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
 			defer cancel()
 			rng := mrand.New(mrand.NewPCG(uint64(time.Now().UnixNano()), 7))
+			start := time.Now() // before the connection
 			stream, err := rpc.FusedMoEStream(ctx)
 			if err != nil {
 				t.Fatal(err)
@@ -153,12 +159,22 @@ func TestMaxConnectionAge(t *testing.T) {
 			if err := call(); err != nil {
 				t.Fatalf("first call: %v", err)
 			}
-			time.Sleep(tt.wait)
-			err = call()
-			if got := status.Code(err); got != tt.wantCode {
-				t.Fatalf("call after the connection's age: %v, want code %v", err, tt.wantCode)
+			// The aged connection's GOAWAY takes the channel out of READY.
+			if !conn.WaitForStateChange(ctx, connectivity.Ready) {
+				t.Fatalf("no GOAWAY after the connection's age: %v", ctx.Err())
 			}
-			if err == nil {
+			if tt.cut {
+				// Nothing sent: Recv returns when the server cuts the stream.
+				if _, err := stream.Recv(); status.Code(err) != codes.Unavailable {
+					t.Fatalf("stream past the grace: %v, want Unavailable", err)
+				}
+				if d, least := time.Since(start), age*9/10+tt.grace; d < least {
+					t.Errorf("stream cut %v after the connection began, want >= %v (the age less its jitter, and the grace)", d, least)
+				}
+			} else {
+				if err := call(); err != nil {
+					t.Fatalf("call after the connection's age, within the grace: %v", err)
+				}
 				stream.CloseSend() //nolint:errcheck // Recv reports
 				if _, err := stream.Recv(); !errors.Is(err, io.EOF) {
 					t.Fatalf("closing the stream: %v, want EOF", err)

@@ -44,7 +44,9 @@ func reclaimIdle(ctx context.Context, idle time.Duration, activity func() (admit
 		debug.FreeOSMemory()
 		runtime.ReadMemStats(&after)
 		reclaimed = true
-		log.Debug("idle: memory returned to the OS", slog.Duration("idle", idle),
+		// calls_admitted tells which quiet spell this was: the calls
+		// admitted before it.
+		log.Debug("idle: memory returned to the OS", slog.Duration("idle", idle), slog.Int64("calls_admitted", last),
 			slog.Uint64("heap_in_use_before", before.HeapInuse), slog.Uint64("heap_in_use_after", after.HeapInuse),
 			slog.Uint64("released", after.HeapReleased-min(after.HeapReleased, before.HeapReleased)))
 	}

@@ -44,14 +44,14 @@ type memServer struct {
 	maxBytes int
 }
 
-// serveMem starts backend's service; MaxMessageBytes defaults to this
-// package's.
-func serveMem(cfg service.Config, backend kernels.Backend, log *slog.Logger) *memServer {
+// serveMem starts backend's service with opts after its own server
+// options; MaxMessageBytes defaults to this package's.
+func serveMem(cfg service.Config, backend kernels.Backend, log *slog.Logger, opts ...grpc.ServerOption) *memServer {
 	if cfg.MaxMessageBytes == 0 {
 		cfg.MaxMessageBytes = MaxMessageBytes
 	}
 	m := &memServer{lis: bufconn.Listen(1 << 20), srv: service.New(cfg, backend, log), maxBytes: int(cfg.MaxMessageBytes)}
-	m.gs = grpc.NewServer(append(m.srv.ServerOptions(), grpc.MaxRecvMsgSize(m.maxBytes), grpc.MaxSendMsgSize(m.maxBytes))...)
+	m.gs = grpc.NewServer(append(append(m.srv.ServerOptions(), grpc.MaxRecvMsgSize(m.maxBytes), grpc.MaxSendMsgSize(m.maxBytes)), opts...)...)
 	m.srv.Register(m.gs)
 	go m.gs.Serve(m.lis) //nolint:errcheck // Serve returns when Stop is called
 	return m

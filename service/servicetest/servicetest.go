@@ -9,6 +9,7 @@ import (
 	"sync"
 	"testing"
 
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/expertd/expertd/kernels"
@@ -41,7 +42,20 @@ func StartServerConfig(t testing.TB, cfg service.Config, backend kernels.Backend
 // for tests that check what the server reports.
 func StartServerLogger(t testing.TB, cfg service.Config, backend kernels.Backend, log *slog.Logger) (pb.ExpertServiceClient, *service.Server, func()) {
 	t.Helper()
-	m := serveMem(cfg, backend, log)
+	return startServer(t, cfg, backend, log)
+}
+
+// StartServerOptions is StartServerConfig with more gRPC server options
+// after the service's own, for tests that intercept calls.
+func StartServerOptions(t testing.TB, cfg service.Config, backend kernels.Backend, opts ...grpc.ServerOption) (pb.ExpertServiceClient, *service.Server) {
+	t.Helper()
+	c, srv, _ := startServer(t, cfg, backend, nil, opts...)
+	return c, srv
+}
+
+func startServer(t testing.TB, cfg service.Config, backend kernels.Backend, log *slog.Logger, opts ...grpc.ServerOption) (pb.ExpertServiceClient, *service.Server, func()) {
+	t.Helper()
+	m := serveMem(cfg, backend, log, opts...)
 	conn, err := m.dial()
 	if err != nil {
 		t.Fatalf("servicetest: dialing bufconn: %v", err)
@@ -128,13 +142,42 @@ func Upload(ctx context.Context, c pb.ExpertServiceClient, h *pb.LoadExpertsRequ
 type LogBuffer struct {
 	mu sync.Mutex
 	b  strings.Builder
+	// grew, made by a waiting WaitFor, is closed by the next Write.
+	grew chan struct{}
 }
 
 // Write appends p.
 func (l *LogBuffer) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.grew != nil {
+		close(l.grew)
+		l.grew = nil
+	}
 	return l.b.Write(p)
+}
+
+// WaitFor waits until cond holds for everything written so far, checking
+// after each Write, or until ctx ends: for what a server logs after the
+// client has its answer.
+func (l *LogBuffer) WaitFor(ctx context.Context, cond func(log string) bool) error {
+	for {
+		l.mu.Lock()
+		log := l.b.String()
+		if l.grew == nil {
+			l.grew = make(chan struct{})
+		}
+		grew := l.grew
+		l.mu.Unlock()
+		if cond(log) {
+			return nil
+		}
+		select {
+		case <-grew:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 // String returns everything written so far.
