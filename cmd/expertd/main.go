@@ -146,6 +146,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		pending = len(man.Sets)
 	}
 	rd := newReadiness(hs, pending)
+	var mm manifestMetrics
+	if man != nil {
+		mm = newManifestMetrics(meters.Meter("github.com/expertd/expertd/cmd/expertd"), rd, log)
+	}
 	svc := service.New(service.Config{
 		Version:          version(),
 		WeightsDir:       cfg.WeightsDir,
@@ -239,7 +243,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	loadErr := make(chan error, 1)
 	if man != nil {
 		go func() {
-			if err := loadManifest(ctx, man, svc, cfg.WeightsDir, shardIndex, rd, meters.Meter("github.com/expertd/expertd/cmd/expertd"), log); err != nil {
+			if err := loadManifest(ctx, man, svc, cfg.WeightsDir, shardIndex, rd, mm, log); err != nil {
 				loadErr <- err
 				return
 			}

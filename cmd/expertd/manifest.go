@@ -176,12 +176,14 @@ func truncate(s string, n int) string {
 	return s
 }
 
-// loadManifest loads every set of m in order, logging and counting
-// progress. The first failure stops it: a replica missing a set it is
-// meant to serve must not join the rotation, and failing the start makes
-// that visible (a crash loop with the cause in the log) instead of a pod
-// that stays unready without saying why.
-func loadManifest(ctx context.Context, m *manifest, svc *service.Server, weightsDir string, shardIndex int, rd *readiness, meter metric.Meter, log *slog.Logger) error {
+// manifestMetrics are the startup manifest's instruments. They are made
+// before the admin port serves, so the first scrape already has
+// sets_pending, whose value is what readiness waits on.
+type manifestMetrics struct {
+	setsLoaded, bytesLoaded metric.Int64Counter
+}
+
+func newManifestMetrics(meter metric.Meter, rd *readiness, log *slog.Logger) manifestMetrics {
 	setsLoaded, _ := meter.Int64Counter("expertd.manifest.sets_loaded",
 		metric.WithDescription("Expert sets of the startup manifest loaded."), metric.WithUnit("{set}"))
 	bytesLoaded, _ := meter.Int64Counter("expertd.manifest.loaded",
@@ -196,6 +198,15 @@ func loadManifest(ctx context.Context, m *manifest, svc *service.Server, weights
 	if err != nil {
 		log.Warn("metric not recorded", slog.String("metric", "expertd.manifest.sets_pending"), slog.Any("err", err))
 	}
+	return manifestMetrics{setsLoaded: setsLoaded, bytesLoaded: bytesLoaded}
+}
+
+// loadManifest loads every set of m in order, logging and counting
+// progress. The first failure stops it: a replica missing a set it is
+// meant to serve must not join the rotation, and failing the start makes
+// that visible (a crash loop with the cause in the log) instead of a pod
+// that stays unready without saying why.
+func loadManifest(ctx context.Context, m *manifest, svc *service.Server, weightsDir string, shardIndex int, rd *readiness, mm manifestMetrics, log *slog.Logger) error {
 	var subset service.ExpertSubset
 	attrs := []any{slog.Int("sets", len(m.Sets))}
 	if m.Shard != nil {
@@ -216,8 +227,8 @@ func loadManifest(ctx context.Context, m *manifest, svc *service.Server, weights
 			return fmt.Errorf("manifest sets[%d]: %w", i, err)
 		}
 		rd.pending.Add(-1)
-		setsLoaded.Add(ctx, 1)
-		bytesLoaded.Add(ctx, info.GetBytes())
+		mm.setsLoaded.Add(ctx, 1)
+		mm.bytesLoaded.Add(ctx, info.GetBytes())
 		total += info.GetBytes()
 		log.Info("expert set loaded", slog.Int("set", i+1), slog.Int("of", len(m.Sets)), slog.String("name", info.GetName()),
 			slog.Int("experts", int(info.GetNumExperts())), slog.Int64("bytes", info.GetBytes()), slog.Duration("took", time.Since(t0)))
