@@ -61,9 +61,10 @@ COPY_TBPS = 4.28
 FP8_TFLOPS = 1471.0
 # vLLM 0.34's Triton fused-MoE kernels (fp8_w8a8 per-tensor), GEMM1 + GEMM2
 # kernels alone (CUDA events, L2 flushed, CUDA graphs, median of 100), quoted per
-# card, not measured here: the H200's from issue 17 (its tuned H200 config for
-# Nemotron's E=128,N=1856, its default config for Qwen3), the H100's from issue 33
-# (default configs: vLLM ships no tuned H100 file for these shapes). vLLM's full
+# card from the runs docs/perf-notes.md records, not measured here: on the H200
+# with its tuned H200 config for Nemotron's E=128,N=1856 and its default config
+# for Qwen3, on the H100 with default configs (vLLM ships no tuned H100 file for
+# these shapes). vLLM's full
 # op adds routing, alignment, activation, quantization and combine launches, so
 # these are a lower bound of its layer time. The card's name picks the table.
 VLLM_GEMMS = {
@@ -110,7 +111,7 @@ MODEL_CHECK_M = {"deepseek-v3": [1, 64]}
 # The default run; DeepSeek-V3 adds ~2 min and 23 GB of weights (expertd's and
 # the peer's copies): run it alone with --model deepseek-v3, or with --models all.
 DEFAULT_MODELS = ["nemotron-3-nano", "qwen3-30b-a3b"]
-# Issue 8's targets for DeepSeek-V3: decode (M <= 256) at >= 3.4 TB/s of touched
+# The targets for DeepSeek-V3 (docs/perf-notes.md): decode (M <= 256) at >= 3.4 TB/s of touched
 # weights, M=8192 at >= 800 TFLOP/s.
 TARGETS = {"deepseek-v3": {"decode_max_m": 256, "decode_tbps": 3.4, "prefill_m": 8192,
                            "prefill_tflops": 800.0}}

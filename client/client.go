@@ -35,7 +35,7 @@ const (
 	// server answers Unavailable (a restart, a drain, a lost connection);
 	// 5 is gRPC's cap. With backoffs drawn from up to 0.1, 0.25, 0.625 and
 	// 1.56 s plus reconnect attempts, a call to a stopped local daemon
-	// gives up after about 2 s (measured in e2e), which covers most of a
+	// gives up after a few seconds, which covers most of a
 	// restart; WithWaitForReady waits longer.
 	DefaultMaxAttempts = 5
 	// DefaultKeepaliveTime is how long a connection may be quiet before

@@ -42,7 +42,7 @@ func OnProgress(fn func(Progress)) LoadOption { return func(o *loadOptions) { o.
 func ChunkBytes(n int) LoadOption { return func(o *loadOptions) { o.chunkBytes = n } }
 
 // WithoutChecksum skips the SHA-256 that the server otherwise verifies
-// the upload against (hashing costs about 1 ms per MB on the client).
+// the upload against (hashing is a CPU pass over every byte on the client).
 func WithoutChecksum() LoadOption { return func(o *loadOptions) { o.noChecksum = true } }
 
 // LoadExperts uploads w and makes it resident on the server under name.

@@ -140,7 +140,7 @@ func (c Codec) unmarshal(data mem.BufferSlice, m proto.Message) error {
 	}
 	// bytes.Join allocates without zeroing, which for a large message
 	// costs more than the copy itself (mem.BufferSlice.Materialize zeroes
-	// first; measured in BenchmarkServicePath's profile).
+	// first: BenchmarkServicePath's profile shows it).
 	pieces := make([][]byte, len(data))
 	for i, b := range data {
 		pieces[i] = b.ReadOnlyData()

@@ -15,10 +15,9 @@ import (
 //
 // Why: a fresh multi-megabyte Go allocation is memory the runtime has
 // just taken from (or given back to) the OS, so the first write to each
-// page faults. On the H200 host that is most of the cost of writing an
-// output: copying 1.38 MB (Nemotron, M=256) into a fresh buffer took
-// 0.63 ms, into the same buffer again 0.11 ms (EXPERTD_CUDA_HOST_TRACE,
-// docs/perf-notes.md).
+// page faults, and for a decode-sized output those faults cost several
+// times the copy itself (docs/perf-notes.md has the figures;
+// EXPERTD_CUDA_HOST_TRACE shows them on a given host).
 //
 // Ownership: a buffer from Get belongs to the caller until it calls Put
 // (done with it) or Lend (the next Marshal that sends it takes it, and

@@ -26,7 +26,7 @@ import (
 // poller completes them in place with serialized FusedMoEResponses or
 // google.rpc.Status errors. A call posted while the poller polls costs no
 // socket, no system call and no goroutine wake-up on either side; that is
-// the point, since those are most of a small call's latency (issue 16).
+// the point, since those are most of a small call's latency.
 //
 // A posted call is copied out of the slot before it is decoded and then
 // takes exactly fusedMoE's path (validation, limits, shared-memory

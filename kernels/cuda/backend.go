@@ -164,7 +164,7 @@ func (l *loaded) Close() error {
 // to it for the call so that the library's error string, which is per
 // thread, is read on the thread that set it. Calling in place, rather than
 // handing calls to a pool of locked threads, saves two thread wake-ups per
-// call (tens of microseconds, against a 0.06 ms decode kernel); the
+// call, a cost of the same order as a decode-sized kernel; the
 // library makes each call current on its set's device itself, and bounds
 // the calls running on one set (expertd_init's streams).
 func (b *Backend) call(op string, f func() int32) error {
