@@ -103,9 +103,17 @@ func TestIdleMemoryReturned(t *testing.T) {
 		t.Fatalf("burst: %v", err)
 	}
 	burstHeld, burstRSS := heldBytes(), rssBytes()
+	// The daemon shares this process with the test's client, and sees only
+	// its own calls: on a slow machine it can go quiet, and reclaim, while
+	// the client is still decoding the last responses, whose buffers then
+	// stay held. One more call after the client is done starts a quiet
+	// spell that nothing of the burst overlaps.
+	if _, err := c.FusedMoE(ctx, req); err != nil {
+		t.Fatalf("call after the burst: %v", err)
+	}
 	start := time.Now()
-	if err := logs.WaitFor(ctx, func(log string) bool { return reclaimedAfter(log, streams*perStream) }); err != nil {
-		t.Fatalf("no reclaim reported after the burst's %d calls: %v", streams*perStream, err)
+	if err := logs.WaitFor(ctx, func(log string) bool { return reclaimedAfter(log, streams*perStream+1) }); err != nil {
+		t.Fatalf("no reclaim reported after the burst's %d calls and one more: %v", streams*perStream, err)
 	}
 	waited := time.Since(start)
 	idleHeld, idleRSS := heldBytes(), rssBytes()
