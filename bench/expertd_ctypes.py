@@ -22,7 +22,7 @@ import os
 import torch
 
 # The ABI versions this mirror speaks; the newest is the header's.
-ABI_VERSIONS = (1, 2, 3, 4, 5)
+ABI_VERSIONS = (1, 2, 3, 4)
 ABI_VERSION = max(ABI_VERSIONS)
 
 OK = 0
@@ -130,15 +130,10 @@ _SET_CREATE[3] = _SET_CREATE[2]
 _INIT = {1: [ctypes.c_int], 2: [ctypes.c_int], 3: [ctypes.c_int, ctypes.c_int],
          4: [ctypes.c_int, ctypes.POINTER(Options)]}
 _SET_CREATE[4] = _SET_CREATE[2]
-# v5 adds activations and expertd_set_epilogue (biases), which this mirror
-# does not call; the rest is v4's.
-_SET_CREATE[5] = _SET_CREATE[4]
-_INIT[5] = _INIT[4]
 _MOE_DEVICE_V1 = [ctypes.c_uint64, _i64p, ctypes.c_int, _f32p, ctypes.c_int,
                   _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.c_size_t]
 _MOE_DEVICE = {1: _MOE_DEVICE_V1, 2: _MOE_DEVICE_V1, 3: _MOE_DEVICE_V1,
                4: [ctypes.c_uint64, ctypes.POINTER(Call)]}
-_MOE_DEVICE[5] = _MOE_DEVICE[4]
 
 
 # (name, restype, argtypes), in the header's order and spelling of types;

@@ -4,7 +4,7 @@ package cuda
 // parses the header and checks that every #define there has this value, so
 // the two cannot drift apart silently.
 const (
-	abiVersion = 5
+	abiVersion = 4
 
 	codeOK          = 0
 	codeInvalid     = 1
@@ -18,11 +18,8 @@ const (
 	dtypeBFloat16 = 2
 	dtypeFloat8   = 4
 
-	actSiluGated     = 1
-	actRelu2         = 2
-	actSwigluOAI     = 3
-	actGeluTanhGated = 4
-	actGeluGated     = 5
+	actSiluGated = 1
+	actRelu2     = 2
 
 	scoringSoftmax = 1
 	scoringSigmoid = 2

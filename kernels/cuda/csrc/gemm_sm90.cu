@@ -1,8 +1,7 @@
 // Hopper (sm_90a) grouped FP8 GEMM for fused MoE: TMA loads into 128-byte
 // swizzled shared memory, an mbarrier ring, warp-specialized producer and
-// wgmma (QGMMA) consumers, and fused epilogues (GEMM1's bias and its gated
-// activation or ReLU² (gemm1_act), re-quantization to FP8; or
-// router-weighted BF16 output for GEMM2).
+// wgmma (QGMMA) consumers, and fused epilogues (SiLU-and-mul or ReLU²,
+// re-quantization to FP8; or router-weighted BF16 output for GEMM2).
 //
 // Layout choice ("swap AB"): the weights are wgmma's A operand (the M side,
 // 64 output channels per consumer warpgroup) and the expert's tokens are the
@@ -15,7 +14,7 @@
 // ones (kPC: one per weight row) are per accumulator row instead: each
 // consumer thread holds two weight rows, whose scales it loads when a tile
 // starts, while the tile's operands stream in; for gated GEMM1 these are the
-// gate and the up row of one channel, scaled before the activation.
+// gate and the up row of one channel, scaled before silu(gate) * up.
 //
 // Block scales (kBlk: [block_n, 128] weight blocks, activations quantized
 // per token and group of 128 K values) promote DeepGEMM-style: a pipeline
@@ -155,6 +154,8 @@ __device__ __forceinline__ uint64_t smem_desc(const void* tile) {
   return d;
 }
 
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
 // stage_store writes output channel oc of one staging row in the epilogue's
 // element type.
 template <GemmEpilogue kEpi>
@@ -233,11 +234,6 @@ struct Params {
   int32_t* layout_expert;
   int32_t* layout_blocks;
   int max_blocks;
-  // GEMM1's activation, bias [E, w_rows] (null: none) and kSwigluOAI's
-  // parameters (gemm1_act).
-  GemmAct act;
-  const float* bias;
-  float swiglu_limit, swiglu_alpha;
 };
 
 // TileRef is one tile's token rows: nblk alignment blocks from blk on, all
@@ -582,16 +578,6 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       // warpgroup's own, or with kPP both in turn.
       auto half_of = [&](int v) { return kPP ? v : wg; };
       const int oc0 = wtile * kOC;  // first output channel of the tile
-      // GEMM1's output for staging column oc (gate g, up u); 0 past the
-      // last channel, whose outputs are never stored (nor its bias read).
-      const float* bias = p.bias ? p.bias + size_t(expert) * p.w_rows : nullptr;
-      auto act1 = [&](int oc, float g, float u) {
-        const int ch = oc0 + oc;
-        // kRelu2, the one non-gated activation, as a constant: the gated
-        // ones' math would cost the non-gated kernels registers.
-        const GemmAct act = kGated ? p.act : GemmAct::kRelu2;
-        return ch < p.n_out ? gemm1_act(act, bias, p.n_out, ch, g, u, p.swiglu_limit, p.swiglu_alpha) : 0.f;
-      };
       float wsc[kHalves][2];
 #pragma unroll
       for (int v = 0; v < kHalves; ++v) {
@@ -772,16 +758,17 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
                 for (int g = 0; g < BN / 16; ++g) {
                   const float gv = acc[4 * (2 * g) + 2 * h + j] * sc;
                   const float uv = acc[4 * (2 * g + 1) + 2 * h + j] * sc;
-                  const int oc = 8 * g + 2 * (lane % 4) + j;
-                  stage_store<kEpi>(row, oc, act1(oc, gv, uv), p.out_inv_scale);
+                  stage_store<kEpi>(row, 8 * g + 2 * (lane % 4) + j, silu(gv) * uv, p.out_inv_scale);
                 }
               } else {
 #pragma unroll
                 for (int i = 0; i < BN / 8; ++i) {
                   float v = acc[4 * i + 2 * h + j] * sc;
-                  const int oc = 8 * i + 2 * (lane % 4) + j;
-                  if (kEpi != GemmEpilogue::kWeightedBF16) v = act1(oc, v, 0.f);
-                  stage_store<kEpi>(row, oc, v, p.out_inv_scale);
+                  if (kEpi != GemmEpilogue::kWeightedBF16) {
+                    v = fmaxf(v, 0.f);
+                    v = v * v;
+                  }
+                  stage_store<kEpi>(row, 8 * i + 2 * (lane % 4) + j, v, p.out_inv_scale);
                 }
               }
             }
@@ -801,14 +788,18 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
                 if (kGated) {
                   const float g = kPC ? a[4 * i + c2] * sc * ws[0] : a[4 * i + c2] * sc;
                   const float u = kPC ? a[4 * i + 2 + c2] * sc * ws[1] : a[4 * i + 2 + c2] * sc;
+                  const float v = silu(g) * u;
                   const int oc = half_of(hv) * 32 + 8 * warp + lane / 4;
-                  stage_store<kEpi>(row, oc, act1(oc, g, u), p.out_inv_scale);
+                  stage_store<kEpi>(row, oc, v, p.out_inv_scale);
                 } else {
 #pragma unroll
                   for (int h = 0; h < 2; ++h) {
                     float v = kPC ? a[4 * i + 2 * h + c2] * sc * ws[h] : a[4 * i + 2 * h + c2] * sc;
+                    if (kEpi != GemmEpilogue::kWeightedBF16) {
+                      v = fmaxf(v, 0.f);
+                      v = v * v;
+                    }
                     const int oc = half_of(hv) * kWGRows + 16 * warp + lane / 4 + 8 * h;
-                    if (kEpi != GemmEpilogue::kWeightedBF16) v = act1(oc, v, 0.f);
                     stage_store<kEpi>(row, oc, v, p.out_inv_scale);
                   }
                 }
@@ -945,10 +936,6 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   p.layout_expert = const_cast<int32_t*>(a.block_expert);
   p.layout_blocks = const_cast<int32_t*>(a.num_blocks);
   p.max_blocks = a.max_blocks;
-  p.act = a.act;
-  p.bias = kEpi == GemmEpilogue::kWeightedBF16 ? nullptr : a.bias;
-  p.swiglu_limit = a.swiglu_limit;
-  p.swiglu_alpha = a.swiglu_alpha;
   p.a_scale_ld = a.a_scale_ld;
   p.block_n = kBlk ? a.block_n : 1;
   p.w_row_blocks = kBlk ? (a.w_rows + a.block_n - 1) / a.block_n : 0;
@@ -1090,7 +1077,7 @@ cudaError_t launch(const MoeGemmArgs& a, bool gated, cudaStream_t stream) {
 
 cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
   if (args.epilogue == GemmEpilogue::kWeightedBF16) return cudaErrorInvalidValue;
-  return launch(args, gemm_act_gated(args.act), stream);
+  return launch(args, args.act == GemmAct::kSiluGated, stream);
 }
 
 cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
