@@ -112,6 +112,9 @@ func (DataType) EnumDescriptor() ([]byte, []int) {
 }
 
 // Activation is the expert MLP's nonlinearity.
+// The cpu backend runs every value; the cuda backend runs SILU_GATED and
+// RELU2, and answers FAILED_PRECONDITION for the others and for expert
+// biases until its kernels take them.
 type Activation int32
 
 const (
