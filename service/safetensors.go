@@ -19,7 +19,6 @@ import (
 	"google.golang.org/grpc/codes"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
-	"github.com/expertd/expertd/scaling"
 )
 
 // A .safetensors file is an 8-byte little-endian header length, a JSON
@@ -181,15 +180,12 @@ func (f *stFile) floats(name string, most int64) (stTensor, []float32, error) {
 		return t, nil, err
 	}
 	v := make([]float32, len(b)/int(stItemSize[t.Dtype]))
+	if dt, half := halfDtypes[t.Dtype]; half {
+		decodeHalf(v, b, dt)
+		return t, v, nil
+	}
 	for i := range v {
-		switch t.Dtype {
-		case "BF16":
-			v[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
-		case "F16":
-			v[i] = scaling.FP16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
-		default:
-			v[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
-		}
+		v[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 	}
 	return t, v, nil
 }
