@@ -88,12 +88,18 @@ QWEN3 = MoEShape(
     "qwen3-30b-a3b", "silu_gated", E=128, top_k=8, K=2048, N=768,
     scoring="softmax", renormalize=True,
 )
+# 512 small experts: the routing and the grouping step see 4x the experts of
+# the other rows, and each expert's GEMMs are short (N = 512).
+QWEN3_NEXT = MoEShape(
+    "qwen3-next-80b-a3b", "silu_gated", E=512, top_k=10, K=2048, N=512,
+    scoring="softmax", renormalize=True,
+)
 DEEPSEEK_V3 = MoEShape(
     "deepseek-v3", "silu_gated", E=256, top_k=8, K=7168, N=2048,
     scoring="sigmoid", renormalize=True, scaling_factor=2.5, correction_bias=True,
     n_group=8, topk_group=4, block=(128, 128),
 )
-MODELS = {m.name: m for m in (NEMOTRON, QWEN3, DEEPSEEK_V3)}
+MODELS = {m.name: m for m in (NEMOTRON, QWEN3, QWEN3_NEXT, DEEPSEEK_V3)}
 
 
 @dataclasses.dataclass
