@@ -18,6 +18,24 @@ func f32Rows(vals ...float32) []byte {
 	return b
 }
 
+// dispatch is ids dispatched on placement, whose shards hold every expert.
+func dispatch(t *testing.T, placement [][]int, ids []int32, topK int) *Dispatch {
+	t.Helper()
+	var e int
+	for _, p := range placement {
+		e += len(p)
+	}
+	m, err := New(e, placement)
+	if err == nil {
+		var d *Dispatch
+		if d, err = m.Dispatch(ids, topK); err == nil {
+			return d
+		}
+	}
+	t.Fatal(err)
+	return nil
+}
+
 func TestCombine(t *testing.T) {
 	tests := []struct {
 		name      string
@@ -50,18 +68,7 @@ func TestCombine(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			e := 0
-			for _, p := range tc.placement {
-				e += len(p)
-			}
-			m, err := New(e, tc.placement)
-			if err != nil {
-				t.Fatal(err)
-			}
-			d, err := m.Dispatch(tc.ids, tc.topK)
-			if err != nil {
-				t.Fatal(err)
-			}
+			d := dispatch(t, tc.placement, tc.ids, tc.topK)
 			k := len(tc.want) / tc.out.Size() / (len(tc.ids) / tc.topK)
 			got, err := d.Combine(tc.rows, k, tc.out)
 			if err != nil {
@@ -75,14 +82,7 @@ func TestCombine(t *testing.T) {
 }
 
 func TestCombineErrors(t *testing.T) {
-	m, err := New(2, [][]int{{0}, {1}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	d, err := m.Dispatch([]int32{0, 1}, 2)
-	if err != nil {
-		t.Fatal(err)
-	}
+	d := dispatch(t, [][]int{{0}, {1}}, []int32{0, 1}, 2)
 	tests := []struct {
 		name    string
 		rows    [][]byte

@@ -28,12 +28,6 @@ func testContext(t *testing.T) context.Context {
 	return ctx
 }
 
-func newRand(t *testing.T) *rand.Rand {
-	seed := uint64(time.Now().UnixNano())
-	t.Logf("random seed %d", seed)
-	return rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
-}
-
 // sem is a Slots of cap(sem) places.
 type sem chan struct{}
 
@@ -130,7 +124,9 @@ func newFixture(t *testing.T, o batch.Options) *fixture {
 		o.Slots = make(sem, 2)
 	}
 	b := batch.New(g, o)
-	rng := newRand(t)
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("random seed %d (replay with rand.NewPCG(seed, 0xba7c4))", seed)
+	rng := rand.New(rand.NewPCG(seed, 0xba7c4))
 	es, _ := kerneltest.NewCase(rng, kerneltest.Mixtral.Scaled(40, 24), 1)
 	l, err := b.Load(context.Background(), es)
 	if err != nil {
