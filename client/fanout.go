@@ -2,7 +2,6 @@ package client
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -15,7 +14,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/moe"
-	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/shard"
 )
 
@@ -222,10 +220,10 @@ func (s *Sharded) UnloadExperts(ctx context.Context, name string) (int64, error)
 // agree with it). Each (token, slot) pair goes to the shard that owns its
 // expert, as one row of a top_k = 1 request with its shard-local id and
 // routing weight; a shard with no pairs is not called. Shards answer in
-// FP32 (each row is w·y, rounded once), and the rows of each token are
-// summed in slot order in float32, exactly as a single daemon's combine
-// does, before one rounding to the requested dtype (BF16 partials would
-// round twice). ReturnRouting returns the global routing.
+// FP32 (each row is w·y, rounded once), and shard's Combine sums the rows
+// of each token in slot order in float32, exactly as a single daemon's
+// combine does, before one rounding to the requested dtype (BF16 partials
+// would round twice). ReturnRouting returns the global routing.
 //
 // Shards run concurrently, each split into calls of at most the daemon's
 // max tokens; the context's deadline bounds them all, and the first failure
@@ -260,27 +258,10 @@ func (s *Sharded) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoE
 		return nil, err
 	}
 
-	// where[p] locates pair p's row: shard and row index.
-	type loc struct{ shard, row int32 }
-	where := make([]loc, len(call.ids))
-	for i, pairs := range d.Pairs {
-		for r, p := range pairs {
-			where[p] = loc{int32(i), int32(r)}
-		}
-	}
 	m, k := call.m, call.k
-	acc := make([]float32, k)
-	out := make([]byte, m*k*call.out.Size())
-	for t := range m {
-		clear(acc)
-		for j := range call.topK {
-			l := where[t*call.topK+j]
-			row := rows[l.shard][int(l.row)*4*k:][:4*k]
-			for x := range acc {
-				acc[x] += math.Float32frombits(binary.LittleEndian.Uint32(row[4*x:]))
-			}
-		}
-		encodeRow(out[t*k*call.out.Size():], acc, call.out)
+	out, err := d.Combine(rows, k, call.out)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
 	}
 	res := &FusedMoEResult{Output: Tensor{DType: call.out, Shape: []int{m, k}, Data: out}}
 	if req.ReturnRouting {
@@ -460,18 +441,6 @@ func shardRequest(c *fanCall, set string, pairs []int, local []int32) *FusedMoER
 		r.HiddenScale = Tensor{DType: Float32, Shape: []int{n, c.perRow}, Data: scales}
 	}
 	return r
-}
-
-func encodeRow(dst []byte, v []float32, dt DType) {
-	if dt == Float32 {
-		for i, x := range v {
-			binary.LittleEndian.PutUint32(dst[4*i:], math.Float32bits(x))
-		}
-		return
-	}
-	for i, x := range v {
-		binary.LittleEndian.PutUint16(dst[2*i:], scaling.Float32ToBF16(x))
-	}
 }
 
 func equalShape(shape []int, want ...int) bool {

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/expertd/expertd/codec"
+	"github.com/expertd/expertd/internal/spans"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -311,8 +312,8 @@ func (s *Server) prepare(ctx context.Context, req *pb.FusedMoERequest, sh *shmCa
 	return c, nil
 }
 
-// runCall places the call's output and runs it: through the batcher when it
-// takes the call, else alone on an execution slot. queued is when the
+// runCall places the call's output and runs it through s.batch (merged
+// with other calls, or alone, on an execution slot). queued is when the
 // backend call started; out is the pooled output buffer the response
 // lends, nil when the output is elsewhere.
 func (s *Server) runCall(ctx context.Context, c *fusedCall, sh *shmCall) (res *kernels.Result, queued time.Time, out []byte, err error) {
@@ -332,17 +333,7 @@ func (s *Server) runCall(ctx context.Context, c *fusedCall, sh *shmCall) (res *k
 		kreq.Out = s.outputs.Get(kreq.M() * c.set.K * kreq.OutDType.Size())
 		pooled = true
 	}
-	if c.ent != nil && s.batch.accepts(kreq) {
-		res, queued, err = s.batch.do(ctx, c.ent, kreq)
-	} else {
-		_, span := s.startSpan(ctx, spanQueue)
-		err = s.acquireSlot(ctx)
-		span.End()
-		if err == nil {
-			queued = time.Now()
-			res, err = s.compute(ctx, c.setLabel, c.loaded, kreq)
-		}
-	}
+	res, queued, err = s.batch.Run(withSetLabel(ctx, c.setLabel), c.loaded, kreq)
 	// A failed call's buffer is dropped, never reused: the backend may
 	// have been stopped mid-write.
 	if err != nil {
@@ -389,14 +380,14 @@ func (s *Server) respond(ctx context.Context, start time.Time, req *pb.FusedMoER
 	return resp, nil
 }
 
-// compute is one backend call on req, made holding an execution slot,
-// which it releases. It checks the result's sizes and records the call's
+// compute is one backend call on req, made by s.batch holding an
+// execution slot. It checks the result's sizes and records the call's
 // outcome and kernel time (labelled with setLabel), once per backend call
 // however many FusedMoE calls a batch merged into it.
 func (s *Server) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
 	ctx, span := s.startSpan(ctx, spanKernel)
 	defer span.End()
-	setAttrs(span, func() []attribute.KeyValue {
+	spans.SetAttrs(span, func() []attribute.KeyValue {
 		return []attribute.KeyValue{attribute.String("expertd.backend", s.backend.Name()), attribute.String("expertd.expert_set", setLabel),
 			attribute.Int("expertd.tokens", req.M())}
 	})
@@ -421,13 +412,10 @@ func (s *Server) compute(ctx context.Context, setLabel string, loaded kernels.Lo
 	return res, nil
 }
 
-// run calls the backend holding an execution slot. The slot is released by
-// a defer so a panicking backend (recovered by the daemon's middleware)
-// cannot leak it and wedge every later call.
+// run calls the backend and times the call for the queue's retry delay.
 func (s *Server) run(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
-	defer func() { <-s.slots }()
 	start := time.Now()
-	defer func() { s.noteCall(time.Since(start)) }()
+	defer func() { s.slots.noteCall(time.Since(start)) }()
 	defer func() {
 		// A panic counts as a backend fault; the middleware still turns
 		// it into Internal.

@@ -186,7 +186,7 @@ func (s *Server) commitRouted(ctx context.Context, name string, set *kernels.Exp
 	if s.Draining() {
 		return nil, errDraining
 	}
-	loaded, err := s.backend.Load(ctx, set)
+	loaded, err := s.batch.Load(ctx, set)
 	if err = s.backendDone(ctx, "load", err); err != nil {
 		return nil, err
 	}

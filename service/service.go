@@ -19,6 +19,7 @@ import (
 
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/kernels/batch"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -51,7 +52,7 @@ type Config struct {
 	// up requests and their memory here. 0 means 4 × MaxConcurrent; a
 	// negative value means no queue.
 	MaxQueued int
-	// BatchWindow turns on dynamic batching (batcher.go): compatible
+	// BatchWindow turns on dynamic batching (kernels/batch): compatible
 	// FusedMoE calls on a loaded expert set merge into one backend call.
 	// A call on an idle set starts at once; calls that arrive while a
 	// batch of theirs runs wait for it and then this long for more to
@@ -114,21 +115,16 @@ type Server struct {
 	reg     *registry
 	// weights is where loads open safetensors files and checkpoints.
 	weights weightsDir
-	// slots is a semaphore of cfg.MaxConcurrent execution slots.
-	slots chan struct{}
-	// queued counts calls waiting for a slot, bounded by cfg.MaxQueued.
-	queued atomic.Int64
+	// slots are the cfg.MaxConcurrent execution slots and their queue.
+	slots  *execSlots
 	faults faults
 	shm    *shmTable
 	rings  *rings
-	// batch merges compatible calls; nil when batching is off.
-	batch *batcher
+	// batch runs every FusedMoE call on the backend, merging compatible
+	// calls when cfg.BatchWindow is set.
+	batch *batch.Backend
 	// outputs recycles unbatched calls' output buffers (codec.Pool).
 	outputs codec.Pool
-
-	// callNanos is a moving average of a backend call's wall time, which
-	// sizes the retry delay of a call refused by a full queue.
-	callNanos atomic.Int64
 
 	mu       sync.Mutex
 	draining bool
@@ -144,8 +140,6 @@ type Server struct {
 	kernelTime  metric.Float64Histogram
 	queueTime   metric.Float64Histogram
 	loadedBytes metric.Int64ObservableGauge
-	batchCalls  metric.Int64Histogram
-	batchTokens metric.Int64Histogram
 	// backendAttr and callAttrSets are the per-call metric attributes,
 	// built once per activation and expert_set label: OpenTelemetry sorts
 	// and copies a set each time one is made, a measurable share of a
@@ -191,13 +185,13 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 		backend: backend,
 		log:     logger,
 		reg:     newRegistry(cfg.MaxLoadedBytes),
-		slots:   make(chan struct{}, cfg.MaxConcurrent),
+		slots:   newExecSlots(cfg),
 		shm:     newShmTable(cfg, backend, logger),
 		rings:   newRings(),
 	}
 	s.reg.closeFn = s.free
-	s.batch = newBatcher(s, cfg)
 	s.initMetrics(cfg.Meter)
+	s.batch = newBatch(s, cfg)
 	return s
 }
 
@@ -236,19 +230,6 @@ func (s *Server) initMetrics(m metric.Meter) {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.queue.duration"), slog.Any("err", err))
 		s.queueTime, _ = noop.NewMeterProvider().Meter("").Float64Histogram("")
 	}
-	sizes := metric.WithExplicitBucketBoundaries(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-	if s.batchCalls, err = m.Int64Histogram("expertd.batch.calls",
-		metric.WithDescription("FusedMoE calls merged into one backend call by dynamic batching."),
-		metric.WithUnit("{call}"), sizes); err != nil {
-		s.log.Warn("metric not recorded", slog.String("metric", "expertd.batch.calls"), slog.Any("err", err))
-		s.batchCalls, _ = noop.NewMeterProvider().Meter("").Int64Histogram("")
-	}
-	if s.batchTokens, err = m.Int64Histogram("expertd.batch.tokens",
-		metric.WithDescription("Tokens of one backend call made by dynamic batching."),
-		metric.WithUnit("{token}"), sizes); err != nil {
-		s.log.Warn("metric not recorded", slog.String("metric", "expertd.batch.tokens"), slog.Any("err", err))
-		s.batchTokens, _ = noop.NewMeterProvider().Meter("").Int64Histogram("")
-	}
 	if s.loadedBytes, err = m.Int64ObservableGauge("expertd.loaded_expert_bytes",
 		metric.WithDescription("Bytes of resident expert sets, including loads in flight."),
 		metric.WithUnit("By"),
@@ -262,7 +243,7 @@ func (s *Server) initMetrics(m metric.Meter) {
 		metric.WithDescription("FusedMoE calls waiting for an execution slot."),
 		metric.WithUnit("{call}"),
 		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
-			o.Observe(s.queued.Load())
+			o.Observe(s.slots.queued.Load())
 			return nil
 		})); err != nil {
 		s.log.Warn("metric not recorded", slog.String("metric", "expertd.queued_calls"), slog.Any("err", err))
@@ -353,53 +334,8 @@ func (s *Server) Activity() (admitted, running int64) {
 	return s.calls.Load(), s.running.Load()
 }
 
-// acquireSlot takes an execution slot, waiting in the bounded queue if
-// none is free; the caller releases the slot by receiving from s.slots.
-func (s *Server) acquireSlot(ctx context.Context) error {
-	select {
-	case s.slots <- struct{}{}:
-		return nil
-	default:
-	}
-	if n := s.queued.Add(1); n > int64(s.cfg.MaxQueued) {
-		s.queued.Add(-1)
-		return limitf("", "max-queued", int64(s.cfg.MaxQueued), s.busyRetry(), "server busy: %d calls running, %d queued (max queued %d); retry with backoff",
-			len(s.slots), n-1, s.cfg.MaxQueued)
-	}
-	defer s.queued.Add(-1)
-	select {
-	case s.slots <- struct{}{}:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
-// Bounds of the retry delay a full queue answers with: below a millisecond
-// a retry would only meet the same queue; beyond a second the caller is
-// better served by another replica.
-const (
-	minBusyRetry = time.Millisecond
-	maxBusyRetry = time.Second
-)
-
-// busyRetry is how long a call refused by a full queue should wait before
-// it is tried again: about one backend call, by when each running call has
-// finished once and the queue has moved by MaxConcurrent places.
-func (s *Server) busyRetry() time.Duration {
-	return min(max(time.Duration(s.callNanos.Load()), minBusyRetry), maxBusyRetry)
-}
-
-// noteCall adds one backend call's wall time to the moving average (weight
-// 1/8: a few calls follow a change of load). Racing updates may lose one
-// sample, which an average tolerates.
-func (s *Server) noteCall(d time.Duration) {
-	old := s.callNanos.Load()
-	s.callNanos.Store(old + (d.Nanoseconds()-old)/8)
-}
-
 // Queued is the number of FusedMoE calls waiting for an execution slot.
-func (s *Server) Queued() int { return int(s.queued.Load()) }
+func (s *Server) Queued() int { return int(s.slots.queued.Load()) }
 
 // LoadedBytes is the memory of resident expert sets plus the reservations
 // of loads and inline sets in flight: what MaxLoadedBytes bounds.
@@ -422,7 +358,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining = true
 	s.mu.Unlock()
 	s.rings.closeAll()
-	s.batch.flush()
+	s.batch.Flush()
 	err := s.WaitIdle(ctx)
 	s.reg.removeAll()
 	s.shm.closeAll()

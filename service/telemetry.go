@@ -3,8 +3,9 @@ package service
 import (
 	"context"
 
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/expertd/expertd/internal/spans"
 )
 
 // LatencyBuckets are the histogram boundaries, in seconds, of the service's
@@ -20,35 +21,17 @@ var LatencyBuckets = []float64{
 	1, 2, 5, 10,
 }
 
-// Span names of the stages below the RPC span.
-const (
-	spanQueue  = "expertd.queue"  // waiting for an execution slot
-	spanBatch  = "expertd.batch"  // waiting in, and running, a merged batch
-	spanKernel = "expertd.kernel" // the backend call
-)
+// spanKernel is the span of the backend call, below the RPC span (and
+// below kernels/batch's queue and batch spans).
+const spanKernel = "expertd.kernel"
 
 // inlineLabel is the expert_set label of calls with inline weights: a label
 // per set name is bounded by what is loaded, inline calls have no name.
 const inlineLabel = "inline"
 
-// noopSpan is returned when tracing is off: it records nothing and costs no
-// allocation.
-var noopSpan = trace.SpanFromContext(context.Background())
-
 // startSpan starts a child span of ctx's span named name, or, with no
 // tracer, returns ctx and a span that does nothing, so an untraced daemon
 // pays nothing per stage.
 func (s *Server) startSpan(ctx context.Context, name string) (context.Context, trace.Span) {
-	if s.cfg.Tracer == nil {
-		return ctx, noopSpan
-	}
-	return s.cfg.Tracer.Start(ctx, name)
-}
-
-// setAttrs sets attributes on a recording span only, so the attribute list
-// is not even built for a span nobody samples.
-func setAttrs(span trace.Span, attrs func() []attribute.KeyValue) {
-	if span.IsRecording() {
-		span.SetAttributes(attrs()...)
-	}
+	return spans.Start(ctx, s.cfg.Tracer, name)
 }

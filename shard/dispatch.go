@@ -8,8 +8,8 @@ import "fmt"
 // A pair is named by its flat index t·TopK+j into the call's [M, TopK]
 // topk ids and weights. Each shard computes its pairs independently (a
 // pair's result w[t,j]·y[t,j] depends only on token t and expert id[t,j]),
-// and the combine step adds every pair's result into its token's output, in
-// slot order, whichever shard computed it.
+// and the combine step (Combine) adds every pair's result into its token's
+// output, in slot order, whichever shard computed it.
 type Dispatch struct {
 	// TopK is the number of slots per token.
 	TopK int

@@ -1,6 +1,7 @@
 // Package shard is expert parallelism's placement: which experts of an
 // E-expert layer live on which of S shards, and, for one call's routing,
-// which (token, slot) pairs each shard computes.
+// which (token, slot) pairs each shard computes, and how their results
+// combine into the call's output.
 //
 // A shard is whatever holds a subset of the experts: a GPU of one host
 // (in-process expert parallelism) or an expertd daemon (the Go client's

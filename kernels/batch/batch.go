@@ -1,25 +1,6 @@
-package service
-
-import (
-	"context"
-	"fmt"
-	"log/slog"
-	"runtime"
-	"runtime/debug"
-	"slices"
-	"sync"
-	"time"
-
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/trace"
-
-	"github.com/expertd/expertd/codec"
-	"github.com/expertd/expertd/kernels"
-	"github.com/expertd/expertd/moe"
-)
-
-// Dynamic batching: FusedMoE calls on the same loaded expert set that
-// arrive within BatchWindow of each other are merged into one backend call
+// Package batch is dynamic batching as a kernels.Backend that wraps
+// another: FusedMoE calls on the same loaded expert set that
+// arrive within Window of each other are merged into one backend call
 // and its result is split back, so many callers with a few tokens each
 // cost about what one caller with all their tokens costs (a GPU streams a
 // layer's weights once per call whatever M is, up to a few hundred
@@ -28,8 +9,8 @@ import (
 // Calls merge only when the merged call computes, for every token, exactly
 // what the token's own call would have:
 //
-//   - the same expert set (the registry entry, so a reloaded name starts
-//     new batches);
+//   - the same expert set (the Loaded this Backend's Load returned, so a
+//     reloaded set starts new batches);
 //   - the same routing: logits of the same dtype with equal top_k,
 //     renormalize, scoring, groups, scaling factor and correction bias
 //     (bit for bit), or all precomputed top-k with equal k;
@@ -57,16 +38,16 @@ import (
 //
 // A batch that opens while its key is idle (no batch of the key started
 // and unfinished) starts at once: a lone caller pays no window, and a GPU
-// decode call's kernel is shorter than any window worth having. A batch that opens while one of its key runs
-// gathers calls until that one finishes, then waits BatchWindow more (see
+// decode call's kernel is shorter than any window worth having. A batch
+// that opens while one of its key runs gathers calls until that one finishes, then waits Window more (see
 // await) and starts; it starts at once instead when it fills up to
-// BatchMaxTokens or the server drains. A batch not full keeps taking
+// MaxTokens or the owner drains (Flush). A batch not full keeps taking
 // compatible calls until it has an execution slot and merges its inputs,
 // so a burst on an idle key still merges and a busy server batches more,
 // the way continuous batching does. So calls of one key (a FusedMoEStream's
-// included) run one batch at a time unless batches fill up. A waiting
-// batch takes one place of the MaxQueued queue, not one per call. Each
-// call waits for its own result or its context: a call that leaves before
+// included) run one batch at a time unless batches fill up. A batch waits
+// for one execution slot (Options.Slots) as one caller, not one per call.
+// Each call waits for its own result or its context: a call that leaves before
 // the inputs are merged is dropped from the batch; one that leaves later
 // gets nothing and the others are unaffected. The backend call is
 // cancelled only when every caller has left. Inputs are copied when the
@@ -76,40 +57,92 @@ import (
 // the backend call is over.
 //
 // Calls with a tensor or the output in device memory (a CUDA IPC region:
-// a Tensor of Memory moe.Device, kernels.Request.OutDev) are not batched: merging
-// copies host bytes, and this process cannot copy device memory itself.
-// They run alone, as calls of BatchMaxTokens or more do; a caller that
-// keeps its activations on the GPU is one that already batches its
-// tokens.
+// a Tensor of Memory moe.Device, kernels.Request.OutDev) are not batched:
+// merging copies host bytes, and this process cannot copy device memory
+// itself; a caller that keeps its activations on the GPU is one that
+// already batches its tokens. They run alone, on an execution slot of
+// their own, as do calls of MaxTokens or more, every call when Window is
+// 0, and calls on sets this Backend did not load (a caller's one-off
+// set, which no other call can share).
+package batch
 
-// SuggestedBatchWindow is the daemon's default window (-batch-window):
-// the shortest that batches many small callers about as well as one large
-// one on the GPU, where longer windows batch no better, and on the CPU
-// backend, which is insensitive to it (docs/perf-notes.md, "Dynamic
-// batching", has the sweep). Since a batch on an idle key starts at once,
-// only calls that arrived while a batch of their key ran pay the window,
-// after it finishes, so the shortest window that batches well is best.
-const SuggestedBatchWindow = 200 * time.Microsecond
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"log/slog"
+	"runtime"
+	"runtime/debug"
+	"slices"
+	"sync"
+	"time"
 
-// timerResolution is the shortest wait a runtime timer keeps on Linux
-// when the process is otherwise idle: the runtime then sleeps in
-// epoll_pwait, whose timeout is whole milliseconds, so a shorter timer
-// fires about a millisecond late. Shorter waits poll instead (pause),
-// which keeps to the window. BenchmarkIdleWait measures both;
-// docs/perf-notes.md ("Dynamic batching") has the figures.
-const timerResolution = time.Millisecond
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/noop"
+	"go.opentelemetry.io/otel/trace"
 
-// DefaultBatchMaxTokens bounds the tokens of one merged call when
-// Config.BatchMaxTokens is 0: a GPU layer's time grows little beyond it
-// (docs/perf-notes.md), and it keeps the latency a small caller pays for
-// others' tokens bounded on slower backends.
-const DefaultBatchMaxTokens = 256
+	"github.com/expertd/expertd/codec"
+	"github.com/expertd/expertd/internal/spans"
+	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
+)
 
-// batcher merges compatible FusedMoE calls; see the comment above.
-type batcher struct {
-	host      batchHost
+// Span names of the stages this Backend adds below its caller's span.
+const (
+	spanQueue = "expertd.queue" // waiting for an execution slot
+	spanBatch = "expertd.batch" // waiting in, and running, a merged batch
+)
+
+// Slots are the execution slots the Backend's owner bounds its backend
+// calls with: every backend call the Backend makes, merged or alone, holds
+// one from before its inputs are merged until the inner backend returns.
+type Slots interface {
+	// Acquire takes a slot, waiting in order of arrival, or fails: ctx
+	// ended, or the owner refuses (a full queue), with an error the
+	// Backend returns to the call's callers as it is.
+	Acquire(ctx context.Context) error
+	// Release frees a slot Acquire took.
+	Release()
+}
+
+// Options configure a Backend.
+type Options struct {
+	// Window is how long a batch that waited for a running one of its key
+	// waits after it for more calls; 0 turns merging off (every call runs
+	// alone).
+	Window time.Duration
+	// MaxTokens bounds the tokens of one merged backend call; a call of
+	// that many or more runs alone.
+	MaxTokens int
+	// Slots bound the backend calls; required.
+	Slots Slots
+	// Tracer, when set, records the expertd.queue span of each backend
+	// call's wait for a slot and the expertd.batch span of each batched
+	// call; nil records none at no cost.
+	Tracer trace.Tracer
+	// Meter records expertd.batch.calls and expertd.batch.tokens, with
+	// the inner backend's name as attribute "backend"; nil records
+	// nothing.
+	Meter metric.Meter
+	// Logger reports a backend that panicked in a batch; nil discards.
+	Logger *slog.Logger
+}
+
+// Backend merges compatible FusedMoE calls into calls of the backend it
+// wraps (see the package comment). Load wraps the inner backend's sets so
+// that a set stays open while a batch of its calls runs, even once every
+// caller has left and the set's owner has closed it.
+type Backend struct {
+	inner     kernels.Backend
+	slots     Slots
+	tracer    trace.Tracer
+	log       *slog.Logger
 	window    time.Duration
 	maxTokens int
+
+	batchCalls, batchTokens metric.Int64Histogram
+	backendAttr             metric.MeasurementOption
 
 	mu   sync.Mutex
 	open map[batchKey]*batch
@@ -124,74 +157,156 @@ type batcher struct {
 	merged codec.Pool
 }
 
-// keyState is the started batches of one key.
-type keyState struct {
-	running int
-	// idle is closed when running drops to 0.
-	idle chan struct{}
+// New returns a Backend that runs calls on inner, merging them as o says.
+func New(inner kernels.Backend, o Options) *Backend {
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	bt := &Backend{
+		inner: inner, slots: o.Slots, tracer: o.Tracer, log: o.Logger,
+		window: o.Window, maxTokens: o.MaxTokens,
+		open: map[batchKey]*batch{}, busy: map[batchKey]*keyState{},
+	}
+	if bt.window <= 0 {
+		bt.maxTokens = 0
+	}
+	bt.initMetrics(o.Meter)
+	return bt
 }
 
-// batchHost is what the batcher needs of the server around the backend
-// call it makes for a batch: set references, an execution slot, the call
-// itself (Server.compute), spans and metrics. It sees nothing else of the
-// server, so batching reads as one step between validation and a Backend.
-type batchHost interface {
-	hold(e *entry)
-	done(e *entry)
-	acquireSlot(ctx context.Context) error
-	releaseSlot()
-	compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error)
-	startSpan(ctx context.Context, name string) (context.Context, trace.Span)
-	recordBatch(ctx context.Context, calls, tokens int)
-	logger() *slog.Logger
-	backendName() string
+// initMetrics creates the batch size histograms. Instrument errors only
+// degrade telemetry, so they are logged, never fatal.
+func (bt *Backend) initMetrics(m metric.Meter) {
+	if m == nil {
+		m = noop.NewMeterProvider().Meter("")
+	}
+	bt.backendAttr = metric.WithAttributeSet(attribute.NewSet(attribute.String("backend", bt.inner.Name())))
+	sizes := metric.WithExplicitBucketBoundaries(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+	var err error
+	if bt.batchCalls, err = m.Int64Histogram("expertd.batch.calls",
+		metric.WithDescription("FusedMoE calls merged into one backend call by dynamic batching."),
+		metric.WithUnit("{call}"), sizes); err != nil {
+		bt.log.Warn("metric not recorded", slog.String("metric", "expertd.batch.calls"), slog.Any("err", err))
+		bt.batchCalls, _ = noop.NewMeterProvider().Meter("").Int64Histogram("")
+	}
+	if bt.batchTokens, err = m.Int64Histogram("expertd.batch.tokens",
+		metric.WithDescription("Tokens of one backend call made by dynamic batching."),
+		metric.WithUnit("{token}"), sizes); err != nil {
+		bt.log.Warn("metric not recorded", slog.String("metric", "expertd.batch.tokens"), slog.Any("err", err))
+		bt.batchTokens, _ = noop.NewMeterProvider().Meter("").Int64Histogram("")
+	}
 }
 
-// serverHost is the Server as the batcher's host.
-type serverHost struct{ s *Server }
+// Name is the inner backend's.
+func (bt *Backend) Name() string { return bt.inner.Name() }
 
-func (h serverHost) hold(e *entry)                         { h.s.reg.hold(e) }
-func (h serverHost) done(e *entry)                         { h.s.reg.done(e) }
-func (h serverHost) acquireSlot(ctx context.Context) error { return h.s.acquireSlot(ctx) }
-func (h serverHost) releaseSlot()                          { <-h.s.slots }
-func (h serverHost) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
-	return h.s.compute(ctx, setLabel, loaded, req)
-}
-func (h serverHost) startSpan(ctx context.Context, name string) (context.Context, trace.Span) {
-	return h.s.startSpan(ctx, name)
-}
-func (h serverHost) recordBatch(ctx context.Context, calls, tokens int) {
-	h.s.batchCalls.Record(ctx, int64(calls), h.s.backendAttr)
-	h.s.batchTokens.Record(ctx, int64(tokens), h.s.backendAttr)
-}
-func (h serverHost) logger() *slog.Logger { return h.s.log }
-func (h serverHost) backendName() string  { return h.s.backend.Name() }
+// Capabilities are the inner backend's.
+func (bt *Backend) Capabilities() kernels.Capabilities { return bt.inner.Capabilities() }
 
-// newBatcher returns the server's batcher, nil when cfg disables batching.
-func newBatcher(s *Server, cfg Config) *batcher {
-	if cfg.BatchWindow <= 0 {
+// Close closes the inner backend.
+func (bt *Backend) Close() error { return bt.inner.Close() }
+
+// Load makes set resident in the inner backend; the Loaded it returns is
+// what calls merge on.
+func (bt *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+	l, err := bt.inner.Load(ctx, set)
+	if err != nil {
+		return nil, err
+	}
+	return &loaded{Loaded: l, refs: 1, log: bt.log}, nil
+}
+
+// loaded is a set of the inner backend, reference-counted: its owner
+// holds one reference until Close, and every batch of its calls holds one
+// while it exists, since the batch's callers may all leave (and the owner
+// close the set) while its backend call runs.
+type loaded struct {
+	kernels.Loaded
+	log *slog.Logger
+
+	mu   sync.Mutex
+	refs int
+}
+
+func (l *loaded) hold() {
+	l.mu.Lock()
+	l.refs++
+	l.mu.Unlock()
+}
+
+// done drops a reference and closes the inner set with the last one.
+func (l *loaded) done() error {
+	l.mu.Lock()
+	l.refs--
+	last := l.refs == 0
+	l.mu.Unlock()
+	if !last {
 		return nil
 	}
-	n := cfg.BatchMaxTokens
-	if n <= 0 {
-		n = DefaultBatchMaxTokens
-	}
-	if cfg.MaxTokens > 0 {
-		n = min(n, cfg.MaxTokens)
-	}
-	return &batcher{host: serverHost{s}, window: cfg.BatchWindow, maxTokens: n, open: map[batchKey]*batch{}, busy: map[batchKey]*keyState{}}
+	return l.Loaded.Close()
 }
 
-// accepts reports whether req goes through the batcher: batching is on,
-// req leaves room for another call's tokens, and its tensors and output
-// are in host memory (see the comment above).
-func (bt *batcher) accepts(req *kernels.Request) bool {
-	return bt != nil && req.M() < bt.maxTokens && req.Hidden.Memory != moe.Device && req.Logits.Memory != moe.Device && req.OutDev == 0
+// Close drops the owner's reference: the inner set closes now, or when
+// the last batch holding it ends, which logs a failure to close it.
+func (l *loaded) Close() error { return l.done() }
+
+// release ends a batch's hold on l.
+func (l *loaded) release() {
+	if err := l.done(); err != nil {
+		l.log.Error("closing expert set after its last batch", slog.Any("err", err))
+	}
+}
+
+// FusedMoE runs req, merged with compatible calls when it can be.
+func (bt *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+	res, _, err := bt.Run(ctx, set, req)
+	return res, err
+}
+
+// Run is FusedMoE that also reports when the backend call that computed
+// req started (its slot taken, its inputs merged): the caller's time up
+// to then is its wait for its batch and a slot.
+func (bt *Backend) Run(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, time.Time, error) {
+	l, ours := set.(*loaded)
+	if ours && bt.accepts(req) {
+		return bt.do(ctx, l, req)
+	}
+	if ours {
+		set = l.Loaded
+	}
+	return bt.alone(ctx, set, req)
+}
+
+// alone runs req as a backend call of its own on an execution slot. A
+// panicking backend is not recovered: this is the caller's goroutine,
+// whose own recovery sees it.
+func (bt *Backend) alone(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, time.Time, error) {
+	_, span := bt.startSpan(ctx, spanQueue)
+	err := bt.slots.Acquire(ctx)
+	span.End()
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	defer bt.slots.Release()
+	started := time.Now()
+	res, err := bt.inner.FusedMoE(ctx, set, req)
+	return res, started, err
+}
+
+func (bt *Backend) startSpan(ctx context.Context, name string) (context.Context, trace.Span) {
+	return spans.Start(ctx, bt.tracer, name)
+}
+
+// accepts reports whether req can merge with other calls: batching is
+// on, req leaves room for another call's tokens, and its tensors and
+// output are in host memory (see the package comment).
+func (bt *Backend) accepts(req *kernels.Request) bool {
+	return req.M() < bt.maxTokens && req.Hidden.Memory != moe.Device && req.Logits.Memory != moe.Device && req.OutDev == 0
 }
 
 // batchKey is what calls must share to merge.
 type batchKey struct {
-	set    *entry
+	set    *loaded
 	hidden kernels.DType
 	// groupScale marks FP8 hidden states with per-group scales.
 	groupScale bool
@@ -207,18 +322,35 @@ type batchKey struct {
 	out  kernels.DType
 }
 
-func keyOf(e *entry, r *kernels.Request) batchKey {
+func keyOf(l *loaded, r *kernels.Request) batchKey {
 	k := batchKey{
-		set: e, hidden: r.Hidden.DType, logits: r.Logits.DType,
+		set: l, hidden: r.Hidden.DType, logits: r.Logits.DType,
 		topK: r.Routing.TopK, renormalize: r.Routing.Renormalize, scoring: r.Routing.Scoring,
 		groups: r.Routing.NumGroups, topKGroups: r.Routing.TopKGroups, scalingFactor: r.Routing.ScalingFactor,
 		out: r.OutDType,
 	}
 	k.groupScale = groupScale(r)
 	if b := r.Routing.CorrectionBias; b != nil {
-		k.bias = string(float32Bytes(b))
+		// Appending a []float32 cannot fail.
+		bs, _ := binary.Append(nil, binary.LittleEndian, b)
+		k.bias = string(bs)
 	}
 	return k
+}
+
+// timerResolution is the shortest wait a runtime timer keeps on Linux
+// when the process is otherwise idle: the runtime then sleeps in
+// epoll_pwait, whose timeout is whole milliseconds, so a shorter timer
+// fires about a millisecond late. Shorter waits poll instead (pause),
+// which keeps to the window. BenchmarkIdleWait measures both;
+// docs/perf-notes.md ("Dynamic batching") has the figures.
+const timerResolution = time.Millisecond
+
+// keyState is the started batches of one key.
+type keyState struct {
+	running int
+	// idle is closed when running drops to 0.
+	idle chan struct{}
 }
 
 // groupScale reports FP8 hidden states with per-group scales (block mode);
@@ -235,12 +367,12 @@ type batch struct {
 	// when every caller has left.
 	ctx    context.Context
 	cancel context.CancelFunc
-	// start is closed when the batch may run (see batcher.start).
+	// start is closed when the batch may run (see Backend.start).
 	start chan struct{}
 	// merged is closed once the members' inputs have been copied.
 	merged chan struct{}
 
-	// Guarded by batcher.mu.
+	// Guarded by Backend.mu.
 	members []*member
 	tokens  int
 	live    int  // members still waiting for their result
@@ -266,7 +398,7 @@ type member struct {
 // finds b in bt.open (or has just made it), so a batch whose callers all
 // left (leave takes it out of open) or that has been taken is never
 // started.
-func (bt *batcher) start(b *batch) {
+func (bt *Backend) start(b *batch) {
 	if b.started {
 		return
 	}
@@ -285,17 +417,17 @@ func (bt *batcher) start(b *batch) {
 //
 // The batch's own queue and kernel spans are children of the batch span of
 // the call that opened it.
-func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*kernels.Result, time.Time, error) {
-	ctx, span := bt.host.startSpan(ctx, spanBatch)
+func (bt *Backend) do(ctx context.Context, l *loaded, req *kernels.Request) (*kernels.Result, time.Time, error) {
+	ctx, span := bt.startSpan(ctx, spanBatch)
 	defer span.End()
 	m := &member{req: req, done: make(chan struct{})}
-	b, lead := bt.join(ctx, keyOf(e, req), m)
+	b, lead := bt.join(ctx, keyOf(l, req), m)
 	if lead {
 		return bt.lead(ctx, b, m)
 	}
 	select {
 	case <-m.done:
-		setAttrs(span, func() []attribute.KeyValue {
+		spans.SetAttrs(span, func() []attribute.KeyValue {
 			return []attribute.KeyValue{attribute.Int("expertd.batch.calls", m.calls), attribute.Int("expertd.batch.tokens", m.tokens)}
 		})
 		return m.res, m.queued, m.err
@@ -306,12 +438,12 @@ func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*ker
 }
 
 // lead runs b, which m's call opened on an idle key, on that call's
-// goroutine, so a lone call goes from its handler to the backend with no
+// goroutine, so a lone call goes from its caller to the backend with no
 // hand-off to a dispatcher and back. Calls arriving meanwhile join b
 // until it takes its members, as with a dispatcher. The caller's
-// cancellation makes it leave b as in do; its handler then returns when
+// cancellation makes it leave b as in do; its call then returns when
 // the backend call ends, which the batch's other callers may still need.
-func (bt *batcher) lead(ctx context.Context, b *batch, m *member) (*kernels.Result, time.Time, error) {
+func (bt *Backend) lead(ctx context.Context, b *batch, m *member) (*kernels.Result, time.Time, error) {
 	left := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() {
 		bt.leave(b, m)
@@ -331,7 +463,7 @@ func (bt *batcher) lead(ctx context.Context, b *batch, m *member) (*kernels.Resu
 // or the open one has no room. lead reports a batch opened on an idle
 // key, which m's caller runs itself (lead); any other new batch gets a
 // dispatcher goroutine.
-func (bt *batcher) join(ctx context.Context, key batchKey, m *member) (b *batch, lead bool) {
+func (bt *Backend) join(ctx context.Context, key batchKey, m *member) (b *batch, lead bool) {
 	n := m.req.M()
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
@@ -346,7 +478,7 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) (b *batch,
 		b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(ctx))
 		// The batch holds the set itself: its callers may all leave
 		// while the backend call runs, and the set must outlive it.
-		bt.host.hold(key.set)
+		key.set.hold()
 		bt.open[key] = b
 		if bt.busy[key] == nil {
 			// Idle key: nobody's batch to wait for. The batch stays open
@@ -369,7 +501,7 @@ func (bt *batcher) join(ctx context.Context, key batchKey, m *member) (b *batch,
 }
 
 // leave takes m out of b after its caller gave up.
-func (bt *batcher) leave(b *batch, m *member) {
+func (bt *Backend) leave(b *batch, m *member) {
 	bt.mu.Lock()
 	b.live--
 	closed := b.closed
@@ -395,12 +527,9 @@ func (bt *batcher) leave(b *batch, m *member) {
 	}
 }
 
-// flush starts every open batch (Shutdown: a drain should not wait for
-// running batches and windows).
-func (bt *batcher) flush() {
-	if bt == nil {
-		return
-	}
+// Flush starts every open batch: a drain should not wait for running
+// batches and windows.
+func (bt *Backend) Flush() {
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
 	for _, b := range bt.open {
@@ -409,7 +538,7 @@ func (bt *batcher) flush() {
 }
 
 // take closes b to joins and departures and returns its members.
-func (bt *batcher) take(b *batch) []*member {
+func (bt *Backend) take(b *batch) []*member {
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
 	if bt.open[b.key] == b {
@@ -420,13 +549,9 @@ func (bt *batcher) take(b *batch) []*member {
 	return b.members
 }
 
-// Batched is the number of FusedMoE calls waiting in the batcher for their
-// batch's backend call to start.
-func (s *Server) Batched() int {
-	bt := s.batch
-	if bt == nil {
-		return 0
-	}
+// Waiting is the number of calls waiting in batches for their backend
+// call to start.
+func (bt *Backend) Waiting() int {
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
 	return bt.waiting
@@ -434,15 +559,14 @@ func (s *Server) Batched() int {
 
 // dispatch runs batch b: wait to start, execution slot, merge, backend
 // call, split.
-func (bt *batcher) dispatch(b *batch) {
-	h := bt.host
-	defer h.done(b.key.set)
+func (bt *Backend) dispatch(b *batch) {
+	defer b.key.set.release()
 	defer b.cancel()
 	defer bt.finish(b)
 	var err error
 	if bt.await(b) {
-		_, span := h.startSpan(b.ctx, spanQueue)
-		err = h.acquireSlot(b.ctx)
+		_, span := bt.startSpan(b.ctx, spanQueue)
+		err = bt.slots.Acquire(b.ctx)
 		span.End()
 	} else {
 		err = b.ctx.Err()
@@ -454,8 +578,8 @@ func (bt *batcher) dispatch(b *batch) {
 		close(b.merged)
 	case len(members) == 1:
 		// A batch of one runs its call's own request: no copy of the
-		// inputs, and the output goes where the handler put it (a
-		// recycled buffer, output_shm). Its caller's buffers are read
+		// inputs, and the output goes where its caller put it
+		// (Request.Out, OutDev). Its caller's buffers are read
 		// until the backend call ends, so a caller that leaves waits
 		// for that (leave) instead of for the merge.
 		req = members[0].req
@@ -477,13 +601,13 @@ func (bt *batcher) dispatch(b *batch) {
 		return
 	}
 	if len(members) == 0 {
-		h.releaseSlot()
+		bt.slots.Release()
 		return
 	}
 	queued := time.Now()
-	h.recordBatch(b.ctx, len(members), req.M())
-	loaded := b.key.set.loaded
-	res, err := bt.compute(b.ctx, b.key.set.info.GetName(), loaded, req)
+	bt.batchCalls.Record(b.ctx, int64(len(members)), bt.backendAttr)
+	bt.batchTokens.Record(b.ctx, int64(req.M()), bt.backendAttr)
+	res, err := bt.compute(b.ctx, b.key.set.Loaded, req)
 	if err != nil {
 		for _, m := range members {
 			m.queued, m.err = queued, err
@@ -508,7 +632,7 @@ func (bt *batcher) dispatch(b *batch) {
 // and one small batch alternating, and a small batch costs as much per
 // token as no batching on the CPU. Joins, flush, or a full batch may start
 // it sooner.
-func (bt *batcher) await(b *batch) bool {
+func (bt *Backend) await(b *batch) bool {
 	for {
 		bt.mu.Lock()
 		started, st := b.started, bt.busy[b.key]
@@ -546,7 +670,7 @@ func (bt *batcher) await(b *batch) bool {
 // timerResolution it polls, yielding to other goroutines between looks,
 // since a timer would take a millisecond or more: at most d of one core
 // per batch that waited for a running one.
-func (bt *batcher) pause(b *batch, d time.Duration) {
+func (bt *Backend) pause(b *batch, d time.Duration) {
 	if d >= timerResolution {
 		t := time.NewTimer(d)
 		defer t.Stop()
@@ -570,7 +694,7 @@ func (bt *batcher) pause(b *batch, d time.Duration) {
 
 // finish ends b's count in its key's busy state, if it was started; by
 // then b has been taken, so it cannot start later.
-func (bt *batcher) finish(b *batch) {
+func (bt *Backend) finish(b *batch) {
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
 	if !b.started {
@@ -583,18 +707,19 @@ func (bt *batcher) finish(b *batch) {
 	}
 }
 
-// compute is Server.compute for a batch. A panicking backend (already
-// counted as a fault by run) becomes an error for every caller: the
-// daemon's recovery middleware does not see this goroutine, and one bad
-// call must not take the daemon down.
-func (bt *batcher) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (res *kernels.Result, err error) {
+// compute is a batch's backend call, made holding its execution slot,
+// which it releases. A panicking backend becomes an error for every
+// caller: the daemon's recovery middleware does not see a dispatcher's
+// goroutine, and one bad call must not take the daemon down.
+func (bt *Backend) compute(ctx context.Context, set kernels.Loaded, req *kernels.Request) (res *kernels.Result, err error) {
+	defer bt.slots.Release()
 	defer func() {
 		if p := recover(); p != nil {
-			bt.host.logger().ErrorContext(ctx, "backend panicked in a batched call", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
-			res, err = nil, fmt.Errorf("backend %s panicked: %v", bt.host.backendName(), p)
+			bt.log.ErrorContext(ctx, "backend panicked in a batched call", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			res, err = nil, fmt.Errorf("backend %s panicked: %v", bt.inner.Name(), p)
 		}
 	}()
-	return bt.host.compute(ctx, setLabel, loaded, req)
+	return bt.inner.FusedMoE(ctx, set, req)
 }
 
 // mergeRequests is one request with every member's tokens in member order.
@@ -613,7 +738,7 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 	}
 	// Out stays nil: the backend allocates the merged output, which
 	// splitResult hands out as views, so no part of it may go back to a
-	// pool (the members' own Out buffers go unused; their handlers see
+	// pool (the members' own Out buffers go unused; their callers see
 	// that the output is not theirs).
 	out := &kernels.Request{
 		Hidden:   kernels.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: pool.Get(hiddenBytes)[:0]},
