@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/expertd/expertd/internal/capfile"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -506,7 +507,7 @@ func (s *Server) loadAssembled(ctx context.Context, f *stFile, src *pb.LoadExper
 			return nil, invalidf("safetensors.path", "%s/config.json gives a routing the set cannot take: %v", Quote(src.GetPath()), err)
 		}
 	}
-	info, err := s.commitRouted(ctx, src.GetName(), a.set, a.bytes, fingerprint(a.bufs), hint, rt, src.GetOverwrite())
+	info, err := s.commitRouted(ctx, src.GetName(), a.set, a.bytes, moe.Fingerprint(a.bufs), hint, rt, src.GetOverwrite())
 	if err != nil {
 		return nil, err
 	}

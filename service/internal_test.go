@@ -282,7 +282,7 @@ func FuzzDecodeTensor(f *testing.F) {
 		}
 		switch m.dtype {
 		case kernels.Float32:
-			if v, err := decodeScales("t", data); err == nil {
+			if v, err := moe.DecodeScales("t", data); err == nil {
 				for _, x := range v {
 					if !(x > 0) || math.IsInf(float64(x), 0) {
 						t.Fatalf("accepted scale %v", x)

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -99,15 +100,15 @@ func weightGranularity(src *pb.LoadExpertsRequest_SafetensorsSource) (scaling.Gr
 
 // scalesPerExpert is how many scales g gives one expert's rows x cols
 // matrix, and the set's scale shape for e experts.
-func scalesPerExpert(g scaling.Granularity, e, rows, cols int, block [2]int) (int, []int64) {
+func scalesPerExpert(g scaling.Granularity, e, rows, cols int, block [2]int) (int, []int) {
 	switch g {
 	case scaling.PerChannel:
-		return rows, []int64{int64(e), int64(rows)}
+		return rows, []int{e, rows}
 	case scaling.Block:
 		nb, kb := ceilDiv(rows, block[0]), ceilDiv(cols, block[1])
-		return nb * kb, []int64{int64(e), int64(nb), int64(kb)}
+		return nb * kb, []int{e, nb, kb}
 	}
-	return 1, []int64{int64(e)} // one per expert: the set's per-expert form
+	return 1, []int{e} // one per expert: the set's per-expert form
 }
 
 // halfMatrix is one of an expert's two matrices: its parts' tensor names
@@ -116,7 +117,7 @@ type halfMatrix struct {
 	names  func(e int) []projection
 	rows   []int
 	cols   int
-	buf    int // tW13 or tW2
+	buf    int // moe.SetW13 or moe.SetW2
 	scales []float32
 	per    int
 }
@@ -136,27 +137,22 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 		r += x
 	}
 	mats := []*halfMatrix{
-		{names: func(e int) []projection { return lay(e).w13 }, rows: rows, cols: k, buf: tW13},
-		{names: func(e int) []projection { return []projection{lay(e).w2} }, rows: []int{k}, cols: n, buf: tW2},
+		{names: func(e int) []projection { return lay(e).w13 }, rows: rows, cols: k, buf: moe.SetW13},
+		{names: func(e int) []projection { return []projection{lay(e).w2} }, rows: []int{k}, cols: n, buf: moe.SetW2},
 	}
 	per13, s13Shape := scalesPerExpert(g, numE, r, k, block)
 	per2, s2Shape := scalesPerExpert(g, numE, k, n, block)
 	mats[0].per, mats[1].per = per13, per2
 	mats[0].scales, mats[1].scales = make([]float32, numE*per13), make([]float32, numE*per2)
-	scaleDecl := func(shape []int64) *pb.Tensor {
-		return &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: shape}
-	}
-	w := &pb.ExpertWeights{
-		Activation: lay(0).act,
-		W13:        &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{int64(numE), int64(r), int64(k)}},
-		W2:         &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{int64(numE), int64(k), int64(n)}},
-		W13Scale:   scaleDecl(s13Shape),
-		W2Scale:    scaleDecl(s2Shape),
-	}
+	d := &moe.SetDecl{Activation: moe.Activation(lay(0).act)}
+	d.Tensors[moe.SetW13] = fp8Decl(numE, r, k)
+	d.Tensors[moe.SetW2] = fp8Decl(numE, k, n)
+	d.Tensors[moe.SetW13Scale] = scaleDecl(nil, s13Shape...)
+	d.Tensors[moe.SetW2Scale] = scaleDecl(nil, s2Shape...)
 	if g == scaling.Block {
-		w.WeightBlockShape = []int32{int32(block[0]), int32(block[1])}
+		d.BlockShape = block[:]
 	}
-	l, a, err := reserveSet(w, reg)
+	l, a, err := reserveSet(d, reg)
 	if err != nil {
 		return nil, err
 	}
@@ -214,11 +210,11 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 		a.release()
 		return nil, err
 	}
-	a.bufs[tW13Scale] = float32Bytes(mats[0].scales)
-	a.bufs[tW2Scale] = float32Bytes(mats[1].scales)
-	if a.set, err = buildSet("safetensors", l, a.bufs); err != nil {
+	a.bufs[moe.SetW13Scale] = moe.Float32Bytes(mats[0].scales)
+	a.bufs[moe.SetW2Scale] = moe.Float32Bytes(mats[1].scales)
+	if a.set, err = l.Build("safetensors", a.bufs); err != nil {
 		a.release()
-		return nil, err
+		return nil, fromModel(err)
 	}
 	return a, nil
 }

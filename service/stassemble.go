@@ -6,17 +6,18 @@ import (
 	"slices"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
 // maxExperts bounds expert counting in a file.
-const maxExperts = 1 << 16
+const maxExperts = moe.MaxExperts
 
 // assembled is an expert set read from a safetensors file, holding a
 // reservation of bytes until release (a no-op once committed).
 type assembled struct {
 	set       *kernels.ExpertSet
-	bufs      [numTensors][]byte
+	bufs      [moe.SetTensors][]byte
 	bytes     int64
 	reg       *registry
 	committed bool
@@ -28,21 +29,36 @@ func (a *assembled) release() {
 	}
 }
 
-// reserveSet validates the set w declares, as a client's would be, and
+// reserveSet validates the set d declares, as a client's would be, and
 // reserves its bytes in reg, with its weight buffers allocated for the
 // reads to fill.
-func reserveSet(w *pb.ExpertWeights, reg *registry) (*layout, *assembled, error) {
-	l, err := checkLayout("safetensors", w)
+func reserveSet(d *moe.SetDecl, reg *registry) (*moe.Layout, *assembled, error) {
+	l, err := moe.CheckLayout("safetensors", d)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, fromModel(err)
 	}
-	a := &assembled{bytes: l.totalBytes(), reg: reg}
+	a := &assembled{bytes: l.TotalBytes(), reg: reg}
 	if err := reg.reserve("safetensors", a.bytes); err != nil {
 		return nil, nil, err
 	}
-	a.bufs[tW13] = make([]byte, l.metas[tW13].bytes)
-	a.bufs[tW2] = make([]byte, l.metas[tW2].bytes)
+	a.bufs[moe.SetW13] = make([]byte, l.Tensors[moe.SetW13].Bytes)
+	a.bufs[moe.SetW2] = make([]byte, l.Tensors[moe.SetW2].Bytes)
 	return l, a, nil
+}
+
+// scaleDecl declares a Float32 scale tensor of the given shape holding v
+// (nil for no values yet).
+func scaleDecl(v []float32, shape ...int) *moe.Tensor {
+	t := &moe.Tensor{DType: moe.Float32, Shape: shape}
+	if v != nil {
+		t.Data = moe.Float32Bytes(v)
+	}
+	return t
+}
+
+// fp8Decl declares an FP8 E4M3FN weight tensor of the given shape.
+func fp8Decl(shape ...int) *moe.Tensor {
+	return &moe.Tensor{DType: moe.Float8E4M3FN, Shape: shape}
 }
 
 // scaleForm is how one projection's per-expert weight scale is laid out.
@@ -77,7 +93,7 @@ func classify(shape []int64, rows, cols int, block [2]int) (scaleForm, bool) {
 // are stacked row-wise (gate then up), each of parts[p] rows and cols
 // columns. It returns the combined scale's shape (with the expert
 // dimension) and values.
-func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []int, cols int, block [2]int) ([]int64, []float32, bool, error) {
+func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []int, cols int, block [2]int) ([]int, []float32, bool, error) {
 	var form scaleForm
 	vals := make([][][]float32, numE) // [expert][part]
 	for e := range numE {
@@ -129,7 +145,7 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 			for e := range vals {
 				out = append(out, vals[e][0][0])
 			}
-			return []int64{int64(numE)}, out, false, nil
+			return []int{numE}, out, false, nil
 		}
 		// Gate and up scaled differently: exact as one scale per row.
 		for e := range vals {
@@ -139,14 +155,14 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 				}
 			}
 		}
-		return []int64{int64(numE), int64(totalRows)}, out, false, nil
+		return []int{numE, totalRows}, out, false, nil
 	case formChannel:
 		for e := range vals {
 			for _, v := range vals[e] {
 				out = append(out, v...)
 			}
 		}
-		return []int64{int64(numE), int64(totalRows)}, out, false, nil
+		return []int{numE, totalRows}, out, false, nil
 	}
 	// Stacked parts keep their tiles only if each part but the last ends on
 	// a block boundary.
@@ -160,7 +176,7 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 			out = append(out, v...)
 		}
 	}
-	return []int64{int64(numE), int64(ceilDiv(totalRows, block[0])), int64(ceilDiv(cols, block[1]))}, out, true, nil
+	return []int{numE, ceilDiv(totalRows, block[0]), ceilDiv(cols, block[1])}, out, true, nil
 }
 
 // inputScales gathers static input scales of the given projections: one
@@ -319,28 +335,21 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 	}
 
 	// Declare the set as a client would and validate it the one way.
-	fp8 := func(shape ...int64) *pb.Tensor {
-		return &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: shape}
+	d := &moe.SetDecl{Activation: moe.Activation(l0.act)}
+	d.Tensors[moe.SetW13] = fp8Decl(numE, r, k)
+	d.Tensors[moe.SetW2] = fp8Decl(numE, k, n)
+	d.Tensors[moe.SetW13Scale] = scaleDecl(s13, s13Shape...)
+	d.Tensors[moe.SetW2Scale] = scaleDecl(s2, s2Shape...)
+	if a13 != nil {
+		d.Tensors[moe.SetA13Scale] = scaleDecl(a13, numE)
 	}
-	f32 := func(v []float32, shape ...int64) *pb.Tensor {
-		if v == nil {
-			return nil
-		}
-		return &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: shape, Source: &pb.Tensor_Data{Data: float32Bytes(v)}}
-	}
-	w := &pb.ExpertWeights{
-		Activation: l0.act,
-		W13:        fp8(int64(numE), int64(r), int64(k)),
-		W2:         fp8(int64(numE), int64(k), int64(n)),
-		W13Scale:   f32(s13, s13Shape...),
-		W2Scale:    f32(s2, s2Shape...),
-		A13Scale:   f32(a13, int64(numE)),
-		A2Scale:    f32(a2, int64(numE)),
+	if a2 != nil {
+		d.Tensors[moe.SetA2Scale] = scaleDecl(a2, numE)
 	}
 	if b13 || b2 {
-		w.WeightBlockShape = []int32{int32(block[0]), int32(block[1])}
+		d.BlockShape = block[:]
 	}
-	l, a, err := reserveSet(w, reg)
+	l, a, err := reserveSet(d, reg)
 	if err != nil {
 		return nil, err
 	}
@@ -354,25 +363,25 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		}
 		at := e * r * k
 		for p, pr := range lay(e).w13 {
-			if err := f.readInto(pr.weight, "F8_E4M3", a.bufs[tW13][at:at+rows[p]*k]); err != nil {
+			if err := f.readInto(pr.weight, "F8_E4M3", a.bufs[moe.SetW13][at:at+rows[p]*k]); err != nil {
 				a.release()
 				return nil, wrap(err)
 			}
 			at += rows[p] * k
 		}
-		if err := f.readInto(lay(e).w2.weight, "F8_E4M3", a.bufs[tW2][e*k*n:(e+1)*k*n]); err != nil {
+		if err := f.readInto(lay(e).w2.weight, "F8_E4M3", a.bufs[moe.SetW2][e*k*n:(e+1)*k*n]); err != nil {
 			a.release()
 			return nil, wrap(err)
 		}
 	}
-	for i, t := range weightTensors(w) {
-		if i != tW13 && i != tW2 && t != nil {
-			a.bufs[i] = t.GetData()
+	for i, t := range d.Tensors {
+		if i != moe.SetW13 && i != moe.SetW2 && t != nil {
+			a.bufs[i] = t.Data
 		}
 	}
-	if a.set, err = buildSet("safetensors", l, a.bufs); err != nil {
+	if a.set, err = l.Build("safetensors", a.bufs); err != nil {
 		a.release()
-		return nil, err
+		return nil, fromModel(err)
 	}
 	return a, nil
 }
