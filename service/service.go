@@ -20,6 +20,7 @@ import (
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/weights"
 )
 
 // Config bounds what the service accepts. The zero value is usable: no
@@ -113,7 +114,7 @@ type Server struct {
 	log     *slog.Logger
 	reg     *registry
 	// weights is where loads open safetensors files and checkpoints.
-	weights weightsDir
+	weights weights.Dir
 	// slots is a semaphore of cfg.MaxConcurrent execution slots.
 	slots chan struct{}
 	// queued counts calls waiting for a slot, bounded by cfg.MaxQueued.
@@ -187,7 +188,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 	}
 	s := &Server{
 		cfg:     cfg,
-		weights: weightsDir(cfg.WeightsDir),
+		weights: weights.Dir(cfg.WeightsDir),
 		backend: backend,
 		log:     logger,
 		reg:     newRegistry(cfg.MaxLoadedBytes),
