@@ -406,11 +406,11 @@ func (l *Loader) loadCheckpoint(ctx context.Context, src *Source, subset ExpertS
 	// A layer of a large checkpoint takes seconds to read; the log shows
 	// each one start and end (with "expert set loaded").
 	began := time.Now()
-	l.Log.InfoContext(ctx, "reading expert set from checkpoint", slog.String("name", src.Name), slog.String("path", clip.To(dir, clip.Quoted)),
+	l.log().InfoContext(ctx, "reading expert set from checkpoint", slog.String("name", src.Name), slog.String("path", clip.To(dir, clip.Quoted)),
 		slog.Int("layer", src.Layer), slog.Int("shards", len(f.r.(*multiReaderAt).parts)), slog.Int("tensors", len(f.tensors)))
 	set, err := l.read(ctx, f, src, subset, rt, topK)
 	if err == nil {
-		l.Log.InfoContext(ctx, "checkpoint layer read", slog.String("name", src.Name), slog.Duration("took", time.Since(began)))
+		l.log().InfoContext(ctx, "checkpoint layer read", slog.String("name", src.Name), slog.Duration("took", time.Since(began)))
 	}
 	return set, err
 }

@@ -15,8 +15,17 @@ type Loader struct {
 	Budget Budget
 	// Quantizer quantizes BF16 and F16 weights; nil quantizes on the host.
 	Quantizer HalfQuantizer
-	// Log tells when a checkpoint layer's long read starts and ends.
+	// Log tells when a checkpoint layer's long read starts and ends; nil
+	// discards.
 	Log *slog.Logger
+}
+
+// log is l.Log, or a logger that discards without one.
+func (l *Loader) log() *slog.Logger {
+	if l.Log == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return l.Log
 }
 
 // Budget is a daemon-wide byte cap. Reserve takes n bytes or fails with
