@@ -216,9 +216,10 @@ func assemble(ctx context.Context, f *stFile, src *Source, subset ExpertSubset, 
 			return nil, wrap(fmt.Errorf("no tensor named %s for layer %d", quote(lay(0).w13[0].weight), src.Layer))
 		}
 	}
-	// Static input scales reduce to their max over the layer (as the
-	// service does with an [E] scale), so a subset takes the whole file's
-	// max and quantizes exactly as a set of every expert would.
+	// Static input scales reduce to their max over the layer (as
+	// moe.Layout.Build does with an [E] scale), so a subset takes the
+	// whole file's max and quantizes exactly as a set of every expert
+	// would.
 	var a13All, a2All []float32
 	if subset != nil {
 		var err error

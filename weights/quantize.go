@@ -45,10 +45,11 @@ var quantStaging = semaphore.NewWeighted(maxQuantStaging)
 
 // HalfQuantizer is what a backend implements to quantize half-precision
 // checkpoint weights itself (on its device, for instance) instead of on
-// the host; the loader uses it when the backend has it, and the CPU path
-// otherwise. QuantizeHalf quantizes one expert's row-major [rows, cols]
-// matrix, src holding its little-endian BFloat16 or Float16 values (dt),
-// into dst's rows·cols E4M3FN codes, and writes its scales to scales:
+// the host; the service hands it to a Loader when the backend has it,
+// and the CPU path runs otherwise. QuantizeHalf quantizes one expert's
+// row-major [rows, cols] matrix, src holding its little-endian BFloat16 or
+// Float16 values (dt), into dst's rows·cols E4M3FN codes, and writes its
+// scales to scales:
 // amax/448 clamped to scaling.MinScale over each group of g (1 value for
 // scaling.PerTensor, rows for PerChannel, ceil(rows/Bn)·ceil(cols/Bk) for
 // Block), encoded as the scaling package encodes. The loader calls it from
