@@ -2,12 +2,7 @@ package service
 
 import (
 	"bytes"
-	"context"
-	"encoding/binary"
-	"errors"
 	"math"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -18,7 +13,6 @@ import (
 
 	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/kernels"
-	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
@@ -370,44 +364,4 @@ func FuzzQuote(f *testing.F) {
 			t.Fatalf("Quote(%.100q) quotes %.100q", s, u)
 		}
 	})
-}
-
-// TestLoadSafetensorsCancelled: a load whose context has ended (deadline,
-// cancellation, or the drain, which cancels it) stops before reading
-// experts and gives its reservation back.
-func TestLoadSafetensorsCancelled(t *testing.T) {
-	dir := t.TempDir()
-	// One Nemotron-H expert of FP8 [2, 2] weights with unit scales.
-	js := `{"backbone.layers.0.mixer.experts.0.up_proj.weight":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},` +
-		`"backbone.layers.0.mixer.experts.0.down_proj.weight":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[4,8]},` +
-		`"backbone.layers.0.mixer.experts.0.up_proj.weight_scale":{"dtype":"F32","shape":[],"data_offsets":[8,12]},` +
-		`"backbone.layers.0.mixer.experts.0.down_proj.weight_scale":{"dtype":"F32","shape":[],"data_offsets":[12,16]}}`
-	b := append(binary.LittleEndian.AppendUint64(nil, uint64(len(js))), js...)
-	b = append(b, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0, 0, 0x80, 0x3f, 0, 0, 0x80, 0x3f)
-	if err := os.WriteFile(filepath.Join(dir, "one.safetensors"), b, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	// The backend ignores the context, so only the loader's own checks
-	// can stop the load.
-	s := New(Config{WeightsDir: dir}, ctxBlind{cpu.New(kernels.Config{})}, nil)
-	src := &pb.LoadExpertsRequest_SafetensorsSource{Name: "one", Path: "one.safetensors", Preset: pb.NamingPreset_NAMING_PRESET_NEMOTRON_H}
-	if _, err := s.loadSafetensors(context.Background(), src, nil); err != nil {
-		t.Fatalf("the file does not load: %v", err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	src.Name = "two"
-	if _, err := s.loadSafetensors(ctx, src, nil); !errors.Is(err, context.Canceled) {
-		t.Errorf("cancelled load: %v, want context.Canceled", err)
-	}
-	if got, want := s.LoadedBytes(), s.reg.sets["one"].bytes; got != want {
-		t.Errorf("LoadedBytes %d after the cancelled load, want %d (the first set's)", got, want)
-	}
-}
-
-// ctxBlind is a backend whose Load ignores its context.
-type ctxBlind struct{ kernels.Backend }
-
-func (b ctxBlind) Load(_ context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
-	return b.Backend.Load(context.Background(), set)
 }

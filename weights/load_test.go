@@ -59,14 +59,19 @@ func writeNemotron(t *testing.T, dir, name string) {
 	}
 }
 
-// TestLoad: a set read from a file holds its bytes in the budget until
-// Release, and Keep hands them over.
-func TestLoad(t *testing.T) {
+// oneExpert is a Loader of a directory holding writeNemotron's file, its
+// budget, and the file's source.
+func oneExpert(t *testing.T) (*weights.Loader, *budget, *weights.Source) {
 	dir := t.TempDir()
 	writeNemotron(t, dir, "one.safetensors")
 	b := &budget{max: 1 << 20}
-	l := &weights.Loader{Dir: weights.Dir(dir), Budget: b}
-	src := &weights.Source{Path: "one.safetensors", Preset: weights.NemotronH}
+	return &weights.Loader{Dir: weights.Dir(dir), Budget: b}, b, &weights.Source{Path: "one.safetensors", Preset: weights.NemotronH}
+}
+
+// TestLoad: a set read from a file holds its bytes in the budget until
+// Release, and Keep hands them over.
+func TestLoad(t *testing.T) {
+	l, b, src := oneExpert(t)
 	set, err := l.Load(context.Background(), src, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -90,14 +95,21 @@ func TestLoad(t *testing.T) {
 	if b.held != 16 {
 		t.Errorf("%d bytes held after a second set's Release, want the first set's 16", b.held)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	if _, err := l.Load(ctx, src, nil); !errors.Is(err, context.Canceled) || b.held != 16 {
-		t.Errorf("cancelled load: %v with %d bytes held, want context.Canceled with 16", err, b.held)
-	}
 	b.max = 20
 	if _, err := l.Load(context.Background(), src, nil); !errors.Is(err, errFull) || b.held != 16 {
 		t.Errorf("load over the budget: %v with %d bytes held, want the budget's error with 16", err, b.held)
+	}
+}
+
+// TestLoadCancelled: a load whose context has ended (deadline,
+// cancellation, or the daemon's drain, which cancels it) stops before
+// reading experts and gives its reservation back.
+func TestLoadCancelled(t *testing.T) {
+	l, b, src := oneExpert(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := l.Load(ctx, src, nil); !errors.Is(err, context.Canceled) || b.held != 0 {
+		t.Errorf("cancelled load: %v with %d bytes held, want context.Canceled with none", err, b.held)
 	}
 }
 
