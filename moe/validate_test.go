@@ -9,11 +9,7 @@ import (
 )
 
 func f32Tensor(v []float32, shape ...int) *Tensor {
-	b := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
-	}
-	return &Tensor{DType: Float32, Shape: shape, Data: b}
+	return &Tensor{DType: Float32, Shape: shape, Data: Float32Bytes(v)}
 }
 
 // TestHiddenScaleAt: the one indexing rule of FP8 hidden scales.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -150,13 +149,4 @@ func checkLen(field, s string, max int) error {
 		return invalidf(field, "%s: %d bytes, want at most %d", Quote(s), len(s), max)
 	}
 	return nil
-}
-
-// quoteAll is Quote of each of ss, for a message listing them.
-func quoteAll(ss []string) string {
-	q := make([]string, len(ss))
-	for i, s := range ss {
-		q[i] = Quote(s)
-	}
-	return "[" + strings.Join(q, " ") + "]"
 }

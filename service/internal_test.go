@@ -2,13 +2,7 @@ package service
 
 import (
 	"bytes"
-	"context"
-	"encoding/binary"
-	"errors"
-	"fmt"
 	"math"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -19,7 +13,6 @@ import (
 
 	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/kernels"
-	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
@@ -70,32 +63,6 @@ func TestCoverage(t *testing.T) {
 			}
 		})
 	}
-}
-
-// FuzzParseSafetensors checks the header parser never panics and that
-// every offset it accepts lies inside the file.
-func FuzzParseSafetensors(f *testing.F) {
-	js := `{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":"v"}}`
-	f.Add(append(append(binary.LittleEndian.AppendUint64(nil, uint64(len(js))), js...), make([]byte, 8)...))
-	f.Add([]byte("\x02\x00\x00\x00\x00\x00\x00\x00{}"))
-	f.Add([]byte("\xff\xff\xff\xff\xff\xff\xff\xff"))
-	f.Add([]byte("\x08\x00\x00\x00\x00\x00\x00\x00{}      "))
-	f.Add([]byte("\x04\x00\x00\x00\x00\x00\x00\x00{}{}"))
-	f.Add([]byte("\x0d\x00\x00\x00\x00\x00\x00\x00{\"a\":1,\"a\":2}"))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		st, err := parseSafetensors(bytes.NewReader(b), int64(len(b)))
-		if err != nil {
-			return
-		}
-		for name, tt := range st.tensors {
-			if tt.DataOffsets[0] < 0 || tt.DataOffsets[1] < tt.DataOffsets[0] || st.base+tt.DataOffsets[1] > int64(len(b)) {
-				t.Errorf("tensor %q: accepted offsets %v outside the file", name, tt.DataOffsets)
-			}
-			if _, _, err := st.read(name, "F8_E4M3", "F32", "BF16"); err == nil && st.base+tt.DataOffsets[1] > int64(len(b)) {
-				t.Errorf("tensor %q read past the end", name)
-			}
-		}
-	})
 }
 
 // FuzzCheckRequest feeds arbitrary FusedMoERequest bytes to the validator:
@@ -282,7 +249,7 @@ func FuzzDecodeTensor(f *testing.F) {
 		}
 		switch m.dtype {
 		case kernels.Float32:
-			if v, err := decodeScales("t", data); err == nil {
+			if v, err := moe.DecodeScales("t", data); err == nil {
 				for _, x := range v {
 					if !(x > 0) || math.IsInf(float64(x), 0) {
 						t.Fatalf("accepted scale %v", x)
@@ -397,73 +364,4 @@ func FuzzQuote(f *testing.F) {
 			t.Fatalf("Quote(%.100q) quotes %.100q", s, u)
 		}
 	})
-}
-
-// TestParseSafetensorsMemory: parsing streams the header, so it allocates
-// about what the parsed entries hold, not copies of the whole header (the
-// issue 14 probe's 26 MB header took RSS from 24 to 191 MB).
-func TestParseSafetensorsMemory(t *testing.T) {
-	var hdr strings.Builder
-	hdr.WriteString(`{"__metadata__":{"pad":"` + strings.Repeat("x", 8<<20) + `"}`)
-	for i := range 2000 {
-		fmt.Fprintf(&hdr, `,"model.layers.0.mlp.experts.%d.up_proj.weight":{"dtype":"F8_E4M3","shape":[1,1],"data_offsets":[0,1]}`, i)
-	}
-	hdr.WriteString("}")
-	b := append(binary.LittleEndian.AppendUint64(nil, uint64(hdr.Len())), hdr.String()...)
-	b = append(b, 0)
-	r := bytes.NewReader(b)
-	allocs := testing.Benchmark(func(tb *testing.B) {
-		for range tb.N {
-			if _, err := parseSafetensors(r, int64(len(b))); err != nil {
-				tb.Fatal(err)
-			}
-		}
-	}).AllocedBytesPerOp()
-	// The header's bytes, once, and the 2000 small entries; a second
-	// copy of the header (json.RawMessage values, the metadata kept as a
-	// string) would double it.
-	t.Logf("a %d-byte header: %d bytes allocated", hdr.Len(), allocs)
-	if limit := int64(hdr.Len()) * 3 / 2; allocs > limit {
-		t.Errorf("parsing a %d-byte header allocates %d bytes, want at most %d", hdr.Len(), allocs, limit)
-	}
-}
-
-// TestLoadSafetensorsCancelled: a load whose context has ended (deadline,
-// cancellation, or the drain, which cancels it) stops before reading
-// experts and gives its reservation back.
-func TestLoadSafetensorsCancelled(t *testing.T) {
-	dir := t.TempDir()
-	// One Nemotron-H expert of FP8 [2, 2] weights with unit scales.
-	js := `{"backbone.layers.0.mixer.experts.0.up_proj.weight":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},` +
-		`"backbone.layers.0.mixer.experts.0.down_proj.weight":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[4,8]},` +
-		`"backbone.layers.0.mixer.experts.0.up_proj.weight_scale":{"dtype":"F32","shape":[],"data_offsets":[8,12]},` +
-		`"backbone.layers.0.mixer.experts.0.down_proj.weight_scale":{"dtype":"F32","shape":[],"data_offsets":[12,16]}}`
-	b := append(binary.LittleEndian.AppendUint64(nil, uint64(len(js))), js...)
-	b = append(b, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0, 0, 0x80, 0x3f, 0, 0, 0x80, 0x3f)
-	if err := os.WriteFile(filepath.Join(dir, "one.safetensors"), b, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	// The backend ignores the context, so only the loader's own checks
-	// can stop the load.
-	s := New(Config{WeightsDir: dir}, ctxBlind{cpu.New(kernels.Config{})}, nil)
-	src := &pb.LoadExpertsRequest_SafetensorsSource{Name: "one", Path: "one.safetensors", Preset: pb.NamingPreset_NAMING_PRESET_NEMOTRON_H}
-	if _, err := s.loadSafetensors(context.Background(), src, nil); err != nil {
-		t.Fatalf("the file does not load: %v", err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	src.Name = "two"
-	if _, err := s.loadSafetensors(ctx, src, nil); !errors.Is(err, context.Canceled) {
-		t.Errorf("cancelled load: %v, want context.Canceled", err)
-	}
-	if got, want := s.LoadedBytes(), s.reg.sets["one"].bytes; got != want {
-		t.Errorf("LoadedBytes %d after the cancelled load, want %d (the first set's)", got, want)
-	}
-}
-
-// ctxBlind is a backend whose Load ignores its context.
-type ctxBlind struct{ kernels.Backend }
-
-func (b ctxBlind) Load(_ context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
-	return b.Backend.Load(context.Background(), set)
 }

@@ -2,7 +2,6 @@ package service
 
 import (
 	"context"
-	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -16,6 +15,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -92,7 +92,7 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 			return nil, invalidf("header.weights."+tensorNames[i], "carries data; the header declares dtype and shape only, chunks carry the bytes")
 		}
 	}
-	total := l.totalBytes()
+	total := l.TotalBytes()
 	if h.GetTotalBytes() != total {
 		return nil, invalidf("header.total_bytes", "%d: the declared tensors hold %d bytes", h.GetTotalBytes(), total)
 	}
@@ -111,15 +111,15 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 			s.reg.release(total)
 		}
 	}()
-	if err := l.checkScaleShapes("header.weights"); err != nil {
-		return nil, err
+	if err := l.CheckScaleShapes("header.weights"); err != nil {
+		return nil, fromModel(err)
 	}
 
-	var bufs [numTensors][]byte
-	var cover [numTensors]coverage
+	var bufs [moe.SetTensors][]byte
+	var cover [moe.SetTensors]coverage
 	for i := range bufs {
-		if l.present[i] {
-			bufs[i] = make([]byte, l.metas[i].bytes)
+		if l.Present[i] {
+			bufs[i] = make([]byte, l.Tensors[i].Bytes)
 		}
 	}
 	for n := 0; ; n++ {
@@ -134,8 +134,8 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 		if c == nil {
 			return nil, invalidf("chunk", "message %d after the header is not a chunk", n+1)
 		}
-		i, ok := tensorIndex(c.GetTensor())
-		if !ok || !l.present[i] {
+		i, ok := moe.SetTensorIndex(c.GetTensor())
+		if !ok || !l.Present[i] {
 			return nil, invalidf("chunk.tensor", "%s: not a tensor the header declared", Quote(c.GetTensor()))
 		}
 		field := "chunk[" + c.GetTensor() + "]"
@@ -152,17 +152,17 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 		copy(bufs[i][off:], c.GetData())
 	}
 	for i := range bufs {
-		if l.present[i] && !cover[i].complete(int64(len(bufs[i]))) {
+		if l.Present[i] && !cover[i].complete(int64(len(bufs[i]))) {
 			return nil, invalidf("chunk["+tensorNames[i]+"]", "incomplete: missing bytes %s of %d", cover[i].gaps(int64(len(bufs[i]))), len(bufs[i]))
 		}
 	}
-	fp := fingerprint(bufs)
+	fp := moe.Fingerprint(bufs)
 	if want != "" && want != fp {
 		return nil, invalidf("header.sha256", "%s does not match the received bytes' %s", Quote(want), fp)
 	}
-	set, err := buildSet("header.weights", l, bufs)
+	set, err := l.Build("header.weights", bufs)
 	if err != nil {
-		return nil, err
+		return nil, fromModel(err)
 	}
 	info, err := s.commit(ctx, h.GetName(), set, total, fp, 0, h.GetOverwrite())
 	if err != nil {
@@ -219,15 +219,6 @@ func (s *Server) commitRouted(ctx context.Context, name string, set *kernels.Exp
 	s.log.InfoContext(ctx, "expert set loaded", slog.String("name", name), slog.String("activation", set.Activation.String()),
 		slog.Int("E", set.E), slog.Int("K", set.K), slog.Int("N", set.N), slog.Int64("bytes", n), slog.String("sha256", fp))
 	return info, nil
-}
-
-// fingerprint hashes the tensors' bytes in ExpertWeights field order.
-func fingerprint(bufs [numTensors][]byte) string {
-	h := sha256.New()
-	for _, b := range bufs {
-		h.Write(b)
-	}
-	return hex.EncodeToString(h.Sum(nil))
 }
 
 // coverage is the set of byte ranges received for one tensor, kept sorted

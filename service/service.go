@@ -21,6 +21,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/batch"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/weights"
 )
 
 // Config bounds what the service accepts. The zero value is usable: no
@@ -114,7 +115,7 @@ type Server struct {
 	log     *slog.Logger
 	reg     *registry
 	// weights is where loads open safetensors files and checkpoints.
-	weights weightsDir
+	weights weights.Dir
 	// slots are the cfg.MaxConcurrent execution slots and their queue.
 	slots  *execSlots
 	faults faults
@@ -181,7 +182,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 	}
 	s := &Server{
 		cfg:     cfg,
-		weights: weightsDir(cfg.WeightsDir),
+		weights: weights.Dir(cfg.WeightsDir),
 		backend: backend,
 		log:     logger,
 		reg:     newRegistry(cfg.MaxLoadedBytes),

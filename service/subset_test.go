@@ -12,6 +12,7 @@ import (
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
+	"github.com/expertd/expertd/weights"
 )
 
 // sliceExperts is w restricted to the experts ids, in that order, as a
@@ -61,7 +62,7 @@ func TestLoadSafetensorsSubset(t *testing.T) {
 	nem := nemotronFile(t, rng, filepath.Join(dir, "nemotron.safetensors"), e, k, n)
 	qwen := qwenFile(t, rng, filepath.Join(dir, "qwen.safetensors"), e, k, n, []int{8, 16})
 	_, srv, _ := servicetest.StartServerConfig(t, service.Config{WeightsDir: dir}, &fakeBackend{})
-	pick := func(ids ...int) service.ExpertSubset {
+	pick := func(ids ...int) weights.ExpertSubset {
 		return func(numExperts int) ([]int, error) {
 			if numExperts != e {
 				return nil, errors.New("wrong expert count")

@@ -21,6 +21,7 @@ import (
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/shard"
+	"github.com/expertd/expertd/weights"
 )
 
 // A startup manifest names the expert sets a daemon loads before it
@@ -155,7 +156,7 @@ func (sh *manifestShard) resolveIndex(flagIndex int, hostname func() (string, er
 }
 
 // subset is the service's pick of shard index's experts of a layer.
-func (sh *manifestShard) subset(index int) service.ExpertSubset {
+func (sh *manifestShard) subset(index int) weights.ExpertSubset {
 	return func(numExperts int) ([]int, error) {
 		place := shard.Contiguous
 		if sh.Placement == "round-robin" {
@@ -207,7 +208,7 @@ func newManifestMetrics(meter metric.Meter, rd *readiness, log *slog.Logger) man
 // that visible (a crash loop with the cause in the log) instead of a pod
 // that stays unready without saying why.
 func loadManifest(ctx context.Context, m *manifest, svc *service.Server, weightsDir string, shardIndex int, rd *readiness, mm manifestMetrics, log *slog.Logger) error {
-	var subset service.ExpertSubset
+	var subset weights.ExpertSubset
 	attrs := []any{slog.Int("sets", len(m.Sets))}
 	if m.Shard != nil {
 		subset = m.Shard.subset(shardIndex)

@@ -1,48 +1,43 @@
-package service
+package weights
 
 import (
 	"context"
 	"fmt"
 	"slices"
 
-	"github.com/expertd/expertd/kernels"
-	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/moe"
 )
 
-// maxExperts bounds expert counting in a file.
-const maxExperts = 1 << 16
-
-// assembled is an expert set read from a safetensors file, holding a
-// reservation of bytes until release (a no-op once committed).
-type assembled struct {
-	set       *kernels.ExpertSet
-	bufs      [numTensors][]byte
-	bytes     int64
-	reg       *registry
-	committed bool
-}
-
-func (a *assembled) release() {
-	if !a.committed {
-		a.reg.release(a.bytes)
-	}
-}
-
-// reserveSet validates the set w declares, as a client's would be, and
-// reserves its bytes in reg, with its weight buffers allocated for the
+// reserveSet validates the set d declares, as a client's would be, and
+// reserves its bytes in b, with its weight buffers allocated for the
 // reads to fill.
-func reserveSet(w *pb.ExpertWeights, reg *registry) (*layout, *assembled, error) {
-	l, err := checkLayout("safetensors", w)
+func reserveSet(d *moe.SetDecl, b Budget) (*moe.Layout, *Set, error) {
+	l, err := moe.CheckLayout("safetensors", d)
 	if err != nil {
 		return nil, nil, err
 	}
-	a := &assembled{bytes: l.totalBytes(), reg: reg}
-	if err := reg.reserve("safetensors", a.bytes); err != nil {
+	a := &Set{Bytes: l.TotalBytes(), budget: b}
+	if err := b.Reserve("safetensors", a.Bytes); err != nil {
 		return nil, nil, err
 	}
-	a.bufs[tW13] = make([]byte, l.metas[tW13].bytes)
-	a.bufs[tW2] = make([]byte, l.metas[tW2].bytes)
+	a.bufs[moe.SetW13] = make([]byte, l.Tensors[moe.SetW13].Bytes)
+	a.bufs[moe.SetW2] = make([]byte, l.Tensors[moe.SetW2].Bytes)
 	return l, a, nil
+}
+
+// scaleDecl declares a Float32 scale tensor of the given shape holding v
+// (nil for no values yet).
+func scaleDecl(v []float32, shape ...int) *moe.Tensor {
+	t := &moe.Tensor{DType: moe.Float32, Shape: shape}
+	if v != nil {
+		t.Data = moe.Float32Bytes(v)
+	}
+	return t
+}
+
+// fp8Decl declares an FP8 E4M3FN weight tensor of the given shape.
+func fp8Decl(shape ...int) *moe.Tensor {
+	return &moe.Tensor{DType: moe.Float8E4M3FN, Shape: shape}
 }
 
 // scaleForm is how one projection's per-expert weight scale is laid out.
@@ -77,7 +72,7 @@ func classify(shape []int64, rows, cols int, block [2]int) (scaleForm, bool) {
 // are stacked row-wise (gate then up), each of parts[p] rows and cols
 // columns. It returns the combined scale's shape (with the expert
 // dimension) and values.
-func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []int, cols int, block [2]int) ([]int64, []float32, bool, error) {
+func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []int, cols int, block [2]int) ([]int, []float32, bool, error) {
 	var form scaleForm
 	vals := make([][][]float32, numE) // [expert][part]
 	for e := range numE {
@@ -98,15 +93,15 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 				break
 			}
 			if !found && !pr.unitScale {
-				return nil, nil, false, fmt.Errorf("no weight scale for %s (looked for %s)", Quote(pr.weight), quoteAll(pr.scales))
+				return nil, nil, false, fmt.Errorf("no weight scale for %s (looked for %s)", quote(pr.weight), quoteAll(pr.scales))
 			}
 			fm, ok := classify(shape, rows[p], cols, block)
 			if !ok {
 				return nil, nil, false, fmt.Errorf("scale of %s has shape %v: want a scalar, [%d] per channel or [%d, %d] blocks of %v",
-					Quote(pr.weight), shape, rows[p], ceilDiv(rows[p], block[0]), ceilDiv(cols, block[1]), block)
+					quote(pr.weight), shape, rows[p], ceilDiv(rows[p], block[0]), ceilDiv(cols, block[1]), block)
 			}
 			if form != 0 && fm != form {
-				return nil, nil, false, fmt.Errorf("scale of %s is laid out unlike the others", Quote(pr.weight))
+				return nil, nil, false, fmt.Errorf("scale of %s is laid out unlike the others", quote(pr.weight))
 			}
 			form = fm
 			vals[e] = append(vals[e], v)
@@ -129,7 +124,7 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 			for e := range vals {
 				out = append(out, vals[e][0][0])
 			}
-			return []int64{int64(numE)}, out, false, nil
+			return []int{numE}, out, false, nil
 		}
 		// Gate and up scaled differently: exact as one scale per row.
 		for e := range vals {
@@ -139,20 +134,20 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 				}
 			}
 		}
-		return []int64{int64(numE), int64(totalRows)}, out, false, nil
+		return []int{numE, totalRows}, out, false, nil
 	case formChannel:
 		for e := range vals {
 			for _, v := range vals[e] {
 				out = append(out, v...)
 			}
 		}
-		return []int64{int64(numE), int64(totalRows)}, out, false, nil
+		return []int{numE, totalRows}, out, false, nil
 	}
 	// Stacked parts keep their tiles only if each part but the last ends on
 	// a block boundary.
 	for p := range len(rows) - 1 {
 		if rows[p]%block[0] != 0 {
-			return nil, nil, false, fmt.Errorf("block scales: %d rows of %s are not a multiple of Bn = %d, so stacking would split a tile", rows[p], Quote(names(0)[p].weight), block[0])
+			return nil, nil, false, fmt.Errorf("block scales: %d rows of %s are not a multiple of Bn = %d, so stacking would split a tile", rows[p], quote(names(0)[p].weight), block[0])
 		}
 	}
 	for e := range vals {
@@ -160,7 +155,7 @@ func matrixScales(f *stFile, names func(e int) []projection, numE int, rows []in
 			out = append(out, v...)
 		}
 	}
-	return []int64{int64(numE), int64(ceilDiv(totalRows, block[0])), int64(ceilDiv(cols, block[1]))}, out, true, nil
+	return []int{numE, ceilDiv(totalRows, block[0]), ceilDiv(cols, block[1])}, out, true, nil
 }
 
 // inputScales gathers static input scales of the given projections: one
@@ -180,7 +175,7 @@ func inputScales(f *stFile, names func(e int) []projection, numE int) ([]float32
 				return nil, err
 			}
 			if len(v) != 1 {
-				return nil, fmt.Errorf("input scale %s has %d values, want one", Quote(pr.input), len(v))
+				return nil, fmt.Errorf("input scale %s has %d values, want one", quote(pr.input), len(v))
 			}
 			out[e] = max(out[e], v[0])
 		}
@@ -188,11 +183,11 @@ func inputScales(f *stFile, names func(e int) []projection, numE int) ([]float32
 	return out, nil
 }
 
-// assemble reads an expert set per src from f, reserving its bytes in reg
+// assemble reads an expert set per src from f, reserving its bytes in b
 // before reading the weights; BF16 and F16 weights are quantized with hq
 // (nil: on the host).
-func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset, block [2]int, reg *registry, hq HalfQuantizer) (*assembled, error) {
-	wrap := func(err error) error { return invalidf("safetensors", "%s: %v", Quote(src.GetPath()), err) }
+func assemble(ctx context.Context, f *stFile, src *Source, subset ExpertSubset, block [2]int, b Budget, hq HalfQuantizer) (*Set, error) {
+	wrap := func(err error) error { return invalidf("safetensors", "%s: %v", quote(src.Path), err) }
 	// ids[e] is the file's expert that the set serves as expert e.
 	var ids []int
 	lay := func(e int) stLayout {
@@ -206,24 +201,25 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 	if _, err := weightGranularity(src); err != nil {
 		return nil, err
 	}
-	numE := int(src.GetNumExperts())
-	if numE < 0 || numE > maxExperts {
-		return nil, invalidf("safetensors.num_experts", "%d: want in [0, %d]", numE, maxExperts)
+	numE := int(src.NumExperts)
+	if numE < 0 || numE > moe.MaxExperts {
+		return nil, invalidf("safetensors.num_experts", "%d: want in [0, %d]", numE, moe.MaxExperts)
 	}
 	if numE == 0 {
-		for numE < maxExperts {
+		for numE < moe.MaxExperts {
 			if _, ok := f.tensors[lay(numE).w13[0].weight]; !ok {
 				break
 			}
 			numE++
 		}
 		if numE == 0 {
-			return nil, wrap(fmt.Errorf("no tensor named %s for layer %d", Quote(lay(0).w13[0].weight), src.GetLayer()))
+			return nil, wrap(fmt.Errorf("no tensor named %s for layer %d", quote(lay(0).w13[0].weight), src.Layer))
 		}
 	}
-	// Static input scales reduce to their max over the layer (as the
-	// service does with an [E] scale), so a subset takes the whole file's
-	// max and quantizes exactly as a set of every expert would.
+	// Static input scales reduce to their max over the layer (as
+	// moe.Layout.Build does with an [E] scale), so a subset takes the
+	// whole file's max and quantizes exactly as a set of every expert
+	// would.
 	var a13All, a2All []float32
 	if subset != nil {
 		var err error
@@ -247,13 +243,13 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 	shapeOf := func(name string) ([]int64, error) {
 		t, ok := f.tensors[name]
 		if !ok {
-			return nil, fmt.Errorf("no tensor named %s", Quote(name))
+			return nil, fmt.Errorf("no tensor named %s", quote(name))
 		}
 		if t.Dtype != wdt {
-			return nil, fmt.Errorf("tensor %s has dtype %s, want %s as the layer's first weight has", Quote(name), Quote(t.Dtype), wdt)
+			return nil, fmt.Errorf("tensor %s has dtype %s, want %s as the layer's first weight has", quote(name), quote(t.Dtype), wdt)
 		}
 		if len(t.Shape) != 2 || t.Shape[0] < 1 || t.Shape[1] < 1 {
-			return nil, fmt.Errorf("tensor %s has shape %v, want [rows, cols]", Quote(name), t.Shape)
+			return nil, fmt.Errorf("tensor %s has shape %v, want [rows, cols]", quote(name), t.Shape)
 		}
 		// The shape must match the bytes the file holds: the scales' sizes
 		// are bounded by it before they are read.
@@ -275,7 +271,7 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 				rows = append(rows, int(s[0]))
 				k = int(s[1])
 			} else if int(s[0]) != rows[p] || int(s[1]) != k {
-				return nil, wrap(fmt.Errorf("tensor %s has shape %v, expert 0 has [%d %d]", Quote(pr.weight), s, rows[p], k))
+				return nil, wrap(fmt.Errorf("tensor %s has shape %v, expert 0 has [%d %d]", quote(pr.weight), s, rows[p], k))
 			}
 		}
 		s, err := shapeOf(lay(e).w2.weight)
@@ -283,13 +279,13 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 			return nil, wrap(err)
 		}
 		if int(s[0]) != k {
-			return nil, wrap(fmt.Errorf("tensor %s has shape %v, want [%d, N]", Quote(lay(e).w2.weight), s, k))
+			return nil, wrap(fmt.Errorf("tensor %s has shape %v, want [%d, N]", quote(lay(e).w2.weight), s, k))
 		}
 	}
 	w2s, _ := shapeOf(l0.w2.weight)
 	n := int(w2s[1])
 	if wdt != "F8_E4M3" {
-		return assembleHalf(ctx, f, src, lay, numE, rows, k, n, wdt, block, reg, hq, wrap)
+		return assembleHalf(ctx, f, src, lay, numE, rows, k, n, wdt, block, b, hq, wrap)
 	}
 	r := 0
 	for _, x := range rows {
@@ -319,28 +315,21 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 	}
 
 	// Declare the set as a client would and validate it the one way.
-	fp8 := func(shape ...int64) *pb.Tensor {
-		return &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: shape}
+	d := &moe.SetDecl{Activation: l0.act}
+	d.Tensors[moe.SetW13] = fp8Decl(numE, r, k)
+	d.Tensors[moe.SetW2] = fp8Decl(numE, k, n)
+	d.Tensors[moe.SetW13Scale] = scaleDecl(s13, s13Shape...)
+	d.Tensors[moe.SetW2Scale] = scaleDecl(s2, s2Shape...)
+	if a13 != nil {
+		d.Tensors[moe.SetA13Scale] = scaleDecl(a13, numE)
 	}
-	f32 := func(v []float32, shape ...int64) *pb.Tensor {
-		if v == nil {
-			return nil
-		}
-		return &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: shape, Source: &pb.Tensor_Data{Data: float32Bytes(v)}}
-	}
-	w := &pb.ExpertWeights{
-		Activation: l0.act,
-		W13:        fp8(int64(numE), int64(r), int64(k)),
-		W2:         fp8(int64(numE), int64(k), int64(n)),
-		W13Scale:   f32(s13, s13Shape...),
-		W2Scale:    f32(s2, s2Shape...),
-		A13Scale:   f32(a13, int64(numE)),
-		A2Scale:    f32(a2, int64(numE)),
+	if a2 != nil {
+		d.Tensors[moe.SetA2Scale] = scaleDecl(a2, numE)
 	}
 	if b13 || b2 {
-		w.WeightBlockShape = []int32{int32(block[0]), int32(block[1])}
+		d.BlockShape = block[:]
 	}
-	l, a, err := reserveSet(w, reg)
+	l, a, err := reserveSet(d, b)
 	if err != nil {
 		return nil, err
 	}
@@ -349,29 +338,29 @@ func assemble(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Safeten
 		// cancellation and the drain (which cancels it) stop it between
 		// experts.
 		if err := ctx.Err(); err != nil {
-			a.release()
+			a.Release()
 			return nil, err
 		}
 		at := e * r * k
 		for p, pr := range lay(e).w13 {
-			if err := f.readInto(pr.weight, "F8_E4M3", a.bufs[tW13][at:at+rows[p]*k]); err != nil {
-				a.release()
+			if err := f.readInto(pr.weight, "F8_E4M3", a.bufs[moe.SetW13][at:at+rows[p]*k]); err != nil {
+				a.Release()
 				return nil, wrap(err)
 			}
 			at += rows[p] * k
 		}
-		if err := f.readInto(lay(e).w2.weight, "F8_E4M3", a.bufs[tW2][e*k*n:(e+1)*k*n]); err != nil {
-			a.release()
+		if err := f.readInto(lay(e).w2.weight, "F8_E4M3", a.bufs[moe.SetW2][e*k*n:(e+1)*k*n]); err != nil {
+			a.Release()
 			return nil, wrap(err)
 		}
 	}
-	for i, t := range weightTensors(w) {
-		if i != tW13 && i != tW2 && t != nil {
-			a.bufs[i] = t.GetData()
+	for i, t := range d.Tensors {
+		if i != moe.SetW13 && i != moe.SetW2 && t != nil {
+			a.bufs[i] = t.Data
 		}
 	}
-	if a.set, err = buildSet("safetensors", l, a.bufs); err != nil {
-		a.release()
+	if a.Set, err = l.Build("safetensors", a.bufs); err != nil {
+		a.Release()
 		return nil, err
 	}
 	return a, nil

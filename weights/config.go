@@ -1,4 +1,4 @@
-package service
+package weights
 
 import (
 	"encoding/json"
@@ -7,7 +7,7 @@ import (
 	"math"
 	"slices"
 
-	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/moe"
 )
 
 // moeConfig is what a config.json says about its MoE layers. Pointers tell
@@ -87,8 +87,8 @@ func (c *moeConfig) experts(kp string) (int, error) {
 		if k.v == nil {
 			continue
 		}
-		if *k.v < 1 || *k.v > maxExperts {
-			return 0, fmt.Errorf("%s%s %d: want in [1, %d]", kp, k.key, *k.v, maxExperts)
+		if *k.v < 1 || *k.v > moe.MaxExperts {
+			return 0, fmt.Errorf("%s%s %d: want in [1, %d]", kp, k.key, *k.v, moe.MaxExperts)
 		}
 		if n != 0 && *k.v != n {
 			return 0, fmt.Errorf("%s%s %d disagrees with %s%s %d", kp, k.key, *k.v, kp, from, n)
@@ -99,7 +99,7 @@ func (c *moeConfig) experts(kp string) (int, error) {
 }
 
 // blockSize is quantization_config.weight_block_size, nil for none.
-func (c *moeConfig) blockSize() ([]int32, error) {
+func (c *moeConfig) blockSize() ([]int, error) {
 	if c.Quantization == nil || c.Quantization.WeightBlockSize == nil {
 		return nil, nil
 	}
@@ -107,7 +107,7 @@ func (c *moeConfig) blockSize() ([]int32, error) {
 	if len(bs) != 2 || bs[0] < 1 || bs[1] < 1 {
 		return nil, fmt.Errorf("quantization_config.weight_block_size %v: want [Bn, Bk] with both >= 1", bs)
 	}
-	return bs, nil
+	return []int{int(bs[0]), int(bs[1])}, nil
 }
 
 // routerDefaults is what a model type's router does where config.json is
@@ -115,7 +115,7 @@ func (c *moeConfig) blockSize() ([]int32, error) {
 // behaviour of its router module (transformers 5.23; see each model's
 // configuration_*.py and its TopKRouter).
 type routerDefaults struct {
-	scoring pb.Scoring
+	scoring moe.Scoring
 	// normTopKProb is norm_topk_prob's default; alwaysRenormalize is a
 	// router that renormalizes whatever the key says.
 	normTopKProb, alwaysRenormalize bool
@@ -133,7 +133,7 @@ type routerDefaults struct {
 // naming preset, the tensor prefix of a multimodal wrapper's language
 // model, and its router.
 type modelType struct {
-	preset pb.NamingPreset
+	preset Preset
 	prefix string
 	router routerDefaults
 }
@@ -143,54 +143,54 @@ var (
 	// 2.5, norm_topk_prob True; DeepseekV3TopkRouter scores with a sigmoid
 	// plus e_score_correction_bias. Kimi-K2 ships DeepSeek-V3's
 	// architecture under its own model_type.
-	deepseekV3Router = routerDefaults{scoring: pb.Scoring_SCORING_SIGMOID, normTopKProb: true, grouped: true, nGroup: 8, topKGroup: 4,
+	deepseekV3Router = routerDefaults{scoring: moe.Sigmoid, normTopKProb: true, grouped: true, nGroup: 8, topKGroup: 4,
 		routedScalingFactor: 2.5, readsTopKMethod: true}
 	// NemotronHConfig: n_group 1, topk_group 1, routed_scaling_factor 1.0,
 	// norm_topk_prob True; NemotronHTopkRouter as DeepSeek-V3's.
-	nemotronHRouter = routerDefaults{scoring: pb.Scoring_SCORING_SIGMOID, normTopKProb: true, grouped: true, nGroup: 1, topKGroup: 1,
+	nemotronHRouter = routerDefaults{scoring: moe.Sigmoid, normTopKProb: true, grouped: true, nGroup: 1, topKGroup: 1,
 		routedScalingFactor: 1}
 	// Qwen3MoeConfig and Qwen2MoeConfig: norm_topk_prob False; softmax.
-	qwenMoERouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX}
+	qwenMoERouter = routerDefaults{scoring: moe.Softmax}
 	// Qwen3NextConfig: norm_topk_prob True; softmax. Its shared expert is
 	// a dense MLP the caller runs beside the routed experts.
-	qwenNextRouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX, normTopKProb: true}
+	qwenNextRouter = routerDefaults{scoring: moe.Softmax, normTopKProb: true}
 	// Glm4MoeConfig (GLM-4.5 and 4.6): n_group 1, topk_group 1,
 	// routed_scaling_factor 1.0, norm_topk_prob True; Glm4MoeTopkRouter
 	// as DeepSeek-V3's, with no topk_method key.
-	glm4MoERouter = routerDefaults{scoring: pb.Scoring_SCORING_SIGMOID, normTopKProb: true, grouped: true, nGroup: 1, topKGroup: 1,
+	glm4MoERouter = routerDefaults{scoring: moe.Sigmoid, normTopKProb: true, grouped: true, nGroup: 1, topKGroup: 1,
 		routedScalingFactor: 1}
 	// Qwen3VLMoeTextTopKRouter and MixtralTopKRouter renormalize their
 	// top-k softmax weights always; their configs have no norm_topk_prob.
-	renormalizingRouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX, alwaysRenormalize: true}
+	renormalizingRouter = routerDefaults{scoring: moe.Softmax, alwaysRenormalize: true}
 	// customRouter reads every key as given, with no defaults.
-	customRouter = routerDefaults{scoring: pb.Scoring_SCORING_SOFTMAX, grouped: true, routedScalingFactor: 1}
+	customRouter = routerDefaults{scoring: moe.Softmax, grouped: true, routedScalingFactor: 1}
 )
 
 // modelTypes is every config.json model_type the loader knows.
 var modelTypes = map[string]modelType{
-	"deepseek_v3":  {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, "", deepseekV3Router},
-	"kimi_k2":      {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, "", deepseekV3Router},
-	"nemotron_h":   {pb.NamingPreset_NAMING_PRESET_NEMOTRON_H, "", nemotronHRouter},
-	"qwen3_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "", qwenMoERouter},
-	"qwen2_moe":    {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "", qwenMoERouter},
-	"qwen3_next":   {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "", qwenNextRouter},
-	"glm4_moe":     {pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3, "", glm4MoERouter},
-	"qwen3_vl_moe": {pb.NamingPreset_NAMING_PRESET_QWEN3_MOE, "model.language_model.", renormalizingRouter},
-	"mixtral":      {pb.NamingPreset_NAMING_PRESET_MIXTRAL, "", renormalizingRouter},
+	"deepseek_v3":  {DeepSeekV3, "", deepseekV3Router},
+	"kimi_k2":      {DeepSeekV3, "", deepseekV3Router},
+	"nemotron_h":   {NemotronH, "", nemotronHRouter},
+	"qwen3_moe":    {Qwen3MoE, "", qwenMoERouter},
+	"qwen2_moe":    {Qwen3MoE, "", qwenMoERouter},
+	"qwen3_next":   {Qwen3MoE, "", qwenNextRouter},
+	"glm4_moe":     {DeepSeekV3, "", glm4MoERouter},
+	"qwen3_vl_moe": {Qwen3MoE, "model.language_model.", renormalizingRouter},
+	"mixtral":      {Mixtral, "", renormalizingRouter},
 }
 
 // presetRouter is the router a preset's checkpoint takes when config.json
 // names no model_type the loader knows.
-var presetRouter = map[pb.NamingPreset]routerDefaults{
-	pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3: deepseekV3Router,
-	pb.NamingPreset_NAMING_PRESET_NEMOTRON_H:  nemotronHRouter,
-	pb.NamingPreset_NAMING_PRESET_QWEN3_MOE:   qwenMoERouter,
-	pb.NamingPreset_NAMING_PRESET_MIXTRAL:     renormalizingRouter,
+var presetRouter = map[Preset]routerDefaults{
+	DeepSeekV3: deepseekV3Router,
+	NemotronH:  nemotronHRouter,
+	Qwen3MoE:   qwenMoERouter,
+	Mixtral:    renormalizingRouter,
 }
 
 // routerOf is the router of the first of modelTypes the loader knows, else
 // the preset's, else one that reads every key as given (CUSTOM).
-func routerOf(types []string, preset pb.NamingPreset) routerDefaults {
+func routerOf(types []string, preset Preset) routerDefaults {
 	for _, t := range types {
 		if m, ok := modelTypes[t]; ok {
 			return m.router
@@ -206,37 +206,37 @@ func routerOf(types []string, preset pb.NamingPreset) routerDefaults {
 // against the expert count e (0 for not known yet). hasBias reports whether
 // the checkpoint holds the correction bias tensor named bias. Errors name
 // the config key (kp prefixed).
-func (c *moeConfig) routing(d routerDefaults, kp string, e int, bias string, hasBias bool) (*pb.Routing, error) {
+func (c *moeConfig) routing(d routerDefaults, kp string, e int, bias string, hasBias bool) (*moe.RoutingInput, error) {
 	if c.TopK == nil {
 		return nil, nil
 	}
-	topK, most := *c.TopK, maxExperts
+	topK, most := *c.TopK, moe.MaxExperts
 	if e > 0 {
 		most = e
 	}
 	if topK < 1 || topK > most {
 		return nil, fmt.Errorf("%snum_experts_per_tok %d: want in [1, %d]", kp, topK, most)
 	}
-	r := &pb.Routing{TopK: int32(topK), Scoring: d.scoring, Renormalize: d.normTopKProb || d.alwaysRenormalize}
+	r := &moe.RoutingInput{TopK: topK, Scoring: d.scoring, Renormalize: d.normTopKProb || d.alwaysRenormalize}
 	if c.NormTopKProb != nil && !d.alwaysRenormalize {
 		r.Renormalize = *c.NormTopKProb
 	}
 	if c.ScoringFunc != nil {
 		switch *c.ScoringFunc {
 		case "sigmoid":
-			r.Scoring = pb.Scoring_SCORING_SIGMOID
+			r.Scoring = moe.Sigmoid
 		case "softmax":
-			r.Scoring = pb.Scoring_SCORING_SOFTMAX
+			r.Scoring = moe.Softmax
 		default:
-			return nil, fmt.Errorf("%sscoring_func %s: want softmax or sigmoid", kp, Quote(*c.ScoringFunc))
+			return nil, fmt.Errorf("%sscoring_func %s: want softmax or sigmoid", kp, quote(*c.ScoringFunc))
 		}
 	}
 	if d.grouped {
 		const byDefault = " (the model type's default)"
 		g, tg, gFrom, tgFrom := d.nGroup, d.topKGroup, byDefault, byDefault
 		if c.NGroup != nil {
-			if g, gFrom = *c.NGroup, ""; g < 1 || g > maxExperts {
-				return nil, fmt.Errorf("%sn_group %d: want in [1, %d]", kp, g, maxExperts)
+			if g, gFrom = *c.NGroup, ""; g < 1 || g > moe.MaxExperts {
+				return nil, fmt.Errorf("%sn_group %d: want in [1, %d]", kp, g, moe.MaxExperts)
 			}
 		}
 		if g > 0 && e > 0 && e%g != 0 {
@@ -252,7 +252,7 @@ func (c *moeConfig) routing(d routerDefaults, kp string, e int, bias string, has
 			return nil, fmt.Errorf("%stopk_group %d%s: %d groups of %d experts cannot supply num_experts_per_tok %d", kp, tg, tgFrom, tg, e/g, topK)
 		}
 		if g > 0 {
-			r.NumExpertGroups, r.TopkGroups = int32(g), int32(tg)
+			r.NumGroups, r.TopKGroups = g, tg
 		}
 		sf := d.routedScalingFactor
 		if c.RoutedScalingFactor != nil {
@@ -261,24 +261,24 @@ func (c *moeConfig) routing(d routerDefaults, kp string, e int, bias string, has
 				return nil, fmt.Errorf("%srouted_scaling_factor %v: want finite and > 0", kp, sf)
 			}
 		}
-		r.RoutedScalingFactor = float32(sf)
+		r.ScalingFactor = float32(sf)
 	}
 	if d.readsTopKMethod && c.TopKMethod != nil {
 		if m := *c.TopKMethod; m != "noaux_tc" {
-			return nil, fmt.Errorf("%stopk_method %s: want noaux_tc (the only method this model type routes with)", kp, Quote(m))
+			return nil, fmt.Errorf("%stopk_method %s: want noaux_tc (the only method this model type routes with)", kp, quote(m))
 		}
 		if !hasBias {
-			return nil, fmt.Errorf("%stopk_method noaux_tc needs the tensor %s, which the checkpoint does not hold", kp, Quote(bias))
+			return nil, fmt.Errorf("%stopk_method noaux_tc needs the tensor %s, which the checkpoint does not hold", kp, quote(bias))
 		}
 	}
-	if hasBias && r.Scoring != pb.Scoring_SCORING_SIGMOID {
-		return nil, fmt.Errorf("the checkpoint holds the correction bias %s, which only sigmoid scoring takes (%sscoring_func is softmax)", Quote(bias), kp)
+	if hasBias && r.Scoring != moe.Sigmoid {
+		return nil, fmt.Errorf("the checkpoint holds the correction bias %s, which only sigmoid scoring takes (%sscoring_func is softmax)", quote(bias), kp)
 	}
 	return r, nil
 }
 
 // activation refuses a config whose activation is not the preset's.
-func (c *moeConfig) activation(kp string, act pb.Activation) error {
+func (c *moeConfig) activation(kp string, act moe.Activation) error {
 	got, key := c.HiddenAct, "hidden_act"
 	if c.MLPHiddenAct != "" {
 		got, key = c.MLPHiddenAct, "mlp_hidden_act"
@@ -286,12 +286,12 @@ func (c *moeConfig) activation(kp string, act pb.Activation) error {
 	if got == "" {
 		return nil
 	}
-	want := map[pb.Activation][]string{
-		pb.Activation_ACTIVATION_SILU_GATED: {"silu", "swish"},
-		pb.Activation_ACTIVATION_RELU2:      {"relu2"},
+	want := map[moe.Activation][]string{
+		moe.SiluGated: {"silu", "swish"},
+		moe.Relu2:     {"relu2"},
 	}[act]
 	if !slices.Contains(want, got) {
-		return fmt.Errorf("%s%s: activation %s does not match the preset's %v (want %v)", kp, key, Quote(got), act, want)
+		return fmt.Errorf("%s%s: activation %s does not match the preset's %v (want %v)", kp, key, quote(got), act.WireName(), want)
 	}
 	return nil
 }

@@ -1,4 +1,4 @@
-package service
+package weights
 
 import (
 	"context"
@@ -14,11 +14,9 @@ import (
 	"strings"
 	"time"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/protobuf/proto"
-
 	"github.com/expertd/expertd/internal/capfile"
-	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/internal/clip"
+	"github.com/expertd/expertd/moe"
 )
 
 // A checkpoint directory is what Hugging Face writes: config.json, and
@@ -38,27 +36,12 @@ const (
 	maxShards = 4096
 )
 
-// weightsIsDir reports whether rel names a directory in the weights
-// directory (with weightsDir.open's confinement).
-func (s *Server) weightsIsDir(rel string) (bool, error) {
-	f, err := s.weights.openPath(rel, true)
-	if err != nil {
-		return false, err
-	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return false, fmt.Errorf("stat weights path: %w", err)
-	}
-	return st.IsDir(), nil
-}
-
-// readWeightsJSON reads a JSON file of the checkpoint directory, at most
+// readJSON reads a JSON file of the checkpoint directory, at most
 // maxJSONFile bytes; a missing file is (nil, nil).
-func (s *Server) readWeightsJSON(rel string) ([]byte, error) {
-	f, err := s.weights.open(rel)
-	var re *requestError
-	if errors.As(err, &re) && re.code == codes.NotFound {
+func (l *Loader) readJSON(rel string) ([]byte, error) {
+	f, err := l.Dir.open(rel)
+	var we *Error
+	if errors.As(err, &we) && we.Kind == NotFound {
 		return nil, nil
 	}
 	if err != nil {
@@ -67,27 +50,27 @@ func (s *Server) readWeightsJSON(rel string) ([]byte, error) {
 	defer f.Close()
 	b, err := capfile.ReadOpened(f, maxJSONFile)
 	if err != nil {
-		return nil, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
+		return nil, invalidf("safetensors.path", "%s: %v", quote(rel), err)
 	}
 	return b, nil
 }
 
 // readConfig reads dir's config.json; found is false without one.
-func (s *Server) readConfig(dir string) (c moeConfig, found bool, err error) {
+func (l *Loader) readConfig(dir string) (c moeConfig, found bool, err error) {
 	rel := path.Join(dir, checkpointConfig)
-	b, err := s.readWeightsJSON(rel)
+	b, err := l.readJSON(rel)
 	if b == nil || err != nil {
 		return c, false, err
 	}
 	if err := decodeConfig(b, &c); err != nil {
-		return c, false, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
+		return c, false, invalidf("safetensors.path", "%s: %v", quote(rel), err)
 	}
 	return c, true, nil
 }
 
 // defaultPrefix is what precedes "layers.{L}" in a preset's names.
-func defaultPrefix(p pb.NamingPreset) string {
-	if p == pb.NamingPreset_NAMING_PRESET_NEMOTRON_H {
+func defaultPrefix(p Preset) string {
+	if p == NemotronH {
 		return "backbone."
 	}
 	return "model."
@@ -108,36 +91,36 @@ func stdProjection(prefix string) projection {
 
 // checkpointLayout returns the layout of the presets and template forms
 // presetLayout does not know; ok is false for the ones it does.
-func checkpointLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (l stLayout, ok bool, err error) {
-	layer := int(src.GetLayer())
-	prefix := src.GetTensorPrefix()
+func checkpointLayout(src *Source, e int) (l stLayout, ok bool, err error) {
+	layer := int(src.Layer)
+	prefix := src.TensorPrefix
 	if prefix == "" {
-		prefix = defaultPrefix(src.GetPreset())
+		prefix = defaultPrefix(src.Preset)
 	}
 	gated := func(base, gate, up, down string) stLayout {
 		p := expand(prefix+base, layer, e)
-		return stLayout{act: pb.Activation_ACTIVATION_SILU_GATED,
+		return stLayout{act: moe.SiluGated,
 			w13: []projection{stdProjection(p + gate), stdProjection(p + up)}, w2: stdProjection(p + down)}
 	}
-	switch src.GetPreset() {
-	case pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3:
+	switch src.Preset {
+	case DeepSeekV3:
 		return gated("layers.{L}.mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"), true, nil
-	case pb.NamingPreset_NAMING_PRESET_MIXTRAL:
+	case Mixtral:
 		return gated("layers.{L}.block_sparse_moe.experts.{e}.", "w1", "w3", "w2"), true, nil
-	case pb.NamingPreset_NAMING_PRESET_QWEN3_MOE:
-		if src.GetTensorPrefix() == "" {
+	case Qwen3MoE:
+		if src.TensorPrefix == "" {
 			return l, false, nil
 		}
 		return gated("layers.{L}.mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"), true, nil
-	case pb.NamingPreset_NAMING_PRESET_NEMOTRON_H:
-		if src.GetTensorPrefix() == "" {
+	case NemotronH:
+		if src.TensorPrefix == "" {
 			return l, false, nil
 		}
 		p := expand(prefix+"layers.{L}.mixer.experts.{e}.", layer, e)
-		return stLayout{act: pb.Activation_ACTIVATION_RELU2, w13: []projection{stdProjection(p + "up_proj")}, w2: stdProjection(p + "down_proj")}, true, nil
-	case pb.NamingPreset_NAMING_PRESET_AUTO:
+		return stLayout{act: moe.Relu2, w13: []projection{stdProjection(p + "up_proj")}, w2: stdProjection(p + "down_proj")}, true, nil
+	case Auto:
 		return l, true, invalidf("safetensors.preset", "NAMING_PRESET_AUTO needs path to name a checkpoint directory with a config.json")
-	case pb.NamingPreset_NAMING_PRESET_CUSTOM:
+	case Custom:
 		return customLayout(src, e)
 	}
 	return l, false, nil
@@ -146,15 +129,15 @@ func checkpointLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (l st
 // customLayout is the template form with one template per projection
 // (gate_template, up_template) or with static input scales; plain w13/w2
 // templates stay presetLayout's.
-func customLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (stLayout, bool, error) {
-	split := src.GetGateTemplate() != "" || src.GetUpTemplate() != ""
-	if !split && src.GetW13InputScaleTemplate() == "" && src.GetW2InputScaleTemplate() == "" {
+func customLayout(src *Source, e int) (stLayout, bool, error) {
+	split := src.GateTemplate != "" || src.UpTemplate != ""
+	if !split && src.W13InputScaleTemplate == "" && src.W2InputScaleTemplate == "" {
 		return stLayout{}, false, nil
 	}
-	if src.GetActivation() == pb.Activation_ACTIVATION_UNSPECIFIED {
+	if src.Activation == 0 {
 		return stLayout{}, true, invalidf("safetensors.activation", "is required with NAMING_PRESET_CUSTOM")
 	}
-	layer := int(src.GetLayer())
+	layer := int(src.Layer)
 	proj := func(w, sc, in string) projection {
 		p := projection{weight: expand(w, layer, e), unitScale: sc == ""}
 		if sc != "" {
@@ -165,21 +148,21 @@ func customLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (stLayout
 		}
 		return p
 	}
-	in13 := src.GetW13InputScaleTemplate()
-	l := stLayout{act: src.GetActivation(), w2: proj(src.GetW2Template(), src.GetW2ScaleTemplate(), src.GetW2InputScaleTemplate())}
+	in13 := src.W13InputScaleTemplate
+	l := stLayout{act: src.Activation, w2: proj(src.W2Template, src.W2ScaleTemplate, src.W2InputScaleTemplate)}
 	switch {
-	case split && (src.GetGateTemplate() == "" || src.GetUpTemplate() == "" || src.GetW13Template() != ""):
+	case split && (src.GateTemplate == "" || src.UpTemplate == "" || src.W13Template != ""):
 		return l, true, invalidf("safetensors.gate_template", "gate_template and up_template go together, instead of w13_template")
-	case split && src.GetActivation() != pb.Activation_ACTIVATION_SILU_GATED:
+	case split && src.Activation != moe.SiluGated:
 		return l, true, invalidf("safetensors.gate_template", "separate gate and up projections need ACTIVATION_SILU_GATED")
 	case split:
-		l.w13 = []projection{proj(src.GetGateTemplate(), src.GetGateScaleTemplate(), in13), proj(src.GetUpTemplate(), src.GetUpScaleTemplate(), in13)}
-	case src.GetW13Template() == "":
+		l.w13 = []projection{proj(src.GateTemplate, src.GateScaleTemplate, in13), proj(src.UpTemplate, src.UpScaleTemplate, in13)}
+	case src.W13Template == "":
 		return l, true, invalidf("safetensors.w13_template", "w13_template (or gate_template and up_template) is required with NAMING_PRESET_CUSTOM")
 	default:
-		l.w13 = []projection{proj(src.GetW13Template(), src.GetW13ScaleTemplate(), in13)}
+		l.w13 = []projection{proj(src.W13Template, src.W13ScaleTemplate, in13)}
 	}
-	if src.GetW2Template() == "" {
+	if src.W2Template == "" {
 		return l, true, invalidf("safetensors.w2_template", "is required with NAMING_PRESET_CUSTOM")
 	}
 	return l, true, nil
@@ -187,12 +170,12 @@ func customLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (stLayout
 
 // biasName is the routing correction bias of a preset's layer, "" for
 // presets without one.
-func biasName(src *pb.LoadExpertsRequest_SafetensorsSource, prefix string) string {
-	switch src.GetPreset() {
-	case pb.NamingPreset_NAMING_PRESET_DEEPSEEK_V3:
-		return expand(prefix+"layers.{L}.mlp.gate.e_score_correction_bias", int(src.GetLayer()), 0)
-	case pb.NamingPreset_NAMING_PRESET_NEMOTRON_H:
-		return expand(prefix+"layers.{L}.mixer.gate.e_score_correction_bias", int(src.GetLayer()), 0)
+func biasName(src *Source, prefix string) string {
+	switch src.Preset {
+	case DeepSeekV3:
+		return expand(prefix+"layers.{L}.mlp.gate.e_score_correction_bias", int(src.Layer), 0)
+	case NemotronH:
+		return expand(prefix+"layers.{L}.mixer.gate.e_score_correction_bias", int(src.Layer), 0)
 	}
 	return ""
 }
@@ -244,9 +227,9 @@ func decodeIndex(b []byte) (map[string]string, error) {
 // openCheckpoint opens the shards of dir that hold the tensors wanted
 // selects and returns them as one stFile (base 0, offsets rebased into the
 // shards' joint address space), and a closer for the shard files.
-func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stFile, func(), error) {
+func (l *Loader) openCheckpoint(dir string, wanted func(name string) bool) (*stFile, func(), error) {
 	indexRel := path.Join(dir, checkpointIndex)
-	b, err := s.readWeightsJSON(indexRel)
+	b, err := l.readJSON(indexRel)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -254,7 +237,7 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 	var weightMap map[string]string
 	if found {
 		if weightMap, err = decodeIndex(b); err != nil {
-			return nil, nil, invalidf("safetensors.path", "%s: %v", Quote(indexRel), err)
+			return nil, nil, invalidf("safetensors.path", "%s: %v", quote(indexRel), err)
 		}
 	}
 	var shards []string
@@ -269,7 +252,7 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 			}
 		}
 		if len(shards) > maxShards {
-			return nil, nil, invalidf("safetensors.path", "%s: the layer spans %d shards, more than %d", Quote(dir), len(shards), maxShards)
+			return nil, nil, invalidf("safetensors.path", "%s: the layer spans %d shards, more than %d", quote(dir), len(shards), maxShards)
 		}
 		slices.Sort(shards)
 	} else {
@@ -287,10 +270,10 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 	for _, shard := range shards {
 		if strings.Contains(shard, "/") || shard == ".." {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: shard %s: want a file name in the checkpoint directory", Quote(dir), Quote(shard))
+			return nil, nil, invalidf("safetensors.path", "%s: shard %s: want a file name in the checkpoint directory", quote(dir), quote(shard))
 		}
 		rel := path.Join(dir, shard)
-		fh, err := s.weights.open(rel)
+		fh, err := l.Dir.open(rel)
 		if err != nil {
 			closeAll()
 			return nil, nil, err
@@ -303,12 +286,12 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 		}
 		if !st.Mode().IsRegular() {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: not a regular file", Quote(rel))
+			return nil, nil, invalidf("safetensors.path", "%s: not a regular file", quote(rel))
 		}
 		f, err := parseSafetensors(fh, st.Size())
 		if err != nil {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: %v", Quote(rel), err)
+			return nil, nil, invalidf("safetensors.path", "%s: %v", quote(rel), err)
 		}
 		for name, t := range f.tensors {
 			if !wanted(name) || (found && owner[name] != shard) {
@@ -323,26 +306,26 @@ func (s *Server) openCheckpoint(dir string, wanted func(name string) bool) (*stF
 	for name, shard := range owner {
 		if _, ok := merged.tensors[name]; !ok {
 			closeAll()
-			return nil, nil, invalidf("safetensors.path", "%s: the index puts %s in %s, which does not hold it", Quote(dir), Quote(name), Quote(shard))
+			return nil, nil, invalidf("safetensors.path", "%s: the index puts %s in %s, which does not hold it", quote(dir), quote(name), quote(shard))
 		}
 	}
 	merged.r = mr
 	return merged, closeAll, nil
 }
 
-// loadCheckpoint loads one layer's experts from a checkpoint directory.
-func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset) (*pb.ExpertSetInfo, error) {
-	dir := src.GetPath()
+// loadCheckpoint reads one layer's experts from a checkpoint directory.
+func (l *Loader) loadCheckpoint(ctx context.Context, src *Source, subset ExpertSubset) (*Set, error) {
+	dir := src.Path
 	cfgRel := path.Join(dir, checkpointConfig)
-	cfg, haveCfg, err := s.readConfig(dir)
+	cfg, haveCfg, err := l.readConfig(dir)
 	if err != nil {
 		return nil, err
 	}
 	tc := cfg.text()
 	kp := cfg.textKeys()
-	badConfig := func(err error) error { return invalidf("safetensors.path", "%s: %v", Quote(cfgRel), err) }
-	src = proto.CloneOf(src)
-	if src.GetPreset() == pb.NamingPreset_NAMING_PRESET_AUTO {
+	badConfig := func(err error) error { return invalidf("safetensors.path", "%s: %v", quote(cfgRel), err) }
+	src = src.clone()
+	if src.Preset == Auto {
 		// A multimodal wrapper's own model_type names the layout
 		// (qwen3_vl_moe), not its text_config's.
 		p, ok := modelTypes[cfg.ModelType]
@@ -351,10 +334,10 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 		}
 		if !haveCfg || !ok {
 			return nil, invalidf("safetensors.preset", "NAMING_PRESET_AUTO: %s model_type %s is not one of %s",
-				Quote(cfgRel), Quote(cfg.ModelType), strings.Join(slices.Sorted(maps.Keys(modelTypes)), ", "))
+				quote(cfgRel), quote(cfg.ModelType), strings.Join(slices.Sorted(maps.Keys(modelTypes)), ", "))
 		}
 		src.Preset = p.preset
-		if src.GetTensorPrefix() == "" {
+		if src.TensorPrefix == "" {
 			src.TensorPrefix = p.prefix
 		}
 	}
@@ -362,15 +345,15 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	if err != nil {
 		return nil, badConfig(err)
 	}
-	whole := src.GetNumExperts() == 0 && subset == nil
-	if src.GetNumExperts() == 0 {
-		src.NumExperts = int32(numE)
+	whole := src.NumExperts == 0 && subset == nil
+	if src.NumExperts == 0 {
+		src.NumExperts = numE
 	}
 	bs, err := tc.blockSize()
 	if err != nil {
 		return nil, badConfig(err)
 	}
-	if len(src.GetWeightBlockShape()) == 0 {
+	if len(src.WeightBlockShape) == 0 {
 		src.WeightBlockShape = bs
 	}
 	lay0, err := presetLayout(src, 0)
@@ -380,15 +363,15 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	if err := tc.activation(kp, lay0.act); err != nil {
 		return nil, badConfig(err)
 	}
-	prefix := src.GetTensorPrefix()
+	prefix := src.TensorPrefix
 	if prefix == "" {
-		prefix = defaultPrefix(src.GetPreset())
+		prefix = defaultPrefix(src.Preset)
 	}
 	// Every name of the layer's experts starts where experts 0 and 1 part.
 	lay1, _ := presetLayout(src, 1)
 	common := lay0.w13[0].weight[:commonPrefix(lay0.w13[0].weight, lay1.w13[0].weight)]
 	bias := biasName(src, prefix)
-	f, closeAll, err := s.openCheckpoint(dir, func(name string) bool { return strings.HasPrefix(name, common) || name == bias })
+	f, closeAll, err := l.openCheckpoint(dir, func(name string) bool { return strings.HasPrefix(name, common) || name == bias })
 	if err != nil {
 		return nil, err
 	}
@@ -396,7 +379,7 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	if len(f.tensors) == 0 {
 		// NotFound, not InvalidArgument: a dense layer of a MoE model has
 		// no experts, which a caller loading every layer skips.
-		return nil, codedf(codes.NotFound, "safetensors.layer", "%s: no tensor of layer %d starts with %s", Quote(dir), src.GetLayer(), Quote(common))
+		return nil, errorf(NotFound, "safetensors.layer", "%s: no tensor of layer %d starts with %s", quote(dir), src.Layer, quote(common))
 	}
 	if numE > 0 && whole {
 		if err := partialLayer(f, src, numE, cfgRel); err != nil {
@@ -405,16 +388,16 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	}
 	_, hasBias := f.tensors[bias]
 	hasBias = hasBias && bias != ""
-	rt, err := tc.routing(routerOf([]string{cfg.ModelType, tc.ModelType}, src.GetPreset()), kp, numE, bias, hasBias)
+	rt, err := tc.routing(routerOf([]string{cfg.ModelType, tc.ModelType}, src.Preset), kp, numE, bias, hasBias)
 	if err != nil {
 		return nil, badConfig(err)
 	}
 	if hasBias && rt != nil {
-		_, v, err := f.floats(bias, maxExperts)
+		_, v, err := f.floats(bias, moe.MaxExperts)
 		if err != nil {
-			return nil, invalidf("safetensors", "%s: %v", Quote(dir), err)
+			return nil, invalidf("safetensors", "%s: %v", quote(dir), err)
 		}
-		rt.CorrectionBias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{int64(len(v))}, Source: &pb.Tensor_Data{Data: float32Bytes(v)}}
+		rt.CorrectionBias = &moe.Tensor{DType: moe.Float32, Shape: []int{len(v)}, Data: moe.Float32Bytes(v)}
 	}
 	topK := 0
 	if tc.TopK != nil {
@@ -423,13 +406,13 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 	// A layer of a large checkpoint takes seconds to read; the log shows
 	// each one start and end (with "expert set loaded").
 	began := time.Now()
-	s.log.InfoContext(ctx, "reading expert set from checkpoint", slog.String("name", src.GetName()), slog.String("path", Clip(dir)),
-		slog.Int("layer", int(src.GetLayer())), slog.Int("shards", len(f.r.(*multiReaderAt).parts)), slog.Int("tensors", len(f.tensors)))
-	info, err := s.loadAssembled(ctx, f, src, subset, rt, topK)
+	l.log().InfoContext(ctx, "reading expert set from checkpoint", slog.String("name", src.Name), slog.String("path", clip.To(dir, clip.Quoted)),
+		slog.Int("layer", src.Layer), slog.Int("shards", len(f.r.(*multiReaderAt).parts)), slog.Int("tensors", len(f.tensors)))
+	set, err := l.read(ctx, f, src, subset, rt, topK)
 	if err == nil {
-		s.log.InfoContext(ctx, "checkpoint layer read", slog.String("name", src.GetName()), slog.Duration("took", time.Since(began)))
+		l.log().InfoContext(ctx, "checkpoint layer read", slog.String("name", src.Name), slog.Duration("took", time.Since(began)))
 	}
-	return info, err
+	return set, err
 }
 
 // wholeLayer is src with num_experts set from the config.json beside a
@@ -437,9 +420,9 @@ func (s *Server) loadCheckpoint(ctx context.Context, src *pb.LoadExpertsRequest_
 // file that holds only some of the layer's experts: a shard of a
 // checkpoint loaded by itself would otherwise load as a smaller set
 // without a word.
-func (s *Server) wholeLayer(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource) (*pb.LoadExpertsRequest_SafetensorsSource, error) {
-	dir := path.Dir(src.GetPath())
-	cfg, found, err := s.readConfig(dir)
+func (l *Loader) wholeLayer(f *stFile, src *Source) (*Source, error) {
+	dir := path.Dir(src.Path)
+	cfg, found, err := l.readConfig(dir)
 	if err != nil || !found {
 		return src, err
 	}
@@ -447,7 +430,7 @@ func (s *Server) wholeLayer(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSou
 	cfgRel := path.Join(dir, checkpointConfig)
 	numE, err := tc.experts(cfg.textKeys())
 	if err != nil {
-		return nil, invalidf("safetensors.path", "%s: %v", Quote(cfgRel), err)
+		return nil, invalidf("safetensors.path", "%s: %v", quote(cfgRel), err)
 	}
 	if numE == 0 {
 		return src, nil
@@ -455,15 +438,15 @@ func (s *Server) wholeLayer(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSou
 	if err := partialLayer(f, src, numE, cfgRel); err != nil {
 		return nil, err
 	}
-	src = proto.CloneOf(src)
-	src.NumExperts = int32(numE)
+	src = src.clone()
+	src.NumExperts = numE
 	return src, nil
 }
 
 // partialLayer refuses f unless it holds every one of the layer's numE
 // experts (as config cfgRel says). Part of a layer loads only when the
 // caller asks for it: with num_experts, or an expert subset.
-func partialLayer(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, numE int, cfgRel string) error {
+func partialLayer(f *stFile, src *Source, numE int, cfgRel string) error {
 	for e := range numE {
 		l, err := presetLayout(src, e)
 		if err != nil {
@@ -471,7 +454,7 @@ func partialLayer(f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, numE 
 		}
 		if _, ok := f.tensors[l.w13[0].weight]; !ok {
 			return invalidf("safetensors.num_experts", "%s holds %d of layer %d's %d experts (%s), not %s; load the whole checkpoint directory, or set num_experts to load the first ones only",
-				Quote(src.GetPath()), e, src.GetLayer(), numE, Quote(cfgRel), Quote(l.w13[0].weight))
+				quote(src.Path), e, src.Layer, numE, quote(cfgRel), quote(l.w13[0].weight))
 		}
 	}
 	return nil
@@ -485,31 +468,32 @@ func commonPrefix(a, b string) int {
 	return i
 }
 
-// loadAssembled reads the set src names from f and makes it resident,
-// with the checkpoint's routing (nil for none) in its info.
-func (s *Server) loadAssembled(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset, rt *pb.Routing, hint int) (*pb.ExpertSetInfo, error) {
+// read reads the set src names from f, with the checkpoint's routing (nil
+// for none) checked against it and the checkpoint's top-k hint.
+func (l *Loader) read(ctx context.Context, f *stFile, src *Source, subset ExpertSubset, rt *moe.RoutingInput, hint int) (*Set, error) {
 	block := [2]int{128, 128}
-	if bs := src.GetWeightBlockShape(); len(bs) != 0 {
+	if bs := src.WeightBlockShape; len(bs) != 0 {
 		if len(bs) != 2 || bs[0] < 1 || bs[1] < 1 {
 			return nil, invalidf("safetensors.weight_block_shape", "%v: want [Bn, Bk] with both >= 1", bs)
 		}
-		block = [2]int{int(bs[0]), int(bs[1])}
+		block = [2]int{bs[0], bs[1]}
 	}
-	hq, _ := s.backend.(HalfQuantizer)
-	a, err := assemble(ctx, f, src, subset, block, s.reg, hq)
+	a, err := assemble(ctx, f, src, subset, block, l.Budget, l.Quantizer)
 	if err != nil {
 		return nil, err
 	}
-	defer a.release()
 	if rt != nil {
-		if _, err := checkRouting(rt, a.set.E); err != nil {
-			return nil, invalidf("safetensors.path", "%s/config.json gives a routing the set cannot take: %v", Quote(src.GetPath()), err)
+		if _, err := moe.ValidateRouting(rt, a.Set.E); err != nil {
+			a.Release()
+			return nil, invalidf("safetensors.path", "%s/config.json gives a routing the set cannot take: %v", quote(src.Path), err)
 		}
 	}
-	info, err := s.commitRouted(ctx, src.GetName(), a.set, a.bytes, fingerprint(a.bufs), hint, rt, src.GetOverwrite())
-	if err != nil {
-		return nil, err
-	}
-	a.committed = true
-	return info, nil
+	a.Fingerprint, a.TopKHint, a.Routing = moe.Fingerprint(a.bufs), hint, rt
+	return a, nil
+}
+
+// clone is a copy of src that the loader may fill in.
+func (src *Source) clone() *Source {
+	c := *src
+	return &c
 }

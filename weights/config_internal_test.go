@@ -1,9 +1,9 @@
-package service
+package weights
 
 import (
 	"testing"
 
-	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/moe"
 )
 
 // FuzzDecodeConfig feeds arbitrary config.json bytes through what the
@@ -33,22 +33,22 @@ func FuzzDecodeConfig(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if e < 0 || e > maxExperts {
+		if e < 0 || e > moe.MaxExperts {
 			t.Fatalf("experts accepted %d", e)
 		}
 		if bs, err := tc.blockSize(); err == nil && bs != nil && (len(bs) != 2 || bs[0] < 1 || bs[1] < 1) {
 			t.Fatalf("weight_block_size %v accepted", bs)
 		}
-		_ = tc.activation(kp, pb.Activation_ACTIVATION_SILU_GATED)
-		d := routerOf([]string{c.ModelType, tc.ModelType}, pb.NamingPreset(preset%6))
+		_ = tc.activation(kp, moe.SiluGated)
+		d := routerOf([]string{c.ModelType, tc.ModelType}, Preset(preset%6))
 		rt, err := tc.routing(d, kp, e, "bias", hasBias)
 		if err != nil || rt == nil || e == 0 {
 			return
 		}
 		if hasBias {
-			rt.CorrectionBias = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{int64(e)}, Source: &pb.Tensor_Data{Data: make([]byte, 4*e)}}
+			rt.CorrectionBias = &moe.Tensor{DType: moe.Float32, Shape: []int{e}, Data: make([]byte, 4*e)}
 		}
-		if _, err := checkRouting(rt, e); err != nil {
+		if _, err := moe.ValidateRouting(rt, e); err != nil {
 			t.Errorf("config.json routing %v for E = %d accepted, the routing check refuses it: %v", rt, e, err)
 		}
 	})

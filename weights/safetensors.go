@@ -1,4 +1,4 @@
-package service
+package weights
 
 import (
 	"context"
@@ -16,9 +16,7 @@ import (
 	"strings"
 	"syscall"
 
-	"google.golang.org/grpc/codes"
-
-	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/moe"
 )
 
 // A .safetensors file is an 8-byte little-endian header length, a JSON
@@ -96,10 +94,10 @@ func parseSafetensors(r io.ReaderAt, size int64) (*stFile, error) {
 		}
 		var t stTensor
 		if err := json.Unmarshal(v, &t); err != nil {
-			return nil, fmt.Errorf("tensor %s: %w", Quote(name), err)
+			return nil, fmt.Errorf("tensor %s: %w", quote(name), err)
 		}
 		if b, e := t.DataOffsets[0], t.DataOffsets[1]; b < 0 || e < b || e > dataLen {
-			return nil, fmt.Errorf("tensor %s: data_offsets [%d, %d) outside the %d data bytes", Quote(name), b, e, dataLen)
+			return nil, fmt.Errorf("tensor %s: data_offsets [%d, %d) outside the %d data bytes", quote(name), b, e, dataLen)
 		}
 		f.tensors[name] = t
 	}
@@ -114,21 +112,21 @@ var stItemSize = map[string]int64{"F8_E4M3": 1, "F32": 4, "BF16": 2, "F16": 2}
 func (f *stFile) check(name string, dtypes ...string) (stTensor, int64, error) {
 	t, ok := f.tensors[name]
 	if !ok {
-		return t, 0, fmt.Errorf("no tensor named %s", Quote(name))
+		return t, 0, fmt.Errorf("no tensor named %s", quote(name))
 	}
 	if !slices.Contains(dtypes, t.Dtype) {
-		return t, 0, fmt.Errorf("tensor %s has dtype %s, want one of %v", Quote(name), Quote(t.Dtype), dtypes)
+		return t, 0, fmt.Errorf("tensor %s has dtype %s, want one of %v", quote(name), quote(t.Dtype), dtypes)
 	}
 	n := int64(1)
 	for _, d := range t.Shape {
-		if d < 0 || (d != 0 && n > maxElements/d) {
-			return t, 0, fmt.Errorf("tensor %s: bad shape %v", Quote(name), t.Shape)
+		if d < 0 || (d != 0 && n > moe.MaxElements/d) {
+			return t, 0, fmt.Errorf("tensor %s: bad shape %v", quote(name), t.Shape)
 		}
 		n *= d
 	}
 	size := n * stItemSize[t.Dtype]
 	if t.DataOffsets[1]-t.DataOffsets[0] != size {
-		return t, 0, fmt.Errorf("tensor %s: shape %v %s needs %d bytes, data_offsets span %d", Quote(name), t.Shape, t.Dtype, size, t.DataOffsets[1]-t.DataOffsets[0])
+		return t, 0, fmt.Errorf("tensor %s: shape %v %s needs %d bytes, data_offsets span %d", quote(name), t.Shape, t.Dtype, size, t.DataOffsets[1]-t.DataOffsets[0])
 	}
 	return t, size, nil
 }
@@ -141,7 +139,7 @@ func (f *stFile) read(name string, dtypes ...string) (stTensor, []byte, error) {
 	}
 	b := make([]byte, size)
 	if _, err := f.r.ReadAt(b, f.base+t.DataOffsets[0]); err != nil {
-		return t, nil, fmt.Errorf("tensor %s: %w", Quote(name), err)
+		return t, nil, fmt.Errorf("tensor %s: %w", quote(name), err)
 	}
 	return t, b, nil
 }
@@ -154,10 +152,10 @@ func (f *stFile) readInto(name, dt string, dst []byte) error {
 		return err
 	}
 	if size != int64(len(dst)) {
-		return fmt.Errorf("tensor %s holds %d bytes, want %d", Quote(name), size, len(dst))
+		return fmt.Errorf("tensor %s holds %d bytes, want %d", quote(name), size, len(dst))
 	}
 	if _, err := f.r.ReadAt(dst, f.base+t.DataOffsets[0]); err != nil {
-		return fmt.Errorf("tensor %s: %w", Quote(name), err)
+		return fmt.Errorf("tensor %s: %w", quote(name), err)
 	}
 	return nil
 }
@@ -173,7 +171,7 @@ func (f *stFile) floats(name string, most int64) (stTensor, []float32, error) {
 		return t, nil, err
 	}
 	if n := size / stItemSize[t.Dtype]; n > most {
-		return t, nil, fmt.Errorf("tensor %s has %d values, want at most %d", Quote(name), n, most)
+		return t, nil, fmt.Errorf("tensor %s has %d values, want at most %d", quote(name), n, most)
 	}
 	t, b, err := f.read(name, dtypes...)
 	if err != nil {
@@ -193,9 +191,9 @@ func (f *stFile) floats(name string, most int64) (stTensor, []float32, error) {
 // maxPathBytes bounds safetensors.path and the naming templates: PATH_MAX.
 const maxPathBytes = 4096
 
-// weightsDir is the configured weights directory ("" for none), the one
-// place a load opens files from.
-type weightsDir string
+// Dir is the configured weights directory ("" for none), the one place a
+// load opens files from.
+type Dir string
 
 // open opens rel inside the weights directory. Paths
 // with "..", absolute paths and symlinks that resolve outside the directory
@@ -204,26 +202,26 @@ type weightsDir string
 // Anything but a regular file is refused before it is read: the open is
 // non-blocking, so a FIFO (or a device) cannot stall the call, and fstat
 // on the open descriptor decides. Messages name rel, never the directory.
-func (d weightsDir) open(rel string) (*os.File, error) {
+func (d Dir) open(rel string) (*os.File, error) {
 	return d.openPath(rel, false)
 }
 
 // openPath is open that also takes a directory when dirOK (a checkpoint
 // directory); what it refuses is the same.
-func (d weightsDir) openPath(rel string, dirOK bool) (*os.File, error) {
+func (d Dir) openPath(rel string, dirOK bool) (*os.File, error) {
 	const field = "safetensors.path"
 	if d == "" {
-		return nil, codedf(codes.FailedPrecondition, field, "this server has no weights directory configured")
+		return nil, errorf(NoDir, field, "this server has no weights directory configured")
 	}
 	if err := checkLen(field, rel, maxPathBytes); err != nil {
 		return nil, err
 	}
 	if rel == "" || filepath.IsAbs(rel) || strings.HasPrefix(rel, "/") {
-		return nil, invalidf(field, "%s: want a path relative to the weights directory", Quote(rel))
+		return nil, invalidf(field, "%s: want a path relative to the weights directory", quote(rel))
 	}
 	for _, el := range strings.Split(filepath.ToSlash(rel), "/") {
 		if el == ".." {
-			return nil, invalidf(field, "%s: may not contain \"..\"", Quote(rel))
+			return nil, invalidf(field, "%s: may not contain \"..\"", quote(rel))
 		}
 	}
 	root, err := filepath.EvalSymlinks(string(d))
@@ -232,14 +230,14 @@ func (d weightsDir) openPath(rel string, dirOK bool) (*os.File, error) {
 	}
 	full, err := filepath.EvalSymlinks(filepath.Join(root, filepath.Clean(rel)))
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, codedf(codes.NotFound, field, "%s: no such file in the weights directory", Quote(rel))
+		return nil, errorf(NotFound, field, "%s: no such file in the weights directory", quote(rel))
 	}
 	if err != nil {
-		return nil, invalidf(field, "%s: %v", Quote(rel), pathless(err))
+		return nil, invalidf(field, "%s: %v", quote(rel), pathless(err))
 	}
 	inside, err := filepath.Rel(root, full)
 	if err != nil || inside == ".." || strings.HasPrefix(inside, ".."+string(filepath.Separator)) {
-		return nil, invalidf(field, "%s resolves outside the weights directory", Quote(rel))
+		return nil, invalidf(field, "%s resolves outside the weights directory", quote(rel))
 	}
 	dir, err := os.OpenRoot(root)
 	if err != nil {
@@ -248,16 +246,16 @@ func (d weightsDir) openPath(rel string, dirOK bool) (*os.File, error) {
 	defer dir.Close()
 	f, err := dir.OpenFile(inside, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
-		return nil, invalidf(field, "%s: %v", Quote(rel), pathless(err))
+		return nil, invalidf(field, "%s: %v", quote(rel), pathless(err))
 	}
 	st, err := f.Stat()
 	if err != nil {
 		f.Close()
-		return nil, invalidf(field, "%s: %v", Quote(rel), pathless(err))
+		return nil, invalidf(field, "%s: %v", quote(rel), pathless(err))
 	}
 	if !st.Mode().IsRegular() && !(dirOK && st.IsDir()) {
 		f.Close()
-		return nil, invalidf(field, "%s is not a regular file (%v); want a .safetensors file or a checkpoint directory", Quote(rel), st.Mode().Type())
+		return nil, invalidf(field, "%s is not a regular file (%v); want a .safetensors file or a checkpoint directory", quote(rel), st.Mode().Type())
 	}
 	return f, nil
 }
@@ -286,7 +284,7 @@ type projection struct {
 // stLayout maps a preset to per-expert names: w13 is the stack of its
 // projections (gate then up for gated presets).
 type stLayout struct {
-	act pb.Activation
+	act moe.Activation
 	w13 []projection
 	w2  projection
 }
@@ -296,24 +294,24 @@ func expand(tmpl string, layer, e int) string {
 }
 
 // presetLayout returns the names of expert e of the source's layer.
-func presetLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (stLayout, error) {
+func presetLayout(src *Source, e int) (stLayout, error) {
 	if l, ok, err := checkpointLayout(src, e); ok {
 		return l, err
 	}
-	layer := int(src.GetLayer())
+	layer := int(src.Layer)
 	proj := stdProjection
-	switch src.GetPreset() {
-	case pb.NamingPreset_NAMING_PRESET_NEMOTRON_H:
+	switch src.Preset {
+	case NemotronH:
 		p := expand("backbone.layers.{L}.mixer.experts.{e}.", layer, e)
-		return stLayout{act: pb.Activation_ACTIVATION_RELU2, w13: []projection{proj(p + "up_proj")}, w2: proj(p + "down_proj")}, nil
-	case pb.NamingPreset_NAMING_PRESET_QWEN3_MOE:
+		return stLayout{act: moe.Relu2, w13: []projection{proj(p + "up_proj")}, w2: proj(p + "down_proj")}, nil
+	case Qwen3MoE:
 		p := expand("model.layers.{L}.mlp.experts.{e}.", layer, e)
-		return stLayout{act: pb.Activation_ACTIVATION_SILU_GATED, w13: []projection{proj(p + "gate_proj"), proj(p + "up_proj")}, w2: proj(p + "down_proj")}, nil
-	case pb.NamingPreset_NAMING_PRESET_CUSTOM:
-		if src.GetActivation() == pb.Activation_ACTIVATION_UNSPECIFIED {
+		return stLayout{act: moe.SiluGated, w13: []projection{proj(p + "gate_proj"), proj(p + "up_proj")}, w2: proj(p + "down_proj")}, nil
+	case Custom:
+		if src.Activation == 0 {
 			return stLayout{}, invalidf("safetensors.activation", "is required with NAMING_PRESET_CUSTOM")
 		}
-		if src.GetW13Template() == "" || src.GetW2Template() == "" {
+		if src.W13Template == "" || src.W2Template == "" {
 			return stLayout{}, invalidf("safetensors.w13_template", "w13_template and w2_template are required with NAMING_PRESET_CUSTOM")
 		}
 		custom := func(w, sc string) projection {
@@ -324,55 +322,51 @@ func presetLayout(src *pb.LoadExpertsRequest_SafetensorsSource, e int) (stLayout
 			return p
 		}
 		return stLayout{
-			act: src.GetActivation(),
-			w13: []projection{custom(src.GetW13Template(), src.GetW13ScaleTemplate())},
-			w2:  custom(src.GetW2Template(), src.GetW2ScaleTemplate()),
+			act: src.Activation,
+			w13: []projection{custom(src.W13Template, src.W13ScaleTemplate)},
+			w2:  custom(src.W2Template, src.W2ScaleTemplate),
 		}, nil
 	}
-	return stLayout{}, invalidf("safetensors.preset", "%v: want NEMOTRON_H, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, AUTO or CUSTOM", src.GetPreset())
+	return stLayout{}, invalidf("safetensors.preset", "%v: want NEMOTRON_H, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, AUTO or CUSTOM", src.Preset)
 }
 
-// loadSafetensors loads one layer's experts from a file in the weights
-// directory.
-func (s *Server) loadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset) (*pb.ExpertSetInfo, error) {
-	if err := checkName("safetensors.name", src.GetName()); err != nil {
-		return nil, err
-	}
-	if err := s.reg.checkFree("safetensors.name", src.GetName(), src.GetOverwrite()); err != nil {
-		return nil, err
-	}
-	for _, t := range [][2]string{{"safetensors.w13_template", src.GetW13Template()}, {"safetensors.w2_template", src.GetW2Template()},
-		{"safetensors.w13_scale_template", src.GetW13ScaleTemplate()}, {"safetensors.w2_scale_template", src.GetW2ScaleTemplate()}} {
+// Load reads the layer src names from a file or a checkpoint directory in
+// the weights directory, reserving its bytes in l.Budget before it reads
+// the weights. A non-nil subset loads only the experts it picks; nil loads
+// every expert of the layer (or the first src.NumExperts). Errors of the
+// request's making are *Error, or *moe.FieldError from the set's layout
+// rules; the budget's own errors pass through.
+func (l *Loader) Load(ctx context.Context, src *Source, subset ExpertSubset) (*Set, error) {
+	for _, t := range [][2]string{{"safetensors.w13_template", src.W13Template}, {"safetensors.w2_template", src.W2Template},
+		{"safetensors.w13_scale_template", src.W13ScaleTemplate}, {"safetensors.w2_scale_template", src.W2ScaleTemplate}} {
 		if err := checkLen(t[0], t[1], maxPathBytes); err != nil {
 			return nil, err
 		}
 	}
-	if dir, err := s.weightsIsDir(src.GetPath()); err != nil {
-		return nil, err
-	} else if dir {
-		return s.loadCheckpoint(ctx, src, subset)
-	}
-	if _, err := presetLayout(src, 0); err != nil {
-		return nil, err
-	}
-	fh, err := s.weights.open(src.GetPath())
+	fh, err := l.Dir.openPath(src.Path, true)
 	if err != nil {
 		return nil, err
 	}
 	defer fh.Close()
 	st, err := fh.Stat()
 	if err != nil {
-		return nil, fmt.Errorf("stat weights file: %w", err)
+		return nil, fmt.Errorf("stat weights path: %w", err)
+	}
+	if st.IsDir() {
+		return l.loadCheckpoint(ctx, src, subset)
+	}
+	if _, err := presetLayout(src, 0); err != nil {
+		return nil, err
 	}
 	f, err := parseSafetensors(fh, st.Size())
 	if err != nil {
-		return nil, invalidf("safetensors.path", "%s: %v", Quote(src.GetPath()), err)
+		return nil, invalidf("safetensors.path", "%s: %v", quote(src.Path), err)
 	}
-	if src.GetNumExperts() == 0 && subset == nil {
-		if src, err = s.wholeLayer(f, src); err != nil {
+	if src.NumExperts == 0 && subset == nil {
+		if src, err = l.wholeLayer(f, src); err != nil {
 			return nil, err
 		}
 	}
 	hint, _ := strconv.Atoi(f.meta.NumExpertsPerTok)
-	return s.loadAssembled(ctx, f, src, subset, nil, hint)
+	return l.read(ctx, f, src, subset, nil, hint)
 }

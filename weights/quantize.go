@@ -1,4 +1,4 @@
-package service
+package weights
 
 import (
 	"context"
@@ -12,8 +12,7 @@ import (
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sync/semaphore"
 
-	"github.com/expertd/expertd/kernels"
-	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -24,7 +23,7 @@ import (
 // load holds at most a few experts' matrices in 16 bits, never a layer.
 
 // halfDtypes are the safetensors dtypes of weights quantized on load.
-var halfDtypes = map[string]kernels.DType{"BF16": kernels.BFloat16, "F16": kernels.Float16}
+var halfDtypes = map[string]moe.DType{"BF16": moe.BFloat16, "F16": moe.Float16}
 
 // defaultWeightQuantization is what WEIGHT_QUANTIZATION_UNSPECIFIED gives.
 // Per-channel keeps the most accuracy of the three (TestWeightQuantization
@@ -35,7 +34,7 @@ var halfDtypes = map[string]kernels.DType{"BF16": kernels.BFloat16, "F16": kerne
 // confines an outlier to its row, and a row of K <= 16384 columns is
 // fewer elements than a [128, 128] tile; per-tensor lets one outlier
 // coarsen the whole matrix.
-const defaultWeightQuantization = pb.WeightQuantization_WEIGHT_QUANTIZATION_PER_CHANNEL
+const defaultWeightQuantization = PerChannel
 
 // maxQuantStaging bounds the 16-bit and float32 staging of every load
 // quantizing at once, daemon-wide; an expert larger than it loads alone.
@@ -46,22 +45,23 @@ var quantStaging = semaphore.NewWeighted(maxQuantStaging)
 
 // HalfQuantizer is what a backend implements to quantize half-precision
 // checkpoint weights itself (on its device, for instance) instead of on
-// the host; the loader uses it when the backend has it, and the CPU path
-// otherwise. QuantizeHalf quantizes one expert's row-major [rows, cols]
-// matrix, src holding its little-endian BFloat16 or Float16 values (dt),
-// into dst's rows·cols E4M3FN codes, and writes its scales to scales:
+// the host; the service hands it to a Loader when the backend has it,
+// and the CPU path runs otherwise. QuantizeHalf quantizes one expert's
+// row-major [rows, cols] matrix, src holding its little-endian BFloat16 or
+// Float16 values (dt), into dst's rows·cols E4M3FN codes, and writes its
+// scales to scales:
 // amax/448 clamped to scaling.MinScale over each group of g (1 value for
 // scaling.PerTensor, rows for PerChannel, ceil(rows/Bn)·ceil(cols/Bk) for
 // Block), encoded as the scaling package encodes. The loader calls it from
 // several goroutines at once, each with its own buffers.
 type HalfQuantizer interface {
-	QuantizeHalf(ctx context.Context, dst, src []byte, dt kernels.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error
+	QuantizeHalf(ctx context.Context, dst, src []byte, dt moe.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error
 }
 
 // cpuQuantizer is the host path, with one worker's float32 staging.
 type cpuQuantizer struct{ f []float32 }
 
-func (q *cpuQuantizer) QuantizeHalf(_ context.Context, dst, src []byte, dt kernels.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error {
+func (q *cpuQuantizer) QuantizeHalf(_ context.Context, dst, src []byte, dt moe.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error {
 	v := q.f[:rows*cols]
 	decodeHalf(v, src, dt)
 	ws := scaling.QuantizeWeightsInto(dst, v, 1, rows, cols, g, block)
@@ -70,9 +70,9 @@ func (q *cpuQuantizer) QuantizeHalf(_ context.Context, dst, src []byte, dt kerne
 }
 
 // decodeHalf widens little-endian BF16 or FP16 values to float32.
-func decodeHalf(dst []float32, src []byte, dt kernels.DType) {
+func decodeHalf(dst []float32, src []byte, dt moe.DType) {
 	dec := scaling.BF16ToFloat32
-	if dt == kernels.Float16 {
+	if dt == moe.Float16 {
 		dec = scaling.FP16ToFloat32
 	}
 	for i := range dst {
@@ -81,17 +81,17 @@ func decodeHalf(dst []float32, src []byte, dt kernels.DType) {
 }
 
 // weightGranularity is the scaling granularity src asks for.
-func weightGranularity(src *pb.LoadExpertsRequest_SafetensorsSource) (scaling.Granularity, error) {
-	q := src.GetWeightQuantization()
-	if q == pb.WeightQuantization_WEIGHT_QUANTIZATION_UNSPECIFIED {
+func weightGranularity(src *Source) (scaling.Granularity, error) {
+	q := src.WeightQuantization
+	if q == QuantizationUnspecified {
 		q = defaultWeightQuantization
 	}
 	switch q {
-	case pb.WeightQuantization_WEIGHT_QUANTIZATION_PER_TENSOR:
+	case PerTensor:
 		return scaling.PerTensor, nil
-	case pb.WeightQuantization_WEIGHT_QUANTIZATION_PER_CHANNEL:
+	case PerChannel:
 		return scaling.PerChannel, nil
-	case pb.WeightQuantization_WEIGHT_QUANTIZATION_BLOCK:
+	case Block:
 		return scaling.Block, nil
 	}
 	return 0, invalidf("safetensors.weight_quantization", "%v: want PER_TENSOR, PER_CHANNEL, BLOCK or UNSPECIFIED", q)
@@ -99,15 +99,15 @@ func weightGranularity(src *pb.LoadExpertsRequest_SafetensorsSource) (scaling.Gr
 
 // scalesPerExpert is how many scales g gives one expert's rows x cols
 // matrix, and the set's scale shape for e experts.
-func scalesPerExpert(g scaling.Granularity, e, rows, cols int, block [2]int) (int, []int64) {
+func scalesPerExpert(g scaling.Granularity, e, rows, cols int, block [2]int) (int, []int) {
 	switch g {
 	case scaling.PerChannel:
-		return rows, []int64{int64(e), int64(rows)}
+		return rows, []int{e, rows}
 	case scaling.Block:
 		nb, kb := ceilDiv(rows, block[0]), ceilDiv(cols, block[1])
-		return nb * kb, []int64{int64(e), int64(nb), int64(kb)}
+		return nb * kb, []int{e, nb, kb}
 	}
-	return 1, []int64{int64(e)} // one per expert: the set's per-expert form
+	return 1, []int{e} // one per expert: the set's per-expert form
 }
 
 // halfMatrix is one of an expert's two matrices: its parts' tensor names
@@ -116,7 +116,7 @@ type halfMatrix struct {
 	names  func(e int) []projection
 	rows   []int
 	cols   int
-	buf    int // tW13 or tW2
+	buf    int // moe.SetW13 or moe.SetW2
 	scales []float32
 	per    int
 }
@@ -125,8 +125,8 @@ type halfMatrix struct {
 // shapes assemble has checked: gated w13 parts of rows[p] x k, w2 k x n.
 // It quantizes each expert's matrices to FP8 at src's granularity with q
 // (nil: on the host), in parallel over experts.
-func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_SafetensorsSource, lay func(e int) stLayout,
-	numE int, rows []int, k, n int, dt string, block [2]int, reg *registry, q HalfQuantizer, wrap func(error) error) (*assembled, error) {
+func assembleHalf(ctx context.Context, f *stFile, src *Source, lay func(e int) stLayout,
+	numE int, rows []int, k, n int, dt string, block [2]int, b Budget, q HalfQuantizer, wrap func(error) error) (*Set, error) {
 	g, err := weightGranularity(src)
 	if err != nil {
 		return nil, err
@@ -136,27 +136,22 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 		r += x
 	}
 	mats := []*halfMatrix{
-		{names: func(e int) []projection { return lay(e).w13 }, rows: rows, cols: k, buf: tW13},
-		{names: func(e int) []projection { return []projection{lay(e).w2} }, rows: []int{k}, cols: n, buf: tW2},
+		{names: func(e int) []projection { return lay(e).w13 }, rows: rows, cols: k, buf: moe.SetW13},
+		{names: func(e int) []projection { return []projection{lay(e).w2} }, rows: []int{k}, cols: n, buf: moe.SetW2},
 	}
 	per13, s13Shape := scalesPerExpert(g, numE, r, k, block)
 	per2, s2Shape := scalesPerExpert(g, numE, k, n, block)
 	mats[0].per, mats[1].per = per13, per2
 	mats[0].scales, mats[1].scales = make([]float32, numE*per13), make([]float32, numE*per2)
-	scaleDecl := func(shape []int64) *pb.Tensor {
-		return &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: shape}
-	}
-	w := &pb.ExpertWeights{
-		Activation: lay(0).act,
-		W13:        &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{int64(numE), int64(r), int64(k)}},
-		W2:         &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{int64(numE), int64(k), int64(n)}},
-		W13Scale:   scaleDecl(s13Shape),
-		W2Scale:    scaleDecl(s2Shape),
-	}
+	d := &moe.SetDecl{Activation: lay(0).act}
+	d.Tensors[moe.SetW13] = fp8Decl(numE, r, k)
+	d.Tensors[moe.SetW2] = fp8Decl(numE, k, n)
+	d.Tensors[moe.SetW13Scale] = scaleDecl(nil, s13Shape...)
+	d.Tensors[moe.SetW2Scale] = scaleDecl(nil, s2Shape...)
 	if g == scaling.Block {
-		w.WeightBlockShape = []int32{int32(block[0]), int32(block[1])}
+		d.BlockShape = block[:]
 	}
-	l, a, err := reserveSet(w, reg)
+	l, a, err := reserveSet(d, b)
 	if err != nil {
 		return nil, err
 	}
@@ -211,13 +206,13 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 		})
 	}
 	if err := eg.Wait(); err != nil {
-		a.release()
+		a.Release()
 		return nil, err
 	}
-	a.bufs[tW13Scale] = float32Bytes(mats[0].scales)
-	a.bufs[tW2Scale] = float32Bytes(mats[1].scales)
-	if a.set, err = buildSet("safetensors", l, a.bufs); err != nil {
-		a.release()
+	a.bufs[moe.SetW13Scale] = moe.Float32Bytes(mats[0].scales)
+	a.bufs[moe.SetW2Scale] = moe.Float32Bytes(mats[1].scales)
+	if a.Set, err = l.Build("safetensors", a.bufs); err != nil {
+		a.Release()
 		return nil, err
 	}
 	return a, nil
@@ -227,7 +222,7 @@ func assembleHalf(ctx context.Context, f *stFile, src *pb.LoadExpertsRequest_Saf
 // how to quantize, and wrap, which names the file in a request's errors.
 type halfLoad struct {
 	f     *stFile
-	a     *assembled
+	a     *Set
 	dt    string
 	g     scaling.Granularity
 	block [2]int
@@ -254,7 +249,7 @@ func (h *halfLoad) quantize(ctx context.Context, m *halfMatrix, e int, half []by
 	}
 	scales := m.scales[e*m.per : (e+1)*m.per]
 	if err := q.QuantizeHalf(ctx, h.a.bufs[m.buf][e*size:(e+1)*size], half[:2*size], halfDtypes[h.dt], r, m.cols, h.g, h.block, scales); err != nil {
-		return fmt.Errorf("quantizing %s: %w", Quote(parts[0].weight), err)
+		return fmt.Errorf("quantizing %s: %w", quote(parts[0].weight), err)
 	}
 	// amax/448 is finite and > 0 exactly when the matrix is: NaN and Inf
 	// weights would only be refused later as an unnamed bad scale.

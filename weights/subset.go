@@ -1,11 +1,7 @@
-package service
+package weights
 
 import (
-	"context"
-	"fmt"
 	"slices"
-
-	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
 // ExpertSubset picks the experts of a layer a set serves: given the
@@ -49,24 +45,4 @@ func fillMax(local, all []float32) []float32 {
 		out[i] = m
 	}
 	return out
-}
-
-// LoadSafetensors loads src as a LoadExperts stream of that one message
-// does (same checks, limits and errors), for callers inside the process
-// such as the daemon's startup manifest. A non-nil subset loads only the
-// experts it picks; nil loads every expert of the layer.
-func (s *Server) LoadSafetensors(ctx context.Context, src *pb.LoadExpertsRequest_SafetensorsSource, subset ExpertSubset) (*pb.ExpertSetInfo, error) {
-	done, err := s.begin()
-	if err != nil {
-		return nil, err
-	}
-	defer done()
-	if src == nil {
-		return nil, invalidf("safetensors", "required")
-	}
-	info, err := s.loadSafetensors(ctx, src, subset)
-	if err != nil {
-		return nil, fmt.Errorf("expert set %q: %w", src.GetName(), err)
-	}
-	return info, nil
 }
