@@ -147,9 +147,10 @@ type Config struct {
 	Device int
 	// Threads bounds CPU parallelism; 0 means GOMAXPROCS.
 	Threads int
-	// Options are switches of the backend being opened, by name (the cuda
-	// backend's are cuda.OptionKeys, and it refuses others).
-	Options map[string]string
+	// Options are the typed switches of the backend being opened (the
+	// cuda backend takes a cuda.Options and refuses any other type); nil
+	// means the backend's defaults.
+	Options any
 }
 
 var (

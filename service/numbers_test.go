@@ -3,6 +3,7 @@ package service_test
 import (
 	"encoding/binary"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -155,7 +156,7 @@ func TestFusedMoEMatchesReference(t *testing.T) {
 // TestFusedMoEMatchesReferenceCUDA is the same check on the CUDA backend;
 // it skips where the library or a GPU is missing (CI, this laptop).
 func TestFusedMoEMatchesReferenceCUDA(t *testing.T) {
-	b, err := kernels.Open("cuda", kernels.Config{})
+	b, err := kernels.Open("cuda", kernels.Config{LibraryPath: os.Getenv("EXPERTD_LIBRARY_PATH")})
 	if err != nil {
 		t.Skipf("no CUDA backend: %v", err)
 	}

@@ -160,7 +160,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&c.cudaIPC, "cuda-ipc", false, cudaIPCUsage)
 	fs.BoolVar(&c.ring, "ring", false, ringUsage)
 	fs.DurationVar(&c.ringSpin, "ring-spin", client.DefaultRingSpin, "with -ring: how long a call polls for its completion before it sleeps (negative: sleep at once)")
-	fs.StringVar(&c.cudaLib, "cuda-lib", "", "with -cuda-ipc: the kernel library (empty: $EXPERTD_LIBRARY_PATH, then build/libexpertd_cuda.so)")
+	fs.StringVar(&c.cudaLib, "cuda-lib", os.Getenv("EXPERTD_LIBRARY_PATH"), "with -cuda-ipc: the kernel library (default $EXPERTD_LIBRARY_PATH; empty: build/libexpertd_cuda.so)")
 	fs.BoolVar(&c.stream, "stream", false, "send the calls over one FusedMoEStream per caller instead of unary FusedMoE calls")
 	fs.IntVar(&c.inflight, "inflight", 1, "calls in flight per caller on its stream (implies -stream when > 1)")
 	fs.StringVar(&c.traceFile, "trace", "", "write a Go execution trace of the load to this file (go tool trace FILE)")

@@ -49,8 +49,15 @@ type Backend struct {
 // New opens the library named by cfg.LibraryPath (or found by the default
 // search, see findLibrary) on GPU cfg.Device and self-tests it.
 func New(cfg kernels.Config) (*Backend, error) {
-	opts, err := ParseOptions(cfg.Options)
-	if err != nil {
+	opts := DefaultOptions()
+	switch o := cfg.Options.(type) {
+	case nil:
+	case Options:
+		opts = o
+	default:
+		return nil, fmt.Errorf("cuda: options of type %T, want cuda.Options", cfg.Options)
+	}
+	if err := opts.Validate(); err != nil {
 		return nil, err
 	}
 	lib, err := openLibrary(cfg.LibraryPath)

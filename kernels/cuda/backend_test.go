@@ -34,7 +34,12 @@ var (
 
 func gpuBackend(t *testing.T) *Backend {
 	t.Helper()
-	testOnce.Do(func() { testBackend, testErr = New(kernels.Config{Options: envOptions()}) })
+	testOnce.Do(func() {
+		var o Options
+		if o, testErr = ParseOptions(envOptions()); testErr == nil {
+			testBackend, testErr = New(kernels.Config{LibraryPath: os.Getenv("EXPERTD_LIBRARY_PATH"), Options: o})
+		}
+	})
 	if testErr != nil {
 		if os.Getenv("EXPERTD_CUDA_REQUIRE") == "1" {
 			t.Fatalf("cuda backend: %v", testErr)
@@ -67,7 +72,7 @@ func envOptions() map[string]string {
 	return kv
 }
 
-func TestOpenRejectsBadOptions(t *testing.T) {
+func TestParseOptionsRejectsBadValues(t *testing.T) {
 	for _, tc := range []struct {
 		kv   map[string]string
 		want string
@@ -80,9 +85,26 @@ func TestOpenRejectsBadOptions(t *testing.T) {
 		{map[string]string{"pdl": "maybe"}, "pdl"},
 		{map[string]string{"warp-speed": "1"}, "unknown option"},
 	} {
-		if _, err := New(kernels.Config{Options: tc.kv}); err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("New with %v: %v, want an error naming %q", tc.kv, err, tc.want)
+		if _, err := ParseOptions(tc.kv); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("ParseOptions(%v): %v, want an error naming %q", tc.kv, err, tc.want)
 		}
+	}
+}
+
+// TestNewValidatesTypedOptions checks New refuses out-of-range typed
+// options before it looks for the library, and options of another type.
+func TestNewValidatesTypedOptions(t *testing.T) {
+	missing := t.TempDir() + "/missing/libexpertd_cuda.so"
+	o := DefaultOptions()
+	o.Streams = 0
+	if _, err := New(kernels.Config{LibraryPath: missing, Options: o}); err == nil || !strings.Contains(err.Error(), `option streams="0"`) {
+		t.Errorf("New with Streams 0: %v, want an error naming streams", err)
+	}
+	if _, err := New(kernels.Config{LibraryPath: missing, Options: map[string]string{"streams": "2"}}); err == nil || !strings.Contains(err.Error(), "want cuda.Options") {
+		t.Errorf("New with a map: %v, want a type error", err)
+	}
+	if _, err := New(kernels.Config{LibraryPath: missing}); !errors.Is(err, errNoLibrary) {
+		t.Errorf("New with default options: %v, want errNoLibrary", err)
 	}
 }
 
