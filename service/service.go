@@ -97,6 +97,27 @@ type Config struct {
 	// MaxShmBytes bounds the bytes of those regions (the daemon's
 	// -max-shm-bytes); 0 means DefaultMaxShmBytes.
 	MaxShmBytes int64
+	// StreamWorkers, when > 0, is the pool of goroutines the daemon's
+	// grpc.Server runs RPC handlers on instead of a new goroutine per
+	// stream (grpc.NumStreamWorkers); the service only reports it.
+	StreamWorkers int
+	// KeepaliveMinTime is the shortest interval at which a client may
+	// ping; one pinging more often is sent GOAWAY too_many_pings. The
+	// daemon's grpc.Server enforces it; the service only reports it.
+	KeepaliveMinTime time.Duration
+	// KeepaliveTime and KeepaliveTimeout: the daemon pings a connection
+	// idle for KeepaliveTime and closes it when no answer comes within
+	// KeepaliveTimeout. The service only reports them.
+	KeepaliveTime, KeepaliveTimeout time.Duration
+	// MaxConnectionAge is how long a connection lives (±10% jitter) before
+	// the daemon sends GOAWAY, so clients behind a load balancer spread
+	// over new replicas; MaxConnectionAgeGrace is how long calls in
+	// flight then have to finish. 0 means never. The service only
+	// reports them.
+	MaxConnectionAge, MaxConnectionAgeGrace time.Duration
+	// Settings are the daemon's settings in force by flag name, as
+	// GetServerInfo reports them; the service only reports them.
+	Settings map[string]string
 	// OnBackendFault, when set, is called when BackendFault starts
 	// reporting a fault (with it) and when it clears (with nil), so the
 	// daemon can take the replica out of health checks; it must not block.
@@ -479,14 +500,26 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 		Backends: []*pb.ServerInfo_BackendInfo{bi},
 		Devices:  caps.Devices,
 		Limits: &pb.ServerInfo_Limits{
-			MaxMessageBytes: s.cfg.MaxMessageBytes,
-			MaxTokens:       int32(s.cfg.MaxTokens),
-			MaxLoadedBytes:  s.cfg.MaxLoadedBytes,
-			MaxConcurrent:   int32(s.cfg.MaxConcurrent),
-			MaxShmRegions:   int32(s.shm.limitRegions()),
-			MaxShmBytes:     s.shm.limitBytes(),
+			MaxMessageBytes:  s.cfg.MaxMessageBytes,
+			MaxTokens:        int32(s.cfg.MaxTokens),
+			MaxLoadedBytes:   s.cfg.MaxLoadedBytes,
+			MaxConcurrent:    int32(s.cfg.MaxConcurrent),
+			MaxShmRegions:    int32(s.shm.limitRegions()),
+			MaxShmBytes:      s.shm.limitBytes(),
+			MaxQueued:        int32(s.cfg.MaxQueued),
+			BatchWindowNanos: s.cfg.BatchWindow.Nanoseconds(),
+			BatchMaxTokens:   int32(s.cfg.BatchMaxTokens),
 		},
 		Ring: s.ringInfo(),
+		Transport: &pb.ServerInfo_Transport{
+			StreamWorkers:              int32(s.cfg.StreamWorkers),
+			KeepaliveMinTimeNanos:      s.cfg.KeepaliveMinTime.Nanoseconds(),
+			KeepaliveTimeNanos:         s.cfg.KeepaliveTime.Nanoseconds(),
+			KeepaliveTimeoutNanos:      s.cfg.KeepaliveTimeout.Nanoseconds(),
+			MaxConnectionAgeNanos:      s.cfg.MaxConnectionAge.Nanoseconds(),
+			MaxConnectionAgeGraceNanos: s.cfg.MaxConnectionAgeGrace.Nanoseconds(),
+		},
+		Settings: s.cfg.Settings,
 	}, nil
 }
 
