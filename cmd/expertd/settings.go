@@ -273,3 +273,24 @@ func redacted(s setting) setting {
 	s.redact = true
 	return s
 }
+
+// markdown is the README's flag list: one table row per setting.
+func (c *Config) markdown() string {
+	var b strings.Builder
+	b.WriteString("| flag | variable | default | what it does |\n|---|---|---|---|\n")
+	code := func(s string) string {
+		if s == "" {
+			return ""
+		}
+		return "`" + s + "`"
+	}
+	for _, s := range c.settings() {
+		flagName := ""
+		if s.bind != nil {
+			flagName = "-" + s.name
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", code(flagName), code(s.variable()), code(s.def),
+			strings.ReplaceAll(s.help, "|", `\|`))
+	}
+	return b.String()
+}

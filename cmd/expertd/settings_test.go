@@ -3,9 +3,12 @@ package main
 import (
 	"flag"
 	"io"
+	"os"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/google/go-cmp/cmp"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
@@ -127,4 +130,40 @@ func TestDeprecatedLibraryVariable(t *testing.T) {
 			}
 		})
 	}
+}
+
+var updateREADME = flag.Bool("update-readme", false, "rewrite README.md's flag list from the settings table")
+
+// The README's flag list lies between these lines.
+const (
+	readmeFlagsBegin = "<!-- settings table: generated from cmd/expertd/settings.go; go test ./cmd/expertd -run TestREADMEFlags -update-readme -->\n"
+	readmeFlagsEnd   = "<!-- end of settings table -->\n"
+)
+
+// TestREADMEFlags checks the README's flag list is the settings table.
+func TestREADMEFlags(t *testing.T) {
+	const path = "../../README.md"
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readme := string(raw)
+	before, rest, ok1 := strings.Cut(readme, readmeFlagsBegin)
+	got, after, ok2 := strings.Cut(rest, readmeFlagsEnd)
+	if !ok1 || !ok2 {
+		t.Fatalf("README.md has no settings table between %q and %q", readmeFlagsBegin, readmeFlagsEnd)
+	}
+	var c Config
+	want := c.markdown()
+	if got == want {
+		return
+	}
+	if *updateREADME {
+		if err := os.WriteFile(path, []byte(before+readmeFlagsBegin+want+readmeFlagsEnd+after), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	t.Errorf("README.md's flag list differs from the settings table (run go test ./cmd/expertd -run TestREADMEFlags -update-readme):\n%s",
+		cmp.Diff(got, want))
 }
