@@ -232,11 +232,16 @@ func TestErrors(t *testing.T) {
 }
 
 func TestServerInfoAndHealth(t *testing.T) {
-	c := startServer(t, service.Config{MaxTokens: 77, MaxConcurrent: 3, Version: "test-1"})
+	c := startServer(t, service.Config{MaxTokens: 77, MaxConcurrent: 3, Version: "test-1", BatchWindow: time.Millisecond, BatchMaxTokens: 9,
+		StreamWorkers: 2, KeepaliveTime: time.Minute, MaxConnectionAgeGrace: time.Second, Settings: map[string]string{"threads": "2"}})
 	ctx := testContext(t)
 	info, err := c.ServerInfo(ctx)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if info.Limits.MaxQueued != 12 || info.Limits.BatchWindow != time.Millisecond || info.Limits.BatchMaxTokens != 9 ||
+		info.Transport != (client.Transport{StreamWorkers: 2, KeepaliveTime: time.Minute, MaxConnectionAgeGrace: time.Second}) || info.Settings["threads"] != "2" {
+		t.Errorf("ServerInfo limits %+v, transport %+v, settings %v: want what the server was configured with", info.Limits, info.Transport, info.Settings)
 	}
 	if info.Version != "test-1" || info.Limits.MaxTokens != 77 || info.Limits.MaxConcurrent != 3 ||
 		info.Limits.MaxMessageBytes != clienttest.MaxMessageBytes || len(info.Backends) == 0 || info.Backends[0].Name != "cpu" {

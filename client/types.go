@@ -331,6 +331,11 @@ type ServerInfo struct {
 	Limits   Limits
 	// Ring is the call-ring service (OpenRing) as the server runs it.
 	Ring RingInfo
+	// Transport is the server's connection handling.
+	Transport Transport
+	// Settings are the daemon's settings in force by flag name, as the
+	// flags spell them (security settings only as set or empty).
+	Settings map[string]string
 }
 
 // RingInfo is a server's call-ring settings.
@@ -370,6 +375,27 @@ type Limits struct {
 	// all connections together; 0 when the server has shared memory off.
 	MaxShmRegions int
 	MaxShmBytes   int64
+	// MaxQueued calls may wait for an execution slot; more are refused
+	// with ResourceExhausted.
+	MaxQueued int
+	// BatchWindow is how long a merged batch waits for more compatible
+	// calls (0: no dynamic batching); BatchMaxTokens bounds its tokens
+	// (0: the server's default).
+	BatchWindow    time.Duration
+	BatchMaxTokens int
+}
+
+// Transport is a server's connection handling.
+type Transport struct {
+	// StreamWorkers run RPC handlers; 0 means a goroutine per call.
+	StreamWorkers int
+	// KeepaliveMinTime is the shortest client ping interval the server
+	// allows; KeepaliveTime and KeepaliveTimeout are its own pings of
+	// idle connections.
+	KeepaliveMinTime, KeepaliveTime, KeepaliveTimeout time.Duration
+	// MaxConnectionAge and MaxConnectionAgeGrace age connections (0:
+	// never, and no limit).
+	MaxConnectionAge, MaxConnectionAgeGrace time.Duration
 }
 
 func serverInfoFromProto(p *pb.ServerInfo) *ServerInfo {
@@ -384,9 +410,15 @@ func serverInfoFromProto(p *pb.ServerInfo) *ServerInfo {
 	l := p.GetLimits()
 	info.Limits = Limits{MaxMessageBytes: l.GetMaxMessageBytes(), MaxTokens: int(l.GetMaxTokens()),
 		MaxLoadedBytes: l.GetMaxLoadedBytes(), MaxConcurrent: int(l.GetMaxConcurrent()),
-		MaxShmRegions: int(l.GetMaxShmRegions()), MaxShmBytes: l.GetMaxShmBytes()}
+		MaxShmRegions: int(l.GetMaxShmRegions()), MaxShmBytes: l.GetMaxShmBytes(),
+		MaxQueued: int(l.GetMaxQueued()), BatchWindow: time.Duration(l.GetBatchWindowNanos()), BatchMaxTokens: int(l.GetBatchMaxTokens())}
 	r := p.GetRing()
 	info.Ring = RingInfo{Enabled: r.GetEnabled(), Version: r.GetVersion(), Spin: time.Duration(r.GetSpinNanos()),
 		MaxPerConn: int(r.GetMaxPerConn()), MaxRings: int(r.GetMaxRings()), MaxSlotBytes: r.GetMaxSlotBytes()}
+	t := p.GetTransport()
+	info.Transport = Transport{StreamWorkers: int(t.GetStreamWorkers()), KeepaliveMinTime: time.Duration(t.GetKeepaliveMinTimeNanos()),
+		KeepaliveTime: time.Duration(t.GetKeepaliveTimeNanos()), KeepaliveTimeout: time.Duration(t.GetKeepaliveTimeoutNanos()),
+		MaxConnectionAge: time.Duration(t.GetMaxConnectionAgeNanos()), MaxConnectionAgeGrace: time.Duration(t.GetMaxConnectionAgeGraceNanos())}
+	info.Settings = p.GetSettings()
 	return info
 }
