@@ -16,6 +16,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
 	"github.com/expertd/expertd/scaling"
@@ -34,7 +35,7 @@ func testContext(t *testing.T) context.Context {
 // startServer serves cfg in-process and returns a client dialed to it.
 func startServer(t *testing.T, cfg service.Config, opts ...client.Option) *client.Client {
 	t.Helper()
-	srv, err := clienttest.Serve(cfg)
+	srv, err := testdaemon.Serve(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -244,7 +245,7 @@ func TestServerInfoAndHealth(t *testing.T) {
 		t.Errorf("ServerInfo limits %+v, transport %+v, settings %v: want what the server was configured with", info.Limits, info.Transport, info.Settings)
 	}
 	if info.Version != "test-1" || info.Limits.MaxTokens != 77 || info.Limits.MaxConcurrent != 3 ||
-		info.Limits.MaxMessageBytes != clienttest.MaxMessageBytes || len(info.Backends) == 0 || info.Backends[0].Name != "cpu" {
+		info.Limits.MaxMessageBytes != testdaemon.MaxMessageBytes || len(info.Backends) == 0 || info.Backends[0].Name != "cpu" {
 		t.Errorf("ServerInfo = %+v", info)
 	}
 	if err := c.Health(ctx); err != nil {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
@@ -22,7 +23,7 @@ import (
 func startDeviceServer(t *testing.T) (*client.Client, *servicetest.FakeDevice) {
 	t.Helper()
 	d := servicetest.NewFakeDevice(cpu.New(kernels.Config{Threads: 2}))
-	srv, err := clienttest.ServeBackend(service.Config{SharedMemory: true}, d)
+	srv, err := testdaemon.ServeBackend(service.Config{SharedMemory: true}, d)
 	if err != nil {
 		t.Fatal(err)
 	}

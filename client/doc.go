@@ -61,5 +61,7 @@
 // call; it needs WithTransportCredentials (TLS, or mutual TLS with a
 // client certificate) unless the daemon is on a loopback address.
 //
-// Package clienttest starts an in-process server for tests and examples.
+// The module's tests and examples call an in-process server
+// (internal/testdaemon); package clienttest converts kerneltest cases
+// into the SDK's request types.
 package client

@@ -8,7 +8,7 @@ import (
 	"math/rand/v2"
 
 	"github.com/expertd/expertd/client"
-	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -42,7 +42,7 @@ func randomFloats(rng *rand.Rand, n int, scale float64) []float32 {
 // Dial a server, upload one layer of experts and run tokens through it.
 // The README shows this body.
 func Example() {
-	srv := clienttest.MustServe() // an in-process daemon; yours listens on "localhost:50051"
+	srv := testdaemon.MustServe() // an in-process daemon; yours listens on "localhost:50051"
 	defer srv.Stop()
 	ctx := context.Background()
 	c, err := client.Dial(ctx, srv.Addr)
@@ -104,7 +104,7 @@ func Example() {
 
 // Upload a layer in chunks and watch the progress.
 func ExampleClient_LoadExperts() {
-	srv := clienttest.MustServe()
+	srv := testdaemon.MustServe()
 	defer srv.Stop()
 	ctx := context.Background()
 	c, err := client.Dial(ctx, srv.Addr)
@@ -147,7 +147,7 @@ func ExampleClient_LoadExperts() {
 // Run a layer with weights sent inline and routing precomputed by the
 // caller, and ask for the routing back.
 func ExampleClient_FusedMoE() {
-	srv := clienttest.MustServe()
+	srv := testdaemon.MustServe()
 	defer srv.Stop()
 	ctx := context.Background()
 	c, err := client.Dial(ctx, srv.Addr)
@@ -201,7 +201,7 @@ func ExampleFromFloat32() {
 
 // List the loaded sets and the server's limits.
 func ExampleClient_ListExperts() {
-	srv := clienttest.MustServe()
+	srv := testdaemon.MustServe()
 	defer srv.Stop()
 	ctx := context.Background()
 	c, err := client.Dial(ctx, srv.Addr)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
 	"github.com/expertd/expertd/scaling"
@@ -24,12 +25,12 @@ import (
 
 // startShards serves n in-process daemons with cfg and dials them as the
 // shards of m.
-func startShards(t *testing.T, m *shard.Map, cfg service.Config, opts ...client.Option) (*client.Sharded, []*clienttest.Server) {
+func startShards(t *testing.T, m *shard.Map, cfg service.Config, opts ...client.Option) (*client.Sharded, []*testdaemon.Server) {
 	t.Helper()
-	srvs := make([]*clienttest.Server, m.NumShards())
+	srvs := make([]*testdaemon.Server, m.NumShards())
 	addrs := make([]string, m.NumShards())
 	for i := range srvs {
-		srv, err := clienttest.Serve(cfg)
+		srv, err := testdaemon.Serve(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -237,7 +238,7 @@ func TestDialShardedErrors(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(testContext(t), 200*time.Millisecond)
 	defer cancel()
-	srv, err := clienttest.Serve(service.Config{})
+	srv, err := testdaemon.Serve(service.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

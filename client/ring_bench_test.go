@@ -10,6 +10,7 @@ import (
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/internal/durstat"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
@@ -35,7 +36,7 @@ func BenchmarkRingPath(b *testing.B) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	shape := kerneltest.Nemotron.Scaled(kerneltest.Nemotron.K, 16)
 	cfg := service.Config{SharedMemory: true, Ring: true, RingSpin: time.Second, MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}
-	srv, err := clienttest.ServeBackend(cfg, servicetest.NullBackend{Backend: cpu.New(kernels.Config{})})
+	srv, err := testdaemon.ServeBackend(cfg, servicetest.NullBackend{Backend: cpu.New(kernels.Config{})})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -7,7 +7,7 @@ import (
 	"log"
 
 	"github.com/expertd/expertd/client"
-	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/service"
 )
 
@@ -15,7 +15,7 @@ import (
 // The daemon must run with -shared-memory -ring. The README shows this
 // body.
 func ExampleClient_OpenRing() {
-	srv, err := clienttest.Serve(service.Config{SharedMemory: true, Ring: true}) // an in-process expertd -shared-memory -ring
+	srv, err := testdaemon.Serve(service.Config{SharedMemory: true, Ring: true}) // an in-process expertd -shared-memory -ring
 	if err != nil {
 		log.Fatal(err)
 	}

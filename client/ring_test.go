@@ -19,6 +19,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
@@ -55,7 +56,7 @@ func (g *gatedBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kern
 // ringFixture is a server, a client, a loaded layer and a region whose
 // first bytes hold a ring and the rest tensors.
 type ringFixture struct {
-	srv     *clienttest.Server
+	srv     *testdaemon.Server
 	c       *client.Client
 	backend *gatedBackend
 	shm     *client.SharedMemory
@@ -70,7 +71,7 @@ func newRingFixture(t *testing.T, cfg service.Config, m int) *ringFixture {
 	t.Helper()
 	ctx := testContext(t)
 	g := newGatedBackend()
-	srv, err := clienttest.ServeBackend(cfg, g)
+	srv, err := testdaemon.ServeBackend(cfg, g)
 	if err != nil {
 		t.Fatal(err)
 	}

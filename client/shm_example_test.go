@@ -8,7 +8,7 @@ import (
 	"math/rand/v2"
 
 	"github.com/expertd/expertd/client"
-	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/service"
 )
 
@@ -16,7 +16,7 @@ import (
 // shared memory, and read the output where the daemon wrote it. The daemon
 // must run with -shared-memory. The README shows this body.
 func ExampleClient_RegisterSharedMemory() {
-	srv, err := clienttest.Serve(service.Config{SharedMemory: true}) // an in-process expertd -shared-memory
+	srv, err := testdaemon.Serve(service.Config{SharedMemory: true}) // an in-process expertd -shared-memory
 	if err != nil {
 		log.Fatal(err)
 	}

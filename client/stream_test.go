@@ -13,6 +13,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
@@ -131,10 +132,10 @@ func loadLayer(t *testing.T, rng *rand.Rand, c *client.Client) (*kernels.ExpertS
 
 // gatedServer serves a gateBackend with MaxConcurrent 2 and returns it,
 // the server and a client dialed to it with opts.
-func gatedServer(t *testing.T, opts ...client.Option) (*gateBackend, *clienttest.Server, *client.Client) {
+func gatedServer(t *testing.T, opts ...client.Option) (*gateBackend, *testdaemon.Server, *client.Client) {
 	t.Helper()
 	gate := newGateBackend()
-	srv, err := clienttest.ServeBackend(service.Config{MaxConcurrent: 2}, gate)
+	srv, err := testdaemon.ServeBackend(service.Config{MaxConcurrent: 2}, gate)
 	if err != nil {
 		t.Fatal(err)
 	}

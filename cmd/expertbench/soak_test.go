@@ -19,6 +19,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
@@ -31,7 +32,7 @@ const soakTestTokens = 64
 
 func startSoakServer(t *testing.T) string {
 	t.Helper()
-	srv, err := clienttest.Serve(service.Config{MaxConcurrent: 2, MaxTokens: soakTestTokens})
+	srv, err := testdaemon.Serve(service.Config{MaxConcurrent: 2, MaxTokens: soakTestTokens})
 	if err != nil {
 		t.Fatal(err)
 	}

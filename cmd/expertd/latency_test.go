@@ -20,9 +20,9 @@ import (
 	"google.golang.org/grpc/stats"
 
 	"github.com/expertd/expertd/client"
-	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/internal/durstat"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -212,7 +212,7 @@ func BenchmarkCallPath(b *testing.B) {
 		}},
 	} {
 		b.Run("null/"+v.name, func(b *testing.B) {
-			srv, err := clienttest.ServeBackend(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}, servicetest.NullBackend{Backend: cpu.New(kernels.Config{Threads: 1})})
+			srv, err := testdaemon.ServeBackend(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}, servicetest.NullBackend{Backend: cpu.New(kernels.Config{Threads: 1})})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -358,7 +358,7 @@ func BenchmarkCallPath(b *testing.B) {
 		})
 	}
 	b.Run("service", func(b *testing.B) {
-		srv, err := clienttest.Serve(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow})
+		srv, err := testdaemon.Serve(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow})
 		if err != nil {
 			b.Fatal(err)
 		}
