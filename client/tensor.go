@@ -2,6 +2,7 @@ package client
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 
@@ -114,37 +115,32 @@ func FromInt32(v []int32, shape ...int) Tensor {
 func (t Tensor) IsZero() bool { return t.DType == 0 && t.Shape == nil && t.Data == nil && t.Shm == nil }
 
 // Numel is the number of elements the shape holds.
-func (t Tensor) Numel() int {
-	n := 1
-	for _, d := range t.Shape {
-		n *= d
-	}
-	return n
-}
+func (t Tensor) Numel() int { return moe.Tensor{Shape: t.Shape}.Numel() }
 
-// Validate checks that the dtype is known, no dimension is negative and
-// the bytes match the shape, so that a malformed tensor fails before it is
-// sent.
+// Validate checks that the dtype is known, the shape legal (moe.Meta's
+// rules, which the server applies too) and the bytes match it, so that a
+// malformed tensor fails before it is sent.
 func (t Tensor) Validate() error {
-	if t.DType.Size() == 0 {
+	if !t.DType.Valid() {
 		return fmt.Errorf("unknown dtype %v", t.DType)
 	}
-	for _, d := range t.Shape {
-		if d < 0 {
-			return fmt.Errorf("shape %v has a negative dimension", t.Shape)
-		}
+	n, err := moe.Meta("", &moe.Tensor{DType: t.DType, Shape: t.Shape}, t.DType)
+	if fe := (*moe.FieldError)(nil); errors.As(err, &fe) {
+		// The caller names the field; the model's message says the rest.
+		return errors.New(fe.Msg)
+	} else if err != nil {
+		return err
 	}
-	want := t.Numel() * t.DType.Size()
 	if t.Shm != nil {
-		if t.Shm.Size != int64(want) {
-			return fmt.Errorf("%v shape %v needs %d bytes, shared-memory reference has %d", t.DType, t.Shape, want, t.Shm.Size)
+		if t.Shm.Size != n {
+			return fmt.Errorf("%v shape %v needs %d bytes, shared-memory reference has %d", t.DType, t.Shape, n, t.Shm.Size)
 		}
 		if t.Data == nil {
 			return nil
 		}
 	}
-	if len(t.Data) != want {
-		return fmt.Errorf("%v shape %v needs %d bytes, got %d", t.DType, t.Shape, want, len(t.Data))
+	if int64(len(t.Data)) != n {
+		return fmt.Errorf("%v shape %v needs %d bytes, got %d", t.DType, t.Shape, n, len(t.Data))
 	}
 	return nil
 }

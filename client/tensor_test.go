@@ -104,6 +104,8 @@ func TestValidate(t *testing.T) {
 		{"too many codes", client.FromFP8([]byte{1, 2, 3}, 2), "needs 2 bytes, got 3"},
 		{"negative dim", client.Tensor{DType: client.Int32, Shape: []int{-1}}, "negative"},
 		{"no dtype", client.Tensor{Shape: []int{1}, Data: []byte{0}}, "unknown dtype"},
+		{"dtype beyond the contract", client.Tensor{DType: client.DType(99), Shape: []int{1}, Data: []byte{0}}, "unknown dtype"},
+		{"overflowing shape", client.Tensor{DType: client.Float32, Shape: []int{1 << 30, 1 << 30, 1 << 30}}, "more than 2^40 elements"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
