@@ -17,8 +17,8 @@ import (
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/internal/testdaemon"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
 )
@@ -49,7 +49,7 @@ func startServer(t *testing.T, cfg service.Config, opts ...client.Option) *clien
 }
 
 // checkOutput compares a result with the float64 reference of the case.
-func checkOutput(t *testing.T, res *client.FusedMoEResult, set *kernels.ExpertSet, req *kernels.Request) {
+func checkOutput(t *testing.T, res *client.FusedMoEResult, set *moe.ExpertSet, req *moe.Request) {
 	t.Helper()
 	got, err := res.Output.Float32s()
 	if err != nil {
@@ -78,10 +78,10 @@ func TestFusedMoEMatchesReference(t *testing.T) {
 		m     int
 		opts  []kerneltest.Option
 	}{
-		{"qwen3 fp32 out", kerneltest.Qwen3.Scaled(64, 48), 5, []kerneltest.Option{kerneltest.WithOutput(kernels.Float32)}},
+		{"qwen3 fp32 out", kerneltest.Qwen3.Scaled(64, 48), 5, []kerneltest.Option{kerneltest.WithOutput(moe.Float32)}},
 		{"nemotron relu2 bf16 out", kerneltest.Nemotron.Scaled(48, 40), 3, nil},
 		{"deepseek block fp8 hidden", ds, 2,
-			[]kerneltest.Option{kerneltest.WithBlock(64, 64), kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithOutput(kernels.Float32)}},
+			[]kerneltest.Option{kerneltest.WithBlock(64, 64), kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithOutput(moe.Float32)}},
 		{"mixtral precomputed", kerneltest.Mixtral.Scaled(32, 64), 1, []kerneltest.Option{kerneltest.WithPrecomputedRouting()}},
 	}
 	for i, tc := range tests {

@@ -13,6 +13,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
@@ -46,7 +47,7 @@ func TestCUDASharedMemoryFusedMoE(t *testing.T) {
 	rng := newRand(t)
 	ctx := testContext(t)
 	c, d := startDeviceServer(t)
-	set, req := kerneltest.NewCase(rng, kerneltest.Nemotron.Scaled(64, 32), 7, kerneltest.WithOutput(kernels.Float32))
+	set, req := kerneltest.NewCase(rng, kerneltest.Nemotron.Scaled(64, 32), 7, kerneltest.WithOutput(moe.Float32))
 	if _, err := c.LoadExperts(ctx, "layer", clienttest.Weights(set)); err != nil {
 		t.Fatalf("LoadExperts: %v", err)
 	}

@@ -16,8 +16,8 @@ import (
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/internal/testdaemon"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/shard"
@@ -76,11 +76,11 @@ func TestShardedMatchesSingle(t *testing.T) {
 		shape    *kerneltest.Shape
 	}{
 		{"per-channel/bf16-out", 11, []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, false, nil},
-		{"block/fp8-per-group/fp32-out", 9, []kerneltest.Option{kerneltest.WithBlock(16, 32), kerneltest.WithHidden(kernels.Float8E4M3FN),
-			kerneltest.WithHiddenScale(scaling.Block), kerneltest.WithOutput(kernels.Float32)}, false, nil},
-		{"static-per-expert/fp32-in", 7, []kerneltest.Option{kerneltest.WithStaticScales(), kerneltest.WithHidden(kernels.Float32),
-			kerneltest.WithOutput(kernels.Float32)}, true, nil},
-		{"per-tensor-fp8-in/M=1", 1, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}, false, nil},
+		{"block/fp8-per-group/fp32-out", 9, []kerneltest.Option{kerneltest.WithBlock(16, 32), kerneltest.WithHidden(moe.Float8E4M3FN),
+			kerneltest.WithHiddenScale(scaling.Block), kerneltest.WithOutput(moe.Float32)}, false, nil},
+		{"static-per-expert/fp32-in", 7, []kerneltest.Option{kerneltest.WithStaticScales(), kerneltest.WithHidden(moe.Float32),
+			kerneltest.WithOutput(moe.Float32)}, true, nil},
+		{"per-tensor-fp8-in/M=1", 1, []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}, false, nil},
 		{"swiglu-oai/biases/per-channel", 13, []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, false, &oai},
 	}
 	for i, tc := range tests {

@@ -14,6 +14,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
 )
@@ -47,7 +48,7 @@ func BenchmarkRingPath(b *testing.B) {
 	}
 	b.Cleanup(func() { c.Close() })
 	for _, m := range []int{1, 256} {
-		set, kreq := kerneltest.NewCase(rng, shape, m, kerneltest.WithOutput(kernels.BFloat16))
+		set, kreq := kerneltest.NewCase(rng, shape, m, kerneltest.WithOutput(moe.BFloat16))
 		name := ringLayer + strconv.Itoa(m)
 		if _, err := c.LoadExperts(ctx, name, clienttest.Weights(set), client.Overwrite()); err != nil {
 			b.Fatal(err)

@@ -23,6 +23,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/ring"
 	"github.com/expertd/expertd/service"
@@ -45,7 +46,7 @@ func newGatedBackend() *gatedBackend {
 	return &gatedBackend{Backend: cpu.New(kernels.Config{}), entered: make(chan struct{}, 16), release: make(chan struct{})}
 }
 
-func (g *gatedBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (g *gatedBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	if g.gate.Load() {
 		g.entered <- struct{}{}
 		<-g.release
@@ -61,8 +62,8 @@ type ringFixture struct {
 	backend *gatedBackend
 	shm     *client.SharedMemory
 	region  *client.Region
-	set     *kernels.ExpertSet
-	req     *kernels.Request
+	set     *moe.ExpertSet
+	req     *moe.Request
 }
 
 const ringLayer = "ring-layer"
@@ -81,7 +82,7 @@ func newRingFixture(t *testing.T, cfg service.Config, m int) *ringFixture {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	set, req := kerneltest.NewCase(newRand(t), kerneltest.Nemotron.Scaled(64, 32), m, kerneltest.WithOutput(kernels.BFloat16))
+	set, req := kerneltest.NewCase(newRand(t), kerneltest.Nemotron.Scaled(64, 32), m, kerneltest.WithOutput(moe.BFloat16))
 	if _, err := c.LoadExperts(ctx, ringLayer, clienttest.Weights(set)); err != nil {
 		t.Fatalf("LoadExperts: %v", err)
 	}

@@ -12,8 +12,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 )
@@ -39,7 +39,7 @@ func TestSharedMemoryFusedMoE(t *testing.T) {
 	rng := newRand(t)
 	ctx := testContext(t)
 	c := startServer(t, service.Config{SharedMemory: true})
-	for _, out := range []kernels.DType{kernels.BFloat16, kernels.Float32} {
+	for _, out := range []moe.DType{moe.BFloat16, moe.Float32} {
 		t.Run(out.String(), func(t *testing.T) {
 			set, req := kerneltest.NewCase(rng, kerneltest.Nemotron.Scaled(64, 32), 7, kerneltest.WithOutput(out))
 			if _, err := c.LoadExperts(ctx, "layer-"+out.String(), clienttest.Weights(set)); err != nil {

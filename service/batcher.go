@@ -76,7 +76,7 @@ import (
 // the backend call is over.
 //
 // Calls with a tensor or the output in device memory (a CUDA IPC region:
-// a Tensor of Memory moe.Device, kernels.Request.OutDev) are not batched: merging
+// a Tensor of Memory moe.Device, moe.Request.OutDev) are not batched: merging
 // copies host bytes, and this process cannot copy device memory itself.
 // They run alone, as calls of BatchMaxTokens or more do; a caller that
 // keeps its activations on the GPU is one that already batches its
@@ -140,7 +140,7 @@ type batchHost interface {
 	done(e *entry)
 	acquireSlot(ctx context.Context) error
 	releaseSlot()
-	compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error)
+	compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *moe.Request) (*moe.Result, error)
 	startSpan(ctx context.Context, name string) (context.Context, trace.Span)
 	recordBatch(ctx context.Context, calls, tokens int)
 	logger() *slog.Logger
@@ -154,7 +154,7 @@ func (h serverHost) hold(e *entry)                         { h.s.reg.hold(e) }
 func (h serverHost) done(e *entry)                         { h.s.reg.done(e) }
 func (h serverHost) acquireSlot(ctx context.Context) error { return h.s.acquireSlot(ctx) }
 func (h serverHost) releaseSlot()                          { <-h.s.slots }
-func (h serverHost) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (h serverHost) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	return h.s.compute(ctx, setLabel, loaded, req)
 }
 func (h serverHost) startSpan(ctx context.Context, name string) (context.Context, trace.Span) {
@@ -185,29 +185,29 @@ func newBatcher(s *Server, cfg Config) *batcher {
 // accepts reports whether req goes through the batcher: batching is on,
 // req leaves room for another call's tokens, and its tensors and output
 // are in host memory (see the comment above).
-func (bt *batcher) accepts(req *kernels.Request) bool {
+func (bt *batcher) accepts(req *moe.Request) bool {
 	return bt != nil && req.M() < bt.maxTokens && req.Hidden.Memory != moe.Device && req.Logits.Memory != moe.Device && req.OutDev == 0
 }
 
 // batchKey is what calls must share to merge.
 type batchKey struct {
 	set    *entry
-	hidden kernels.DType
+	hidden moe.DType
 	// groupScale marks FP8 hidden states with per-group scales.
 	groupScale bool
 	// logits is 0 for precomputed routing.
-	logits             kernels.DType
+	logits             moe.DType
 	topK               int
 	renormalize        bool
-	scoring            kernels.Scoring
+	scoring            moe.Scoring
 	groups, topKGroups int
 	scalingFactor      float32
 	// bias is the correction bias's bytes, "" for none.
 	bias string
-	out  kernels.DType
+	out  moe.DType
 }
 
-func keyOf(e *entry, r *kernels.Request) batchKey {
+func keyOf(e *entry, r *moe.Request) batchKey {
 	k := batchKey{
 		set: e, hidden: r.Hidden.DType, logits: r.Logits.DType,
 		topK: r.Routing.TopK, renormalize: r.Routing.Renormalize, scoring: r.Routing.Scoring,
@@ -223,9 +223,9 @@ func keyOf(e *entry, r *kernels.Request) batchKey {
 
 // groupScale reports FP8 hidden states with per-group scales (block mode);
 // other FP8 scales are per-tensor or per-token, one value per row.
-func groupScale(r *kernels.Request) bool {
+func groupScale(r *moe.Request) bool {
 	n := len(r.HiddenScale)
-	return r.Hidden.DType == kernels.Float8E4M3FN && n != 1 && n != r.M()
+	return r.Hidden.DType == moe.Float8E4M3FN && n != 1 && n != r.M()
 }
 
 // batch is calls being gathered into one backend call.
@@ -251,9 +251,9 @@ type batch struct {
 
 // member is one call in a batch.
 type member struct {
-	req  *kernels.Request
+	req  *moe.Request
 	done chan struct{} // closed when res or err is set
-	res  *kernels.Result
+	res  *moe.Result
 	err  error
 	// queued is when the backend call started.
 	queued time.Time
@@ -285,7 +285,7 @@ func (bt *batcher) start(b *batch) {
 //
 // The batch's own queue and kernel spans are children of the batch span of
 // the call that opened it.
-func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*kernels.Result, time.Time, error) {
+func (bt *batcher) do(ctx context.Context, e *entry, req *moe.Request) (*moe.Result, time.Time, error) {
 	ctx, span := bt.host.startSpan(ctx, spanBatch)
 	defer span.End()
 	m := &member{req: req, done: make(chan struct{})}
@@ -311,7 +311,7 @@ func (bt *batcher) do(ctx context.Context, e *entry, req *kernels.Request) (*ker
 // until it takes its members, as with a dispatcher. The caller's
 // cancellation makes it leave b as in do; its handler then returns when
 // the backend call ends, which the batch's other callers may still need.
-func (bt *batcher) lead(ctx context.Context, b *batch, m *member) (*kernels.Result, time.Time, error) {
+func (bt *batcher) lead(ctx context.Context, b *batch, m *member) (*moe.Result, time.Time, error) {
 	left := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() {
 		bt.leave(b, m)
@@ -448,7 +448,7 @@ func (bt *batcher) dispatch(b *batch) {
 		err = b.ctx.Err()
 	}
 	members := bt.take(b)
-	var req *kernels.Request
+	var req *moe.Request
 	switch {
 	case err != nil || len(members) == 0:
 		close(b.merged)
@@ -587,7 +587,7 @@ func (bt *batcher) finish(b *batch) {
 // counted as a fault by run) becomes an error for every caller: the
 // daemon's recovery middleware does not see this goroutine, and one bad
 // call must not take the daemon down.
-func (bt *batcher) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (res *kernels.Result, err error) {
+func (bt *batcher) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *moe.Request) (res *moe.Result, err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			bt.host.logger().ErrorContext(ctx, "backend panicked in a batched call", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
@@ -601,7 +601,7 @@ func (bt *batcher) compute(ctx context.Context, setLabel string, loaded kernels.
 // The inputs are copied: the merged request must not alias any caller's
 // buffers, since a caller may return (and its buffers be reused) while
 // the backend call runs.
-func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
+func mergeRequests(members []*member, pool *codec.Pool) *moe.Request {
 	first := members[0].req
 	var m, scales, hiddenBytes, logitBytes, pairs int
 	for _, x := range members {
@@ -615,8 +615,8 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 	// splitResult hands out as views, so no part of it may go back to a
 	// pool (the members' own Out buffers go unused; their handlers see
 	// that the output is not theirs).
-	out := &kernels.Request{
-		Hidden:   kernels.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: pool.Get(hiddenBytes)[:0]},
+	out := &moe.Request{
+		Hidden:   moe.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: pool.Get(hiddenBytes)[:0]},
 		Routing:  first.Routing,
 		OutDType: first.OutDType,
 		// The batch returns routing if any member wants it.
@@ -625,7 +625,7 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 	if first.Routing.CorrectionBias != nil {
 		out.Routing.CorrectionBias = slices.Clone(first.Routing.CorrectionBias)
 	}
-	perRow := first.Hidden.DType == kernels.Float8E4M3FN && !groupScale(first)
+	perRow := first.Hidden.DType == moe.Float8E4M3FN && !groupScale(first)
 	switch {
 	case perRow:
 		out.HiddenScale = make([]float32, 0, m)
@@ -636,7 +636,7 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 		out.TopKIDs = make([]int32, 0, pairs)
 		out.TopKWeights = make([]float32, 0, pairs)
 	} else {
-		out.Logits = kernels.Tensor{DType: first.Logits.DType, Shape: []int{m, first.Logits.Shape[1]}, Data: pool.Get(logitBytes)[:0]}
+		out.Logits = moe.Tensor{DType: first.Logits.DType, Shape: []int{m, first.Logits.Shape[1]}, Data: pool.Get(logitBytes)[:0]}
 	}
 	for _, x := range members {
 		r := x.req
@@ -659,12 +659,12 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 // with row bytes of output each. The slices share res's buffers without
 // overlapping; a result without routing (the batch's NoRouting) gives
 // members none.
-func splitResult(res *kernels.Result, members []*member, m, row int) {
+func splitResult(res *moe.Result, members []*member, m, row int) {
 	topK := len(res.TopKIDs) / m
 	t := 0
 	for _, m := range members {
 		n := m.req.M()
-		m.res = &kernels.Result{
+		m.res = &moe.Result{
 			Output:      res.Output[t*row : (t+n)*row : (t+n)*row],
 			TopKIDs:     res.TopKIDs[t*topK : (t+n)*topK : (t+n)*topK],
 			TopKWeights: res.TopKWeights[t*topK : (t+n)*topK : (t+n)*topK],

@@ -12,7 +12,7 @@ import (
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sync/semaphore"
 
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -24,7 +24,7 @@ import (
 // load holds at most a few experts' matrices in 16 bits, never a layer.
 
 // halfDtypes are the safetensors dtypes of weights quantized on load.
-var halfDtypes = map[string]kernels.DType{"BF16": kernels.BFloat16, "F16": kernels.Float16}
+var halfDtypes = map[string]moe.DType{"BF16": moe.BFloat16, "F16": moe.Float16}
 
 // defaultWeightQuantization is what WEIGHT_QUANTIZATION_UNSPECIFIED gives.
 // Per-channel keeps the most accuracy of the three (TestWeightQuantization
@@ -55,13 +55,13 @@ var quantStaging = semaphore.NewWeighted(maxQuantStaging)
 // Block), encoded as the scaling package encodes. The loader calls it from
 // several goroutines at once, each with its own buffers.
 type HalfQuantizer interface {
-	QuantizeHalf(ctx context.Context, dst, src []byte, dt kernels.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error
+	QuantizeHalf(ctx context.Context, dst, src []byte, dt moe.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error
 }
 
 // cpuQuantizer is the host path, with one worker's float32 staging.
 type cpuQuantizer struct{ f []float32 }
 
-func (q *cpuQuantizer) QuantizeHalf(_ context.Context, dst, src []byte, dt kernels.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error {
+func (q *cpuQuantizer) QuantizeHalf(_ context.Context, dst, src []byte, dt moe.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error {
 	v := q.f[:rows*cols]
 	decodeHalf(v, src, dt)
 	ws := scaling.QuantizeWeightsInto(dst, v, 1, rows, cols, g, block)
@@ -70,9 +70,9 @@ func (q *cpuQuantizer) QuantizeHalf(_ context.Context, dst, src []byte, dt kerne
 }
 
 // decodeHalf widens little-endian BF16 or FP16 values to float32.
-func decodeHalf(dst []float32, src []byte, dt kernels.DType) {
+func decodeHalf(dst []float32, src []byte, dt moe.DType) {
 	dec := scaling.BF16ToFloat32
-	if dt == kernels.Float16 {
+	if dt == moe.Float16 {
 		dec = scaling.FP16ToFloat32
 	}
 	for i := range dst {

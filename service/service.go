@@ -19,6 +19,7 @@ import (
 
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -178,7 +179,7 @@ type Server struct {
 
 // callAttrKey names a call's metric attribute set.
 type callAttrKey struct {
-	act kernels.Activation
+	act moe.Activation
 	set string
 }
 
@@ -525,7 +526,7 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 
 // wireActivation is a as the contract numbers it (the model mirrors the
 // wire enum's values; TestModelWireNames checks they agree).
-func wireActivation(a kernels.Activation) pb.Activation {
+func wireActivation(a moe.Activation) pb.Activation {
 	if !a.Valid() {
 		return pb.Activation_ACTIVATION_UNSPECIFIED
 	}
@@ -535,7 +536,7 @@ func wireActivation(a kernels.Activation) pb.Activation {
 // callAttrs are the metric attributes of a call of activation a on the
 // set labelled set (a loaded set's name, or inlineLabel); a == 0 leaves
 // the activation out (queueAttrs).
-func (s *Server) callAttrs(a kernels.Activation, set string) metric.MeasurementOption {
+func (s *Server) callAttrs(a moe.Activation, set string) metric.MeasurementOption {
 	k := callAttrKey{a, set}
 	if o, ok := s.callAttrSets.Load(k); ok {
 		return o.(metric.MeasurementOption)

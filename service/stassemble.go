@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"slices"
 
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -15,7 +15,7 @@ const maxExperts = 1 << 16
 // assembled is an expert set read from a safetensors file, holding a
 // reservation of bytes until release (a no-op once committed).
 type assembled struct {
-	set       *kernels.ExpertSet
+	set       *moe.ExpertSet
 	bufs      [numTensors][]byte
 	bytes     int64
 	reg       *registry

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"math"
 
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
@@ -22,11 +21,11 @@ const maxElements = moe.MaxElements
 const maxDim = 1 << 20
 
 // wireDType maps a model type to the wire enum; the values mirror.
-func wireDType(d kernels.DType) pb.DataType { return pb.DataType(d) }
+func wireDType(d moe.DType) pb.DataType { return pb.DataType(d) }
 
 // tensorMeta is a tensor's declared type and size, checked.
 type tensorMeta struct {
-	dtype kernels.DType
+	dtype moe.DType
 	shape []int
 	bytes int64
 }
@@ -42,7 +41,7 @@ func declared(t *pb.Tensor) *moe.Tensor {
 
 // checkMeta checks t's dtype against allowed and its shape for sign and
 // size, without looking at data.
-func checkMeta(field string, t *pb.Tensor, allowed ...kernels.DType) (tensorMeta, error) {
+func checkMeta(field string, t *pb.Tensor, allowed ...moe.DType) (tensorMeta, error) {
 	d := declared(t)
 	n, err := moe.Meta(field, d, allowed...)
 	if err != nil {
@@ -142,7 +141,7 @@ func weightTensors(w *pb.ExpertWeights) [numTensors]*pb.Tensor {
 // layout is an expert set's declared geometry, checked before any data is
 // read, so a chunked upload can preallocate and a bad header fails fast.
 type layout struct {
-	act     kernels.Activation
+	act     moe.Activation
 	e, k, n int
 	block   [2]int
 	// limit and alpha are SWIGLU_OAI's, defaults filled in.
@@ -178,7 +177,7 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*layout, error) {
 	if w == nil {
 		return nil, invalidf(prefix, "is required")
 	}
-	l := &layout{act: kernels.Activation(w.GetActivation())}
+	l := &layout{act: moe.Activation(w.GetActivation())}
 	if !l.act.Valid() {
 		return nil, invalidf(prefix+".activation", "%v: want one of %v", w.GetActivation(), activationWireNames())
 	}
@@ -200,12 +199,12 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*layout, error) {
 		if t == nil {
 			continue
 		}
-		allowed := []kernels.DType{kernels.Float32}
+		allowed := []moe.DType{moe.Float32}
 		switch i {
 		case tW13, tW2:
-			allowed = []kernels.DType{kernels.Float8E4M3FN}
+			allowed = []moe.DType{moe.Float8E4M3FN}
 		case tW13Bias, tW2Bias:
-			allowed = []kernels.DType{kernels.Float32, kernels.BFloat16}
+			allowed = []moe.DType{moe.Float32, moe.BFloat16}
 		}
 		if l.metas[i], err = checkMeta(f(i), t, allowed...); err != nil {
 			return nil, err
@@ -305,8 +304,8 @@ func decodeScales(field string, b []byte) ([]float32, error) {
 // buildSet turns a checked layout and its tensors' bytes (data[i] for each
 // present tensor, already of the declared length) into an ExpertSet. The
 // weight slices alias data.
-func buildSet(prefix string, l *layout, data [numTensors][]byte) (*kernels.ExpertSet, error) {
-	set := &kernels.ExpertSet{
+func buildSet(prefix string, l *layout, data [numTensors][]byte) (*moe.ExpertSet, error) {
+	set := &moe.ExpertSet{
 		Activation: l.act, E: l.e, K: l.k, N: l.n,
 		W13: data[tW13], W2: data[tW2], Block: l.block,
 		SwigluLimit: l.limit, SwigluAlpha: l.alpha,
@@ -348,13 +347,13 @@ func buildSet(prefix string, l *layout, data [numTensors][]byte) (*kernels.Exper
 
 // swigluParam checks one of SWIGLU_OAI's parameters (v, 0 meaning def):
 // finite and >= 0, and only set with that activation.
-func swigluParam(field string, act kernels.Activation, v, def float32) (float32, error) {
+func swigluParam(field string, act moe.Activation, v, def float32) (float32, error) {
 	switch {
-	case v == 0 && act == kernels.SwigluOAI:
+	case v == 0 && act == moe.SwigluOAI:
 		return def, nil
 	case v == 0:
 		return 0, nil
-	case act != kernels.SwigluOAI:
+	case act != moe.SwigluOAI:
 		return 0, invalidf(field, "%v: only valid with ACTIVATION_SWIGLU_OAI", v)
 	case !(v > 0) || math.IsInf(float64(v), 0):
 		return 0, invalidf(field, "%v: want finite and >= 0 (0 means %v)", v, def)
@@ -365,7 +364,7 @@ func swigluParam(field string, act kernels.Activation, v, def float32) (float32,
 // activationWireNames lists the activations the contract names.
 func activationWireNames() []string {
 	var names []string
-	for a := kernels.SiluGated; a.Valid(); a++ {
+	for a := moe.SiluGated; a.Valid(); a++ {
 		names = append(names, a.WireName())
 	}
 	return names
@@ -388,7 +387,7 @@ func staticScale(field string, present bool, b []byte) (*float32, error) {
 
 // inlineSet validates ExpertWeights carried in a FusedMoE request, whose
 // tensors may be in shared memory (sh).
-func inlineSet(w *pb.ExpertWeights, sh *shmCall) (*kernels.ExpertSet, int64, error) {
+func inlineSet(w *pb.ExpertWeights, sh *shmCall) (*moe.ExpertSet, int64, error) {
 	l, err := checkLayout("weights", w)
 	if err != nil {
 		return nil, 0, err
@@ -455,7 +454,7 @@ func routingFromProto(rt *pb.Routing, sh *shmCall) (*moe.RoutingInput, error) {
 // checkRequest converts a FusedMoE request (fromProto) and validates it
 // against a loaded set (moe.Validate). Its output goes where sh says
 // (device memory), or to a buffer the caller provides.
-func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim moe.Limits, sh *shmCall) (*kernels.Request, error) {
+func checkRequest(req *pb.FusedMoERequest, set *moe.ExpertSet, lim moe.Limits, sh *shmCall) (*moe.Request, error) {
 	in, err := fromProto(req, sh)
 	if err != nil {
 		return nil, err
@@ -470,10 +469,10 @@ func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim moe.Limit
 }
 
 // checkRouting validates routing for E experts.
-func checkRouting(rt *pb.Routing, e int) (kernels.Routing, error) {
+func checkRouting(rt *pb.Routing, e int) (moe.Routing, error) {
 	in, err := routingFromProto(rt, nil)
 	if err != nil {
-		return kernels.Routing{}, err
+		return moe.Routing{}, err
 	}
 	r, err := moe.ValidateRouting(in, e)
 	return r, fromModel(err)

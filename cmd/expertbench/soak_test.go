@@ -23,6 +23,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
@@ -145,7 +146,7 @@ func testPool(t *testing.T, ctx context.Context, c *client.Client) []*poolEntry 
 // a server that answers wrongly.
 type corruptBackend struct{ kernels.Backend }
 
-func (b corruptBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (b corruptBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	res, err := b.Backend.FusedMoE(ctx, l, req)
 	if err == nil {
 		clear(res.Output[len(res.Output)/2:])
