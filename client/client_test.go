@@ -142,7 +142,7 @@ func TestLoadExpertsChunks(t *testing.T) {
 	const e, k, n = 4, 512, 256 // w13 1 MiB, w2 512 KiB
 	c := startServer(t, service.Config{MaxMessageBytes: 1 << 20})
 	w := &client.ExpertWeights{
-		Activation: client.SiluGated,
+		Activation: moe.SiluGated,
 		W13:        client.FromFP8(randomCodes(t, e*2*n*k), e, 2*n, k),
 		W2:         client.FromFP8(randomCodes(t, e*k*n), e, k, n),
 		W13Scale:   client.FromFloat32([]float32{0.01, 0.02, 0.03, 0.04}, e),

@@ -8,6 +8,7 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/internal/testdaemon"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
@@ -56,7 +57,7 @@ func ExampleClient_OpenRing() {
 	scales := client.FromFloat32([]float32{0.01, 0.01, 0.01, 0.01}, E)
 	res, err := r.FusedMoE(ctx, &client.FusedMoERequest{
 		Weights: &client.ExpertWeights{
-			Activation: client.SiluGated,
+			Activation: moe.SiluGated,
 			W13:        client.FromFP8(bytes.Repeat([]byte{0x38}, E*2*N*K), E, 2*N, K),
 			W2:         client.FromFP8(bytes.Repeat([]byte{0x38}, E*K*N), E, K, N),
 			W13Scale:   scales,

@@ -310,7 +310,7 @@ func TestGrpcurl(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := []int{jsonM, jsonK}; fmt.Sprint(res.Shape) != fmt.Sprint(want) || res.DType != client.Float32 {
+		if want := []int{jsonM, jsonK}; fmt.Sprint(res.Shape) != fmt.Sprint(want) || res.DType != moe.Float32 {
 			t.Errorf("output %v %v, want float32 %v", res.DType, res.Shape, want)
 		}
 		checkAgainstReference(t, "grpcurl FusedMoE", got, set, req)

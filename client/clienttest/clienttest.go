@@ -17,7 +17,7 @@ func Weights(set *moe.ExpertSet) *client.ExpertWeights {
 		return client.FromFloat32(ws.Values, ws.Shape()...)
 	}
 	w := &client.ExpertWeights{
-		Activation:  client.Activation(set.Activation),
+		Activation:  moe.Activation(set.Activation),
 		W13:         client.FromFP8(set.W13, set.E, set.Rows1(), set.K),
 		W2:          client.FromFP8(set.W2, set.E, set.K, set.N),
 		W13Scale:    scale(set.W13Scale),
@@ -45,14 +45,14 @@ func Weights(set *moe.ExpertSet) *client.ExpertWeights {
 func Request(name string, set *moe.ExpertSet, r *moe.Request) *client.FusedMoERequest {
 	m := r.M()
 	tensor := func(t moe.Tensor) client.Tensor {
-		return client.Tensor{DType: client.DType(t.DType), Shape: t.Shape, Data: t.Data}
+		return client.Tensor{DType: moe.DType(t.DType), Shape: t.Shape, Data: t.Data}
 	}
 	req := &client.FusedMoERequest{
 		ExpertSet:   name,
 		Hidden:      tensor(r.Hidden),
-		OutputDType: client.DType(r.OutDType),
+		OutputDType: moe.DType(r.OutDType),
 		Routing: client.Routing{
-			TopK: r.Routing.TopK, Renormalize: r.Routing.Renormalize, Scoring: client.Scoring(r.Routing.Scoring),
+			TopK: r.Routing.TopK, Renormalize: r.Routing.Renormalize, Scoring: moe.Scoring(r.Routing.Scoring),
 			NumGroups: r.Routing.NumGroups, TopKGroups: r.Routing.TopKGroups, ScalingFactor: r.Routing.ScalingFactor,
 		},
 	}

@@ -56,6 +56,7 @@ import (
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/internal/cliflags"
 	"github.com/expertd/expertd/internal/clip"
+	"github.com/expertd/expertd/moe"
 )
 
 func main() {
@@ -93,7 +94,7 @@ type config struct {
 	maxLoad     int64
 	keep        bool
 	set         string
-	out         client.DType
+	out         moe.DType
 	// fp8Hidden sends hidden states as FP8 E4M3 with per-token scales
 	// (per token and group in block mode), as the contract's callers do,
 	// instead of BF16.
@@ -209,9 +210,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 
 	switch *out {
 	case "bf16":
-		c.out = client.BFloat16
+		c.out = moe.BFloat16
 	case "fp32":
-		c.out = client.Float32
+		c.out = moe.Float32
 	default:
 		return c, fmt.Errorf("-out %q: want bf16 or fp32", *out)
 	}
