@@ -90,13 +90,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if cfg.Probe != "" {
 		return probeURL(cfg.Probe)
 	}
-	if err := cfg.checkPaths(); err != nil {
-		return err
-	}
 	log := cfg.logger(stderr)
 	slog.SetDefault(log)
 	for _, w := range cfg.Warnings {
 		log.Warn(w)
+	}
+	if err := cfg.checkPaths(); err != nil {
+		return err
 	}
 	man, shardIndex, err := startupManifest(cfg)
 	if err != nil {
