@@ -27,8 +27,9 @@ type setting struct {
 	// cmdOnly marks a command-line mode (-version, -probe): no variable,
 	// not reported.
 	cmdOnly bool
-	// redact reports only whether the setting is set: where the keys are
-	// and who the admins are is no business of every caller.
+	// redact reports only whether the setting is set: where the keys are,
+	// who the admins are and a collector URL (which may carry credentials)
+	// are no business of every caller.
 	redact bool
 	// bind registers the flag on fs with the variable's value, when set,
 	// as its default; an error is the variable's.
@@ -74,7 +75,7 @@ func (c *Config) settings() []setting {
 		str(&c.AdminAddr, "admin-addr", defaultAdminAddr, "address serving /metrics and /healthz; empty disables it"),
 		str(&c.LogLevel, "log-level", "info", "log level: debug, info, warn or error"),
 		str(&c.LogFormat, "log-format", "text", "log format: text or json"),
-		str(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector URL for RPC traces, e.g. http://localhost:4317; empty disables tracing"),
+		redacted(str(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector URL for RPC traces, e.g. http://localhost:4317; empty disables tracing")),
 		redacted(str(&c.TLSCert, "tls-cert", "", "PEM certificate (chain) to serve TLS with; needs -tls-key")),
 		redacted(str(&c.TLSKey, "tls-key", "", "PEM private key of -tls-cert")),
 		redacted(str(&c.TLSClientCA, "tls-client-ca", "", "PEM CA bundle; set, clients must present a certificate it signed (mutual TLS), which grants the user role")),

@@ -49,14 +49,15 @@ func checkReportedSettings(t *testing.T, info *pb.ServerInfo) {
 func TestSettingsInForce(t *testing.T) {
 	env := map[string]string{"EXPERTD_STREAM_WORKERS": "3", "EXPERTD_TLS_CLIENT_CA": "/secret/ca.pem"}
 	c, err := parseConfig([]string{"-batch-max-tokens", "64", "-tls-cert", "/secret/c.pem", "-tls-key", "/secret/k.pem",
-		"-admin-identities", "ops, spiffe://x/y", "-unix-mode", "0600", "-cuda-streams", "3", "-ring-max-slot-bytes", "1MiB"},
+		"-admin-identities", "ops, spiffe://x/y", "-unix-mode", "0600", "-cuda-streams", "3", "-ring-max-slot-bytes", "1MiB",
+		"-otlp-endpoint", "https://user:secret@collector:4317"},
 		func(k string) string { return env[k] }, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
 	got := c.inForce()
 	for k, want := range map[string]string{"batch-max-tokens": "64", "stream-workers": "3", "unix-mode": "0600", "cuda-streams": "3",
-		"ring-max-slot-bytes": "1048576", "tls-cert": "(set)", "tls-key": "(set)", "tls-client-ca": "(set)", "admin-identities": "(set)",
+		"ring-max-slot-bytes": "1048576", "tls-cert": "(set)", "tls-key": "(set)", "tls-client-ca": "(set)", "admin-identities": "(set)", "otlp-endpoint": "(set)",
 		"auth-tokens-file": "", "keepalive-time": "1m0s", "shard-index": "-1"} {
 		if got[k] != want {
 			t.Errorf("settings[%q] = %q, want %q", k, got[k], want)

@@ -1825,7 +1825,7 @@ type ServerInfo struct {
 	// Every daemon setting in force, by flag name without the dash
 	// ("max-tokens", "batch-window", "cuda-gemm", ...), spelled as the flag
 	// takes it. Security settings (TLS files, tokens file, admin
-	// identities) read "(set)" or "" only.
+	// identities) and the trace collector URL read "(set)" or "" only.
 	Settings map[string]string `protobuf:"bytes,7,rep,name=settings,proto3" json:"settings,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// Call rings (AttachRing) as served.
 	Ring          *ServerInfo_RingInfo `protobuf:"bytes,5,opt,name=ring,proto3" json:"ring,omitempty"`
