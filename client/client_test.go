@@ -16,8 +16,9 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
 )
@@ -34,7 +35,7 @@ func testContext(t *testing.T) context.Context {
 // startServer serves cfg in-process and returns a client dialed to it.
 func startServer(t *testing.T, cfg service.Config, opts ...client.Option) *client.Client {
 	t.Helper()
-	srv, err := clienttest.Serve(cfg)
+	srv, err := testdaemon.Serve(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,7 +49,7 @@ func startServer(t *testing.T, cfg service.Config, opts ...client.Option) *clien
 }
 
 // checkOutput compares a result with the float64 reference of the case.
-func checkOutput(t *testing.T, res *client.FusedMoEResult, set *kernels.ExpertSet, req *kernels.Request) {
+func checkOutput(t *testing.T, res *client.FusedMoEResult, set *moe.ExpertSet, req *moe.Request) {
 	t.Helper()
 	got, err := res.Output.Float32s()
 	if err != nil {
@@ -77,10 +78,10 @@ func TestFusedMoEMatchesReference(t *testing.T) {
 		m     int
 		opts  []kerneltest.Option
 	}{
-		{"qwen3 fp32 out", kerneltest.Qwen3.Scaled(64, 48), 5, []kerneltest.Option{kerneltest.WithOutput(kernels.Float32)}},
+		{"qwen3 fp32 out", kerneltest.Qwen3.Scaled(64, 48), 5, []kerneltest.Option{kerneltest.WithOutput(moe.Float32)}},
 		{"nemotron relu2 bf16 out", kerneltest.Nemotron.Scaled(48, 40), 3, nil},
 		{"deepseek block fp8 hidden", ds, 2,
-			[]kerneltest.Option{kerneltest.WithBlock(64, 64), kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithOutput(kernels.Float32)}},
+			[]kerneltest.Option{kerneltest.WithBlock(64, 64), kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithOutput(moe.Float32)}},
 		{"mixtral precomputed", kerneltest.Mixtral.Scaled(32, 64), 1, []kerneltest.Option{kerneltest.WithPrecomputedRouting()}},
 	}
 	for i, tc := range tests {
@@ -141,7 +142,7 @@ func TestLoadExpertsChunks(t *testing.T) {
 	const e, k, n = 4, 512, 256 // w13 1 MiB, w2 512 KiB
 	c := startServer(t, service.Config{MaxMessageBytes: 1 << 20})
 	w := &client.ExpertWeights{
-		Activation: client.SiluGated,
+		Activation: moe.SiluGated,
 		W13:        client.FromFP8(randomCodes(t, e*2*n*k), e, 2*n, k),
 		W2:         client.FromFP8(randomCodes(t, e*k*n), e, k, n),
 		W13Scale:   client.FromFloat32([]float32{0.01, 0.02, 0.03, 0.04}, e),
@@ -232,14 +233,19 @@ func TestErrors(t *testing.T) {
 }
 
 func TestServerInfoAndHealth(t *testing.T) {
-	c := startServer(t, service.Config{MaxTokens: 77, MaxConcurrent: 3, Version: "test-1"})
+	c := startServer(t, service.Config{MaxTokens: 77, MaxConcurrent: 3, Version: "test-1", BatchWindow: time.Millisecond, BatchMaxTokens: 9,
+		StreamWorkers: 2, KeepaliveTime: time.Minute, MaxConnectionAgeGrace: time.Second, Settings: map[string]string{"threads": "2"}})
 	ctx := testContext(t)
 	info, err := c.ServerInfo(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if info.Limits.MaxQueued != 12 || info.Limits.BatchWindow != time.Millisecond || info.Limits.BatchMaxTokens != 9 ||
+		info.Transport != (client.Transport{StreamWorkers: 2, KeepaliveTime: time.Minute, MaxConnectionAgeGrace: time.Second}) || info.Settings["threads"] != "2" {
+		t.Errorf("ServerInfo limits %+v, transport %+v, settings %v: want what the server was configured with", info.Limits, info.Transport, info.Settings)
+	}
 	if info.Version != "test-1" || info.Limits.MaxTokens != 77 || info.Limits.MaxConcurrent != 3 ||
-		info.Limits.MaxMessageBytes != clienttest.MaxMessageBytes || len(info.Backends) == 0 || info.Backends[0].Name != "cpu" {
+		info.Limits.MaxMessageBytes != testdaemon.MaxMessageBytes || len(info.Backends) == 0 || info.Backends[0].Name != "cpu" {
 		t.Errorf("ServerInfo = %+v", info)
 	}
 	if err := c.Health(ctx); err != nil {

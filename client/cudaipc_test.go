@@ -9,9 +9,11 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
@@ -22,7 +24,7 @@ import (
 func startDeviceServer(t *testing.T) (*client.Client, *servicetest.FakeDevice) {
 	t.Helper()
 	d := servicetest.NewFakeDevice(cpu.New(kernels.Config{Threads: 2}))
-	srv, err := clienttest.ServeBackend(service.Config{SharedMemory: true}, d)
+	srv, err := testdaemon.ServeBackend(service.Config{SharedMemory: true}, d)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,7 +47,7 @@ func TestCUDASharedMemoryFusedMoE(t *testing.T) {
 	rng := newRand(t)
 	ctx := testContext(t)
 	c, d := startDeviceServer(t)
-	set, req := kerneltest.NewCase(rng, kerneltest.Nemotron.Scaled(64, 32), 7, kerneltest.WithOutput(kernels.Float32))
+	set, req := kerneltest.NewCase(rng, kerneltest.Nemotron.Scaled(64, 32), 7, kerneltest.WithOutput(moe.Float32))
 	if _, err := c.LoadExperts(ctx, "layer", clienttest.Weights(set)); err != nil {
 		t.Fatalf("LoadExperts: %v", err)
 	}

@@ -8,7 +8,7 @@
 //	// One layer: E experts, hidden size K, intermediate size N, FP8 codes
 //	// with one FP32 scale per expert.
 //	_, err = c.LoadExperts(ctx, "layer0", &client.ExpertWeights{
-//		Activation: client.SiluGated,
+//		Activation: moe.SiluGated,
 //		W13:        client.FromFP8(w13, E, 2*N, K),
 //		W2:         client.FromFP8(w2, E, K, N),
 //		W13Scale:   client.FromFloat32(w13Scale, E),
@@ -20,10 +20,14 @@
 //		Hidden:       client.BFloat16FromFloat32(hidden, M, K),
 //		RouterLogits: client.FromFloat32(logits, M, E),
 //		Routing:      client.Routing{TopK: 2, Renormalize: true},
-//		OutputDType:  client.Float32,
+//		OutputDType:  moe.Float32,
 //	})
 //	out, err := res.Output.Float32s() // [M, K]
 //	res.Release() // optional: the next call reuses its receive buffer
+//
+// Element types, activations and scorings are the request model's, package
+// moe's (moe.Float32, moe.SiluGated, moe.Sigmoid), which the server shares;
+// the same names in this package are deprecated aliases of them.
 //
 // FusedMoEStream keeps many calls in flight on one stream, answered in
 // order. On the daemon's host (which needs -shared-memory),
@@ -61,5 +65,7 @@
 // call; it needs WithTransportCredentials (TLS, or mutual TLS with a
 // client certificate) unless the daemon is on a loopback address.
 //
-// Package clienttest starts an in-process server for tests and examples.
+// The module's tests and examples call an in-process server
+// (internal/testdaemon); package clienttest converts kerneltest cases
+// into the SDK's request types.
 package client

@@ -8,7 +8,8 @@ import (
 	"math/rand/v2"
 
 	"github.com/expertd/expertd/client"
-	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -42,7 +43,7 @@ func randomFloats(rng *rand.Rand, n int, scale float64) []float32 {
 // Dial a server, upload one layer of experts and run tokens through it.
 // The README shows this body.
 func Example() {
-	srv := clienttest.MustServe() // an in-process daemon; yours listens on "localhost:50051"
+	srv := testdaemon.MustServe() // an in-process daemon; yours listens on "localhost:50051"
 	defer srv.Stop()
 	ctx := context.Background()
 	c, err := client.Dial(ctx, srv.Addr)
@@ -74,7 +75,7 @@ func Example() {
 	}
 	w13.Shape, s13.Shape, w2.Shape, s2.Shape = []int{E, 2 * N, K}, []int{E, 2 * N}, []int{E, K, N}, []int{E, K}
 	info, err := c.LoadExperts(ctx, "layer0", &client.ExpertWeights{
-		Activation: client.SiluGated, W13: w13, W2: w2, W13Scale: s13, W2Scale: s2,
+		Activation: moe.SiluGated, W13: w13, W2: w2, W13Scale: s13, W2Scale: s2,
 	})
 	if err != nil {
 		log.Fatal(err)
@@ -87,7 +88,7 @@ func Example() {
 		Hidden:       client.BFloat16FromFloat32(randn(M*K, 0.1), M, K),
 		RouterLogits: client.FromFloat32(randn(M*E, 1), M, E),
 		Routing:      client.Routing{TopK: 2, Renormalize: true},
-		OutputDType:  client.Float32,
+		OutputDType:  moe.Float32,
 	})
 	if err != nil {
 		log.Fatal(err)
@@ -104,7 +105,7 @@ func Example() {
 
 // Upload a layer in chunks and watch the progress.
 func ExampleClient_LoadExperts() {
-	srv := clienttest.MustServe()
+	srv := testdaemon.MustServe()
 	defer srv.Stop()
 	ctx := context.Background()
 	c, err := client.Dial(ctx, srv.Addr)
@@ -119,7 +120,7 @@ func ExampleClient_LoadExperts() {
 	w1, s1 := quantize(randomFloats(rng, E*N*K, 1), E)
 	w2, s2 := quantize(randomFloats(rng, E*K*N, 1), E)
 	info, err := c.LoadExperts(ctx, "nemotron/layer1", &client.ExpertWeights{
-		Activation: client.Relu2,
+		Activation: moe.Relu2,
 		W13:        client.FromFP8(w1, E, N, K),
 		W2:         client.FromFP8(w2, E, K, N),
 		W13Scale:   client.FromFloat32(s1, E),
@@ -147,7 +148,7 @@ func ExampleClient_LoadExperts() {
 // Run a layer with weights sent inline and routing precomputed by the
 // caller, and ask for the routing back.
 func ExampleClient_FusedMoE() {
-	srv := clienttest.MustServe()
+	srv := testdaemon.MustServe()
 	defer srv.Stop()
 	ctx := context.Background()
 	c, err := client.Dial(ctx, srv.Addr)
@@ -162,7 +163,7 @@ func ExampleClient_FusedMoE() {
 	w2, s2 := quantize(randomFloats(rng, E*K*N, 1), E)
 	res, err := c.FusedMoE(ctx, &client.FusedMoERequest{
 		Weights: &client.ExpertWeights{
-			Activation: client.SiluGated,
+			Activation: moe.SiluGated,
 			W13:        client.FromFP8(w13, E, 2*N, K),
 			W2:         client.FromFP8(w2, E, K, N),
 			W13Scale:   client.FromFloat32(s13, E),
@@ -201,7 +202,7 @@ func ExampleFromFloat32() {
 
 // List the loaded sets and the server's limits.
 func ExampleClient_ListExperts() {
-	srv := clienttest.MustServe()
+	srv := testdaemon.MustServe()
 	defer srv.Stop()
 	ctx := context.Background()
 	c, err := client.Dial(ctx, srv.Addr)
@@ -214,7 +215,7 @@ func ExampleClient_ListExperts() {
 		w13, s13 := quantize(randomFloats(rand.New(rand.NewPCG(7, 8)), 2*2*8*16, 1), 2)
 		w2, s2 := quantize(randomFloats(rand.New(rand.NewPCG(9, 10)), 2*16*8, 1), 2)
 		if _, err := c.LoadExperts(ctx, name, &client.ExpertWeights{
-			Activation: client.SiluGated,
+			Activation: moe.SiluGated,
 			W13:        client.FromFP8(w13, 2, 16, 16), W2: client.FromFP8(w2, 2, 16, 8),
 			W13Scale: client.FromFloat32(s13, 2), W2Scale: client.FromFloat32(s2, 2),
 		}); err != nil {

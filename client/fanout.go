@@ -280,7 +280,7 @@ func (s *Sharded) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoE
 // fanCall is a validated call, routed.
 type fanCall struct {
 	m, k, topK int
-	out        DType
+	out        moe.DType
 	hidden     Tensor
 	// scale is the FP8 hidden states' scale; perRow its values per token
 	// (0 for a per-tensor scale, sent whole to every shard).
@@ -320,7 +320,7 @@ func (s *Sharded) prepare(req *FusedMoERequest) (*fanCall, error) {
 		return nil, err
 	}
 	c := &fanCall{m: r.M(), k: set.K, topK: r.Routing.TopK, hidden: h, out: r.OutDType}
-	if h.DType == Float8E4M3FN {
+	if h.DType == moe.Float8E4M3FN {
 		c.scale = sc
 		switch {
 		case len(sc.Shape) == 1 && sc.Shape[0] == c.m && c.m > 1:
@@ -393,7 +393,7 @@ func (sc *shardConn) run(ctx context.Context, c *fanCall, set string, pairs []in
 			return nil, tm, "", err
 		}
 		o := res.Output
-		if o.DType != Float32 || !equalShape(o.Shape, hi-lo, c.k) {
+		if o.DType != moe.Float32 || !equalShape(o.Shape, hi-lo, c.k) {
 			return nil, tm, "", status.Errorf(codes.Internal, "output %v %v: want FP32 [%d, %d]", o.DType, o.Shape, hi-lo, c.k)
 		}
 		out = append(out, o.Data...)
@@ -429,16 +429,16 @@ func shardRequest(c *fanCall, set string, pairs []int, local []int32) *FusedMoER
 		Hidden:      Tensor{DType: c.hidden.DType, Shape: []int{n, c.k}, Data: hidden},
 		TopKIDs:     FromInt32(local, n, 1),
 		TopKWeights: FromFloat32(weights, n, 1),
-		OutputDType: Float32,
+		OutputDType: moe.Float32,
 	}
 	switch {
 	case c.scale.IsZero():
 	case c.perRow == 0:
 		r.HiddenScale = c.scale
 	case len(c.scale.Shape) == 1:
-		r.HiddenScale = Tensor{DType: Float32, Shape: []int{n}, Data: scales}
+		r.HiddenScale = Tensor{DType: moe.Float32, Shape: []int{n}, Data: scales}
 	default:
-		r.HiddenScale = Tensor{DType: Float32, Shape: []int{n, c.perRow}, Data: scales}
+		r.HiddenScale = Tensor{DType: moe.Float32, Shape: []int{n, c.perRow}, Data: scales}
 	}
 	return r
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/shard"
 )
 
@@ -96,7 +97,7 @@ func activationScalePart(name string, t Tensor, e int) (Tensor, error) {
 	if t.IsZero() || isPerTensor(t) {
 		return t, nil
 	}
-	if len(t.Shape) != 1 || t.Shape[0] != e || t.DType != Float32 {
+	if len(t.Shape) != 1 || t.Shape[0] != e || t.DType != moe.Float32 {
 		return Tensor{}, fmt.Errorf("weights.%s: %v %v: want FP32 [] or [1] (per-tensor) or [%d] (per-expert)", name, t.DType, t.Shape, e)
 	}
 	v, err := t.Float32s()

@@ -15,8 +15,9 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/shard"
@@ -24,12 +25,12 @@ import (
 
 // startShards serves n in-process daemons with cfg and dials them as the
 // shards of m.
-func startShards(t *testing.T, m *shard.Map, cfg service.Config, opts ...client.Option) (*client.Sharded, []*clienttest.Server) {
+func startShards(t *testing.T, m *shard.Map, cfg service.Config, opts ...client.Option) (*client.Sharded, []*testdaemon.Server) {
 	t.Helper()
-	srvs := make([]*clienttest.Server, m.NumShards())
+	srvs := make([]*testdaemon.Server, m.NumShards())
 	addrs := make([]string, m.NumShards())
 	for i := range srvs {
-		srv, err := clienttest.Serve(cfg)
+		srv, err := testdaemon.Serve(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -75,11 +76,11 @@ func TestShardedMatchesSingle(t *testing.T) {
 		shape    *kerneltest.Shape
 	}{
 		{"per-channel/bf16-out", 11, []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, false, nil},
-		{"block/fp8-per-group/fp32-out", 9, []kerneltest.Option{kerneltest.WithBlock(16, 32), kerneltest.WithHidden(kernels.Float8E4M3FN),
-			kerneltest.WithHiddenScale(scaling.Block), kerneltest.WithOutput(kernels.Float32)}, false, nil},
-		{"static-per-expert/fp32-in", 7, []kerneltest.Option{kerneltest.WithStaticScales(), kerneltest.WithHidden(kernels.Float32),
-			kerneltest.WithOutput(kernels.Float32)}, true, nil},
-		{"per-tensor-fp8-in/M=1", 1, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}, false, nil},
+		{"block/fp8-per-group/fp32-out", 9, []kerneltest.Option{kerneltest.WithBlock(16, 32), kerneltest.WithHidden(moe.Float8E4M3FN),
+			kerneltest.WithHiddenScale(scaling.Block), kerneltest.WithOutput(moe.Float32)}, false, nil},
+		{"static-per-expert/fp32-in", 7, []kerneltest.Option{kerneltest.WithStaticScales(), kerneltest.WithHidden(moe.Float32),
+			kerneltest.WithOutput(moe.Float32)}, true, nil},
+		{"per-tensor-fp8-in/M=1", 1, []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}, false, nil},
 		{"swiglu-oai/biases/per-channel", 13, []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, false, &oai},
 	}
 	for i, tc := range tests {
@@ -178,7 +179,7 @@ func TestShardedErrors(t *testing.T) {
 			r.TopKWeights = client.FromFloat32(make([]float32, 8), 4, 2)
 		}, "element 7 is 8"},
 		{"scale-for-bf16", func(r *client.FusedMoERequest) { r.HiddenScale = client.FromFloat32([]float32{1}) }, "only FLOAT8_E4M3FN hidden_states take a scale"},
-		{"output-dtype", func(r *client.FusedMoERequest) { r.OutputDType = client.Float16 }, "output_dtype"},
+		{"output-dtype", func(r *client.FusedMoERequest) { r.OutputDType = moe.Float16 }, "output_dtype"},
 	}
 	for _, tc := range bad {
 		t.Run(tc.name, func(t *testing.T) {
@@ -237,7 +238,7 @@ func TestDialShardedErrors(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(testContext(t), 200*time.Millisecond)
 	defer cancel()
-	srv, err := clienttest.Serve(service.Config{})
+	srv, err := testdaemon.Serve(service.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -180,7 +181,7 @@ type SafetensorsSource struct {
 	// Templates with {L} and {e} placeholders and the activation, for
 	// CustomNames only.
 	W13Template, W2Template, W13ScaleTemplate, W2ScaleTemplate string
-	Activation                                                 Activation
+	Activation                                                 moe.Activation
 	// BlockShape is [Bn, Bk] for block-scaled checkpoints; zero means
 	// config.json's weight_block_size, else [128, 128], when the scales are
 	// tile grids.

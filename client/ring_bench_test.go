@@ -10,9 +10,11 @@ import (
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/internal/durstat"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
 )
@@ -35,7 +37,7 @@ func BenchmarkRingPath(b *testing.B) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	shape := kerneltest.Nemotron.Scaled(kerneltest.Nemotron.K, 16)
 	cfg := service.Config{SharedMemory: true, Ring: true, RingSpin: time.Second, MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}
-	srv, err := clienttest.ServeBackend(cfg, servicetest.NullBackend{Backend: cpu.New(kernels.Config{})})
+	srv, err := testdaemon.ServeBackend(cfg, servicetest.NullBackend{Backend: cpu.New(kernels.Config{})})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -46,7 +48,7 @@ func BenchmarkRingPath(b *testing.B) {
 	}
 	b.Cleanup(func() { c.Close() })
 	for _, m := range []int{1, 256} {
-		set, kreq := kerneltest.NewCase(rng, shape, m, kerneltest.WithOutput(kernels.BFloat16))
+		set, kreq := kerneltest.NewCase(rng, shape, m, kerneltest.WithOutput(moe.BFloat16))
 		name := ringLayer + strconv.Itoa(m)
 		if _, err := c.LoadExperts(ctx, name, clienttest.Weights(set), client.Overwrite()); err != nil {
 			b.Fatal(err)

@@ -7,7 +7,8 @@ import (
 	"log"
 
 	"github.com/expertd/expertd/client"
-	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
@@ -15,7 +16,7 @@ import (
 // The daemon must run with -shared-memory -ring. The README shows this
 // body.
 func ExampleClient_OpenRing() {
-	srv, err := clienttest.Serve(service.Config{SharedMemory: true, Ring: true}) // an in-process expertd -shared-memory -ring
+	srv, err := testdaemon.Serve(service.Config{SharedMemory: true, Ring: true}) // an in-process expertd -shared-memory -ring
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -56,7 +57,7 @@ func ExampleClient_OpenRing() {
 	scales := client.FromFloat32([]float32{0.01, 0.01, 0.01, 0.01}, E)
 	res, err := r.FusedMoE(ctx, &client.FusedMoERequest{
 		Weights: &client.ExpertWeights{
-			Activation: client.SiluGated,
+			Activation: moe.SiluGated,
 			W13:        client.FromFP8(bytes.Repeat([]byte{0x38}, E*2*N*K), E, 2*N, K),
 			W2:         client.FromFP8(bytes.Repeat([]byte{0x38}, E*K*N), E, K, N),
 			W13Scale:   scales,

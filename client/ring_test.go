@@ -19,9 +19,11 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/ring"
 	"github.com/expertd/expertd/service"
@@ -44,7 +46,7 @@ func newGatedBackend() *gatedBackend {
 	return &gatedBackend{Backend: cpu.New(kernels.Config{}), entered: make(chan struct{}, 16), release: make(chan struct{})}
 }
 
-func (g *gatedBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (g *gatedBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	if g.gate.Load() {
 		g.entered <- struct{}{}
 		<-g.release
@@ -55,13 +57,13 @@ func (g *gatedBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kern
 // ringFixture is a server, a client, a loaded layer and a region whose
 // first bytes hold a ring and the rest tensors.
 type ringFixture struct {
-	srv     *clienttest.Server
+	srv     *testdaemon.Server
 	c       *client.Client
 	backend *gatedBackend
 	shm     *client.SharedMemory
 	region  *client.Region
-	set     *kernels.ExpertSet
-	req     *kernels.Request
+	set     *moe.ExpertSet
+	req     *moe.Request
 }
 
 const ringLayer = "ring-layer"
@@ -70,7 +72,7 @@ func newRingFixture(t *testing.T, cfg service.Config, m int) *ringFixture {
 	t.Helper()
 	ctx := testContext(t)
 	g := newGatedBackend()
-	srv, err := clienttest.ServeBackend(cfg, g)
+	srv, err := testdaemon.ServeBackend(cfg, g)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +82,7 @@ func newRingFixture(t *testing.T, cfg service.Config, m int) *ringFixture {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	set, req := kerneltest.NewCase(newRand(t), kerneltest.Nemotron.Scaled(64, 32), m, kerneltest.WithOutput(kernels.BFloat16))
+	set, req := kerneltest.NewCase(newRand(t), kerneltest.Nemotron.Scaled(64, 32), m, kerneltest.WithOutput(moe.BFloat16))
 	if _, err := c.LoadExperts(ctx, ringLayer, clienttest.Weights(set)); err != nil {
 		t.Fatalf("LoadExperts: %v", err)
 	}

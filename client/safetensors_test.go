@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
@@ -25,7 +26,7 @@ func writeSafetensors(t *testing.T, path string, names []string, tensors map[str
 	var data []byte
 	for _, n := range names {
 		tt := tensors[n]
-		dtype := map[client.DType]string{client.Float8E4M3FN: "F8_E4M3", client.Float32: "F32"}[tt.DType]
+		dtype := map[moe.DType]string{moe.Float8E4M3FN: "F8_E4M3", moe.Float32: "F32"}[tt.DType]
 		hdr[n] = map[string]any{"dtype": dtype, "shape": tt.Shape, "data_offsets": []int{len(data), len(data) + len(tt.Data)}}
 		data = append(data, tt.Data...)
 	}
@@ -69,7 +70,7 @@ func TestLoadSafetensors(t *testing.T) {
 	writeSafetensors(t, filepath.Join(dir, "layer.safetensors"), names, tensors)
 
 	src := client.SafetensorsSource{
-		Path: "layer.safetensors", Layer: 2, Preset: client.CustomNames, Activation: client.SiluGated,
+		Path: "layer.safetensors", Layer: 2, Preset: client.CustomNames, Activation: moe.SiluGated,
 		W13Template: "l.{L}.e.{e}.w13", W2Template: "l.{L}.e.{e}.w2",
 		W13ScaleTemplate: "l.{L}.e.{e}.w13_scale", W2ScaleTemplate: "l.{L}.e.{e}.w2_scale",
 	}
@@ -78,7 +79,7 @@ func TestLoadSafetensors(t *testing.T) {
 		t.Fatalf("LoadSafetensors: %v", err)
 	}
 	want, err := c.LoadExperts(ctx, "uploaded", &client.ExpertWeights{
-		Activation: client.SiluGated,
+		Activation: moe.SiluGated,
 		W13:        client.FromFP8(w13, e, 2*n, k), W2: client.FromFP8(w2, e, k, n),
 		W13Scale: client.FromFloat32(s13, e), W2Scale: client.FromFloat32(s2, e),
 	})
@@ -135,8 +136,8 @@ func TestLoadCheckpointDir(t *testing.T) {
 	if err != nil {
 		t.Fatalf("LoadSafetensors(checkpoint dir): %v", err)
 	}
-	want := client.Routing{TopK: 2, Renormalize: true, Scoring: client.Softmax}
-	if info.Routing == nil || !reflect.DeepEqual(*info.Routing, want) || info.NumExperts != e || info.Activation != client.SiluGated {
+	want := client.Routing{TopK: 2, Renormalize: true, Scoring: moe.Softmax}
+	if info.Routing == nil || !reflect.DeepEqual(*info.Routing, want) || info.NumExperts != e || info.Activation != moe.SiluGated {
 		t.Fatalf("info %+v, routing %+v; want E=%d, SiluGated, routing %+v", info, info.Routing, e, want)
 	}
 	_, err = c.FusedMoE(ctx, &client.FusedMoERequest{ExpertSet: info.Name, Hidden: client.FromFloat32(make([]float32, k), 1, k),

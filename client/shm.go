@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -221,7 +222,7 @@ func (r *Region) Ref(offset, size int64) *SharedMemoryRef {
 // Tensor is a tensor of the given dtype and shape whose bytes are at offset
 // in the region: sent as a reference, with Data viewing the region here
 // (nil in a CUDA IPC region).
-func (r *Region) Tensor(dtype DType, offset int64, shape ...int) (Tensor, error) {
+func (r *Region) Tensor(dtype moe.DType, offset int64, shape ...int) (Tensor, error) {
 	t := Tensor{DType: dtype, Shape: shape}
 	n := int64(t.Numel() * dtype.Size())
 	if offset < 0 || n < 0 || offset > r.size || n > r.size-offset {

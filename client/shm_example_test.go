@@ -8,7 +8,8 @@ import (
 	"math/rand/v2"
 
 	"github.com/expertd/expertd/client"
-	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
@@ -16,7 +17,7 @@ import (
 // shared memory, and read the output where the daemon wrote it. The daemon
 // must run with -shared-memory. The README shows this body.
 func ExampleClient_RegisterSharedMemory() {
-	srv, err := clienttest.Serve(service.Config{SharedMemory: true}) // an in-process expertd -shared-memory
+	srv, err := testdaemon.Serve(service.Config{SharedMemory: true}) // an in-process expertd -shared-memory
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -48,7 +49,7 @@ func ExampleClient_RegisterSharedMemory() {
 	}
 	scales := client.FromFloat32([]float32{0.01, 0.01, 0.01, 0.01}, E)
 	if _, err := c.LoadExperts(ctx, "layer0", &client.ExpertWeights{
-		Activation: client.Relu2, W13: client.FromFP8(fp8(E*N*K), E, N, K), W2: client.FromFP8(fp8(E*K*N), E, K, N),
+		Activation: moe.Relu2, W13: client.FromFP8(fp8(E*N*K), E, N, K), W2: client.FromFP8(fp8(E*K*N), E, K, N),
 		W13Scale: scales, W2Scale: scales,
 	}); err != nil {
 		log.Fatal(err)
@@ -84,7 +85,7 @@ func ExampleClient_RegisterSharedMemory() {
 		Hidden:       hidden,
 		RouterLogits: logits,
 		Routing:      client.Routing{TopK: 2, Renormalize: true},
-		OutputDType:  client.Float32,
+		OutputDType:  moe.Float32,
 		OutputShm:    region.Ref(8192, M*K*4), // the output is written here
 	}
 	res, err := c.FusedMoE(ctx, req)
@@ -140,11 +141,11 @@ func ExampleClient_RegisterCUDASharedMemory() {
 	// One storage holding [M, K] BF16 hidden states, [M, E] FP32 logits
 	// and room for the [M, K] BF16 output, one after the other.
 	const M, K, E = 4, 2688, 128
-	hidden, err := region.Tensor(client.BFloat16, 0, M, K)
+	hidden, err := region.Tensor(moe.BFloat16, 0, M, K)
 	if err != nil {
 		log.Fatal(err)
 	}
-	logits, err := region.Tensor(client.Float32, M*K*2, M, E)
+	logits, err := region.Tensor(moe.Float32, M*K*2, M, E)
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -12,8 +12,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 )
@@ -39,7 +39,7 @@ func TestSharedMemoryFusedMoE(t *testing.T) {
 	rng := newRand(t)
 	ctx := testContext(t)
 	c := startServer(t, service.Config{SharedMemory: true})
-	for _, out := range []kernels.DType{kernels.BFloat16, kernels.Float32} {
+	for _, out := range []moe.DType{moe.BFloat16, moe.Float32} {
 		t.Run(out.String(), func(t *testing.T) {
 			set, req := kerneltest.NewCase(rng, kerneltest.Nemotron.Scaled(64, 32), 7, kerneltest.WithOutput(out))
 			if _, err := c.LoadExperts(ctx, "layer-"+out.String(), clienttest.Weights(set)); err != nil {
@@ -144,17 +144,17 @@ func TestSharedMemoryLocalChecks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := region.Tensor(client.Float32, 3000, 2, 128); err == nil {
+	if _, err := region.Tensor(moe.Float32, 3000, 2, 128); err == nil {
 		t.Errorf("Tensor past the region's end: no error")
 	}
-	if _, err := region.Tensor(client.Float32, -4, 1); err == nil {
+	if _, err := region.Tensor(moe.Float32, -4, 1); err == nil {
 		t.Errorf("Tensor at a negative offset: no error")
 	}
-	tt, err := region.Tensor(client.BFloat16, 100, 3, 4)
+	tt, err := region.Tensor(moe.BFloat16, 100, 3, 4)
 	if err != nil || tt.Shm.Size != 24 || len(tt.Data) != 24 || &tt.Data[0] != &shm.Bytes()[196] {
 		t.Errorf("Tensor = %+v, %v; want 24 bytes at 196 of the object", tt, err)
 	}
-	_, err = c.FusedMoE(ctx, &client.FusedMoERequest{ExpertSet: "x", Hidden: client.Tensor{DType: client.Float32, Shape: []int{2, 2}, Shm: region.Ref(0, 15)}})
+	_, err = c.FusedMoE(ctx, &client.FusedMoERequest{ExpertSet: "x", Hidden: client.Tensor{DType: moe.Float32, Shape: []int{2, 2}, Shm: region.Ref(0, 15)}})
 	if status.Code(err) != codes.InvalidArgument {
 		t.Errorf("FusedMoE with a short reference = %v, want InvalidArgument", err)
 	}

@@ -13,9 +13,11 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
@@ -34,7 +36,7 @@ func TestFusedMoEStream(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var reqs []*kernels.Request
+	var reqs []*moe.Request
 	for i := range 5 {
 		_, req := kerneltest.NewCase(rng, s, 1+2*i) // distinct M tell the answers apart
 		reqs = append(reqs, req)
@@ -105,7 +107,7 @@ func newGateBackend() *gateBackend {
 	return &gateBackend{Backend: cpu.New(kernels.Config{}), started: make(chan struct{}, 64), release: make(chan struct{})}
 }
 
-func (b *gateBackend) FusedMoE(ctx context.Context, l kernels.Loaded, r *kernels.Request) (*kernels.Result, error) {
+func (b *gateBackend) FusedMoE(ctx context.Context, l kernels.Loaded, r *moe.Request) (*moe.Result, error) {
 	b.started <- struct{}{}
 	select {
 	case <-b.release:
@@ -120,7 +122,7 @@ var pipelineShape = kerneltest.Mixtral.Scaled(32, 16)
 
 // loadLayer loads a random set of pipelineShape as "layer" and returns it
 // with one request on it.
-func loadLayer(t *testing.T, rng *rand.Rand, c *client.Client) (*kernels.ExpertSet, *kernels.Request) {
+func loadLayer(t *testing.T, rng *rand.Rand, c *client.Client) (*moe.ExpertSet, *moe.Request) {
 	t.Helper()
 	set, req := kerneltest.NewCase(rng, pipelineShape, 2)
 	if _, err := c.LoadExperts(testContext(t), "layer", clienttest.Weights(set)); err != nil {
@@ -131,10 +133,10 @@ func loadLayer(t *testing.T, rng *rand.Rand, c *client.Client) (*kernels.ExpertS
 
 // gatedServer serves a gateBackend with MaxConcurrent 2 and returns it,
 // the server and a client dialed to it with opts.
-func gatedServer(t *testing.T, opts ...client.Option) (*gateBackend, *clienttest.Server, *client.Client) {
+func gatedServer(t *testing.T, opts ...client.Option) (*gateBackend, *testdaemon.Server, *client.Client) {
 	t.Helper()
 	gate := newGateBackend()
-	srv, err := clienttest.ServeBackend(service.Config{MaxConcurrent: 2}, gate)
+	srv, err := testdaemon.ServeBackend(service.Config{MaxConcurrent: 2}, gate)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +165,7 @@ func TestPipelineOrder(t *testing.T) {
 		}
 		var (
 			calls []*client.Call
-			reqs  []*kernels.Request
+			reqs  []*moe.Request
 		)
 		for i := range 12 {
 			_, req := kerneltest.NewCase(rng, s, 1+i%7) // distinct M tell the answers apart
@@ -213,7 +215,7 @@ func TestPipelineConcurrentCallers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var reqs [4][]*kernels.Request
+	var reqs [4][]*moe.Request
 	for g := range reqs {
 		for i := range 5 {
 			_, req := kerneltest.NewCase(rng, s, 1+g+i)

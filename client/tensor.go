@@ -2,6 +2,7 @@ package client
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 
@@ -10,20 +11,28 @@ import (
 	"github.com/expertd/expertd/scaling"
 )
 
-// DType is the element type of a tensor's bytes. Its values mirror
-// expertd.v1.DataType, so a DType converts to it directly; it is the
-// request model's type (package moe), which the server uses too, so the
-// two cannot drift apart.
+// DType is the element type of a tensor's bytes: moe.DType, the request
+// model's type, which the server uses too.
+//
+// Deprecated: use moe.DType, the type's one name.
 type DType = moe.DType
 
 // The element types of the wire contract.
+//
+// Deprecated: use moe's names (moe.Float32, ...).
 const (
-	Float32      = moe.Float32
-	BFloat16     = moe.BFloat16
-	Float16      = moe.Float16
+	// Deprecated: use moe.Float32.
+	Float32 = moe.Float32
+	// Deprecated: use moe.BFloat16.
+	BFloat16 = moe.BFloat16
+	// Deprecated: use moe.Float16.
+	Float16 = moe.Float16
+	// Deprecated: use moe.Float8E4M3FN.
 	Float8E4M3FN = moe.Float8E4M3FN
-	Float8E5M2   = moe.Float8E5M2
-	Int32        = moe.Int32
+	// Deprecated: use moe.Float8E5M2.
+	Float8E5M2 = moe.Float8E5M2
+	// Deprecated: use moe.Int32.
+	Int32 = moe.Int32
 )
 
 // Tensor is a dense, row-major, little-endian array: the SDK's form of
@@ -32,7 +41,7 @@ const (
 // optional. Data is sent as is, without a copy, so it must not change
 // while a call that uses it runs.
 type Tensor struct {
-	DType DType
+	DType moe.DType
 	// Shape is outermost first; empty means a scalar.
 	Shape []int
 	// Data holds Numel()*DType.Size() bytes. With Shm set it is the local
@@ -50,7 +59,7 @@ func FromFloat32(v []float32, shape ...int) Tensor {
 	for i, x := range v {
 		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
 	}
-	return Tensor{DType: Float32, Shape: shape, Data: b}
+	return Tensor{DType: moe.Float32, Shape: shape, Data: b}
 }
 
 // FromBFloat16 is a BF16 tensor of the given shape holding the raw bf16
@@ -60,7 +69,7 @@ func FromBFloat16(v []uint16, shape ...int) Tensor {
 	for i, x := range v {
 		binary.LittleEndian.PutUint16(b[2*i:], x)
 	}
-	return Tensor{DType: BFloat16, Shape: shape, Data: b}
+	return Tensor{DType: moe.BFloat16, Shape: shape, Data: b}
 }
 
 // BFloat16FromFloat32 rounds v to bfloat16 (to nearest even) and returns
@@ -77,7 +86,7 @@ func BFloat16FromFloat32(v []float32, shape ...int) Tensor {
 // it uses without copying. Quantize with a scale first: the server
 // dequantizes with the tensor's companion scale (w13_scale, ...).
 func FromFP8(codes []byte, shape ...int) Tensor {
-	return Tensor{DType: Float8E4M3FN, Shape: shape, Data: codes}
+	return Tensor{DType: moe.Float8E4M3FN, Shape: shape, Data: codes}
 }
 
 // QuantizeFP8 quantizes v, rows×cols row-major, to FP8 E4M3FN the way
@@ -107,44 +116,39 @@ func FromInt32(v []int32, shape ...int) Tensor {
 	for i, x := range v {
 		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
 	}
-	return Tensor{DType: Int32, Shape: shape, Data: b}
+	return Tensor{DType: moe.Int32, Shape: shape, Data: b}
 }
 
 // IsZero reports whether t is the zero Tensor, which means "not set".
 func (t Tensor) IsZero() bool { return t.DType == 0 && t.Shape == nil && t.Data == nil && t.Shm == nil }
 
 // Numel is the number of elements the shape holds.
-func (t Tensor) Numel() int {
-	n := 1
-	for _, d := range t.Shape {
-		n *= d
-	}
-	return n
-}
+func (t Tensor) Numel() int { return moe.Tensor{Shape: t.Shape}.Numel() }
 
-// Validate checks that the dtype is known, no dimension is negative and
-// the bytes match the shape, so that a malformed tensor fails before it is
-// sent.
+// Validate checks that the dtype is known, the shape legal (moe.Meta's
+// rules, which the server applies too) and the bytes match it, so that a
+// malformed tensor fails before it is sent.
 func (t Tensor) Validate() error {
-	if t.DType.Size() == 0 {
+	if !t.DType.Valid() {
 		return fmt.Errorf("unknown dtype %v", t.DType)
 	}
-	for _, d := range t.Shape {
-		if d < 0 {
-			return fmt.Errorf("shape %v has a negative dimension", t.Shape)
-		}
+	n, err := moe.Meta("", &moe.Tensor{DType: t.DType, Shape: t.Shape}, t.DType)
+	if fe := (*moe.FieldError)(nil); errors.As(err, &fe) {
+		// The caller names the field; the model's message says the rest.
+		return errors.New(fe.Msg)
+	} else if err != nil {
+		return err
 	}
-	want := t.Numel() * t.DType.Size()
 	if t.Shm != nil {
-		if t.Shm.Size != int64(want) {
-			return fmt.Errorf("%v shape %v needs %d bytes, shared-memory reference has %d", t.DType, t.Shape, want, t.Shm.Size)
+		if t.Shm.Size != n {
+			return fmt.Errorf("%v shape %v needs %d bytes, shared-memory reference has %d", t.DType, t.Shape, n, t.Shm.Size)
 		}
 		if t.Data == nil {
 			return nil
 		}
 	}
-	if len(t.Data) != want {
-		return fmt.Errorf("%v shape %v needs %d bytes, got %d", t.DType, t.Shape, want, len(t.Data))
+	if int64(len(t.Data)) != n {
+		return fmt.Errorf("%v shape %v needs %d bytes, got %d", t.DType, t.Shape, n, len(t.Data))
 	}
 	return nil
 }
@@ -158,23 +162,23 @@ func (t Tensor) Float32s() ([]float32, error) {
 	out := make([]float32, t.Numel())
 	b := t.Data
 	switch t.DType {
-	case Float32:
+	case moe.Float32:
 		for i := range out {
 			out[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 		}
-	case BFloat16:
+	case moe.BFloat16:
 		for i := range out {
 			out[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
 		}
-	case Float16:
+	case moe.Float16:
 		for i := range out {
 			out[i] = scaling.FP16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
 		}
-	case Float8E4M3FN:
+	case moe.Float8E4M3FN:
 		for i := range out {
 			out[i] = scaling.E4M3ToFloat32(b[i])
 		}
-	case Float8E5M2:
+	case moe.Float8E5M2:
 		for i := range out {
 			out[i] = scaling.E5M2ToFloat32(b[i])
 		}
@@ -189,7 +193,7 @@ func (t Tensor) Int32s() ([]int32, error) {
 	if err := t.Validate(); err != nil {
 		return nil, err
 	}
-	if t.DType != Int32 {
+	if t.DType != moe.Int32 {
 		return nil, fmt.Errorf("cannot decode %v as int32", t.DType)
 	}
 	out := make([]int32, t.Numel())
@@ -226,10 +230,10 @@ func TensorFromProto(p *pb.Tensor) (Tensor, error) {
 		shape[i] = int(d)
 	}
 	if ref := p.GetShm(); ref != nil {
-		t := Tensor{DType: DType(p.GetDtype()), Shape: shape, Shm: refFromProto(ref)}
+		t := Tensor{DType: moe.DType(p.GetDtype()), Shape: shape, Shm: refFromProto(ref)}
 		return t, t.Validate()
 	}
-	t := Tensor{DType: DType(p.GetDtype()), Shape: shape, Data: p.GetData()}
+	t := Tensor{DType: moe.DType(p.GetDtype()), Shape: shape, Data: p.GetData()}
 	if t.Data == nil {
 		t.Data = []byte{}
 	}

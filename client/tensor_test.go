@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -43,13 +44,13 @@ func TestTensorRoundTrip(t *testing.T) {
 	tests := []struct {
 		name      string
 		t         client.Tensor
-		wantDType client.DType
+		wantDType moe.DType
 		want      []float32
 	}{
-		{"float32", client.FromFloat32(v, 6, 5), client.Float32, v},
-		{"bfloat16 bits", client.FromBFloat16(bf, 6, 5), client.BFloat16, wantBF},
-		{"bfloat16 rounded", client.BFloat16FromFloat32(v, 6, 5), client.BFloat16, wantBF},
-		{"fp8", client.FromFP8(codes, 30), client.Float8E4M3FN, want8},
+		{"float32", client.FromFloat32(v, 6, 5), moe.Float32, v},
+		{"bfloat16 bits", client.FromBFloat16(bf, 6, 5), moe.BFloat16, wantBF},
+		{"bfloat16 rounded", client.BFloat16FromFloat32(v, 6, 5), moe.BFloat16, wantBF},
+		{"fp8", client.FromFP8(codes, 30), moe.Float8E4M3FN, want8},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -102,8 +103,10 @@ func TestValidate(t *testing.T) {
 		{"empty dim", client.FromFloat32(nil, 0, 4), ""},
 		{"too few values", client.FromFloat32([]float32{1, 2, 3}, 2, 2), "needs 16 bytes, got 12"},
 		{"too many codes", client.FromFP8([]byte{1, 2, 3}, 2), "needs 2 bytes, got 3"},
-		{"negative dim", client.Tensor{DType: client.Int32, Shape: []int{-1}}, "negative"},
+		{"negative dim", client.Tensor{DType: moe.Int32, Shape: []int{-1}}, "negative"},
 		{"no dtype", client.Tensor{Shape: []int{1}, Data: []byte{0}}, "unknown dtype"},
+		{"dtype beyond the contract", client.Tensor{DType: moe.DType(99), Shape: []int{1}, Data: []byte{0}}, "unknown dtype"},
+		{"overflowing shape", client.Tensor{DType: moe.Float32, Shape: []int{1 << 30, 1 << 30, 1 << 30}}, "more than 2^40 elements"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -153,7 +156,7 @@ func TestQuantizeFP8(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got, want := codes.Shape, []int{2, 4}; !slices.Equal(got, want) || codes.DType != client.Float8E4M3FN {
+			if got, want := codes.Shape, []int{2, 4}; !slices.Equal(got, want) || codes.DType != moe.Float8E4M3FN {
 				t.Errorf("codes: %v %v, want FP8 %v", codes.DType, got, want)
 			}
 			if got := scales.Shape; !slices.Equal(got, tt.wantShape) {

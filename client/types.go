@@ -8,37 +8,55 @@ import (
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
-// Activation is the expert MLP's nonlinearity (the backends' type).
+// Activation is the expert MLP's nonlinearity: moe.Activation.
+//
+// Deprecated: use moe.Activation, the type's one name.
 type Activation = moe.Activation
 
 const (
 	// SiluGated is silu(h[:, :N]) * h[:, N:]; W13 is [E, 2N, K] with the
 	// gate rows first (vLLM order). Qwen3-MoE, Mixtral, DeepSeek-V3.
+	//
+	// Deprecated: use moe.SiluGated.
 	SiluGated = moe.SiluGated
 	// Relu2 is relu(h)^2; W13 holds w1, [E, N, K]. Nemotron-H.
+	//
+	// Deprecated: use moe.Relu2.
 	Relu2 = moe.Relu2
 	// SwigluOAI is gpt-oss's clamped SwiGLU, g * sigmoid(alpha * g) *
 	// (u + 1) with g = min(gate, limit) and u = clamp(up, -limit, limit)
 	// (ExpertWeights.SwigluLimit and SwigluAlpha); W13 is [E, 2N, K] with
 	// gate and up rows interleaved (row 2j gate, 2j+1 up), as gpt-oss
 	// checkpoints store them.
+	//
+	// Deprecated: use moe.SwigluOAI.
 	SwigluOAI = moe.SwigluOAI
 	// GeluTanhGated is gelu_tanh(h[:, :N]) * h[:, N:] (Gemma's GeGLU); W13
 	// as for SiluGated.
+	//
+	// Deprecated: use moe.GeluTanhGated.
 	GeluTanhGated = moe.GeluTanhGated
 	// GeluGated is the exact, erf-based gelu(h[:, :N]) * h[:, N:]; W13 as
 	// for SiluGated.
+	//
+	// Deprecated: use moe.GeluGated.
 	GeluGated = moe.GeluGated
 )
 
-// Scoring is how router logits become expert scores (the backends' type).
+// Scoring is how router logits become expert scores: moe.Scoring.
+//
+// Deprecated: use moe.Scoring, the type's one name.
 type Scoring = moe.Scoring
 
 const (
 	// Softmax is the default: p = softmax(logits), then top-k.
+	//
+	// Deprecated: use moe.Softmax.
 	Softmax = moe.Softmax
 	// Sigmoid ranks sigmoid(logits) + CorrectionBias and weights by the
 	// unbiased sigmoid (DeepSeek-V3, Nemotron-H).
+	//
+	// Deprecated: use moe.Sigmoid.
 	Sigmoid = moe.Sigmoid
 )
 
@@ -47,7 +65,7 @@ const (
 // per-expert, [E, rows] per-channel, [E, ceil(rows/Bn), ceil(cols/Bk)]
 // block (with BlockShape set).
 type ExpertWeights struct {
-	Activation Activation
+	Activation moe.Activation
 	// W13 is FP8 [E, 2N, K] (gated activations) or [E, N, K] (Relu2); W2
 	// is FP8 [E, K, N].
 	W13, W2 Tensor
@@ -124,7 +142,7 @@ type Routing struct {
 	// Renormalize divides the chosen weights by their sum.
 	Renormalize bool
 	// Scoring defaults to Softmax.
-	Scoring Scoring
+	Scoring moe.Scoring
 	// CorrectionBias is an optional FP32 or BF16 [E] selection bias
 	// (Sigmoid only).
 	CorrectionBias Tensor
@@ -151,7 +169,7 @@ type FusedMoERequest struct {
 	// TopKIDs (INT32 [M, k]) and TopKWeights (FP32 [M, k]) bypass routing.
 	TopKIDs, TopKWeights Tensor
 	// OutputDType is BFloat16 (the default when 0) or Float32.
-	OutputDType DType
+	OutputDType moe.DType
 	// ReturnRouting asks for the routing used in the result.
 	ReturnRouting bool
 	// OutputShm, when set, has the server write the output ([M, K] in
@@ -269,7 +287,7 @@ func resultFromProto(p *pb.FusedMoEResponse) (*FusedMoEResult, error) {
 // ExpertSetInfo describes a loaded expert set.
 type ExpertSetInfo struct {
 	Name       string
-	Activation Activation
+	Activation moe.Activation
 	// NumExperts E, HiddenSize K, IntermediateSize N.
 	NumExperts, HiddenSize, IntermediateSize int
 	// TopKHint is the model's top_k when the server knows it, else 0.
@@ -297,7 +315,7 @@ type ExpertSetInfo struct {
 
 func setInfoFromProto(p *pb.ExpertSetInfo) ExpertSetInfo {
 	info := ExpertSetInfo{
-		Name: p.GetName(), Activation: Activation(p.GetActivation()),
+		Name: p.GetName(), Activation: moe.Activation(p.GetActivation()),
 		NumExperts: int(p.GetNumExperts()), HiddenSize: int(p.GetHiddenSize()),
 		IntermediateSize: int(p.GetIntermediateSize()), TopKHint: int(p.GetTopKHint()),
 		W13ScaleGranularity: p.GetW13ScaleGranularity(), W2ScaleGranularity: p.GetW2ScaleGranularity(),
@@ -311,7 +329,7 @@ func setInfoFromProto(p *pb.ExpertSetInfo) ExpertSetInfo {
 		info.LoadedAt = p.GetLoadedAt().AsTime()
 	}
 	if r := p.GetRouting(); r != nil {
-		info.Routing = &Routing{TopK: int(r.GetTopK()), Renormalize: r.GetRenormalize(), Scoring: Scoring(r.GetScoring()),
+		info.Routing = &Routing{TopK: int(r.GetTopK()), Renormalize: r.GetRenormalize(), Scoring: moe.Scoring(r.GetScoring()),
 			NumGroups: int(r.GetNumExpertGroups()), TopKGroups: int(r.GetTopkGroups()), ScalingFactor: r.GetRoutedScalingFactor()}
 		if r.GetCorrectionBias() != nil {
 			// The server sends the bias inline and validated, so decoding
@@ -331,6 +349,11 @@ type ServerInfo struct {
 	Limits   Limits
 	// Ring is the call-ring service (OpenRing) as the server runs it.
 	Ring RingInfo
+	// Transport is the server's connection handling.
+	Transport Transport
+	// Settings are the daemon's settings in force by flag name, as the
+	// flags spell them (security settings only as set or empty).
+	Settings map[string]string
 }
 
 // RingInfo is a server's call-ring settings.
@@ -349,7 +372,7 @@ type RingInfo struct {
 // BackendInfo is one backend's capabilities.
 type BackendInfo struct {
 	Name          string
-	Activations   []Activation
+	Activations   []moe.Activation
 	Granularities []string
 	Devices       []string
 	// MaxTokens is the largest M per call; 0 means no backend limit.
@@ -370,6 +393,27 @@ type Limits struct {
 	// all connections together; 0 when the server has shared memory off.
 	MaxShmRegions int
 	MaxShmBytes   int64
+	// MaxQueued calls may wait for an execution slot; more are refused
+	// with ResourceExhausted.
+	MaxQueued int
+	// BatchWindow is how long a merged batch waits for more compatible
+	// calls (0: no dynamic batching); BatchMaxTokens bounds its tokens
+	// (0: the server's default).
+	BatchWindow    time.Duration
+	BatchMaxTokens int
+}
+
+// Transport is a server's connection handling.
+type Transport struct {
+	// StreamWorkers run RPC handlers; 0 means a goroutine per call.
+	StreamWorkers int
+	// KeepaliveMinTime is the shortest client ping interval the server
+	// allows; KeepaliveTime and KeepaliveTimeout are its own pings of
+	// idle connections.
+	KeepaliveMinTime, KeepaliveTime, KeepaliveTimeout time.Duration
+	// MaxConnectionAge and MaxConnectionAgeGrace age connections (0:
+	// never, and no limit).
+	MaxConnectionAge, MaxConnectionAgeGrace time.Duration
 }
 
 func serverInfoFromProto(p *pb.ServerInfo) *ServerInfo {
@@ -377,16 +421,22 @@ func serverInfoFromProto(p *pb.ServerInfo) *ServerInfo {
 	for _, b := range p.GetBackends() {
 		bi := BackendInfo{Name: b.GetName(), Granularities: b.GetGranularities(), Devices: b.GetDevices(), MaxTokens: int(b.GetMaxTokens())}
 		for _, a := range b.GetActivations() {
-			bi.Activations = append(bi.Activations, Activation(a))
+			bi.Activations = append(bi.Activations, moe.Activation(a))
 		}
 		info.Backends = append(info.Backends, bi)
 	}
 	l := p.GetLimits()
 	info.Limits = Limits{MaxMessageBytes: l.GetMaxMessageBytes(), MaxTokens: int(l.GetMaxTokens()),
 		MaxLoadedBytes: l.GetMaxLoadedBytes(), MaxConcurrent: int(l.GetMaxConcurrent()),
-		MaxShmRegions: int(l.GetMaxShmRegions()), MaxShmBytes: l.GetMaxShmBytes()}
+		MaxShmRegions: int(l.GetMaxShmRegions()), MaxShmBytes: l.GetMaxShmBytes(),
+		MaxQueued: int(l.GetMaxQueued()), BatchWindow: time.Duration(l.GetBatchWindowNanos()), BatchMaxTokens: int(l.GetBatchMaxTokens())}
 	r := p.GetRing()
 	info.Ring = RingInfo{Enabled: r.GetEnabled(), Version: r.GetVersion(), Spin: time.Duration(r.GetSpinNanos()),
 		MaxPerConn: int(r.GetMaxPerConn()), MaxRings: int(r.GetMaxRings()), MaxSlotBytes: r.GetMaxSlotBytes()}
+	t := p.GetTransport()
+	info.Transport = Transport{StreamWorkers: int(t.GetStreamWorkers()), KeepaliveMinTime: time.Duration(t.GetKeepaliveMinTimeNanos()),
+		KeepaliveTime: time.Duration(t.GetKeepaliveTimeNanos()), KeepaliveTimeout: time.Duration(t.GetKeepaliveTimeoutNanos()),
+		MaxConnectionAge: time.Duration(t.GetMaxConnectionAgeNanos()), MaxConnectionAgeGrace: time.Duration(t.GetMaxConnectionAgeGraceNanos())}
+	info.Settings = p.GetSettings()
 	return info
 }

@@ -21,8 +21,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service/servicetest"
 	"github.com/expertd/expertd/shard"
@@ -152,8 +152,8 @@ func TestShardedFromChart(t *testing.T) {
 	seed := rng.Uint64()
 	t.Logf("seed %d", seed)
 	rng = rand.New(rand.NewPCG(seed, 3))
-	shape := kerneltest.Shape{Name: "sharded", Activation: kernels.SiluGated, E: 10, TopK: 3, K: 64, N: 32,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	shape := kerneltest.Shape{Name: "sharded", Activation: moe.SiluGated, E: 10, TopK: 3, K: 64, N: 32,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
 	set, req := kerneltest.NewCase(rng, shape, 9, kerneltest.WithGranularity(scaling.PerChannel))
 
 	for _, placement := range []string{"contiguous", "round-robin"} {

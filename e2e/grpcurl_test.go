@@ -20,8 +20,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -65,7 +65,7 @@ func TestWriteGrpcurlRequest(t *testing.T) {
 		s := kerneltest.Qwen3.Scaled(jsonK, jsonN)
 		s.E, s.TopK = jsonE, jsonTopK
 		set, req := kerneltest.NewCase(rng, s, jsonM, kerneltest.WithGranularity(scaling.PerExpert),
-			kerneltest.WithHidden(kernels.Float32), kerneltest.WithOutput(kernels.Float32))
+			kerneltest.WithHidden(moe.Float32), kerneltest.WithOutput(moe.Float32))
 		r := clienttest.Request("", set, req)
 		r.Weights = clienttest.Weights(set)
 		r.ReturnRouting = true
@@ -167,7 +167,7 @@ func requestProto(r *client.FusedMoERequest) *pb.FusedMoERequest {
 // the reference takes. It understands what the file uses: inline gated
 // weights with per-tensor or per-expert scales, FP32 hidden states and
 // logits, softmax routing.
-func readRequestJSON(t *testing.T, path string) (*kernels.ExpertSet, *kernels.Request) {
+func readRequestJSON(t *testing.T, path string) (*moe.ExpertSet, *moe.Request) {
 	t.Helper()
 	b, err := os.ReadFile(path)
 	if err != nil {
@@ -196,7 +196,7 @@ func readRequestJSON(t *testing.T, path string) (*kernels.ExpertSet, *kernels.Re
 	if w.GetActivation() != pb.Activation_ACTIVATION_SILU_GATED || len(w13.Shape) != 3 || len(w2.Shape) != 3 {
 		t.Fatalf("%s: want inline SILU_GATED weights with 3-D w13 and w2", path)
 	}
-	set := &kernels.ExpertSet{Activation: kernels.SiluGated, E: w13.Shape[0], K: w13.Shape[2], N: w2.Shape[2], W13: w13.Data, W2: w2.Data}
+	set := &moe.ExpertSet{Activation: moe.SiluGated, E: w13.Shape[0], K: w13.Shape[2], N: w2.Shape[2], W13: w13.Data, W2: w2.Data}
 	scale := func(name string, pt *pb.Tensor, rows, cols int) scaling.WeightScale {
 		ws, err := scaling.NewWeightScale(tensor(name, pt).Shape, floats(name, pt), set.E, rows, cols, [2]int{})
 		if err != nil {
@@ -208,11 +208,11 @@ func readRequestJSON(t *testing.T, path string) (*kernels.ExpertSet, *kernels.Re
 	set.W2Scale = scale("w2_scale", w.GetW2Scale(), set.K, set.N)
 	hidden := tensor("hidden_states", p.GetHiddenStates())
 	logits := tensor("router_logits", p.GetRouterLogits())
-	req := &kernels.Request{
-		Hidden:   kernels.Tensor{DType: kernels.DType(hidden.DType), Shape: hidden.Shape, Data: hidden.Data},
-		Logits:   kernels.Tensor{DType: kernels.DType(logits.DType), Shape: logits.Shape, Data: logits.Data},
-		Routing:  kernels.Routing{TopK: int(p.GetRouting().GetTopK()), Renormalize: p.GetRouting().GetRenormalize(), Scoring: kernels.Softmax, ScalingFactor: 1},
-		OutDType: kernels.DType(p.GetOutputDtype()),
+	req := &moe.Request{
+		Hidden:   moe.Tensor{DType: moe.DType(hidden.DType), Shape: hidden.Shape, Data: hidden.Data},
+		Logits:   moe.Tensor{DType: moe.DType(logits.DType), Shape: logits.Shape, Data: logits.Data},
+		Routing:  moe.Routing{TopK: int(p.GetRouting().GetTopK()), Renormalize: p.GetRouting().GetRenormalize(), Scoring: moe.Softmax, ScalingFactor: 1},
+		OutDType: moe.DType(p.GetOutputDtype()),
 	}
 	return set, req
 }
@@ -310,7 +310,7 @@ func TestGrpcurl(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := []int{jsonM, jsonK}; fmt.Sprint(res.Shape) != fmt.Sprint(want) || res.DType != client.Float32 {
+		if want := []int{jsonM, jsonK}; fmt.Sprint(res.Shape) != fmt.Sprint(want) || res.DType != moe.Float32 {
 			t.Errorf("output %v %v, want float32 %v", res.DType, res.Shape, want)
 		}
 		checkAgainstReference(t, "grpcurl FusedMoE", got, set, req)

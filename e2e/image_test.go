@@ -18,8 +18,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -120,8 +120,8 @@ func TestImage(t *testing.T) {
 	if want != "" && !strings.Contains(info.Version, want) {
 		t.Errorf("GetServerInfo version %q, want the stamped %q", info.Version, want)
 	}
-	set, req := kerneltest.NewCase(newRand(t), kerneltest.Shape{Name: "image", Activation: kernels.SiluGated, E: 8, TopK: 2, K: 64, N: 32,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}, 4, kerneltest.WithGranularity(scaling.PerExpert))
+	set, req := kerneltest.NewCase(newRand(t), kerneltest.Shape{Name: "image", Activation: moe.SiluGated, E: 8, TopK: 2, K: 64, N: 32,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}, 4, kerneltest.WithGranularity(scaling.PerExpert))
 	if _, err := c.LoadExperts(ctx, "image", clienttest.Weights(set)); err != nil {
 		t.Fatal(err)
 	}

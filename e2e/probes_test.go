@@ -18,8 +18,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service/servicetest"
@@ -55,8 +55,8 @@ func metricValue(body, name string) string {
 // with a call in flight, not ready again while still alive.
 func TestProbesAndManifest(t *testing.T) {
 	weights := t.TempDir()
-	set, req := kerneltest.NewCase(newRand(t), kerneltest.Shape{Name: "probes", Activation: kernels.Relu2, E: 6, TopK: 2, K: 64, N: 48,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}, 7, kerneltest.WithGranularity(scaling.PerExpert))
+	set, req := kerneltest.NewCase(newRand(t), kerneltest.Shape{Name: "probes", Activation: moe.Relu2, E: 6, TopK: 2, K: 64, N: 48,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}, 7, kerneltest.WithGranularity(scaling.PerExpert))
 	staged := filepath.Join(t.TempDir(), "layer.safetensors")
 	src, err := servicetest.WriteSafetensorsLayer(staged, set, 4)
 	if err != nil {

@@ -13,8 +13,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -94,7 +94,7 @@ func TestPython(t *testing.T) {
 	s.E = 16
 	const m = 9
 	set, req := kerneltest.NewCase(rng, s, m, kerneltest.WithGranularity(scaling.PerExpert),
-		kerneltest.WithHidden(kernels.Float32), kerneltest.WithOutput(kernels.Float32))
+		kerneltest.WithHidden(moe.Float32), kerneltest.WithOutput(moe.Float32))
 
 	dir := t.TempDir()
 	c := pyCase{Activation: "silu_gated", TopK: s.TopK, Renormalize: s.Renormalize, ChunkBytes: 4096, Arrays: map[string]pyArray{}}

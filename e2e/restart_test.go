@@ -18,8 +18,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 )
 
 // Sizes of the restart-under-load tests. Two execution slots and eight
@@ -94,7 +94,7 @@ func restartUnderLoad(t *testing.T, sig syscall.Signal) {
 	s := kerneltest.Qwen3.Scaled(128, 64)
 	s.E = 32
 	set, _ := kerneltest.NewCase(rng, s, 1)
-	var reqs []*kernels.Request
+	var reqs []*moe.Request
 	var refs [][]float64
 	for _, m := range []int{96, 40, 128, 64} {
 		req := tokens(rng, s, m)

@@ -14,8 +14,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -34,7 +34,7 @@ func testContext(t *testing.T) context.Context {
 
 // relL2 checks got against the float64 reference of the case and returns
 // the relative L2 error.
-func checkAgainstReference(t *testing.T, what string, got []float32, set *kernels.ExpertSet, req *kernels.Request) {
+func checkAgainstReference(t *testing.T, what string, got []float32, set *moe.ExpertSet, req *moe.Request) {
 	t.Helper()
 	want, _, _ := kerneltest.Reference(set, req)
 	e := kerneltest.RelL2(got, want)
@@ -47,7 +47,7 @@ func checkAgainstReference(t *testing.T, what string, got []float32, set *kernel
 
 // tokens is a fresh request of m tokens for the loaded set (NewCase
 // draws new weights each time; only its tokens and routing are kept).
-func tokens(rng *rand.Rand, s kerneltest.Shape, m int, opts ...kerneltest.Option) *kernels.Request {
+func tokens(rng *rand.Rand, s kerneltest.Shape, m int, opts ...kerneltest.Option) *moe.Request {
 	_, req := kerneltest.NewCase(rng, s, m, opts...)
 	return req
 }
@@ -93,9 +93,9 @@ func TestGoSDK(t *testing.T) {
 	}{
 		{"qwen3", kerneltest.Qwen3.Scaled(96, 64), []kerneltest.Option{kerneltest.WithGranularity(scaling.PerExpert)}},
 		{"nemotron", kerneltest.Nemotron.Scaled(80, 48), []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
-		{"deepseek", miniDeepSeek(), []kerneltest.Option{kerneltest.WithBlock(64, 64), kerneltest.WithOutput(kernels.Float32)}},
+		{"deepseek", miniDeepSeek(), []kerneltest.Option{kerneltest.WithBlock(64, 64), kerneltest.WithOutput(moe.Float32)}},
 	}
-	loaded := map[string]*kernels.ExpertSet{}
+	loaded := map[string]*moe.ExpertSet{}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			// Each step its own bound: the float64 references of the
@@ -104,7 +104,7 @@ func TestGoSDK(t *testing.T) {
 			set, _ := kerneltest.NewCase(rng, tc.shape, 1, tc.opts...)
 			loaded[tc.name] = set
 			t.Logf("Go: info, err := c.LoadExperts(ctx, %q, &client.ExpertWeights{Activation: client.%v, W13: client.FromFP8(w13, %d, %d, %d), ...}, client.OnProgress(fn))",
-				tc.name, map[kernels.Activation]string{kernels.SiluGated: "SiluGated", kernels.Relu2: "Relu2"}[set.Activation], set.E, set.Rows1(), set.K)
+				tc.name, map[moe.Activation]string{moe.SiluGated: "SiluGated", moe.Relu2: "Relu2"}[set.Activation], set.E, set.Rows1(), set.K)
 			reports := 0
 			info, err := c.LoadExperts(ctx, tc.name, clienttest.Weights(set), client.ChunkBytes(64<<10),
 				client.OnProgress(func(client.Progress) { reports++ }))

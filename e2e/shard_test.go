@@ -12,8 +12,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/shard"
 )
@@ -67,18 +67,18 @@ func TestShardedFanOut(t *testing.T) {
 		{"DeepSeekV3", dsv3, contiguous, nil, []tcase{
 			{"M=48", 48, nil, -1},
 			{"M=1", 1, nil, -1},
-			{"M=33/fp8-per-group/fp32-out", 33, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN),
-				kerneltest.WithHiddenScale(scaling.Block), kerneltest.WithOutput(kernels.Float32)}, -1},
+			{"M=33/fp8-per-group/fp32-out", 33, []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN),
+				kerneltest.WithHiddenScale(scaling.Block), kerneltest.WithOutput(moe.Float32)}, -1},
 			// 560 pairs: two calls under the daemons' -max-tokens 512.
 			{"M=70/all-on-shard-2", 70, []kerneltest.Option{kerneltest.WithPrecomputedRouting()}, 2},
 		}},
 		{"Nemotron", nemo, roundRobin, nil, []tcase{
 			{"M=64", 64, nil, -1},
 			{"M=1", 1, nil, -1},
-			{"M=40/fp8-per-token/fp32-out", 40, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN),
-				kerneltest.WithOutput(kernels.Float32)}, -1},
+			{"M=40/fp8-per-token/fp32-out", 40, []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN),
+				kerneltest.WithOutput(moe.Float32)}, -1},
 			{"M=16/all-on-shard-0/fp32-out", 16, []kerneltest.Option{kerneltest.WithPrecomputedRouting(),
-				kerneltest.WithOutput(kernels.Float32)}, 0},
+				kerneltest.WithOutput(moe.Float32)}, 0},
 		}},
 	}
 	for _, l := range layers {
@@ -151,7 +151,7 @@ func TestShardedFanOut(t *testing.T) {
 					// rounding; BF16 ones, rounded once from those, by a
 					// rare flip of the last bit.
 					tol := 1e-6
-					if req.OutDType == kernels.BFloat16 {
+					if req.OutDType == moe.BFloat16 {
 						tol = 1e-3
 					}
 					if !(eSharded <= kerneltest.FP8Tol) || !(vsSingle <= tol) {
@@ -197,14 +197,14 @@ func TestShardedFanOut(t *testing.T) {
 // seed and cached by kerneltest, are not used (without static scales the
 // request does not depend on them); generating fresh ones per call would
 // dominate the test's time under -race.
-func request(rng *rand.Rand, s kerneltest.Shape, m int, opts ...kerneltest.Option) *kernels.Request {
+func request(rng *rand.Rand, s kerneltest.Shape, m int, opts ...kerneltest.Option) *moe.Request {
 	_, req := kerneltest.Case{Shape: s, M: m, Opts: opts}.New(rng)
 	return req
 }
 
 // routeToShard replaces req's routing with precomputed ids drawn from
 // shard s's experts only (distinct per token).
-func routeToShard(rng *rand.Rand, req *kernels.Request, m *shard.Map, s int) {
+func routeToShard(rng *rand.Rand, req *moe.Request, m *shard.Map, s int) {
 	experts := m.Experts(s)
 	k, n := req.Routing.TopK, req.M()
 	for t := range n {

@@ -10,8 +10,8 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 )
 
 // TestSharedMemory drives the built daemon with -shared-memory through the
@@ -56,9 +56,9 @@ func TestSharedMemory(t *testing.T) {
 		opts []kerneltest.Option
 	}{
 		{"bf16 in, bf16 out", 64, nil},
-		{"fp32 out", 17, []kerneltest.Option{kerneltest.WithOutput(kernels.Float32)}},
-		{"fp8 in with its scale", 33, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN)}},
-		{"precomputed routing", 8, []kerneltest.Option{kerneltest.WithPrecomputedRouting(), kerneltest.WithOutput(kernels.Float32)}},
+		{"fp32 out", 17, []kerneltest.Option{kerneltest.WithOutput(moe.Float32)}},
+		{"fp8 in with its scale", 33, []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN)}},
+		{"precomputed routing", 8, []kerneltest.Option{kerneltest.WithPrecomputedRouting(), kerneltest.WithOutput(moe.Float32)}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

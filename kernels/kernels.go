@@ -1,6 +1,7 @@
 // Package kernels defines what the service needs from a compute engine: the
-// Backend interface, the validated tensor and expert-set types it consumes,
-// and a registry through which backends make themselves available.
+// Backend interface over the request model of package moe (whose names
+// backends use directly), and a registry through which backends make
+// themselves available.
 //
 // Everything here is already checked at the service edge; backends trust
 // shapes and byte lengths and never see a protobuf message.
@@ -17,37 +18,6 @@ import (
 	"github.com/expertd/expertd/scaling"
 )
 
-// The request model lives in package moe, which the SDK shares without
-// linking any engine; these aliases let backends name it from here.
-type (
-	DType      = moe.DType
-	Memory     = moe.Memory
-	Tensor     = moe.Tensor
-	Activation = moe.Activation
-	Scoring    = moe.Scoring
-	ExpertSet  = moe.ExpertSet
-	Routing    = moe.Routing
-	Request    = moe.Request
-	Result     = moe.Result
-)
-
-// The element types, activations and scorings of the model.
-const (
-	Float32       = moe.Float32
-	BFloat16      = moe.BFloat16
-	Float16       = moe.Float16
-	Float8E4M3FN  = moe.Float8E4M3FN
-	Float8E5M2    = moe.Float8E5M2
-	Int32         = moe.Int32
-	SiluGated     = moe.SiluGated
-	Relu2         = moe.Relu2
-	SwigluOAI     = moe.SwigluOAI
-	GeluTanhGated = moe.GeluTanhGated
-	GeluGated     = moe.GeluGated
-	Softmax       = moe.Softmax
-	Sigmoid       = moe.Sigmoid
-)
-
 // DeviceRegion is device memory another process shared through CUDA IPC,
 // opened by a backend.
 type DeviceRegion interface {
@@ -62,7 +32,7 @@ type DeviceRegion interface {
 // Capabilities say what a backend can run.
 type Capabilities struct {
 	// Activations and Granularities the backend supports.
-	Activations   []Activation
+	Activations   []moe.Activation
 	Granularities []scaling.Granularity
 	// Devices describes the hardware, e.g. "NVIDIA H200 (sm_90, 132 SMs)".
 	Devices []string
@@ -77,7 +47,7 @@ type Capabilities struct {
 type Loaded interface {
 	// Set is the expert set's metadata (weights may have been released from
 	// host memory by device backends, so W13/W2 can be nil).
-	Set() *ExpertSet
+	Set() *moe.ExpertSet
 	// Close frees the set's memory; calls in flight finish first.
 	Close() error
 }
@@ -89,9 +59,9 @@ type Backend interface {
 	// Capabilities reports what the backend supports.
 	Capabilities() Capabilities
 	// Load makes an expert set resident. The backend may keep set's slices.
-	Load(ctx context.Context, set *ExpertSet) (Loaded, error)
+	Load(ctx context.Context, set *moe.ExpertSet) (Loaded, error)
 	// FusedMoE runs req through a loaded set. It is safe for concurrent use.
-	FusedMoE(ctx context.Context, set Loaded, req *Request) (*Result, error)
+	FusedMoE(ctx context.Context, set Loaded, req *moe.Request) (*moe.Result, error)
 	// Close releases the backend.
 	Close() error
 }
@@ -107,7 +77,7 @@ var ErrOutOfMemory = errors.New("backend out of memory")
 
 // Run loads set into b, runs req, checks the result's sizes and closes
 // the set: one call from start to end, for a self-test or a test table.
-func Run(ctx context.Context, b Backend, set *ExpertSet, req *Request) (*Result, error) {
+func Run(ctx context.Context, b Backend, set *moe.ExpertSet, req *moe.Request) (*moe.Result, error) {
 	l, err := b.Load(ctx, set)
 	if err != nil {
 		return nil, err
@@ -128,7 +98,7 @@ func Run(ctx context.Context, b Backend, set *ExpertSet, req *Request) (*Result,
 
 // RoutingSized says whether res carries req's routing as the contract
 // asks: [M, TopK] ids and weights, or neither when req.NoRouting.
-func RoutingSized(req *Request, res *Result) bool {
+func RoutingSized(req *moe.Request, res *moe.Result) bool {
 	if req.NoRouting && res.TopKIDs == nil && res.TopKWeights == nil {
 		return true
 	}
@@ -147,9 +117,10 @@ type Config struct {
 	Device int
 	// Threads bounds CPU parallelism; 0 means GOMAXPROCS.
 	Threads int
-	// Options are switches of the backend being opened, by name (the cuda
-	// backend's are cuda.OptionKeys, and it refuses others).
-	Options map[string]string
+	// Options are the typed switches of the backend being opened (the
+	// cuda backend takes a cuda.Options and refuses any other type); nil
+	// means the backend's defaults.
+	Options any
 }
 
 var (

@@ -10,6 +10,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
@@ -46,7 +47,7 @@ func TestConcurrentCallsOwnTheirBytes(t *testing.T) {
 	}
 
 	type call struct {
-		req  *kernels.Request
+		req  *moe.Request
 		resp *pb.FusedMoEResponse
 	}
 	results := make([][]call, callers)
@@ -58,7 +59,7 @@ func TestConcurrentCallsOwnTheirBytes(t *testing.T) {
 			defer wg.Done()
 			rng := rand.New(rand.NewPCG(seed1, seed2))
 			for i := range calls {
-				out := kerneltest.WithOutput([]kernels.DType{kernels.BFloat16, kernels.Float32}[i%2])
+				out := kerneltest.WithOutput([]moe.DType{moe.BFloat16, moe.Float32}[i%2])
 				_, req := kerneltest.NewCase(rng, shape, m, out)
 				p := requestProto(req, set.E)
 				if (g+i)%3 == 0 {

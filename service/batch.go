@@ -6,6 +6,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/batch"
+	"github.com/expertd/expertd/moe"
 )
 
 // SuggestedBatchWindow is the daemon's default window (-batch-window):
@@ -50,7 +51,7 @@ type meteredBackend struct {
 	s *Server
 }
 
-func (m meteredBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (m meteredBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	label, _ := ctx.Value(setLabelKey{}).(string)
 	return m.s.compute(ctx, label, l, req)
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
@@ -44,7 +45,7 @@ type recordingBackend struct {
 	ms []int
 }
 
-func (b *recordingBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (b *recordingBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	b.mu.Lock()
 	b.ms = append(b.ms, req.M())
 	b.mu.Unlock()
@@ -69,7 +70,7 @@ func (b *recordingBackend) calls() []int {
 }
 
 // batchServer serves backend with cfg and set loaded as "layer".
-func batchServer(t *testing.T, cfg service.Config, backend kernels.Backend, set *kernels.ExpertSet) (pb.ExpertServiceClient, *service.Server) {
+func batchServer(t *testing.T, cfg service.Config, backend kernels.Backend, set *moe.ExpertSet) (pb.ExpertServiceClient, *service.Server) {
 	t.Helper()
 	c, srv, _ := servicetest.StartServerConfig(t, cfg, backend)
 	w := weightsProto(set)
@@ -81,13 +82,13 @@ func batchServer(t *testing.T, cfg service.Config, backend kernels.Backend, set 
 
 // splitRequest cuts r into consecutive requests of the given token counts,
 // as separate callers would send them.
-func splitRequest(r *kernels.Request, sizes []int) []*kernels.Request {
+func splitRequest(r *moe.Request, sizes []int) []*moe.Request {
 	m, k, hs := r.M(), r.Hidden.Shape[1], r.Hidden.DType.Size()
-	var out []*kernels.Request
+	var out []*moe.Request
 	t := 0
 	for _, n := range sizes {
-		p := &kernels.Request{Routing: r.Routing, OutDType: r.OutDType,
-			Hidden: kernels.Tensor{DType: r.Hidden.DType, Shape: []int{n, k}, Data: r.Hidden.Data[t*k*hs : (t+n)*k*hs]}}
+		p := &moe.Request{Routing: r.Routing, OutDType: r.OutDType,
+			Hidden: moe.Tensor{DType: r.Hidden.DType, Shape: []int{n, k}, Data: r.Hidden.Data[t*k*hs : (t+n)*k*hs]}}
 		switch len(r.HiddenScale) {
 		case 0:
 		case 1:
@@ -101,7 +102,7 @@ func splitRequest(r *kernels.Request, sizes []int) []*kernels.Request {
 			p.TopKIDs, p.TopKWeights = r.TopKIDs[t*tk:(t+n)*tk], r.TopKWeights[t*tk:(t+n)*tk]
 		} else {
 			e, ls := r.Logits.Shape[1], r.Logits.DType.Size()
-			p.Logits = kernels.Tensor{DType: r.Logits.DType, Shape: []int{n, e}, Data: r.Logits.Data[t*e*ls : (t+n)*e*ls]}
+			p.Logits = moe.Tensor{DType: r.Logits.DType, Shape: []int{n, e}, Data: r.Logits.Data[t*e*ls : (t+n)*e*ls]}
 		}
 		out = append(out, p)
 		t += n
@@ -154,7 +155,7 @@ func (b *recordingBackend) waitStarted(t *testing.T, n int) {
 // (the spec's bar, the reference's routing when wantRouting, else none)
 // and against running its request alone on the backend (bit for bit where
 // the backend promises batch invariance).
-func checkCaller(t *testing.T, name string, set *kernels.ExpertSet, req *kernels.Request, resp *pb.FusedMoEResponse, tol float64, wantRouting bool) {
+func checkCaller(t *testing.T, name string, set *moe.ExpertSet, req *moe.Request, resp *pb.FusedMoEResponse, tol float64, wantRouting bool) {
 	t.Helper()
 	ref, refIDs, _ := kerneltest.Reference(set, req)
 	got := kerneltest.DecodeOutput(req.OutDType, resp.GetOutput().GetData())
@@ -207,24 +208,24 @@ func toFloat64(v []float32) []float64 {
 // into one backend call and checks each caller's share: the float64
 // reference's numbers and routing, and the bytes of its request run alone.
 func TestBatchNumbers(t *testing.T) {
-	odd := kerneltest.Shape{Name: "odd", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
-		Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
-	fp8 := kerneltest.WithHidden(kernels.Float8E4M3FN)
+	odd := kerneltest.Shape{Name: "odd", Activation: moe.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
+		Scoring: moe.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
+	fp8 := kerneltest.WithHidden(moe.Float8E4M3FN)
 	tests := []struct {
 		name  string
 		shape kerneltest.Shape
 		opts  []kerneltest.Option
 		// rescale, when set, gives caller i its own FP8 scales.
-		rescale func(rng *rand.Rand, i int, r *kernels.Request)
+		rescale func(rng *rand.Rand, i int, r *moe.Request)
 	}{
 		{"nemotron bf16 per-token dynamic, sigmoid bias", kerneltest.Nemotron.Scaled(136, 72), nil, nil},
 		{"qwen3 per-expert, fp32 out", kerneltest.Qwen3.Scaled(128, 48),
-			[]kerneltest.Option{kerneltest.WithGranularity(scaling.PerExpert), kerneltest.WithOutput(kernels.Float32)}, nil},
+			[]kerneltest.Option{kerneltest.WithGranularity(scaling.PerExpert), kerneltest.WithOutput(moe.Float32)}, nil},
 		{"deepseek block, fp8 per-group", kerneltest.DeepSeekV3.Scaled(136, 40),
 			[]kerneltest.Option{fp8, kerneltest.WithHiddenScale(scaling.Block)}, nil},
 		{"mixtral fp8, per-tensor and per-token scales mixed", kerneltest.Mixtral.Scaled(77, 45),
 			[]kerneltest.Option{fp8, kerneltest.WithHiddenScale(scaling.PerTensor)},
-			func(rng *rand.Rand, i int, r *kernels.Request) {
+			func(rng *rand.Rand, i int, r *moe.Request) {
 				s := r.HiddenScale[0] * (0.5 + rng.Float32())
 				if i%2 == 0 {
 					r.HiddenScale = []float32{s}
@@ -236,8 +237,8 @@ func TestBatchNumbers(t *testing.T) {
 				}
 			}},
 		{"mixtral fp32 static scales, precomputed routing", kerneltest.Mixtral.Scaled(77, 45),
-			[]kerneltest.Option{kerneltest.WithHidden(kernels.Float32), kerneltest.WithStaticScales(), kerneltest.WithPrecomputedRouting()}, nil},
-		{"odd K and N, grouped sigmoid, bf16 logits", odd, []kerneltest.Option{kerneltest.WithLogits(kernels.BFloat16)}, nil},
+			[]kerneltest.Option{kerneltest.WithHidden(moe.Float32), kerneltest.WithStaticScales(), kerneltest.WithPrecomputedRouting()}, nil},
+		{"odd K and N, grouped sigmoid, bf16 logits", odd, []kerneltest.Option{kerneltest.WithLogits(moe.BFloat16)}, nil},
 	}
 	rng := newRand(t)
 	sizes := []int{1, 4, 2, 5, 1, 3}
@@ -294,8 +295,8 @@ func TestBatchNumbers(t *testing.T) {
 // request, sent once more beforehand and held in the backend, keeps the
 // group's key busy so its callers gather.
 func TestBatchIncompatible(t *testing.T) {
-	shape := kerneltest.Shape{Name: "odd", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
-		Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
+	shape := kerneltest.Shape{Name: "odd", Activation: moe.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
+		Scoring: moe.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
 	rng := newRand(t)
 	sizes := []int{1, 2, 3}
 	const total = 6
@@ -303,21 +304,21 @@ func TestBatchIncompatible(t *testing.T) {
 	groups := []struct {
 		name string
 		opts []kerneltest.Option
-		edit func(r *kernels.Request)
+		edit func(r *moe.Request)
 	}{
 		{"base", nil, nil},
-		{"fp32 out", []kerneltest.Option{kerneltest.WithOutput(kernels.Float32)}, nil},
-		{"fp32 hidden", []kerneltest.Option{kerneltest.WithHidden(kernels.Float32)}, nil},
-		{"fp8 hidden", []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN)}, nil},
-		{"bf16 logits", []kerneltest.Option{kerneltest.WithLogits(kernels.BFloat16)}, nil},
+		{"fp32 out", []kerneltest.Option{kerneltest.WithOutput(moe.Float32)}, nil},
+		{"fp32 hidden", []kerneltest.Option{kerneltest.WithHidden(moe.Float32)}, nil},
+		{"fp8 hidden", []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN)}, nil},
+		{"bf16 logits", []kerneltest.Option{kerneltest.WithLogits(moe.BFloat16)}, nil},
 		{"precomputed", []kerneltest.Option{kerneltest.WithPrecomputedRouting()}, nil},
-		{"top_k 2", nil, func(r *kernels.Request) { r.Routing.TopK = 2 }},
-		{"renormalize", nil, func(r *kernels.Request) { r.Routing.Renormalize = true }},
-		{"scaling factor", nil, func(r *kernels.Request) { r.Routing.ScalingFactor = 2 }},
-		{"no groups", nil, func(r *kernels.Request) { r.Routing.NumGroups, r.Routing.TopKGroups = 0, 0 }},
+		{"top_k 2", nil, func(r *moe.Request) { r.Routing.TopK = 2 }},
+		{"renormalize", nil, func(r *moe.Request) { r.Routing.Renormalize = true }},
+		{"scaling factor", nil, func(r *moe.Request) { r.Routing.ScalingFactor = 2 }},
+		{"no groups", nil, func(r *moe.Request) { r.Routing.NumGroups, r.Routing.TopKGroups = 0, 0 }},
 	}
-	var set *kernels.ExpertSet
-	var reqs, holders []*kernels.Request
+	var set *moe.ExpertSet
+	var reqs, holders []*moe.Request
 	var names []string
 	var bias []float32
 	for _, g := range groups {
@@ -355,7 +356,7 @@ func TestBatchIncompatible(t *testing.T) {
 	// A slot for every holder and every group's batch: all are held in the
 	// backend at once.
 	c, _ := batchServer(t, service.Config{MaxConcurrent: 2 * ngroups, BatchWindow: neverEnds, BatchMaxTokens: total}, b, set)
-	toWire := func(reqs []*kernels.Request) []*pb.FusedMoERequest {
+	toWire := func(reqs []*moe.Request) []*pb.FusedMoERequest {
 		wire := make([]*pb.FusedMoERequest, len(reqs))
 		for i, r := range reqs {
 			wire[i] = requestProto(r, set.E)
@@ -400,11 +401,11 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 type batchFixture struct {
 	t    *testing.T
 	rng  *rand.Rand
-	set  *kernels.ExpertSet
+	set  *moe.ExpertSet
 	b    *recordingBackend
 	c    pb.ExpertServiceClient
 	srv  *service.Server
-	sent []*kernels.Request
+	sent []*moe.Request
 }
 
 func newBatchFixture(t *testing.T, cfg service.Config, gated bool) *batchFixture {
@@ -425,7 +426,7 @@ type callResult struct {
 	err  error
 }
 
-func (f *batchFixture) call(ctx context.Context, m int, opts ...kerneltest.Option) (*kernels.Request, <-chan callResult) {
+func (f *batchFixture) call(ctx context.Context, m int, opts ...kerneltest.Option) (*moe.Request, <-chan callResult) {
 	_, req := kerneltest.NewCase(f.rng, kerneltest.Mixtral.Scaled(40, 24), m, opts...)
 	ch := make(chan callResult, 1)
 	w := requestProto(req, f.set.E)
@@ -439,7 +440,7 @@ func (f *batchFixture) call(ctx context.Context, m int, opts ...kerneltest.Optio
 // occupy sends a one-token call and waits until it is in the backend
 // (gated fixtures only): until it is released, its key is busy, so later
 // calls of the key gather behind it instead of starting at once.
-func (f *batchFixture) occupy() (*kernels.Request, <-chan callResult) {
+func (f *batchFixture) occupy() (*moe.Request, <-chan callResult) {
 	f.t.Helper()
 	req, ch := f.call(testContext(f.t), 1)
 	f.b.waitStarted(f.t, 1)
@@ -447,7 +448,7 @@ func (f *batchFixture) occupy() (*kernels.Request, <-chan callResult) {
 }
 
 // check waits for a call and checks its numbers.
-func (f *batchFixture) check(name string, req *kernels.Request, ch <-chan callResult) *pb.FusedMoEResponse {
+func (f *batchFixture) check(name string, req *moe.Request, ch <-chan callResult) *pb.FusedMoEResponse {
 	f.t.Helper()
 	r := <-ch
 	if r.err != nil {
@@ -477,7 +478,7 @@ func TestBatchCancel(t *testing.T) {
 		// waits for the one slot, X's, past the call's deadline.
 		dctx, dcancel := context.WithTimeout(testContext(t), 20*time.Millisecond)
 		defer dcancel()
-		if _, r := f.call(dctx, 1, kerneltest.WithOutput(kernels.Float32)); status.Code((<-r).err) != codes.DeadlineExceeded {
+		if _, r := f.call(dctx, 1, kerneltest.WithOutput(moe.Float32)); status.Code((<-r).err) != codes.DeadlineExceeded {
 			t.Errorf("call past its deadline in the batcher: want DeadlineExceeded")
 		}
 		waitFor(t, "the expired call to leave", func() bool { return f.srv.Batched() == 0 })
@@ -698,7 +699,7 @@ func TestBatchWaitsForRunning(t *testing.T) {
 			close(f.b.release)
 			for _, x := range []struct {
 				name string
-				req  *kernels.Request
+				req  *moe.Request
 				ch   <-chan callResult
 			}{{"A", reqA, a}, {"B", reqB, b}, {"C", reqC, c}} {
 				f.check(x.name, x.req, x.ch)

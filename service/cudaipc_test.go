@@ -554,7 +554,7 @@ func TestSharedMemoryPinned(t *testing.T) {
 }
 
 // TestSharedMemoryOutputInPlace: the backend writes the output straight
-// into output_shm (kernels.Request.Out is the region's bytes, so there is
+// into output_shm (moe.Request.Out is the region's bytes, so there is
 // no copy afterwards), unbatched or in a batch of one (a merged batch's
 // output is copied there by shmCall.writeOutput instead).
 func TestSharedMemoryOutputInPlace(t *testing.T) {

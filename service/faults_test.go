@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/testing/protocmp"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
@@ -44,14 +45,14 @@ func (f *faultyBackend) heal() {
 	f.loadErr, f.callErr, f.truncate = nil, nil, false
 }
 
-func (f *faultyBackend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+func (f *faultyBackend) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded, error) {
 	if err, _, _ := f.faults(); err != nil {
 		return nil, err
 	}
 	return f.fakeBackend.Load(ctx, set)
 }
 
-func (f *faultyBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (f *faultyBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	_, callErr, truncate := f.faults()
 	if callErr != nil {
 		return nil, callErr

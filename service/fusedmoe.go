@@ -237,8 +237,8 @@ type fusedCall struct {
 	ent      *entry
 	setLabel string
 	loaded   kernels.Loaded
-	set      *kernels.ExpertSet
-	req      *kernels.Request
+	set      *moe.ExpertSet
+	req      *moe.Request
 	// decoded is when validation ended; loadNanos is an inline set's
 	// Load, reported as host-to-device time.
 	decoded   time.Time
@@ -316,7 +316,7 @@ func (s *Server) prepare(ctx context.Context, req *pb.FusedMoERequest, sh *shmCa
 // with other calls, or alone, on an execution slot). queued is when the
 // backend call started; out is the pooled output buffer the response
 // lends, nil when the output is elsewhere.
-func (s *Server) runCall(ctx context.Context, c *fusedCall, sh *shmCall) (res *kernels.Result, queued time.Time, out []byte, err error) {
+func (s *Server) runCall(ctx context.Context, c *fusedCall, sh *shmCall) (res *moe.Result, queued time.Time, out []byte, err error) {
 	kreq := c.req
 	// The backend writes the output where it is going: device memory
 	// (kreq.OutDev, from output_shm), a POSIX output_shm (no copy
@@ -351,7 +351,7 @@ func (s *Server) runCall(ctx context.Context, c *fusedCall, sh *shmCall) (res *k
 }
 
 // respond builds the response of a call that ran and records its metrics.
-func (s *Server) respond(ctx context.Context, start time.Time, req *pb.FusedMoERequest, c *fusedCall, res *kernels.Result, queued time.Time, sh *shmCall) (*pb.FusedMoEResponse, error) {
+func (s *Server) respond(ctx context.Context, start time.Time, req *pb.FusedMoERequest, c *fusedCall, res *moe.Result, queued time.Time, sh *shmCall) (*pb.FusedMoEResponse, error) {
 	m, k := int64(c.req.M()), int64(c.set.K)
 	topk := int64(c.req.Routing.TopK)
 	s.tokens.Add(ctx, m, s.callAttrs(c.set.Activation, c.setLabel))
@@ -384,7 +384,7 @@ func (s *Server) respond(ctx context.Context, start time.Time, req *pb.FusedMoER
 // execution slot. It checks the result's sizes and records the call's
 // outcome and kernel time (labelled with setLabel), once per backend call
 // however many FusedMoE calls a batch merged into it.
-func (s *Server) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (s *Server) compute(ctx context.Context, setLabel string, loaded kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	ctx, span := s.startSpan(ctx, spanKernel)
 	defer span.End()
 	spans.SetAttrs(span, func() []attribute.KeyValue {
@@ -413,7 +413,7 @@ func (s *Server) compute(ctx context.Context, setLabel string, loaded kernels.Lo
 }
 
 // run calls the backend and times the call for the queue's retry delay.
-func (s *Server) run(ctx context.Context, loaded kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (s *Server) run(ctx context.Context, loaded kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	start := time.Now()
 	defer func() { s.slots.noteCall(time.Since(start)) }()
 	defer func() {

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/testing/protocmp"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
@@ -56,26 +57,26 @@ func TestFusedMoEConversion(t *testing.T) {
 	tests := []struct {
 		name        string
 		edit        func(r *pb.FusedMoERequest)
-		wantRouting kernels.Routing
-		wantOut     kernels.DType
+		wantRouting moe.Routing
+		wantOut     moe.DType
 		wantIDs     []int32
 		wantWeights []float32
 	}{
 		{"defaults", func(r *pb.FusedMoERequest) {},
-			kernels.Routing{TopK: testTopK, Renormalize: true, Scoring: kernels.Softmax, ScalingFactor: 1}, kernels.BFloat16, nil, nil},
+			moe.Routing{TopK: testTopK, Renormalize: true, Scoring: moe.Softmax, ScalingFactor: 1}, moe.BFloat16, nil, nil},
 		{"sigmoid groups bias", func(r *pb.FusedMoERequest) {
 			r.Routing = &pb.Routing{TopK: 4, Scoring: pb.Scoring_SCORING_SIGMOID, NumExpertGroups: 3, TopkGroups: 2, RoutedScalingFactor: 2.5,
 				CorrectionBias: f32Tensor([]float32{0.1, -0.2, 0.3, 0, 0.5, -1}, testE)}
 			r.OutputDtype = pb.DataType_DATA_TYPE_FLOAT32
-		}, kernels.Routing{TopK: 4, Scoring: kernels.Sigmoid, NumGroups: 3, TopKGroups: 2, ScalingFactor: 2.5,
-			CorrectionBias: []float32{0.1, -0.2, 0.3, 0, 0.5, -1}}, kernels.Float32, nil, nil},
+		}, moe.Routing{TopK: 4, Scoring: moe.Sigmoid, NumGroups: 3, TopKGroups: 2, ScalingFactor: 2.5,
+			CorrectionBias: []float32{0.1, -0.2, 0.3, 0, 0.5, -1}}, moe.Float32, nil, nil},
 		{"one group is no grouping", func(r *pb.FusedMoERequest) { r.Routing.NumExpertGroups, r.Routing.TopkGroups = 1, 5 },
-			kernels.Routing{TopK: testTopK, Renormalize: true, Scoring: kernels.Softmax, ScalingFactor: 1}, kernels.BFloat16, nil, nil},
+			moe.Routing{TopK: testTopK, Renormalize: true, Scoring: moe.Softmax, ScalingFactor: 1}, moe.BFloat16, nil, nil},
 		{"precomputed", func(r *pb.FusedMoERequest) {
 			r.RouterLogits, r.Routing = nil, nil
 			r.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, 2}, Source: &pb.Tensor_Data{Data: i32Bytes(ids)}}
 			r.TopkWeights = f32Tensor(weights, m, 2)
-		}, kernels.Routing{TopK: 2, Scoring: kernels.Softmax, ScalingFactor: 1}, kernels.BFloat16, ids, weights},
+		}, moe.Routing{TopK: 2, Scoring: moe.Softmax, ScalingFactor: 1}, moe.BFloat16, ids, weights},
 	}
 	b := &fakeBackend{}
 	c, _ := loadedServer(t, rng, service.Config{}, b)
@@ -100,12 +101,12 @@ func TestFusedMoEConversion(t *testing.T) {
 			if diff := cmp.Diff(tt.wantWeights, got.TopKWeights); diff != "" {
 				t.Errorf("TopKWeights (-want +got):\n%s", diff)
 			}
-			wantHidden := kernels.Tensor{DType: kernels.Float32, Shape: []int{m, testK}, Data: req.GetHiddenStates().GetData()}
+			wantHidden := moe.Tensor{DType: moe.Float32, Shape: []int{m, testK}, Data: req.GetHiddenStates().GetData()}
 			if diff := cmp.Diff(wantHidden, got.Hidden); diff != "" {
 				t.Errorf("Hidden (-want +got):\n%s", diff)
 			}
 			if tt.wantIDs == nil {
-				wantLogits := kernels.Tensor{DType: kernels.Float32, Shape: []int{m, testE}, Data: req.GetRouterLogits().GetData()}
+				wantLogits := moe.Tensor{DType: moe.Float32, Shape: []int{m, testE}, Data: req.GetRouterLogits().GetData()}
 				if diff := cmp.Diff(wantLogits, got.Logits); diff != "" {
 					t.Errorf("Logits (-want +got):\n%s", diff)
 				}
@@ -127,7 +128,7 @@ func TestFusedMoEConversion(t *testing.T) {
 	}
 }
 
-func wireDType(d kernels.DType) pb.DataType { return pb.DataType(d) }
+func wireDType(d moe.DType) pb.DataType { return pb.DataType(d) }
 
 func TestFusedMoEReturnRouting(t *testing.T) {
 	rng := newRand(t)
@@ -220,7 +221,7 @@ func TestFusedMoEInline(t *testing.T) {
 // they must run concurrently yet be answered in request order.
 func TestFusedMoEStreamOrder(t *testing.T) {
 	rng := newRand(t)
-	b := &fakeBackend{delay: func(r *kernels.Request) time.Duration { return time.Duration(r.M()) * 10 * time.Millisecond }}
+	b := &fakeBackend{delay: func(r *moe.Request) time.Duration { return time.Duration(r.M()) * 10 * time.Millisecond }}
 	c, _ := loadedServer(t, rng, service.Config{MaxConcurrent: 4}, b)
 	stream, err := c.FusedMoEStream(testContext(t))
 	if err != nil {
@@ -264,7 +265,7 @@ func TestFusedMoEStreamOrder(t *testing.T) {
 // blocked in Recv.
 func TestFusedMoEStreamFailureWhileOpen(t *testing.T) {
 	rng := newRand(t)
-	b := &fakeBackend{delay: func(*kernels.Request) time.Duration { return 20 * time.Millisecond }}
+	b := &fakeBackend{delay: func(*moe.Request) time.Duration { return 20 * time.Millisecond }}
 	c, _ := loadedServer(t, rng, service.Config{MaxConcurrent: 4}, b)
 	stream, err := c.FusedMoEStream(testContext(t))
 	if err != nil {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -128,23 +129,23 @@ func fingerprintOf(w *pb.ExpertWeights) string {
 // output, so tests can check conversion without running kernels.
 type fakeBackend struct {
 	mu      sync.Mutex
-	calls   []*kernels.Request
+	calls   []*moe.Request
 	loads   int
 	closes  int
 	release chan struct{} // when set, FusedMoE waits on it
 	started chan struct{} // signalled as each FusedMoE call starts
 	// delay, when set, is how long each call takes.
-	delay func(*kernels.Request) time.Duration
+	delay func(*moe.Request) time.Duration
 	// inFlight and maxInFlight count concurrent FusedMoE calls.
 	inFlight, maxInFlight int
 }
 
 type fakeLoaded struct {
 	b   *fakeBackend
-	set *kernels.ExpertSet
+	set *moe.ExpertSet
 }
 
-func (l *fakeLoaded) Set() *kernels.ExpertSet { return l.set }
+func (l *fakeLoaded) Set() *moe.ExpertSet { return l.set }
 func (l *fakeLoaded) Close() error {
 	l.b.mu.Lock()
 	l.b.closes++
@@ -155,13 +156,13 @@ func (l *fakeLoaded) Close() error {
 func (b *fakeBackend) Name() string { return "fake" }
 func (b *fakeBackend) Capabilities() kernels.Capabilities {
 	return kernels.Capabilities{
-		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2},
+		Activations:   []moe.Activation{moe.SiluGated, moe.Relu2},
 		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert},
 		Devices:       []string{"fake device"},
 		Details:       map[string]string{"streams": "2"},
 	}
 }
-func (b *fakeBackend) Load(_ context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+func (b *fakeBackend) Load(_ context.Context, set *moe.ExpertSet) (kernels.Loaded, error) {
 	b.mu.Lock()
 	b.loads++
 	b.mu.Unlock()
@@ -173,7 +174,7 @@ func (b *fakeBackend) Close() error { return nil }
 // its element index (as FP32 or BF16) so the test can check shape and
 // dtype end to end. Under NoRouting it returns no routing, as the CUDA
 // backend does.
-func (b *fakeBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (b *fakeBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	b.mu.Lock()
 	b.calls = append(b.calls, req)
 	started, release := b.started, b.release
@@ -204,14 +205,14 @@ func (b *fakeBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kerne
 		out = make([]byte, m*k*req.OutDType.Size())
 	}
 	for i := range m * k {
-		if req.OutDType == kernels.Float32 {
+		if req.OutDType == moe.Float32 {
 			binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(float32(i)))
 		} else {
 			binary.LittleEndian.PutUint16(out[2*i:], scaling.Float32ToBF16(float32(i)))
 		}
 	}
 	if req.NoRouting {
-		return &kernels.Result{Output: out, KernelNanos: 1234}, nil
+		return &moe.Result{Output: out, KernelNanos: 1234}, nil
 	}
 	ids := slices.Clone(req.TopKIDs)
 	ws := slices.Clone(req.TopKWeights)
@@ -219,7 +220,7 @@ func (b *fakeBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kerne
 		ids = make([]int32, m*req.Routing.TopK)
 		ws = make([]float32, m*req.Routing.TopK)
 	}
-	return &kernels.Result{Output: out, TopKIDs: ids, TopKWeights: ws, KernelNanos: 1234}, nil
+	return &moe.Result{Output: out, TopKIDs: ids, TopKWeights: ws, KernelNanos: 1234}, nil
 }
 
 func (b *fakeBackend) numCalls() int {
@@ -228,7 +229,7 @@ func (b *fakeBackend) numCalls() int {
 	return len(b.calls)
 }
 
-func (b *fakeBackend) lastCall() *kernels.Request {
+func (b *fakeBackend) lastCall() *moe.Request {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if len(b.calls) == 0 {

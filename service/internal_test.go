@@ -12,7 +12,6 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/expertd/expertd/internal/clip"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
@@ -69,7 +68,7 @@ func TestCoverage(t *testing.T) {
 // it must never panic, and whatever it accepts must satisfy the invariants
 // backends rely on without re-checking.
 func FuzzCheckRequest(f *testing.F) {
-	set := &kernels.ExpertSet{Activation: kernels.SiluGated, E: 4, K: 8, N: 4, Block: [2]int{4, 4}}
+	set := &moe.ExpertSet{Activation: moe.SiluGated, E: 4, K: 8, N: 4, Block: [2]int{4, 4}}
 	seed := &pb.FusedMoERequest{
 		HiddenStates: &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT8_E4M3FN, Shape: []int64{2, 8}, Source: &pb.Tensor_Data{Data: make([]byte, 16)}},
 		HiddenStatesScale: &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{2, 2},
@@ -137,7 +136,7 @@ func FuzzCheckRequest(f *testing.F) {
 		if r.Routing.NumGroups > 1 && (set.E%r.Routing.NumGroups != 0 || r.Routing.TopKGroups < 1 || r.Routing.TopKGroups > r.Routing.NumGroups) {
 			t.Fatalf("accepted groups %d/%d", r.Routing.NumGroups, r.Routing.TopKGroups)
 		}
-		if r.Hidden.DType == kernels.Float8E4M3FN {
+		if r.Hidden.DType == moe.Float8E4M3FN {
 			if n := len(r.HiddenScale); n != 1 && n != m && n != m*2 {
 				t.Fatalf("accepted %d hidden scales for M=%d", n, m)
 			}
@@ -147,7 +146,7 @@ func FuzzCheckRequest(f *testing.F) {
 				t.Fatalf("accepted hidden scale %v", s)
 			}
 		}
-		if r.OutDType != kernels.BFloat16 && r.OutDType != kernels.Float32 {
+		if r.OutDType != moe.BFloat16 && r.OutDType != moe.Float32 {
 			t.Fatalf("accepted output %v", r.OutDType)
 		}
 	})
@@ -210,13 +209,13 @@ func FuzzDecodeTensor(f *testing.F) {
 		b, _ := proto.Marshal(s)
 		f.Add(b, uint8(i))
 	}
-	all := []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float16, kernels.Float8E4M3FN, kernels.Int32}
+	all := []moe.DType{moe.Float32, moe.BFloat16, moe.Float16, moe.Float8E4M3FN, moe.Int32}
 	f.Fuzz(func(t *testing.T, b []byte, mask uint8) {
 		var pt pb.Tensor
 		if proto.Unmarshal(b, &pt) != nil {
 			return
 		}
-		var allowed []kernels.DType
+		var allowed []moe.DType
 		for i, d := range all {
 			if mask&(1<<i) != 0 {
 				allowed = append(allowed, d)
@@ -248,7 +247,7 @@ func FuzzDecodeTensor(f *testing.F) {
 			t.Fatalf("accepted dtype %v, allowed %v", m.dtype, allowed)
 		}
 		switch m.dtype {
-		case kernels.Float32:
+		case moe.Float32:
 			if v, err := moe.DecodeScales("t", data); err == nil {
 				for _, x := range v {
 					if !(x > 0) || math.IsInf(float64(x), 0) {
@@ -257,12 +256,12 @@ func FuzzDecodeTensor(f *testing.F) {
 				}
 			}
 			fallthrough
-		case kernels.BFloat16:
+		case moe.BFloat16:
 			e := max(n, 1)
 			if len(m.shape) > 0 && m.shape[len(m.shape)-1] > 0 {
 				e = m.shape[len(m.shape)-1]
 			}
-			if moe.CheckLogits(m.dtype, data, e, kernels.Softmax) == nil {
+			if moe.CheckLogits(m.dtype, data, e, moe.Softmax) == nil {
 				for row := 0; row*e < n; row++ {
 					finite := false
 					for i := row * e; i < (row+1)*e; i++ {
@@ -287,7 +286,7 @@ func FuzzDecodeTensor(f *testing.F) {
 // Their sizes against the references are shmTable.resolve's to check
 // (cudaipc_test.go).
 func TestCheckRequestDevice(t *testing.T) {
-	set := &kernels.ExpertSet{Activation: kernels.SiluGated, E: 4, K: 8, N: 4}
+	set := &moe.ExpertSet{Activation: moe.SiluGated, E: 4, K: 8, N: 4}
 	ref := func(dt pb.DataType, n int64, shape ...int64) *pb.Tensor {
 		return &pb.Tensor{Dtype: dt, Shape: shape, Source: &pb.Tensor_Shm{Shm: &pb.SharedMemoryRef{RegionName: "dev", ByteSize: n}}}
 	}
@@ -296,24 +295,24 @@ func TestCheckRequestDevice(t *testing.T) {
 		RouterLogits: ref(pb.DataType_DATA_TYPE_FLOAT32, 32, 2, 4),
 		Routing:      &pb.Routing{TopK: 2},
 	}
-	hidden := kernels.Tensor{Memory: moe.Device, Dev: 0x1000}
-	logits := kernels.Tensor{Memory: moe.Device, Dev: 0x2000}
-	onDevice := &shmCall{mem: map[string]kernels.Tensor{"hidden_states": hidden, "router_logits": logits}, outDev: 0x3000}
+	hidden := moe.Tensor{Memory: moe.Device, Dev: 0x1000}
+	logits := moe.Tensor{Memory: moe.Device, Dev: 0x2000}
+	onDevice := &shmCall{mem: map[string]moe.Tensor{"hidden_states": hidden, "router_logits": logits}, outDev: 0x3000}
 	tests := []struct {
 		name       string
 		sh         *shmCall
 		dtype      pb.DataType
-		wantHidden kernels.Tensor
-		wantLogits kernels.Tensor
+		wantHidden moe.Tensor
+		wantLogits moe.Tensor
 		wantOutDev uintptr
 		wantErr    string
 	}{
 		{"on the device", onDevice, pb.DataType_DATA_TYPE_BFLOAT16,
-			kernels.Tensor{DType: kernels.BFloat16, Shape: []int{2, 8}, Memory: moe.Device, Dev: 0x1000},
-			kernels.Tensor{DType: kernels.Float32, Shape: []int{2, 4}, Memory: moe.Device, Dev: 0x2000}, 0x3000, ""},
-		{"dtype", onDevice, pb.DataType_DATA_TYPE_INT32, kernels.Tensor{}, kernels.Tensor{}, 0, "hidden_states: dtype DATA_TYPE_INT32"},
-		{"logits not resolved", &shmCall{mem: map[string]kernels.Tensor{"hidden_states": hidden}}, pb.DataType_DATA_TYPE_BFLOAT16,
-			kernels.Tensor{}, kernels.Tensor{}, 0, "router_logits.shm: shared memory is not supported"},
+			moe.Tensor{DType: moe.BFloat16, Shape: []int{2, 8}, Memory: moe.Device, Dev: 0x1000},
+			moe.Tensor{DType: moe.Float32, Shape: []int{2, 4}, Memory: moe.Device, Dev: 0x2000}, 0x3000, ""},
+		{"dtype", onDevice, pb.DataType_DATA_TYPE_INT32, moe.Tensor{}, moe.Tensor{}, 0, "hidden_states: dtype DATA_TYPE_INT32"},
+		{"logits not resolved", &shmCall{mem: map[string]moe.Tensor{"hidden_states": hidden}}, pb.DataType_DATA_TYPE_BFLOAT16,
+			moe.Tensor{}, moe.Tensor{}, 0, "router_logits.shm: shared memory is not supported"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

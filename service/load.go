@@ -14,7 +14,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
@@ -174,13 +173,13 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 
 // commit loads set into the backend and publishes it. The registry entry
 // takes over the caller's reservation of n bytes on success.
-func (s *Server) commit(ctx context.Context, name string, set *kernels.ExpertSet, n int64, fp string, topKHint int, overwrite bool) (*pb.ExpertSetInfo, error) {
+func (s *Server) commit(ctx context.Context, name string, set *moe.ExpertSet, n int64, fp string, topKHint int, overwrite bool) (*pb.ExpertSetInfo, error) {
 	return s.commitRouted(ctx, name, set, n, fp, topKHint, nil, overwrite)
 }
 
 // commitRouted is commit for a set that comes with the routing its
 // checkpoint specifies (nil for none), reported in its info.
-func (s *Server) commitRouted(ctx context.Context, name string, set *kernels.ExpertSet, n int64, fp string, topKHint int, routing *pb.Routing, overwrite bool) (*pb.ExpertSetInfo, error) {
+func (s *Server) commitRouted(ctx context.Context, name string, set *moe.ExpertSet, n int64, fp string, topKHint int, routing *pb.Routing, overwrite bool) (*pb.ExpertSetInfo, error) {
 	// A load that outlived Shutdown's deadline must not publish a set that
 	// nothing would free.
 	if s.Draining() {

@@ -3,6 +3,7 @@ package service_test
 import (
 	"encoding/binary"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -20,7 +21,7 @@ import (
 
 // weightsProto is the wire form of a kernels expert set, as a client
 // would send it.
-func weightsProto(s *kernels.ExpertSet) *pb.ExpertWeights {
+func weightsProto(s *moe.ExpertSet) *pb.ExpertWeights {
 	fp8 := pb.DataType_DATA_TYPE_FLOAT8_E4M3FN
 	scale := func(ws scaling.WeightScale, rows, cols int) *pb.Tensor {
 		var shape []int64
@@ -74,14 +75,14 @@ func weightsProto(s *kernels.ExpertSet) *pb.ExpertWeights {
 
 // roundBiasBF16 rounds the set's GEMM2 bias to BF16, the dtype
 // weightsProto sends it in, so the reference sees what the server gets.
-func roundBiasBF16(s *kernels.ExpertSet) {
+func roundBiasBF16(s *moe.ExpertSet) {
 	for i, v := range s.W2Bias {
 		s.W2Bias[i] = scaling.BF16ToFloat32(scaling.Float32ToBF16(v))
 	}
 }
 
 // requestProto is the wire form of a kernels request on the set "layer".
-func requestProto(r *kernels.Request, e int) *pb.FusedMoERequest {
+func requestProto(r *moe.Request, e int) *pb.FusedMoERequest {
 	m := int64(r.M())
 	p := &pb.FusedMoERequest{
 		Experts:       &pb.FusedMoERequest_ExpertSet{ExpertSet: "layer"},
@@ -155,7 +156,7 @@ func TestFusedMoEMatchesReference(t *testing.T) {
 // TestFusedMoEMatchesReferenceCUDA is the same check on the CUDA backend;
 // it skips where the library or a GPU is missing (CI, this laptop).
 func TestFusedMoEMatchesReferenceCUDA(t *testing.T) {
-	b, err := kernels.Open("cuda", kernels.Config{})
+	b, err := kernels.Open("cuda", kernels.Config{LibraryPath: os.Getenv("EXPERTD_LIBRARY_PATH")})
 	if err != nil {
 		t.Skipf("no CUDA backend: %v", err)
 	}

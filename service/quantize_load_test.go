@@ -19,6 +19,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
@@ -463,14 +464,14 @@ type quantizingBackend struct {
 	fail  error
 }
 
-func (b *quantizingBackend) QuantizeHalf(_ context.Context, dst, src []byte, dt kernels.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error {
+func (b *quantizingBackend) QuantizeHalf(_ context.Context, dst, src []byte, dt moe.DType, rows, cols int, g scaling.Granularity, block [2]int, scales []float32) error {
 	if b.calls.Add(1) > 1 && b.fail != nil {
 		return b.fail
 	}
 	v := make([]float32, rows*cols)
 	for i := range v {
 		h := binary.LittleEndian.Uint16(src[2*i:])
-		if v[i] = scaling.BF16ToFloat32(h); dt == kernels.Float16 {
+		if v[i] = scaling.BF16ToFloat32(h); dt == moe.Float16 {
 			v[i] = scaling.FP16ToFloat32(h)
 		}
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/batch"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/weights"
 )
@@ -99,6 +100,27 @@ type Config struct {
 	// MaxShmBytes bounds the bytes of those regions (the daemon's
 	// -max-shm-bytes); 0 means DefaultMaxShmBytes.
 	MaxShmBytes int64
+	// StreamWorkers, when > 0, is the pool of goroutines the daemon's
+	// grpc.Server runs RPC handlers on instead of a new goroutine per
+	// stream (grpc.NumStreamWorkers); the service only reports it.
+	StreamWorkers int
+	// KeepaliveMinTime is the shortest interval at which a client may
+	// ping; one pinging more often is sent GOAWAY too_many_pings. The
+	// daemon's grpc.Server enforces it; the service only reports it.
+	KeepaliveMinTime time.Duration
+	// KeepaliveTime and KeepaliveTimeout: the daemon pings a connection
+	// idle for KeepaliveTime and closes it when no answer comes within
+	// KeepaliveTimeout. The service only reports them.
+	KeepaliveTime, KeepaliveTimeout time.Duration
+	// MaxConnectionAge is how long a connection lives (±10% jitter) before
+	// the daemon sends GOAWAY, so clients behind a load balancer spread
+	// over new replicas; MaxConnectionAgeGrace is how long calls in
+	// flight then have to finish. 0 means never. The service only
+	// reports them.
+	MaxConnectionAge, MaxConnectionAgeGrace time.Duration
+	// Settings are the daemon's settings in force by flag name, as
+	// GetServerInfo reports them; the service only reports them.
+	Settings map[string]string
 	// OnBackendFault, when set, is called when BackendFault starts
 	// reporting a fault (with it) and when it clears (with nil), so the
 	// daemon can take the replica out of health checks; it must not block.
@@ -152,7 +174,7 @@ type Server struct {
 
 // callAttrKey names a call's metric attribute set.
 type callAttrKey struct {
-	act kernels.Activation
+	act moe.Activation
 	set string
 }
 
@@ -416,20 +438,32 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 		Backends: []*pb.ServerInfo_BackendInfo{bi},
 		Devices:  caps.Devices,
 		Limits: &pb.ServerInfo_Limits{
-			MaxMessageBytes: s.cfg.MaxMessageBytes,
-			MaxTokens:       int32(s.cfg.MaxTokens),
-			MaxLoadedBytes:  s.cfg.MaxLoadedBytes,
-			MaxConcurrent:   int32(s.cfg.MaxConcurrent),
-			MaxShmRegions:   int32(s.shm.limitRegions()),
-			MaxShmBytes:     s.shm.limitBytes(),
+			MaxMessageBytes:  s.cfg.MaxMessageBytes,
+			MaxTokens:        int32(s.cfg.MaxTokens),
+			MaxLoadedBytes:   s.cfg.MaxLoadedBytes,
+			MaxConcurrent:    int32(s.cfg.MaxConcurrent),
+			MaxShmRegions:    int32(s.shm.limitRegions()),
+			MaxShmBytes:      s.shm.limitBytes(),
+			MaxQueued:        int32(s.cfg.MaxQueued),
+			BatchWindowNanos: s.cfg.BatchWindow.Nanoseconds(),
+			BatchMaxTokens:   int32(s.cfg.BatchMaxTokens),
 		},
 		Ring: s.ringInfo(),
+		Transport: &pb.ServerInfo_Transport{
+			StreamWorkers:              int32(s.cfg.StreamWorkers),
+			KeepaliveMinTimeNanos:      s.cfg.KeepaliveMinTime.Nanoseconds(),
+			KeepaliveTimeNanos:         s.cfg.KeepaliveTime.Nanoseconds(),
+			KeepaliveTimeoutNanos:      s.cfg.KeepaliveTimeout.Nanoseconds(),
+			MaxConnectionAgeNanos:      s.cfg.MaxConnectionAge.Nanoseconds(),
+			MaxConnectionAgeGraceNanos: s.cfg.MaxConnectionAgeGrace.Nanoseconds(),
+		},
+		Settings: s.cfg.Settings,
 	}, nil
 }
 
 // wireActivation is a as the contract numbers it (the model mirrors the
 // wire enum's values; TestModelWireNames checks they agree).
-func wireActivation(a kernels.Activation) pb.Activation {
+func wireActivation(a moe.Activation) pb.Activation {
 	if !a.Valid() {
 		return pb.Activation_ACTIVATION_UNSPECIFIED
 	}
@@ -439,7 +473,7 @@ func wireActivation(a kernels.Activation) pb.Activation {
 // callAttrs are the metric attributes of a call of activation a on the
 // set labelled set (a loaded set's name, or inlineLabel); a == 0 leaves
 // the activation out (queueAttrs).
-func (s *Server) callAttrs(a kernels.Activation, set string) metric.MeasurementOption {
+func (s *Server) callAttrs(a moe.Activation, set string) metric.MeasurementOption {
 	k := callAttrKey{a, set}
 	if o, ok := s.callAttrSets.Load(k); ok {
 		return o.(metric.MeasurementOption)

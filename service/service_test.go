@@ -17,7 +17,11 @@ import (
 )
 
 func TestGetServerInfo(t *testing.T) {
-	cfg := service.Config{Version: "v1.2.3", MaxTokens: 8192, MaxLoadedBytes: 1 << 30, MaxConcurrent: 3, MaxMessageBytes: 1 << 26}
+	cfg := service.Config{Version: "v1.2.3", MaxTokens: 8192, MaxLoadedBytes: 1 << 30, MaxConcurrent: 3, MaxMessageBytes: 1 << 26,
+		BatchWindow: 300 * time.Microsecond, BatchMaxTokens: 64, StreamWorkers: 5,
+		KeepaliveMinTime: time.Second, KeepaliveTime: 2 * time.Second, KeepaliveTimeout: 3 * time.Second,
+		MaxConnectionAge: 4 * time.Second, MaxConnectionAgeGrace: 5 * time.Second,
+		Settings: map[string]string{"max-tokens": "8192", "tls-key": "(set)"}}
 	c, _, _ := servicetest.StartServerConfig(t, cfg, &fakeBackend{})
 	got, err := c.GetServerInfo(testContext(t), &pb.GetServerInfoRequest{})
 	if err != nil {
@@ -33,9 +37,13 @@ func TestGetServerInfo(t *testing.T) {
 			Details:       map[string]string{"streams": "2"},
 		}},
 		Devices: []string{"fake device"},
-		Limits:  &pb.ServerInfo_Limits{MaxMessageBytes: 1 << 26, MaxTokens: 8192, MaxLoadedBytes: 1 << 30, MaxConcurrent: 3},
+		Limits: &pb.ServerInfo_Limits{MaxMessageBytes: 1 << 26, MaxTokens: 8192, MaxLoadedBytes: 1 << 30, MaxConcurrent: 3,
+			MaxQueued: 12, BatchWindowNanos: 300e3, BatchMaxTokens: 64},
 		Ring: &pb.ServerInfo_RingInfo{Version: 1, MaxPerConn: service.DefaultRingMaxPerConn, MaxRings: service.DefaultRingMax,
 			MaxSlotBytes: service.DefaultRingMaxSlotBytes},
+		Transport: &pb.ServerInfo_Transport{StreamWorkers: 5, KeepaliveMinTimeNanos: 1e9, KeepaliveTimeNanos: 2e9,
+			KeepaliveTimeoutNanos: 3e9, MaxConnectionAgeNanos: 4e9, MaxConnectionAgeGraceNanos: 5e9},
+		Settings: map[string]string{"max-tokens": "8192", "tls-key": "(set)"},
 	}
 	if diff := cmp.Diff(want, got, protocmp.Transform()); diff != "" {
 		t.Errorf("GetServerInfo (-want +got):\n%s", diff)

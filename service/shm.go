@@ -42,7 +42,7 @@ import (
 // page-locks when it can (HostPinner), so a GPU's copies from and to it
 // are DMA; its tensors reach the backend as moe.Pinned memory. A CUDA IPC region is device memory the backend opened from the
 // caller's cudaIpcMemHandle_t (IPCOpener): tensors there reach the backend
-// as device addresses (moe.Device tensors, kernels.Request.OutDev) and
+// as device addresses (moe.Device tensors, moe.Request.OutDev) and
 // are never copied through the host. Only hidden_states, router_logits and
 // the output may live there; every other tensor is read on the host
 // (decoded scales, routing ids), so it must be in host memory.
@@ -607,7 +607,7 @@ type shmCall struct {
 	used []*region
 	// mem are the request's shared-memory tensors by field, resolved:
 	// host bytes of a POSIX region, or a CUDA IPC region's device address.
-	mem map[string]kernels.Tensor
+	mem map[string]moe.Tensor
 	// out is a POSIX output_shm's bytes, or outDev a CUDA IPC one's
 	// address; outRef is the reference the response returns. All are
 	// unset without output_shm.
@@ -618,9 +618,9 @@ type shmCall struct {
 
 // memory is where field's shared-memory tensor is (Memory and Data or
 // Dev); ok is false when nothing resolved it (shared memory disabled).
-func (c *shmCall) memory(field string) (kernels.Tensor, bool) {
+func (c *shmCall) memory(field string) (moe.Tensor, bool) {
 	if c == nil {
-		return kernels.Tensor{}, false
+		return moe.Tensor{}, false
 	}
 	t, ok := c.mem[field]
 	return t, ok
@@ -664,7 +664,7 @@ func requestTensors(req *pb.FusedMoERequest) []shmTensor {
 
 // allDTypes lets checkMeta size a tensor of any known dtype; whether the
 // dtype suits the field is validate.go's business.
-var allDTypes = []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float16, kernels.Float8E4M3FN, kernels.Float8E5M2, kernels.Int32}
+var allDTypes = []moe.DType{moe.Float32, moe.BFloat16, moe.Float16, moe.Float8E4M3FN, moe.Float8E5M2, moe.Int32}
 
 // resolve finds where the request's shared-memory tensors are: views
 // of the caller's POSIX regions (so validation and the backend read them
@@ -804,11 +804,11 @@ func (c *shmCall) checkMappings() error {
 // place records where each view's tensor and the output are: what
 // memory answers and the output goes to.
 func (c *shmCall) place(req *pb.FusedMoERequest, views []shmView, out *region) {
-	c.mem = make(map[string]kernels.Tensor, len(views))
+	c.mem = make(map[string]moe.Tensor, len(views))
 	for _, v := range views {
 		lo, hi := v.ref.GetOffset(), v.ref.GetOffset()+v.ref.GetByteSize()
 		if v.r.dev != nil {
-			c.mem[v.x.field] = kernels.Tensor{Memory: moe.Device, Dev: v.r.dev.Ptr() + uintptr(lo)}
+			c.mem[v.x.field] = moe.Tensor{Memory: moe.Device, Dev: v.r.dev.Ptr() + uintptr(lo)}
 			continue
 		}
 		kind := moe.Host
@@ -816,7 +816,7 @@ func (c *shmCall) place(req *pb.FusedMoERequest, views []shmView, out *region) {
 			kind = moe.Pinned
 		}
 		// The capacity stops an append from writing past the view.
-		c.mem[v.x.field] = kernels.Tensor{Memory: kind, Data: v.r.m.data()[lo:hi:hi]}
+		c.mem[v.x.field] = moe.Tensor{Memory: kind, Data: v.r.m.data()[lo:hi:hi]}
 	}
 	if out != nil {
 		ref := req.GetOutputShm()
@@ -896,7 +896,7 @@ func (c *shmCall) outBuffer() []byte {
 // writeOutput makes resp carry the output_shm reference instead of inline
 // bytes, when the request set one. Into a POSIX region it first copies the
 // output, unless the backend wrote it there (outBuffer, unbatched calls);
-// into a CUDA IPC region the backend wrote it (kernels.Request.OutDev).
+// into a CUDA IPC region the backend wrote it (moe.Request.OutDev).
 func (c *shmCall) writeOutput(resp *pb.FusedMoEResponse) error {
 	if c == nil || c.outRef == nil {
 		return nil

@@ -7,8 +7,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
@@ -39,7 +39,7 @@ func sliceExperts(t *testing.T, w *pb.ExpertWeights, ids []int) *pb.ExpertWeight
 		}
 		v := make([]float32, len(ids))
 		for i := range v {
-			v[i] = slices.Max(kerneltest.DecodeOutput(kernels.Float32, tt.GetData()))
+			v[i] = slices.Max(kerneltest.DecodeOutput(moe.Float32, tt.GetData()))
 		}
 		return f32Tensor(v, int64(len(ids)))
 	}

@@ -3,7 +3,6 @@ package service
 import (
 	"errors"
 
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
@@ -17,11 +16,11 @@ import (
 const maxElements = moe.MaxElements
 
 // wireDType maps a model type to the wire enum; the values mirror.
-func wireDType(d kernels.DType) pb.DataType { return pb.DataType(d) }
+func wireDType(d moe.DType) pb.DataType { return pb.DataType(d) }
 
 // tensorMeta is a tensor's declared type and size, checked.
 type tensorMeta struct {
-	dtype kernels.DType
+	dtype moe.DType
 	shape []int
 	bytes int64
 }
@@ -37,7 +36,7 @@ func declared(t *pb.Tensor) *moe.Tensor {
 
 // checkMeta checks t's dtype against allowed and its shape for sign and
 // size, without looking at data.
-func checkMeta(field string, t *pb.Tensor, allowed ...kernels.DType) (tensorMeta, error) {
+func checkMeta(field string, t *pb.Tensor, allowed ...moe.DType) (tensorMeta, error) {
 	d := declared(t)
 	n, err := moe.Meta(field, d, allowed...)
 	if err != nil {
@@ -137,7 +136,7 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*moe.Layout, error) {
 
 // inlineSet validates ExpertWeights carried in a FusedMoE request, whose
 // tensors may be in shared memory (sh).
-func inlineSet(w *pb.ExpertWeights, sh *shmCall) (*kernels.ExpertSet, int64, error) {
+func inlineSet(w *pb.ExpertWeights, sh *shmCall) (*moe.ExpertSet, int64, error) {
 	l, err := checkLayout("weights", w)
 	if err != nil {
 		return nil, 0, err
@@ -205,7 +204,7 @@ func routingFromProto(rt *pb.Routing, sh *shmCall) (*moe.RoutingInput, error) {
 // checkRequest converts a FusedMoE request (fromProto) and validates it
 // against a loaded set (moe.Validate). Its output goes where sh says
 // (device memory), or to a buffer the caller provides.
-func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim moe.Limits, sh *shmCall) (*kernels.Request, error) {
+func checkRequest(req *pb.FusedMoERequest, set *moe.ExpertSet, lim moe.Limits, sh *shmCall) (*moe.Request, error) {
 	in, err := fromProto(req, sh)
 	if err != nil {
 		return nil, err
@@ -220,10 +219,10 @@ func checkRequest(req *pb.FusedMoERequest, set *kernels.ExpertSet, lim moe.Limit
 }
 
 // checkRouting validates routing for E experts.
-func checkRouting(rt *pb.Routing, e int) (kernels.Routing, error) {
+func checkRouting(rt *pb.Routing, e int) (moe.Routing, error) {
 	in, err := routingFromProto(rt, nil)
 	if err != nil {
-		return kernels.Routing{}, err
+		return moe.Routing{}, err
 	}
 	r, err := moe.ValidateRouting(in, e)
 	return r, fromModel(err)

@@ -56,6 +56,7 @@ import (
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/internal/cliflags"
 	"github.com/expertd/expertd/internal/clip"
+	"github.com/expertd/expertd/moe"
 )
 
 func main() {
@@ -93,7 +94,7 @@ type config struct {
 	maxLoad     int64
 	keep        bool
 	set         string
-	out         client.DType
+	out         moe.DType
 	// fp8Hidden sends hidden states as FP8 E4M3 with per-token scales
 	// (per token and group in block mode), as the contract's callers do,
 	// instead of BF16.
@@ -160,7 +161,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&c.cudaIPC, "cuda-ipc", false, cudaIPCUsage)
 	fs.BoolVar(&c.ring, "ring", false, ringUsage)
 	fs.DurationVar(&c.ringSpin, "ring-spin", client.DefaultRingSpin, "with -ring: how long a call polls for its completion before it sleeps (negative: sleep at once)")
-	fs.StringVar(&c.cudaLib, "cuda-lib", "", "with -cuda-ipc: the kernel library (empty: $EXPERTD_LIBRARY_PATH, then build/libexpertd_cuda.so)")
+	fs.StringVar(&c.cudaLib, "cuda-lib", os.Getenv("EXPERTD_LIBRARY_PATH"), "with -cuda-ipc: the kernel library (default $EXPERTD_LIBRARY_PATH; empty: build/libexpertd_cuda.so)")
 	fs.BoolVar(&c.stream, "stream", false, "send the calls over one FusedMoEStream per caller instead of unary FusedMoE calls")
 	fs.IntVar(&c.inflight, "inflight", 1, "calls in flight per caller on its stream (implies -stream when > 1)")
 	fs.StringVar(&c.traceFile, "trace", "", "write a Go execution trace of the load to this file (go tool trace FILE)")
@@ -209,9 +210,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 
 	switch *out {
 	case "bf16":
-		c.out = client.BFloat16
+		c.out = moe.BFloat16
 	case "fp32":
-		c.out = client.Float32
+		c.out = moe.Float32
 	default:
 		return c, fmt.Errorf("-out %q: want bf16 or fp32", *out)
 	}

@@ -24,8 +24,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/client"
-	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/internal/clitest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
@@ -36,7 +36,7 @@ const defaultTestTimeout = 30 * time.Second
 
 func startServer(t *testing.T) string {
 	t.Helper()
-	srv, err := clienttest.Serve(service.Config{MaxConcurrent: 2})
+	srv, err := testdaemon.Serve(service.Config{MaxConcurrent: 2})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,7 +5,7 @@ import (
 	"regexp"
 	"testing"
 
-	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/service"
 )
 
@@ -16,7 +16,7 @@ func TestBenchRing(t *testing.T) {
 	if _, err := os.Stat("/dev/shm"); err != nil {
 		t.Skipf("no /dev/shm: %v", err)
 	}
-	srv, err := clienttest.Serve(service.Config{MaxConcurrent: 2, SharedMemory: true, Ring: true, RingSpin: service.DefaultRingSpin})
+	srv, err := testdaemon.Serve(service.Config{MaxConcurrent: 2, SharedMemory: true, Ring: true, RingSpin: service.DefaultRingSpin})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -32,7 +32,7 @@ func TestBenchRing(t *testing.T) {
 		}
 	}
 
-	noRing, err := clienttest.Serve(service.Config{MaxConcurrent: 2, SharedMemory: true})
+	noRing, err := testdaemon.Serve(service.Config{MaxConcurrent: 2, SharedMemory: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,8 +22,8 @@ import (
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/internal/clip"
 	"github.com/expertd/expertd/internal/durstat"
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -53,7 +53,7 @@ type soakSet struct {
 	shape kerneltest.Shape
 	opts  []kerneltest.Option
 	// out is the output dtype of its calls.
-	out kernels.DType
+	out moe.DType
 }
 
 // soakSets are the layers of a soak: a gated softmax one, a ReLU² sigmoid
@@ -74,17 +74,17 @@ func soakSets(prefix string, k, n int) []soakSet {
 	deepseek := size(kerneltest.DeepSeekV3, 256, 64)
 	deepseek.E = 64
 	return []soakSet{
-		{prefix + "-gated", size(kerneltest.Qwen3, 192, 96), []kerneltest.Option{kerneltest.WithGranularity(scaling.PerExpert)}, kernels.BFloat16},
-		{prefix + "-relu2", size(kerneltest.Nemotron, 160, 128), []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, kernels.BFloat16},
-		{prefix + "-block", deepseek, []kerneltest.Option{kerneltest.WithBlock(64, 64)}, kernels.Float32},
+		{prefix + "-gated", size(kerneltest.Qwen3, 192, 96), []kerneltest.Option{kerneltest.WithGranularity(scaling.PerExpert)}, moe.BFloat16},
+		{prefix + "-relu2", size(kerneltest.Nemotron, 160, 128), []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}, moe.BFloat16},
+		{prefix + "-block", deepseek, []kerneltest.Option{kerneltest.WithBlock(64, 64)}, moe.Float32},
 	}
 }
 
 // poolEntry is one good request with its float64 reference.
 type poolEntry struct {
 	setName string
-	set     *kernels.ExpertSet
-	req     *kernels.Request
+	set     *moe.ExpertSet
+	req     *moe.Request
 	sdk     *client.FusedMoERequest
 	wire    *pb.FusedMoERequest
 	want    []float64
@@ -94,7 +94,7 @@ type poolEntry struct {
 // kerneltest's cases (hidden states randn/10 in BF16, FP32 logits randn,
 // bias randn/10) but without kerneltest.NewCase, which would also draw
 // and quantize a whole new set of weights per request.
-func newSoakEntry(rng *rand.Rand, ss soakSet, set *kernels.ExpertSet, m int) *poolEntry {
+func newSoakEntry(rng *rand.Rand, ss soakSet, set *moe.ExpertSet, m int) *poolEntry {
 	s := ss.shape
 	randn := func(n int, scale float64) []float32 {
 		v := make([]float32, n)
@@ -103,12 +103,12 @@ func newSoakEntry(rng *rand.Rand, ss soakSet, set *kernels.ExpertSet, m int) *po
 		}
 		return v
 	}
-	req := &kernels.Request{
-		Hidden: kernels.Tensor{DType: kernels.BFloat16, Shape: []int{m, s.K},
+	req := &moe.Request{
+		Hidden: moe.Tensor{DType: moe.BFloat16, Shape: []int{m, s.K},
 			Data: client.BFloat16FromFloat32(randn(m*s.K, 0.1), m, s.K).Data},
-		Logits: kernels.Tensor{DType: kernels.Float32, Shape: []int{m, s.E},
+		Logits: moe.Tensor{DType: moe.Float32, Shape: []int{m, s.E},
 			Data: client.FromFloat32(randn(m*s.E, 1), m, s.E).Data},
-		Routing: kernels.Routing{TopK: s.TopK, Renormalize: s.Renormalize, Scoring: s.Scoring,
+		Routing: moe.Routing{TopK: s.TopK, Renormalize: s.Renormalize, Scoring: s.Scoring,
 			NumGroups: s.NumGroups, TopKGroups: s.TopKGroups, ScalingFactor: s.ScalingFactor},
 		OutDType: ss.out,
 	}

@@ -19,9 +19,11 @@ import (
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
@@ -31,7 +33,7 @@ const soakTestTokens = 64
 
 func startSoakServer(t *testing.T) string {
 	t.Helper()
-	srv, err := clienttest.Serve(service.Config{MaxConcurrent: 2, MaxTokens: soakTestTokens})
+	srv, err := testdaemon.Serve(service.Config{MaxConcurrent: 2, MaxTokens: soakTestTokens})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,7 +146,7 @@ func testPool(t *testing.T, ctx context.Context, c *client.Client) []*poolEntry 
 // a server that answers wrongly.
 type corruptBackend struct{ kernels.Backend }
 
-func (b corruptBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (b corruptBackend) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	res, err := b.Backend.FusedMoE(ctx, l, req)
 	if err == nil {
 		clear(res.Output[len(res.Output)/2:])

@@ -6,16 +6,17 @@ import (
 	"math/rand/v2"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
 // model is one MoE layer shape of MOE_SPEC.md section 2.
 type model struct {
 	name       string
-	activation client.Activation
+	activation moe.Activation
 	e, topK    int
 	k, n       int
-	scoring    client.Scoring
+	scoring    moe.Scoring
 	bias       bool
 	// groups and topKGroups restrict routing to the best expert groups.
 	groups, topKGroups int
@@ -26,14 +27,14 @@ type model struct {
 }
 
 var models = map[string]model{
-	"nemotron": {name: "nemotron", activation: client.Relu2, e: 128, topK: 6, k: 2688, n: 1856,
-		scoring: client.Sigmoid, bias: true, groups: 1, topKGroups: 1, scalingFactor: 2.5},
-	"qwen3": {name: "qwen3", activation: client.SiluGated, e: 128, topK: 8, k: 2048, n: 768,
-		scoring: client.Softmax},
-	"mixtral": {name: "mixtral", activation: client.SiluGated, e: 8, topK: 2, k: 4096, n: 14336,
-		scoring: client.Softmax},
-	"deepseek": {name: "deepseek", activation: client.SiluGated, e: 256, topK: 8, k: 7168, n: 2048,
-		scoring: client.Sigmoid, bias: true, groups: 8, topKGroups: 4, scalingFactor: 2.5, block: [2]int{128, 128}},
+	"nemotron": {name: "nemotron", activation: moe.Relu2, e: 128, topK: 6, k: 2688, n: 1856,
+		scoring: moe.Sigmoid, bias: true, groups: 1, topKGroups: 1, scalingFactor: 2.5},
+	"qwen3": {name: "qwen3", activation: moe.SiluGated, e: 128, topK: 8, k: 2048, n: 768,
+		scoring: moe.Softmax},
+	"mixtral": {name: "mixtral", activation: moe.SiluGated, e: 8, topK: 2, k: 4096, n: 14336,
+		scoring: moe.Softmax},
+	"deepseek": {name: "deepseek", activation: moe.SiluGated, e: 256, topK: 8, k: 7168, n: 2048,
+		scoring: moe.Sigmoid, bias: true, groups: 8, topKGroups: 4, scalingFactor: 2.5, block: [2]int{128, 128}},
 }
 
 func (m model) rows1() int {
@@ -140,7 +141,7 @@ func (m model) randomWeights(seed uint64) *client.ExpertWeights {
 // token and group on block-scaled models),
 // FP32 logits randn, and for models that have one the layer's correction
 // bias.
-func (m model) request(rng *rand.Rand, set string, tokens int, out client.DType, fp8 bool) *client.FusedMoERequest {
+func (m model) request(rng *rand.Rand, set string, tokens int, out moe.DType, fp8 bool) *client.FusedMoERequest {
 	randn := func(n int, scale float64) []float32 {
 		v := make([]float32, n)
 		for i := range v {

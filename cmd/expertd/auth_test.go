@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -312,7 +313,7 @@ func TestTokenAuthSDK(t *testing.T) {
 	rng := mrand.New(mrand.NewPCG(uint64(time.Now().UnixNano()), 3))
 	const e, k, n, m = 4, 32, 16, 2
 	w := &client.ExpertWeights{
-		Activation: client.SiluGated,
+		Activation: moe.SiluGated,
 		W13:        client.FromFP8(randFP8(rng, e*2*n*k), e, 2*n, k),
 		W2:         client.FromFP8(randFP8(rng, e*k*n), e, k, n),
 		W13Scale:   client.FromFloat32([]float32{0.001, 0.002, 0.003, 0.004}, e),
@@ -329,7 +330,7 @@ func TestTokenAuthSDK(t *testing.T) {
 		Hidden:       client.FromFloat32(randF32(rng, m*k), m, k),
 		RouterLogits: client.FromFloat32(randF32(rng, m*e), m, e),
 		Routing:      client.Routing{TopK: 2},
-		OutputDType:  client.Float32,
+		OutputDType:  moe.Float32,
 	})
 	if err != nil {
 		t.Fatalf("FusedMoE as user: %v", err)

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cuda"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service/servicetest"
@@ -51,7 +52,7 @@ func TestBackendFallback(t *testing.T) {
 		t.Run(tt.backend, func(t *testing.T) {
 			var logs servicetest.LogBuffer
 			log := slog.New(slog.NewTextHandler(&logs, nil))
-			b, err := openBackend(Config{Backend: tt.backend, LibraryPath: lib, CUDA: cuda.DefaultOptions()}, log)
+			b, err := openBackend(Config{Backend: tt.backend, Kernels: kernels.Config{LibraryPath: lib}, CUDA: cuda.DefaultOptions()}, log)
 			if tt.wantName == "" {
 				if err == nil {
 					b.Close()

@@ -14,15 +14,18 @@ import (
 
 func defaults() Config {
 	return Config{
-		Listen: "127.0.0.1:50051", UnixMode: 0o660, Backend: "auto", MaxTokens: 8192,
-		MaxMessageBytes: messageBytesFor(8192), MaxLoadedBytes: 32 << 30, MaxConcurrent: 4,
+		Config: service.Config{
+			MaxTokens: 8192, MaxMessageBytes: messageBytesFor(8192), MaxLoadedBytes: 32 << 30, MaxConcurrent: 4,
+			BatchWindow:      service.SuggestedBatchWindow,
+			KeepaliveMinTime: 10 * time.Second, KeepaliveTime: time.Minute, KeepaliveTimeout: 20 * time.Second,
+			MaxConnectionAge: 30 * time.Minute, MaxConnectionAgeGrace: 5 * time.Minute,
+			RingSpin: service.DefaultRingSpin, RingMaxPerConn: service.DefaultRingMaxPerConn, RingMax: service.DefaultRingMax,
+			RingMaxSlotBytes: service.DefaultRingMaxSlotBytes,
+			MaxShmRegions:    service.DefaultMaxShmRegions, MaxShmBytes: service.DefaultMaxShmBytes,
+		},
+		Listen: "127.0.0.1:50051", UnixMode: 0o660, Backend: "auto",
 		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
-		BatchWindow: service.SuggestedBatchWindow, ShardIndex: -1,
-		KeepaliveMinTime: 10 * time.Second, KeepaliveTime: time.Minute, KeepaliveTimeout: 20 * time.Second,
-		MaxConnectionAge: 30 * time.Minute, MaxConnectionAgeGrace: 5 * time.Minute,
-		RingSpin: service.DefaultRingSpin, RingMaxPerConn: service.DefaultRingMaxPerConn, RingMax: service.DefaultRingMax,
-		RingMaxSlotBytes: service.DefaultRingMaxSlotBytes,
-		MaxShmRegions:    service.DefaultMaxShmRegions, MaxShmBytes: service.DefaultMaxShmBytes,
+		ShardIndex:     -1,
 		IdleFreeMemory: 30 * time.Second,
 		CUDA:           cuda.DefaultOptions(),
 	}
@@ -41,14 +44,14 @@ func TestParseConfig(t *testing.T) {
 			func(c *Config) {
 				c.Listen, c.Backend, c.MaxTokens, c.MaxLoadedBytes = ":7000", "cpu", 16, 2<<30
 				c.MaxMessageBytes = messageBytesFor(16)
-				c.WeightsDir, c.Threads, c.AdminAddr, c.LogFormat, c.ShutdownTimeout = "/w", 3, "", "json", 5*time.Second
+				c.WeightsDir, c.Kernels.Threads, c.AdminAddr, c.LogFormat, c.ShutdownTimeout = "/w", 3, "", "json", 5*time.Second
 			}},
 		{"env", nil, map[string]string{"EXPERTD_LISTEN": ":8000", "EXPERTD_MAX_CONCURRENT": "9", "EXPERTD_MAX_MESSAGE_BYTES": "64MiB",
 			"EXPERTD_LIBRARY_PATH": "/lib/x.so", "EXPERTD_DEVICE": "1", "EXPERTD_LOG_LEVEL": "debug", "EXPERTD_SHUTDOWN_TIMEOUT": "1m",
 			"EXPERTD_OTLP_ENDPOINT": "http://collector:4317"},
 			func(c *Config) {
 				c.Listen, c.MaxConcurrent, c.MaxMessageBytes, c.OTLPEndpoint = ":8000", 9, 64<<20, "http://collector:4317"
-				c.LibraryPath, c.Device, c.LogLevel, c.ShutdownTimeout = "/lib/x.so", 1, "debug", time.Minute
+				c.Kernels.LibraryPath, c.Kernels.Device, c.LogLevel, c.ShutdownTimeout = "/lib/x.so", 1, "debug", time.Minute
 			}},
 		{"flag beats env", []string{"-max-tokens", "32"}, map[string]string{"EXPERTD_MAX_TOKENS": "64"},
 			func(c *Config) { c.MaxTokens, c.MaxMessageBytes = 32, messageBytesFor(32) }},

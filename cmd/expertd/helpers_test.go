@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -45,7 +46,7 @@ func randFP8(rng *rand.Rand, n int) []byte {
 func relu2Weights(rng *rand.Rand, k, n int) *client.ExpertWeights {
 	const e = 4
 	return &client.ExpertWeights{
-		Activation: client.Relu2,
+		Activation: moe.Relu2,
 		W13:        client.FromFP8(randFP8(rng, e*n*k), e, n, k),
 		W2:         client.FromFP8(randFP8(rng, e*k*n), e, k, n),
 		W13Scale:   client.FromFloat32([]float32{0.001, 0.002, 0.003, 0.004}, e),

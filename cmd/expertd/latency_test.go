@@ -20,11 +20,12 @@ import (
 	"google.golang.org/grpc/stats"
 
 	"github.com/expertd/expertd/client"
-	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/internal/durstat"
+	"github.com/expertd/expertd/internal/testdaemon"
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
@@ -71,7 +72,7 @@ func BenchmarkCallPath(b *testing.B) {
 	w := relu2Weights(rng, k, n)
 	req := &client.FusedMoERequest{
 		ExpertSet: "layer", Hidden: client.BFloat16FromFloat32(randF32(rng, m*k), m, k),
-		RouterLogits: client.FromFloat32(randF32(rng, m*e), m, e), Routing: client.Routing{TopK: 2}, OutputDType: client.BFloat16,
+		RouterLogits: client.FromFloat32(randF32(rng, m*e), m, e), Routing: client.Routing{TopK: 2}, OutputDType: moe.BFloat16,
 	}
 	dial := func(b *testing.B, addr string) *client.Client {
 		c, err := client.Dial(ctx, addr)
@@ -212,7 +213,7 @@ func BenchmarkCallPath(b *testing.B) {
 		}},
 	} {
 		b.Run("null/"+v.name, func(b *testing.B) {
-			srv, err := clienttest.ServeBackend(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}, servicetest.NullBackend{Backend: cpu.New(kernels.Config{Threads: 1})})
+			srv, err := testdaemon.ServeBackend(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}, servicetest.NullBackend{Backend: cpu.New(kernels.Config{Threads: 1})})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -235,7 +236,7 @@ func BenchmarkCallPath(b *testing.B) {
 	bigW := relu2Weights(rng, bigK, 32)
 	bigReq := &client.FusedMoERequest{
 		ExpertSet: "layer", Hidden: client.BFloat16FromFloat32(randF32(rng, bigM*bigK), bigM, bigK),
-		RouterLogits: client.FromFloat32(randF32(rng, bigM*e), bigM, e), Routing: client.Routing{TopK: 2}, OutputDType: client.BFloat16,
+		RouterLogits: client.FromFloat32(randF32(rng, bigM*e), bigM, e), Routing: client.Routing{TopK: 2}, OutputDType: moe.BFloat16,
 	}
 	for _, network := range []string{"tcp", "unix"} {
 		listen := func(b *testing.B) net.Listener {
@@ -358,7 +359,7 @@ func BenchmarkCallPath(b *testing.B) {
 		})
 	}
 	b.Run("service", func(b *testing.B) {
-		srv, err := clienttest.Serve(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow})
+		srv, err := testdaemon.Serve(service.Config{MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow})
 		if err != nil {
 			b.Fatal(err)
 		}

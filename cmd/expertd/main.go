@@ -90,11 +90,14 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if cfg.Probe != "" {
 		return probeURL(cfg.Probe)
 	}
+	log := cfg.logger(stderr)
+	slog.SetDefault(log)
+	for _, w := range cfg.Warnings {
+		log.Warn(w)
+	}
 	if err := cfg.checkPaths(); err != nil {
 		return err
 	}
-	log := cfg.logger(stderr)
-	slog.SetDefault(log)
 	man, shardIndex, err := startupManifest(cfg)
 	if err != nil {
 		return err
@@ -150,28 +153,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	if man != nil {
 		mm = newManifestMetrics(meters.Meter("github.com/expertd/expertd/cmd/expertd"), rd, log)
 	}
-	svc := service.New(service.Config{
-		Version:          version(),
-		WeightsDir:       cfg.WeightsDir,
-		MaxMessageBytes:  cfg.MaxMessageBytes,
-		MaxTokens:        cfg.MaxTokens,
-		MaxLoadedBytes:   cfg.MaxLoadedBytes,
-		MaxConcurrent:    cfg.MaxConcurrent,
-		MaxQueued:        cfg.MaxQueued,
-		BatchWindow:      cfg.BatchWindow,
-		BatchMaxTokens:   cfg.BatchMaxTokens,
-		Meter:            meters.Meter("github.com/expertd/expertd/service"),
-		Tracer:           serviceTracer(tracer),
-		OnBackendFault:   rd.onFault,
-		SharedMemory:     cfg.SharedMemory,
-		Ring:             cfg.Ring,
-		RingSpin:         cfg.RingSpin,
-		RingMaxPerConn:   cfg.RingMaxPerConn,
-		RingMax:          cfg.RingMax,
-		RingMaxSlotBytes: cfg.RingMaxSlotBytes,
-		MaxShmRegions:    cfg.MaxShmRegions,
-		MaxShmBytes:      cfg.MaxShmBytes,
-	}, backend, log)
+	scfg := cfg.Config
+	scfg.Version = version()
+	scfg.Meter = meters.Meter("github.com/expertd/expertd/service")
+	scfg.Tracer = serviceTracer(tracer)
+	scfg.OnBackendFault = rd.onFault
+	scfg.Settings = cfg.inForce()
+	svc := service.New(scfg, backend, log)
 
 	gs := newGRPCServer(cfg, log, meters, tracer, append(svc.ServerOptions(), sec.serverOptions()...)...)
 	svc.Register(gs)
@@ -375,9 +363,9 @@ func registerReflection(gs *grpc.Server, log *slog.Logger) {
 // back to cpu with a loud warning, so a GPU host with a broken driver still
 // serves (slowly) instead of crash-looping.
 func openBackend(cfg Config, log *slog.Logger) (kernels.Backend, error) {
-	kcfg := kernels.Config{LibraryPath: cfg.LibraryPath, Device: cfg.Device, Threads: cfg.Threads}
+	kcfg := cfg.Kernels
 	ccfg := kcfg
-	ccfg.Options = cfg.CUDA.Map()
+	ccfg.Options = cfg.CUDA
 	if cfg.Backend != "auto" {
 		open := kcfg
 		if cfg.Backend == "cuda" {
@@ -395,7 +383,7 @@ func openBackend(cfg Config, log *slog.Logger) (kernels.Backend, error) {
 	}
 	log.Warn("CUDA backend unavailable; serving on the CPU backend, which is orders of magnitude slower",
 		slog.String("backend", "cpu"), slog.String("wanted", "cuda"),
-		slog.String("library_path", cfg.LibraryPath), slog.Any("err", err),
+		slog.String("library_path", cfg.Kernels.LibraryPath), slog.Any("err", err),
 		slog.Any("registered", kernels.Names()))
 	return kernels.Open("cpu", kcfg)
 }

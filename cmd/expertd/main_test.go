@@ -76,6 +76,7 @@ func TestDaemon(t *testing.T) {
 	if info.GetBackends()[0].GetName() != "cpu" || info.GetLimits().GetMaxTokens() != 8192 || info.GetLimits().GetMaxMessageBytes() != messageBytesFor(8192) {
 		t.Errorf("GetServerInfo = %v, want the cpu backend with default limits", info)
 	}
+	checkReportedSettings(t, info)
 
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1))
 	const e, k, n, m = 4, 32, 16, 3

@@ -50,7 +50,7 @@ func (c Config) checkPaths() error {
 	file("tls-cert", c.TLSCert, pemfile.MaxBytes)
 	file("tls-key", c.TLSKey, pemfile.MaxBytes)
 	file("tls-client-ca", c.TLSClientCA, pemfile.MaxBytes)
-	file("library-path", c.LibraryPath, maxLibraryBytes)
+	file("library-path", c.Kernels.LibraryPath, maxLibraryBytes)
 	if network, address, err := listenAddress(c.Listen); err == nil && network == "unix" {
 		if err := checkDir(filepath.Dir(address), false); err != nil {
 			errs = append(errs, fmt.Errorf("-listen %s: the socket's directory: %w", c.Listen, err))

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/service"
 	"github.com/expertd/expertd/service/servicetest"
@@ -26,18 +27,18 @@ import (
 // panicBackend loads anything and panics in every FusedMoE call.
 type panicBackend struct{}
 
-type panicLoaded struct{ set *kernels.ExpertSet }
+type panicLoaded struct{ set *moe.ExpertSet }
 
-func (l panicLoaded) Set() *kernels.ExpertSet { return l.set }
-func (l panicLoaded) Close() error            { return nil }
+func (l panicLoaded) Set() *moe.ExpertSet { return l.set }
+func (l panicLoaded) Close() error        { return nil }
 
 func (panicBackend) Name() string                       { return "panicky" }
 func (panicBackend) Capabilities() kernels.Capabilities { return kernels.Capabilities{} }
 func (panicBackend) Close() error                       { return nil }
-func (panicBackend) Load(_ context.Context, s *kernels.ExpertSet) (kernels.Loaded, error) {
+func (panicBackend) Load(_ context.Context, s *moe.ExpertSet) (kernels.Loaded, error) {
 	return panicLoaded{s}, nil
 }
-func (panicBackend) FusedMoE(context.Context, kernels.Loaded, *kernels.Request) (*kernels.Result, error) {
+func (panicBackend) FusedMoE(context.Context, kernels.Loaded, *moe.Request) (*moe.Result, error) {
 	panic("kernel bug")
 }
 

@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
@@ -34,7 +35,7 @@ import (
 func testWeights(rng *mrand.Rand) *client.ExpertWeights {
 	const e, k, n = 4, 32, 16
 	return &client.ExpertWeights{
-		Activation: client.SiluGated,
+		Activation: moe.SiluGated,
 		W13:        client.FromFP8(randFP8(rng, e*2*n*k), e, 2*n, k),
 		W2:         client.FromFP8(randFP8(rng, e*k*n), e, k, n),
 		W13Scale:   client.FromFloat32([]float32{0.001, 0.002, 0.003, 0.004}, e),

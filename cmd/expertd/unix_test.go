@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service/servicetest"
 )
 
@@ -166,7 +167,7 @@ func callOverSocket(t *testing.T, target string) {
 	logits := client.FromFloat32(randF32(rng, m*e), m, e)
 	inline, err := c.FusedMoE(ctx, &client.FusedMoERequest{
 		ExpertSet: "layer0", Hidden: hidden, RouterLogits: logits,
-		Routing: client.Routing{TopK: 2}, OutputDType: client.Float32,
+		Routing: client.Routing{TopK: 2}, OutputDType: moe.Float32,
 	})
 	if err != nil {
 		t.Fatalf("FusedMoE inline: %v", err)
@@ -193,7 +194,7 @@ func callOverSocket(t *testing.T, target string) {
 	}
 	res, err := c.FusedMoE(ctx, &client.FusedMoERequest{
 		ExpertSet: "layer0", Hidden: sh, RouterLogits: sl,
-		Routing: client.Routing{TopK: 2}, OutputDType: client.Float32,
+		Routing: client.Routing{TopK: 2}, OutputDType: moe.Float32,
 		OutputShm: region.Ref(8192, m*k*4),
 	})
 	if err != nil {

@@ -57,7 +57,7 @@
 // the backend call is over.
 //
 // Calls with a tensor or the output in device memory (a CUDA IPC region:
-// a Tensor of Memory moe.Device, kernels.Request.OutDev) are not batched:
+// a Tensor of Memory moe.Device, moe.Request.OutDev) are not batched:
 // merging copies host bytes, and this process cannot copy device memory
 // itself; a caller that keeps its activations on the GPU is one that
 // already batches its tokens. They run alone, on an execution slot of
@@ -208,7 +208,7 @@ func (bt *Backend) Close() error { return bt.inner.Close() }
 
 // Load makes set resident in the inner backend; the Loaded it returns is
 // what calls merge on.
-func (bt *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+func (bt *Backend) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded, error) {
 	l, err := bt.inner.Load(ctx, set)
 	if err != nil {
 		return nil, err
@@ -258,7 +258,7 @@ func (l *loaded) release() {
 }
 
 // FusedMoE runs req, merged with compatible calls when it can be.
-func (bt *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (bt *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	res, _, err := bt.Run(ctx, set, req)
 	return res, err
 }
@@ -266,7 +266,7 @@ func (bt *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernel
 // Run is FusedMoE that also reports when the backend call that computed
 // req started (its slot taken, its inputs merged): the caller's time up
 // to then is its wait for its batch and a slot.
-func (bt *Backend) Run(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, time.Time, error) {
+func (bt *Backend) Run(ctx context.Context, set kernels.Loaded, req *moe.Request) (*moe.Result, time.Time, error) {
 	l, ours := set.(*loaded)
 	if ours && bt.accepts(req) {
 		return bt.do(ctx, l, req)
@@ -280,7 +280,7 @@ func (bt *Backend) Run(ctx context.Context, set kernels.Loaded, req *kernels.Req
 // alone runs req as a backend call of its own on an execution slot. A
 // panicking backend is not recovered: this is the caller's goroutine,
 // whose own recovery sees it.
-func (bt *Backend) alone(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, time.Time, error) {
+func (bt *Backend) alone(ctx context.Context, set kernels.Loaded, req *moe.Request) (*moe.Result, time.Time, error) {
 	_, span := bt.startSpan(ctx, spanQueue)
 	err := bt.slots.Acquire(ctx)
 	span.End()
@@ -300,29 +300,29 @@ func (bt *Backend) startSpan(ctx context.Context, name string) (context.Context,
 // accepts reports whether req can merge with other calls: batching is
 // on, req leaves room for another call's tokens, and its tensors and
 // output are in host memory (see the package comment).
-func (bt *Backend) accepts(req *kernels.Request) bool {
+func (bt *Backend) accepts(req *moe.Request) bool {
 	return req.M() < bt.maxTokens && req.Hidden.Memory != moe.Device && req.Logits.Memory != moe.Device && req.OutDev == 0
 }
 
 // batchKey is what calls must share to merge.
 type batchKey struct {
 	set    *loaded
-	hidden kernels.DType
+	hidden moe.DType
 	// groupScale marks FP8 hidden states with per-group scales.
 	groupScale bool
 	// logits is 0 for precomputed routing.
-	logits             kernels.DType
+	logits             moe.DType
 	topK               int
 	renormalize        bool
-	scoring            kernels.Scoring
+	scoring            moe.Scoring
 	groups, topKGroups int
 	scalingFactor      float32
 	// bias is the correction bias's bytes, "" for none.
 	bias string
-	out  kernels.DType
+	out  moe.DType
 }
 
-func keyOf(l *loaded, r *kernels.Request) batchKey {
+func keyOf(l *loaded, r *moe.Request) batchKey {
 	k := batchKey{
 		set: l, hidden: r.Hidden.DType, logits: r.Logits.DType,
 		topK: r.Routing.TopK, renormalize: r.Routing.Renormalize, scoring: r.Routing.Scoring,
@@ -355,9 +355,9 @@ type keyState struct {
 
 // groupScale reports FP8 hidden states with per-group scales (block mode);
 // other FP8 scales are per-tensor or per-token, one value per row.
-func groupScale(r *kernels.Request) bool {
+func groupScale(r *moe.Request) bool {
 	n := len(r.HiddenScale)
-	return r.Hidden.DType == kernels.Float8E4M3FN && n != 1 && n != r.M()
+	return r.Hidden.DType == moe.Float8E4M3FN && n != 1 && n != r.M()
 }
 
 // batch is calls being gathered into one backend call.
@@ -383,9 +383,9 @@ type batch struct {
 
 // member is one call in a batch.
 type member struct {
-	req  *kernels.Request
+	req  *moe.Request
 	done chan struct{} // closed when res or err is set
-	res  *kernels.Result
+	res  *moe.Result
 	err  error
 	// queued is when the backend call started.
 	queued time.Time
@@ -417,7 +417,7 @@ func (bt *Backend) start(b *batch) {
 //
 // The batch's own queue and kernel spans are children of the batch span of
 // the call that opened it.
-func (bt *Backend) do(ctx context.Context, l *loaded, req *kernels.Request) (*kernels.Result, time.Time, error) {
+func (bt *Backend) do(ctx context.Context, l *loaded, req *moe.Request) (*moe.Result, time.Time, error) {
 	ctx, span := bt.startSpan(ctx, spanBatch)
 	defer span.End()
 	m := &member{req: req, done: make(chan struct{})}
@@ -443,7 +443,7 @@ func (bt *Backend) do(ctx context.Context, l *loaded, req *kernels.Request) (*ke
 // until it takes its members, as with a dispatcher. The caller's
 // cancellation makes it leave b as in do; its call then returns when
 // the backend call ends, which the batch's other callers may still need.
-func (bt *Backend) lead(ctx context.Context, b *batch, m *member) (*kernels.Result, time.Time, error) {
+func (bt *Backend) lead(ctx context.Context, b *batch, m *member) (*moe.Result, time.Time, error) {
 	left := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() {
 		bt.leave(b, m)
@@ -572,7 +572,7 @@ func (bt *Backend) dispatch(b *batch) {
 		err = b.ctx.Err()
 	}
 	members := bt.take(b)
-	var req *kernels.Request
+	var req *moe.Request
 	switch {
 	case err != nil || len(members) == 0:
 		close(b.merged)
@@ -711,7 +711,7 @@ func (bt *Backend) finish(b *batch) {
 // which it releases. A panicking backend becomes an error for every
 // caller: the daemon's recovery middleware does not see a dispatcher's
 // goroutine, and one bad call must not take the daemon down.
-func (bt *Backend) compute(ctx context.Context, set kernels.Loaded, req *kernels.Request) (res *kernels.Result, err error) {
+func (bt *Backend) compute(ctx context.Context, set kernels.Loaded, req *moe.Request) (res *moe.Result, err error) {
 	defer bt.slots.Release()
 	defer func() {
 		if p := recover(); p != nil {
@@ -726,7 +726,7 @@ func (bt *Backend) compute(ctx context.Context, set kernels.Loaded, req *kernels
 // The inputs are copied: the merged request must not alias any caller's
 // buffers, since a caller may return (and its buffers be reused) while
 // the backend call runs.
-func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
+func mergeRequests(members []*member, pool *codec.Pool) *moe.Request {
 	first := members[0].req
 	var m, scales, hiddenBytes, logitBytes, pairs int
 	for _, x := range members {
@@ -740,8 +740,8 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 	// splitResult hands out as views, so no part of it may go back to a
 	// pool (the members' own Out buffers go unused; their callers see
 	// that the output is not theirs).
-	out := &kernels.Request{
-		Hidden:   kernels.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: pool.Get(hiddenBytes)[:0]},
+	out := &moe.Request{
+		Hidden:   moe.Tensor{DType: first.Hidden.DType, Shape: []int{m, first.Hidden.Shape[1]}, Data: pool.Get(hiddenBytes)[:0]},
 		Routing:  first.Routing,
 		OutDType: first.OutDType,
 		// The batch returns routing if any member wants it.
@@ -750,7 +750,7 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 	if first.Routing.CorrectionBias != nil {
 		out.Routing.CorrectionBias = slices.Clone(first.Routing.CorrectionBias)
 	}
-	perRow := first.Hidden.DType == kernels.Float8E4M3FN && !groupScale(first)
+	perRow := first.Hidden.DType == moe.Float8E4M3FN && !groupScale(first)
 	switch {
 	case perRow:
 		out.HiddenScale = make([]float32, 0, m)
@@ -761,7 +761,7 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 		out.TopKIDs = make([]int32, 0, pairs)
 		out.TopKWeights = make([]float32, 0, pairs)
 	} else {
-		out.Logits = kernels.Tensor{DType: first.Logits.DType, Shape: []int{m, first.Logits.Shape[1]}, Data: pool.Get(logitBytes)[:0]}
+		out.Logits = moe.Tensor{DType: first.Logits.DType, Shape: []int{m, first.Logits.Shape[1]}, Data: pool.Get(logitBytes)[:0]}
 	}
 	for _, x := range members {
 		r := x.req
@@ -784,12 +784,12 @@ func mergeRequests(members []*member, pool *codec.Pool) *kernels.Request {
 // with row bytes of output each. The slices share res's buffers without
 // overlapping; a result without routing (the batch's NoRouting) gives
 // members none.
-func splitResult(res *kernels.Result, members []*member, m, row int) {
+func splitResult(res *moe.Result, members []*member, m, row int) {
 	topK := len(res.TopKIDs) / m
 	t := 0
 	for _, m := range members {
 		n := m.req.M()
-		m.res = &kernels.Result{
+		m.res = &moe.Result{
 			Output:      res.Output[t*row : (t+n)*row : (t+n)*row],
 			TopKIDs:     res.TopKIDs[t*topK : (t+n)*topK : (t+n)*topK],
 			TopKWeights: res.TopKWeights[t*topK : (t+n)*topK : (t+n)*topK],

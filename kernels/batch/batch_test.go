@@ -14,6 +14,7 @@ import (
 	"github.com/expertd/expertd/kernels/batch"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 )
 
 const defaultTestTimeout = 30 * time.Second
@@ -69,7 +70,7 @@ func (s *spySet) Close() error {
 	return s.Loaded.Close()
 }
 
-func (g *gated) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+func (g *gated) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded, error) {
 	l, err := g.Backend.Load(ctx, set)
 	if err != nil {
 		return nil, err
@@ -81,7 +82,7 @@ func (g *gated) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loade
 	return spy, nil
 }
 
-func (g *gated) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (g *gated) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	g.mu.Lock()
 	g.ms = append(g.ms, req.M())
 	g.mu.Unlock()
@@ -136,12 +137,12 @@ func newFixture(t *testing.T, o batch.Options) *fixture {
 }
 
 type result struct {
-	res *kernels.Result
+	res *moe.Result
 	err error
 }
 
 // call runs an m-token request on set in the background.
-func (f *fixture) call(ctx context.Context, set kernels.Loaded, m int) (*kernels.Request, <-chan result) {
+func (f *fixture) call(ctx context.Context, set kernels.Loaded, m int) (*moe.Request, <-chan result) {
 	_, req := kerneltest.NewCase(f.rng, kerneltest.Mixtral.Scaled(40, 24), m)
 	ch := make(chan result, 1)
 	go func() {

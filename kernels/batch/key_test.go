@@ -5,10 +5,10 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 )
 
-// TestBatchKeyCoversRequest fails when kernels.Request or kernels.Routing
+// TestBatchKeyCoversRequest fails when moe.Request or moe.Routing
 // gains a field: the batcher must then decide whether calls that differ in
 // it may merge (keyOf) and how to merge it (mergeRequests), or a merged
 // call would silently compute with the first caller's value for everyone.
@@ -21,9 +21,9 @@ func TestBatchKeyCoversRequest(t *testing.T) {
 		typ  reflect.Type
 		want []string
 	}{
-		{reflect.TypeFor[kernels.Request](), []string{"Hidden", "HiddenScale", "Logits", "Routing", "TopKIDs", "TopKWeights", "OutDType", "Out", "OutDev", "NoRouting"}},
-		{reflect.TypeFor[kernels.Routing](), []string{"TopK", "Renormalize", "Scoring", "CorrectionBias", "NumGroups", "TopKGroups", "ScalingFactor"}},
-		{reflect.TypeFor[kernels.Tensor](), []string{"DType", "Shape", "Data", "Memory", "Dev"}},
+		{reflect.TypeFor[moe.Request](), []string{"Hidden", "HiddenScale", "Logits", "Routing", "TopKIDs", "TopKWeights", "OutDType", "Out", "OutDev", "NoRouting"}},
+		{reflect.TypeFor[moe.Routing](), []string{"TopK", "Renormalize", "Scoring", "CorrectionBias", "NumGroups", "TopKGroups", "ScalingFactor"}},
+		{reflect.TypeFor[moe.Tensor](), []string{"DType", "Shape", "Data", "Memory", "Dev"}},
 	}
 	for _, tt := range tests {
 		var got []string

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -52,7 +53,7 @@ func (b *Backend) Name() string { return "cpu" }
 // granularity, no token limit.
 func (b *Backend) Capabilities() kernels.Capabilities {
 	return kernels.Capabilities{
-		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2, kernels.SwigluOAI, kernels.GeluTanhGated, kernels.GeluGated},
+		Activations:   []moe.Activation{moe.SiluGated, moe.Relu2, moe.SwigluOAI, moe.GeluTanhGated, moe.GeluGated},
 		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block},
 		Devices:       []string{fmt.Sprintf("%s (%d threads, pure Go, %s dot products)", cpuModel(), b.workers, simdKernel)},
 	}
@@ -78,23 +79,23 @@ var errClosed = errors.New("cpu: expert set is closed")
 // for calls in flight.
 type loaded struct {
 	mu     sync.RWMutex
-	set    *kernels.ExpertSet
+	set    *moe.ExpertSet
 	closed bool
 }
 
-func (l *loaded) Set() *kernels.ExpertSet { return l.set }
+func (l *loaded) Set() *moe.ExpertSet { return l.set }
 
 func (l *loaded) Close() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.closed = true
-	l.set = &kernels.ExpertSet{Activation: l.set.Activation, E: l.set.E, K: l.set.K, N: l.set.N}
+	l.set = &moe.ExpertSet{Activation: l.set.Activation, E: l.set.E, K: l.set.K, N: l.set.N}
 	return nil
 }
 
 // Load implements kernels.Backend. The CPU backend computes straight from
 // the set's FP8 slices, so loading copies nothing.
-func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+func (b *Backend) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -107,7 +108,7 @@ func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loa
 var errDevice = fmt.Errorf("cpu: %w: a tensor or the output is in device memory (CUDA IPC); the cpu backend computes on host memory only", kernels.ErrUnsupported)
 
 // FusedMoE implements kernels.Backend.
-func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	if req.Hidden.Dev != 0 || req.Logits.Dev != 0 || req.OutDev != 0 {
 		return nil, errDevice
 	}

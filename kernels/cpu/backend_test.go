@@ -12,6 +12,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -34,7 +35,7 @@ func TestFP32Output(t *testing.T) {
 		if i%3 != 0 {
 			continue
 		}
-		c.Opts = append(c.Opts[:len(c.Opts):len(c.Opts)], kerneltest.WithOutput(kernels.Float32))
+		c.Opts = append(c.Opts[:len(c.Opts):len(c.Opts)], kerneltest.WithOutput(moe.Float32))
 		c.Tol = 1e-5
 		cases = append(cases, c)
 	}
@@ -47,7 +48,7 @@ func TestActivations(t *testing.T) {
 	cases := kerneltest.ActivationCases()
 	for _, c := range kerneltest.ActivationCases() {
 		c.Name += "/fp32-out/tight"
-		c.Opts = append(c.Opts[:len(c.Opts):len(c.Opts)], kerneltest.WithOutput(kernels.Float32))
+		c.Opts = append(c.Opts[:len(c.Opts):len(c.Opts)], kerneltest.WithOutput(moe.Float32))
 		c.Tol = 1e-5
 		cases = append(cases, c)
 	}
@@ -119,11 +120,11 @@ func TestDeviceTensorsRefused(t *testing.T) {
 	const addr = 0x7f0000001000
 	tests := []struct {
 		name string
-		edit func(r *kernels.Request)
+		edit func(r *moe.Request)
 	}{
-		{"hidden", func(r *kernels.Request) { r.Hidden.Dev, r.Hidden.Data = addr, nil }},
-		{"logits", func(r *kernels.Request) { r.Logits.Dev, r.Logits.Data = addr, nil }},
-		{"output", func(r *kernels.Request) { r.OutDev = addr }},
+		{"hidden", func(r *moe.Request) { r.Hidden.Dev, r.Hidden.Data = addr, nil }},
+		{"logits", func(r *moe.Request) { r.Logits.Dev, r.Logits.Data = addr, nil }},
+		{"output", func(r *moe.Request) { r.OutDev = addr }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -170,11 +171,11 @@ func TestChunks(t *testing.T) {
 		opts  []kerneltest.Option
 	}{
 		{"bf16 dynamic per group", deepseek, nil},
-		{"fp8 per token", deepseek, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithGranularity(scaling.PerChannel)}},
-		{"fp8 per group", deepseek, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.Block)}},
-		{"fp8 per tensor", deepseek, []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}},
-		{"fp32 static, precomputed", deepseek, []kerneltest.Option{kerneltest.WithHidden(kernels.Float32), kerneltest.WithStaticScales(), kerneltest.WithPrecomputedRouting()}},
-		{"odd rows, tiles decoded or not", mixtral, []kerneltest.Option{kerneltest.WithOutput(kernels.Float32)}},
+		{"fp8 per token", deepseek, []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithGranularity(scaling.PerChannel)}},
+		{"fp8 per group", deepseek, []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.Block)}},
+		{"fp8 per tensor", deepseek, []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}},
+		{"fp32 static, precomputed", deepseek, []kerneltest.Option{kerneltest.WithHidden(moe.Float32), kerneltest.WithStaticScales(), kerneltest.WithPrecomputedRouting()}},
+		{"odd rows, tiles decoded or not", mixtral, []kerneltest.Option{kerneltest.WithOutput(moe.Float32)}},
 	}
 	rng := rand.New(rand.NewPCG(5, 6))
 	for _, tt := range tests {

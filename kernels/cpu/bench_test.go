@@ -9,12 +9,13 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
 // nemotronSet is the full-size Nemotron layer (E=128, K=2688, N=1856,
 // 1.28 GB of FP8), built once per process and only by benchmarks.
-var nemotronSet = sync.OnceValue(func() *kernels.ExpertSet {
+var nemotronSet = sync.OnceValue(func() *moe.ExpertSet {
 	s := kerneltest.Nemotron
 	rng := rand.New(rand.NewPCG(11, 12))
 	// Quantizing 1.28 G float32 weights would need 5 GB and minutes; the
@@ -30,7 +31,7 @@ var nemotronSet = sync.OnceValue(func() *kernels.ExpertSet {
 		}
 		return w
 	}
-	set := &kernels.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N,
+	set := &moe.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N,
 		W13: fill(s.E * s.Rows1() * s.K), W2: fill(s.E * s.K * s.N)}
 	var err error
 	if set.W13Scale, err = scaling.NewWeightScale(nil, []float32{1.0 / 100}, s.E, s.Rows1(), s.K, [2]int{}); err != nil {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -39,21 +40,21 @@ type goldenCase struct {
 	WantWeights    []float32 `json:"want_weights"`
 }
 
-func dtypeNamed(t *testing.T, s string) kernels.DType {
+func dtypeNamed(t *testing.T, s string) moe.DType {
 	switch s {
 	case "float32":
-		return kernels.Float32
+		return moe.Float32
 	case "bfloat16":
-		return kernels.BFloat16
+		return moe.BFloat16
 	}
 	t.Fatalf("unknown dtype %q", s)
 	return 0
 }
 
-func (g *goldenCase) build(t *testing.T) (*kernels.ExpertSet, *kernels.Request) {
-	set := &kernels.ExpertSet{Activation: kernels.Relu2, E: g.E, K: g.K, N: g.N, W13: g.W13, W2: g.W2}
+func (g *goldenCase) build(t *testing.T) (*moe.ExpertSet, *moe.Request) {
+	set := &moe.ExpertSet{Activation: moe.Relu2, E: g.E, K: g.K, N: g.N, W13: g.W13, W2: g.W2}
 	if g.Activation == "silu_gated" {
-		set.Activation = kernels.SiluGated
+		set.Activation = moe.SiluGated
 	}
 	if len(g.Block) == 2 {
 		set.Block = [2]int{g.Block[0], g.Block[1]}
@@ -67,24 +68,24 @@ func (g *goldenCase) build(t *testing.T) (*kernels.ExpertSet, *kernels.Request) 
 	if err != nil {
 		t.Fatalf("w2 scale: %v", err)
 	}
-	req := &kernels.Request{
+	req := &moe.Request{
 		Hidden: tensorOf(dtypeNamed(t, g.HiddenDType), g.Hidden, g.M, g.K),
-		Logits: tensorOf(kernels.Float32, g.Logits, g.M, g.E),
-		Routing: kernels.Routing{TopK: g.TopK, Renormalize: g.Renormalize, Scoring: kernels.Softmax,
+		Logits: tensorOf(moe.Float32, g.Logits, g.M, g.E),
+		Routing: moe.Routing{TopK: g.TopK, Renormalize: g.Renormalize, Scoring: moe.Softmax,
 			CorrectionBias: g.Bias, NumGroups: g.NumGroups, TopKGroups: g.TopKGroups, ScalingFactor: g.ScalingFactor},
 		OutDType: dtypeNamed(t, g.OutDType),
 	}
 	if g.Scoring == "sigmoid" {
-		req.Routing.Scoring = kernels.Sigmoid
+		req.Routing.Scoring = moe.Sigmoid
 	}
 	return set, req
 }
 
 // tensorOf encodes float32 values (exactly representable in dt) as a tensor.
-func tensorOf(dt kernels.DType, v []float32, rows, cols int) kernels.Tensor {
-	t := kernels.Tensor{DType: dt, Shape: []int{rows, cols}, Data: make([]byte, len(v)*dt.Size())}
+func tensorOf(dt moe.DType, v []float32, rows, cols int) moe.Tensor {
+	t := moe.Tensor{DType: dt, Shape: []int{rows, cols}, Data: make([]byte, len(v)*dt.Size())}
 	for i, x := range v {
-		if dt == kernels.BFloat16 {
+		if dt == moe.BFloat16 {
 			h := scaling.Float32ToBF16(x)
 			t.Data[2*i], t.Data[2*i+1] = byte(h), byte(h>>8)
 		} else {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math"
 
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
@@ -27,7 +26,7 @@ type plan struct {
 	iota    []int32 // [M*TopK] position -> position
 }
 
-func newPlan(set *kernels.ExpertSet, m, topK int, ids []int32, weights []float32) *plan {
+func newPlan(set *moe.ExpertSet, m, topK int, ids []int32, weights []float32) *plan {
 	p := &plan{m: m, topK: topK, ids: ids, weights: weights}
 	n := m * topK
 	p.off = make([]int, set.E+1)
@@ -57,7 +56,7 @@ func newPlan(set *kernels.ExpertSet, m, topK int, ids []int32, weights []float32
 
 // segments is how a reduction of length k splits into scale segments: Bk
 // in block mode, one segment of k otherwise.
-func segments(set *kernels.ExpertSet, k int) (seg, nseg int) {
+func segments(set *moe.ExpertSet, k int) (seg, nseg int) {
 	if bk := set.Block[1]; bk > 0 {
 		return bk, (k + bk - 1) / bk
 	}
@@ -72,7 +71,7 @@ const maxChunk = 1024
 
 // run is the whole op on a validated request: routing for every token,
 // then the expert pipeline over chunks of at most maxChunk tokens.
-func (b *Backend) run(ctx context.Context, set *kernels.ExpertSet, req *kernels.Request) (*kernels.Result, error) {
+func (b *Backend) run(ctx context.Context, set *moe.ExpertSet, req *moe.Request) (*moe.Result, error) {
 	m, topK := req.M(), req.Routing.TopK
 	var ids []int32
 	var weights []float32
@@ -105,11 +104,11 @@ func (b *Backend) run(ctx context.Context, set *kernels.ExpertSet, req *kernels.
 			return nil, err
 		}
 	}
-	return &kernels.Result{Output: out, TopKIDs: ids, TopKWeights: weights}, nil
+	return &moe.Result{Output: out, TopKIDs: ids, TopKWeights: weights}, nil
 }
 
 // pass runs tokens [t0, t1) of req through the experts into out.
-func (b *Backend) pass(ctx context.Context, set *kernels.ExpertSet, req *kernels.Request, t0, t1 int,
+func (b *Backend) pass(ctx context.Context, set *moe.ExpertSet, req *moe.Request, t0, t1 int,
 	ids []int32, weights []float32, out []byte) error {
 	m, topK := t1-t0, req.Routing.TopK
 	p := newPlan(set, m, topK, ids, weights)
@@ -149,15 +148,15 @@ func (b *Backend) pass(ctx context.Context, set *kernels.ExpertSet, req *kernels
 }
 
 // decodeFloats widens FP32 or BF16 tensor bytes to float32.
-func decodeFloats(t kernels.Tensor) []float32 {
+func decodeFloats(t moe.Tensor) []float32 {
 	n := t.Numel()
 	out := make([]float32, n)
 	switch t.DType {
-	case kernels.BFloat16:
+	case moe.BFloat16:
 		for i := range out {
 			out[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(t.Data[2*i:]))
 		}
-	default: // kernels.Float32
+	default: // moe.Float32
 		for i := range out {
 			out[i] = math.Float32frombits(binary.LittleEndian.Uint32(t.Data[4*i:]))
 		}
@@ -170,11 +169,11 @@ func decodeFloats(t kernels.Tensor) []float32 {
 // M·nseg values); BF16/FP32 input is quantized here: with the static
 // A13Scale when the set has one, else dynamically per token (per group of
 // Bk in block mode).
-func (b *Backend) quantizeHidden(set *kernels.ExpertSet, req *kernels.Request, t0, t1, seg, nseg int) ([]float32, []float32) {
+func (b *Backend) quantizeHidden(set *moe.ExpertSet, req *moe.Request, t0, t1, seg, nseg int) ([]float32, []float32) {
 	m, k := t1-t0, set.K
 	a := make([]float32, m*k)
 	aS := make([]float32, m*nseg)
-	if req.Hidden.DType == kernels.Float8E4M3FN {
+	if req.Hidden.DType == moe.Float8E4M3FN {
 		decodeFP8(a, req.Hidden.Data[t0*k:t1*k])
 		for t := range m {
 			for s := range nseg {
@@ -184,7 +183,7 @@ func (b *Backend) quantizeHidden(set *kernels.ExpertSet, req *kernels.Request, t
 		return a, aS
 	}
 	sz := req.Hidden.DType.Size()
-	src := decodeFloats(kernels.Tensor{DType: req.Hidden.DType, Shape: []int{m, k}, Data: req.Hidden.Data[t0*k*sz : t1*k*sz]})
+	src := decodeFloats(moe.Tensor{DType: req.Hidden.DType, Shape: []int{m, k}, Data: req.Hidden.Data[t0*k*sz : t1*k*sz]})
 	q := make([]uint8, m*k)
 	if set.A13Scale != nil {
 		sc := scaling.ClampScale(*set.A13Scale)
@@ -203,7 +202,7 @@ func (b *Backend) quantizeHidden(set *kernels.ExpertSet, req *kernels.Request, t
 // a (selected by rows[off[e]:off[e+1]]) against all R rows of its weights
 // w [E, R, k], into c[position, R]. Work items are (expert, weight tile)
 // pairs so that even one token's six experts spread over every core.
-func (b *Backend) grouped(set *kernels.ExpertSet, w []byte, ws scaling.WeightScale, R, k, seg, nseg int,
+func (b *Backend) grouped(set *moe.ExpertSet, w []byte, ws scaling.WeightScale, R, k, seg, nseg int,
 	a, aS []float32, p *plan, rows []int32, c []float32) {
 	tr := tileRows(k)
 	type item struct{ e, r0 int }
@@ -253,7 +252,7 @@ func (b *Backend) grouped(set *kernels.ExpertSet, w []byte, ws scaling.WeightSca
 // to FP8: static A2Scale when set, else dynamic per row (per group of Bk
 // in block mode). x receives the decoded FP8 values [n, N], xS the scales
 // [n, nseg].
-func (b *Backend) activate(set *kernels.ExpertSet, h []float32, expert []int32, x, xS []float32, n, seg, nseg int) {
+func (b *Backend) activate(set *moe.ExpertSet, h []float32, expert []int32, x, xS []float32, n, seg, nseg int) {
 	N, R1 := set.N, set.Rows1()
 	const chunk = 16
 	qs := make([][]uint8, b.workers)
@@ -289,15 +288,15 @@ func (b *Backend) activate(set *kernels.ExpertSet, h []float32, expert []int32, 
 
 // activateRow writes the activation of one GEMM1 output row h (bias
 // added) into x.
-func activateRow(set *kernels.ExpertSet, x, h []float32) {
+func activateRow(set *moe.ExpertSet, x, h []float32) {
 	switch set.Activation {
-	case kernels.Relu2:
+	case moe.Relu2:
 		for j := range x {
 			v := max(h[j], 0)
 			x[j] = v * v
 		}
 		return
-	case kernels.SwigluOAI:
+	case moe.SwigluOAI:
 		limit, alpha := set.SwigluLimit, set.SwigluAlpha
 		for j := range x {
 			gr, ur := set.GateUp(j)
@@ -309,11 +308,11 @@ func activateRow(set *kernels.ExpertSet, x, h []float32) {
 	}
 	var f func(float32) float32
 	switch set.Activation {
-	case kernels.GeluTanhGated:
+	case moe.GeluTanhGated:
 		f = geluTanh
-	case kernels.GeluGated:
+	case moe.GeluGated:
 		f = gelu
-	default: // kernels.SiluGated
+	default: // moe.SiluGated
 		f = func(g float32) float32 { return g * sigmoid(g) }
 	}
 	for j := range x {
@@ -336,7 +335,7 @@ func gelu(x float32) float32 { return 0.5 * x * (1 + float32(math.Erf(float64(x)
 // combine adds each pair's GEMM2 bias, sums each token's expert outputs
 // weighted by its routing weights, in slot order, and encodes the [M, K]
 // result into out.
-func (b *Backend) combine(set *kernels.ExpertSet, p *plan, y []float32, dt kernels.DType, out []byte) {
+func (b *Backend) combine(set *moe.ExpertSet, p *plan, y []float32, dt moe.DType, out []byte) {
 	k := set.K
 	// Poison first (0xFF is NaN in FP32 and BF16): an element the loop
 	// below missed reads NaN, which fails every check, not a plausible zero.
@@ -362,7 +361,7 @@ func (b *Backend) combine(set *kernels.ExpertSet, p *plan, y []float32, dt kerne
 					acc[i] += w * v
 				}
 			}
-			if dt == kernels.Float32 {
+			if dt == moe.Float32 {
 				o := out[t*k*4 : (t+1)*k*4]
 				for i, v := range acc {
 					binary.LittleEndian.PutUint32(o[4*i:], math.Float32bits(v))

@@ -19,6 +19,7 @@ import (
 	"unsafe"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -49,8 +50,15 @@ type Backend struct {
 // New opens the library named by cfg.LibraryPath (or found by the default
 // search, see findLibrary) on GPU cfg.Device and self-tests it.
 func New(cfg kernels.Config) (*Backend, error) {
-	opts, err := ParseOptions(cfg.Options)
-	if err != nil {
+	opts := DefaultOptions()
+	switch o := cfg.Options.(type) {
+	case nil:
+	case Options:
+		opts = o
+	default:
+		return nil, fmt.Errorf("cuda: options of type %T, want cuda.Options", cfg.Options)
+	}
+	if err := opts.Validate(); err != nil {
 		return nil, err
 	}
 	lib, err := openLibrary(cfg.LibraryPath)
@@ -103,7 +111,7 @@ func (b *Backend) Name() string { return "cuda" }
 // Capabilities implements kernels.Backend.
 func (b *Backend) Capabilities() kernels.Capabilities {
 	return kernels.Capabilities{
-		Activations:   []kernels.Activation{kernels.SiluGated, kernels.Relu2},
+		Activations:   []moe.Activation{moe.SiluGated, moe.Relu2},
 		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block},
 		Devices:       []string{b.info},
 		Details:       b.opts.Map(),
@@ -138,12 +146,12 @@ var errClosed = errors.New("cuda: backend is closed")
 // loaded is an expert set resident in GPU memory.
 type loaded struct {
 	b      *Backend
-	meta   *kernels.ExpertSet // weights dropped: they live on the GPU
+	meta   *moe.ExpertSet // weights dropped: they live on the GPU
 	mu     sync.RWMutex
 	handle uint64
 }
 
-func (l *loaded) Set() *kernels.ExpertSet { return l.meta }
+func (l *loaded) Set() *moe.ExpertSet { return l.meta }
 
 // Close implements kernels.Loaded; calls in flight finish first.
 func (l *loaded) Close() error {
@@ -189,15 +197,15 @@ func (b *Backend) call(op string, f func() int32) error {
 
 // Load implements kernels.Backend: it uploads the weights and keeps only
 // the set's metadata on the host.
-func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+func (b *Backend) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
 	var act int32
 	switch set.Activation {
-	case kernels.SiluGated:
+	case moe.SiluGated:
 		act = actSiluGated
-	case kernels.Relu2:
+	case moe.Relu2:
 		act = actRelu2
 	default:
 		return nil, fmt.Errorf("cuda: activation %v: %w", set.Activation, kernels.ErrUnsupported)
@@ -263,7 +271,7 @@ func (b *Backend) Load(ctx context.Context, set *kernels.ExpertSet) (kernels.Loa
 // bn = 1 when either scale is per-channel, else the set's Bn. The set's
 // activations are quantized per group of Bk whatever its weight scales, as
 // kernels/cpu does, which is why block mode is kept for them at all.
-func blockScales(set *kernels.ExpertSet) (s13, s2 []float32, bn int) {
+func blockScales(set *moe.ExpertSet) (s13, s2 []float32, bn int) {
 	bn, bk := set.Block[0], set.Block[1]
 	g13, g2 := set.W13Scale.Granularity, set.W2Scale.Granularity
 	if g13 == scaling.Block && g2 == scaling.Block {
@@ -293,7 +301,7 @@ func expandBlocks(ws scaling.WeightScale, e, rows, cols, bn, bk int) []float32 {
 
 // FusedMoE implements kernels.Backend. Hidden and Logits may be device
 // tensors and the output may go to device memory (Request.OutDev).
-func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	out := req.Out
 	if n := req.M() * setOf(set).K * req.OutDType.Size(); len(out) != n && req.OutDev == 0 {
 		if out != nil {
@@ -306,7 +314,7 @@ func (b *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *kernels
 
 // addr is the address of a tensor's bytes: its device address, or that of
 // its host bytes (0 when it has neither).
-func addr(t kernels.Tensor) uintptr {
+func addr(t moe.Tensor) uintptr {
 	if t.Dev != 0 {
 		return t.Dev
 	}
@@ -316,21 +324,21 @@ func addr(t kernels.Tensor) uintptr {
 	return uintptr(unsafe.Pointer(&t.Data[0]))
 }
 
-func setOf(l kernels.Loaded) *kernels.ExpertSet { return l.Set() }
+func setOf(l kernels.Loaded) *moe.ExpertSet { return l.Set() }
 
 // dtypeCode is the ABI's code for a tensor element type the library takes
 // in that place, or 0.
-func dtypeCode(dt kernels.DType, allowed ...kernels.DType) int32 {
+func dtypeCode(dt moe.DType, allowed ...moe.DType) int32 {
 	for _, a := range allowed {
 		if dt != a {
 			continue
 		}
 		switch dt {
-		case kernels.Float32:
+		case moe.Float32:
 			return dtypeFloat32
-		case kernels.BFloat16:
+		case moe.BFloat16:
 			return dtypeBFloat16
-		case kernels.Float8E4M3FN:
+		case moe.Float8E4M3FN:
 			return dtypeFloat8
 		}
 	}
@@ -340,7 +348,7 @@ func dtypeCode(dt kernels.DType, allowed ...kernels.DType) int32 {
 // tensorBuf describes a request tensor to the library: device tensors say
 // so; host bytes may be Go memory or a page-locked shared-memory mapping,
 // which only the driver can tell apart.
-func tensorBuf(t kernels.Tensor, dtype int32) cBuf {
+func tensorBuf(t moe.Tensor, dtype int32) cBuf {
 	if t.Dev != 0 {
 		return cBuf{data: t.Dev, dtype: dtype, mem: memDevice}
 	}
@@ -360,13 +368,13 @@ func goBuf[T any](s []T) cBuf {
 // host output (unless req.OutDev is set), as the library's expertd_call.
 // The routing results come back in the returned slices (nil, and not
 // asked of the library, under req.NoRouting), the kernel time in *ms.
-func packCall(meta *kernels.ExpertSet, req *kernels.Request, out []byte, gemm int64, graph bool, ms *float32) (*cCall, []int32, []float32, error) {
+func packCall(meta *moe.ExpertSet, req *moe.Request, out []byte, gemm int64, graph bool, ms *float32) (*cCall, []int32, []float32, error) {
 	m, topK := req.M(), req.Routing.TopK
 	if topK < 1 || topK > maxTopK || topK > meta.E {
 		return nil, nil, nil, fmt.Errorf("cuda: top_k %d with %d experts (max %d): %w", topK, meta.E, maxTopK, kernels.ErrUnsupported)
 	}
 	c := &cCall{size: callBytes, version: abiVersion, m: int32(m), topK: int32(topK), gemm: int32(gemm)}
-	hd := dtypeCode(req.Hidden.DType, kernels.Float32, kernels.BFloat16, kernels.Float8E4M3FN)
+	hd := dtypeCode(req.Hidden.DType, moe.Float32, moe.BFloat16, moe.Float8E4M3FN)
 	if hd == 0 {
 		return nil, nil, nil, fmt.Errorf("cuda: hidden dtype %v: %w", req.Hidden.DType, kernels.ErrUnsupported)
 	}
@@ -378,7 +386,7 @@ func packCall(meta *kernels.ExpertSet, req *kernels.Request, out []byte, gemm in
 		c.nHiddenScale = int32(n)
 		c.hiddenScale = goBuf(req.HiddenScale)
 	}
-	od := dtypeCode(req.OutDType, kernels.Float32, kernels.BFloat16)
+	od := dtypeCode(req.OutDType, moe.Float32, moe.BFloat16)
 	if od == 0 {
 		return nil, nil, nil, fmt.Errorf("cuda: output dtype %v: %w", req.OutDType, kernels.ErrUnsupported)
 	}
@@ -387,7 +395,7 @@ func packCall(meta *kernels.ExpertSet, req *kernels.Request, out []byte, gemm in
 		c.renormalize = 1
 	}
 	c.scoring = scoringSoftmax
-	if r.Scoring == kernels.Sigmoid {
+	if r.Scoring == moe.Sigmoid {
 		c.scoring = scoringSigmoid
 	}
 	c.numGroups, c.topKGroups = int32(r.NumGroups), int32(r.TopKGroups)
@@ -401,7 +409,7 @@ func packCall(meta *kernels.ExpertSet, req *kernels.Request, out []byte, gemm in
 		}
 		c.topKIDsIn, c.topKWeightsIn = goBuf(req.TopKIDs), goBuf(req.TopKWeights)
 	} else {
-		ld := dtypeCode(req.Logits.DType, kernels.Float32, kernels.BFloat16)
+		ld := dtypeCode(req.Logits.DType, moe.Float32, moe.BFloat16)
 		if ld == 0 {
 			return nil, nil, nil, fmt.Errorf("cuda: logits dtype %v: %w", req.Logits.DType, kernels.ErrUnsupported)
 		}
@@ -419,7 +427,7 @@ func packCall(meta *kernels.ExpertSet, req *kernels.Request, out []byte, gemm in
 	if req.OutDev != 0 {
 		c.out = cBuf{data: req.OutDev, dtype: od, mem: memDevice}
 	} else {
-		c.out = tensorBuf(kernels.Tensor{Data: out}, od)
+		c.out = tensorBuf(moe.Tensor{Data: out}, od)
 	}
 	var ids []int32
 	var w []float32
@@ -433,7 +441,7 @@ func packCall(meta *kernels.ExpertSet, req *kernels.Request, out []byte, gemm in
 
 // run is FusedMoE with the output buffer, GEMM path and graph use chosen by
 // the caller (tests poison out and compare paths).
-func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Request, out []byte, gemm int64, graph bool) (*kernels.Result, error) {
+func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *moe.Request, out []byte, gemm int64, graph bool) (*moe.Result, error) {
 	l, ok := set.(*loaded)
 	if !ok || l.b != b {
 		return nil, fmt.Errorf("cuda: expert set %T was not loaded by this backend", set)
@@ -470,5 +478,5 @@ func (b *Backend) run(ctx context.Context, set kernels.Loaded, req *kernels.Requ
 	if err != nil {
 		return nil, err
 	}
-	return &kernels.Result{Output: out, TopKIDs: ids, TopKWeights: w, KernelNanos: int64(float64(*ms) * 1e6)}, nil
+	return &moe.Result{Output: out, TopKIDs: ids, TopKWeights: w, KernelNanos: int64(float64(*ms) * 1e6)}, nil
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -34,7 +35,12 @@ var (
 
 func gpuBackend(t *testing.T) *Backend {
 	t.Helper()
-	testOnce.Do(func() { testBackend, testErr = New(kernels.Config{Options: envOptions()}) })
+	testOnce.Do(func() {
+		var o Options
+		if o, testErr = ParseOptions(envOptions()); testErr == nil {
+			testBackend, testErr = New(kernels.Config{LibraryPath: os.Getenv("EXPERTD_LIBRARY_PATH"), Options: o})
+		}
+	})
 	if testErr != nil {
 		if os.Getenv("EXPERTD_CUDA_REQUIRE") == "1" {
 			t.Fatalf("cuda backend: %v", testErr)
@@ -67,7 +73,7 @@ func envOptions() map[string]string {
 	return kv
 }
 
-func TestOpenRejectsBadOptions(t *testing.T) {
+func TestParseOptionsRejectsBadValues(t *testing.T) {
 	for _, tc := range []struct {
 		kv   map[string]string
 		want string
@@ -80,9 +86,26 @@ func TestOpenRejectsBadOptions(t *testing.T) {
 		{map[string]string{"pdl": "maybe"}, "pdl"},
 		{map[string]string{"warp-speed": "1"}, "unknown option"},
 	} {
-		if _, err := New(kernels.Config{Options: tc.kv}); err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("New with %v: %v, want an error naming %q", tc.kv, err, tc.want)
+		if _, err := ParseOptions(tc.kv); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("ParseOptions(%v): %v, want an error naming %q", tc.kv, err, tc.want)
 		}
+	}
+}
+
+// TestNewValidatesTypedOptions checks New refuses out-of-range typed
+// options before it looks for the library, and options of another type.
+func TestNewValidatesTypedOptions(t *testing.T) {
+	missing := t.TempDir() + "/missing/libexpertd_cuda.so"
+	o := DefaultOptions()
+	o.Streams = 0
+	if _, err := New(kernels.Config{LibraryPath: missing, Options: o}); err == nil || !strings.Contains(err.Error(), `option streams="0"`) {
+		t.Errorf("New with Streams 0: %v, want an error naming streams", err)
+	}
+	if _, err := New(kernels.Config{LibraryPath: missing, Options: map[string]string{"streams": "2"}}); err == nil || !strings.Contains(err.Error(), "want cuda.Options") {
+		t.Errorf("New with a map: %v, want a type error", err)
+	}
+	if _, err := New(kernels.Config{LibraryPath: missing}); !errors.Is(err, errNoLibrary) {
+		t.Errorf("New with default options: %v, want errNoLibrary", err)
 	}
 }
 
@@ -127,7 +150,7 @@ type gemmPath struct {
 // paths lists the GEMM implementations to compare on this card for set
 // (sm90 takes K and N multiples of 16, every weight-scale granularity, and
 // in block mode Bk = 128; it is listed as unsupported for other blocks).
-func paths(b *Backend, set *kernels.ExpertSet) []gemmPath {
+func paths(b *Backend, set *moe.ExpertSet) []gemmPath {
 	ps := []gemmPath{{name: "portable", gemm: gemmPortable}, {name: "portable-f16", gemm: gemmPortableF16}}
 	if strings.Contains(b.info, "gemm=sm90") && set.K%16 == 0 && set.N%16 == 0 {
 		ps = append(ps, gemmPath{name: "sm90", gemm: gemmSM90, unsupported: !sm90Block(set)})
@@ -137,7 +160,7 @@ func paths(b *Backend, set *kernels.ExpertSet) []gemmPath {
 
 // sm90Block says whether the Hopper kernels take set's block shape: none,
 // or Bk = 128 (one pipeline stage) with any Bn.
-func sm90Block(set *kernels.ExpertSet) bool {
+func sm90Block(set *moe.ExpertSet) bool {
 	return set.Block == [2]int{} || set.Block[1] == 128
 }
 
@@ -148,22 +171,22 @@ func extraCases() []kerneltest.Case {
 	nemo := kerneltest.Nemotron.Scaled(512, 384)
 	qwen := kerneltest.Qwen3.Scaled(512, 256)
 	mix := kerneltest.Mixtral.Scaled(256, 512)
-	odd := kerneltest.Shape{Name: "odd", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
-		Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
-	oddRelu := kerneltest.Shape{Name: "odd-relu2", Activation: kernels.Relu2, E: 5, TopK: 2, K: 33, N: 71,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	odd := kerneltest.Shape{Name: "odd", Activation: moe.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
+		Scoring: moe.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
+	oddRelu := kerneltest.Shape{Name: "odd-relu2", Activation: moe.Relu2, E: 5, TopK: 2, K: 33, N: 71,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
 	return []kerneltest.Case{
 		{Name: "odd/K=77,N=45/M=11", Shape: odd, M: 11},
 		{Name: "odd/K=77,N=45/M=1/fp32-in/fp32-out", Shape: odd, M: 1,
-			Opts: []kerneltest.Option{kerneltest.WithHidden(kernels.Float32), kerneltest.WithOutput(kernels.Float32)}},
+			Opts: []kerneltest.Option{kerneltest.WithHidden(moe.Float32), kerneltest.WithOutput(moe.Float32)}},
 		{Name: "odd/relu2/K=33,N=71/M=29/static", Shape: oddRelu, M: 29, Opts: []kerneltest.Option{kerneltest.WithStaticScales()}},
 		{Name: "odd/relu2/K=33,N=71/M=7/fp8-in-per-tensor", Shape: oddRelu, M: 7,
-			Opts: []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}},
+			Opts: []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.PerTensor)}},
 		{Name: "x16/Nemotron/M=1", Shape: nemo, M: 1},
 		{Name: "x16/Nemotron/M=64", Shape: nemo, M: 64},
 		{Name: "x16/Nemotron/M=300/static", Shape: nemo, M: 300, Opts: []kerneltest.Option{kerneltest.WithStaticScales()}},
 		{Name: "x16/Qwen3/M=200/per-expert", Shape: qwen, M: 200, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerExpert)}},
-		{Name: "x16/Qwen3/M=3/static/fp8-in", Shape: qwen, M: 3, Opts: []kerneltest.Option{kerneltest.WithStaticScales(), kerneltest.WithHidden(kernels.Float8E4M3FN)}},
+		{Name: "x16/Qwen3/M=3/static/fp8-in", Shape: qwen, M: 3, Opts: []kerneltest.Option{kerneltest.WithStaticScales(), kerneltest.WithHidden(moe.Float8E4M3FN)}},
 		{Name: "x16/Mixtral/M=160", Shape: mix, M: 160},
 		{Name: "x16/Mixtral/M=700/all-to-one", Shape: mix, M: 700, Opts: []kerneltest.Option{kerneltest.WithAllTokensTo(3)}},
 	}
@@ -180,19 +203,19 @@ func extraCases() []kerneltest.Case {
 func blockCases() []kerneltest.Case {
 	ds := kerneltest.DeepSeekV3.Scaled(512, 256)
 	ds.E = 32 // 8 groups of 4: top-4 groups leave 16 candidates for top-8
-	oddG := kerneltest.Shape{Name: "odd-gated", Activation: kernels.SiluGated, E: 8, TopK: 3, K: 320, N: 200,
-		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 4, TopKGroups: 2, ScalingFactor: 2.5,
+	oddG := kerneltest.Shape{Name: "odd-gated", Activation: moe.SiluGated, E: 8, TopK: 3, K: 320, N: 200,
+		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, NumGroups: 4, TopKGroups: 2, ScalingFactor: 2.5,
 		Block: [2]int{128, 128}}
-	oddR := kerneltest.Shape{Name: "odd-relu2", Activation: kernels.Relu2, E: 6, TopK: 2, K: 333, N: 77,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}
-	pc := kerneltest.Shape{Name: "pc", Activation: kernels.SiluGated, E: 16, TopK: 4, K: 512, N: 256,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	oddR := kerneltest.Shape{Name: "odd-relu2", Activation: moe.Relu2, E: 6, TopK: 2, K: 333, N: 77,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}
+	pc := kerneltest.Shape{Name: "pc", Activation: moe.SiluGated, E: 16, TopK: 4, K: 512, N: 256,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
 	// K and N multiples of 16 but not of the sm90 tiles' 32/64/128 output
 	// channels or 128-byte K stages: the last channel tile is partial.
-	pcG := kerneltest.Shape{Name: "pc-gated", Activation: kernels.SiluGated, E: 8, TopK: 2, K: 400, N: 208,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
-	pcR := kerneltest.Shape{Name: "pc-relu2", Activation: kernels.Relu2, E: 8, TopK: 2, K: 400, N: 208,
-		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 1, TopKGroups: 1, ScalingFactor: 2.5}
+	pcG := kerneltest.Shape{Name: "pc-gated", Activation: moe.SiluGated, E: 8, TopK: 2, K: 400, N: 208,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
+	pcR := kerneltest.Shape{Name: "pc-relu2", Activation: moe.Relu2, E: 8, TopK: 2, K: 400, N: 208,
+		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, NumGroups: 1, TopKGroups: 1, ScalingFactor: 2.5}
 	// Block sets the sm90 path takes (Bk = 128, K and N multiples of 16):
 	// partial last K block, channel tile and row blocks; gate and up rows
 	// of one channel tile in different row blocks (N = 208).
@@ -201,12 +224,12 @@ func blockCases() []kerneltest.Case {
 	x16R := pcR
 	x16R.Name, x16R.Block = "x16-relu2", [2]int{128, 128}
 	perCh := kerneltest.WithGranularity(scaling.PerChannel)
-	fp8 := kerneltest.WithHidden(kernels.Float8E4M3FN)
+	fp8 := kerneltest.WithHidden(moe.Float8E4M3FN)
 	type opts = []kerneltest.Option
 	return []kerneltest.Case{
 		{Name: "block/DeepSeekV3/K=512,N=256/M=1", Shape: ds, M: 1},
 		{Name: "block/DeepSeekV3/K=512,N=256/M=64", Shape: ds, M: 64},
-		{Name: "block/DeepSeekV3/K=512,N=256/M=130/fp32-out", Shape: ds, M: 130, Opts: opts{kerneltest.WithOutput(kernels.Float32)}},
+		{Name: "block/DeepSeekV3/K=512,N=256/M=130/fp32-out", Shape: ds, M: 130, Opts: opts{kerneltest.WithOutput(moe.Float32)}},
 		{Name: "block/DeepSeekV3/K=512,N=256/M=40/fp8-in-per-group", Shape: ds, M: 40,
 			Opts: opts{fp8, kerneltest.WithHiddenScale(scaling.Block)}},
 		{Name: "block/DeepSeekV3/K=512,N=256/M=1/fp8-in-per-group", Shape: ds, M: 1,
@@ -228,12 +251,12 @@ func blockCases() []kerneltest.Case {
 		{Name: "block/x16-gated/K=400,N=208/block-64x128/M=33/fp8-in-per-group", Shape: x16G, M: 33,
 			Opts: opts{kerneltest.WithBlock(64, 128), fp8, kerneltest.WithHiddenScale(scaling.Block)}},
 		{Name: "block/x16-relu2/K=400,N=208/M=7", Shape: x16R, M: 7},
-		{Name: "block/x16-relu2/K=400,N=208/M=300/fp32-out", Shape: x16R, M: 300, Opts: opts{kerneltest.WithOutput(kernels.Float32)}},
+		{Name: "block/x16-relu2/K=400,N=208/M=300/fp32-out", Shape: x16R, M: 300, Opts: opts{kerneltest.WithOutput(moe.Float32)}},
 		{Name: "block/DeepSeekV3/K=512,N=256/M=600", Shape: ds, M: 600},
 		{Name: "block/odd-relu2/K=333,N=77/M=15", Shape: oddR, M: 15},
 		{Name: "block/odd-relu2/K=333,N=77/M=6/fp8-in-per-group", Shape: oddR, M: 6,
 			Opts: opts{fp8, kerneltest.WithHiddenScale(scaling.Block)}},
-		{Name: "block/odd-relu2/K=333,N=77/M=12/fp32-in", Shape: oddR, M: 12, Opts: opts{kerneltest.WithHidden(kernels.Float32)}},
+		{Name: "block/odd-relu2/K=333,N=77/M=12/fp32-in", Shape: oddR, M: 12, Opts: opts{kerneltest.WithHidden(moe.Float32)}},
 		{Name: "per-channel/K=512,N=256/M=50/fp8-in-per-token", Shape: pc, M: 50,
 			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), fp8}},
 		{Name: "per-channel/K=512,N=256/M=1/fp8-in-per-token", Shape: pc, M: 1,
@@ -243,7 +266,7 @@ func blockCases() []kerneltest.Case {
 		{Name: "per-channel/K=512,N=256/M=90/all-to-one", Shape: pc, M: 90,
 			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), kerneltest.WithAllTokensTo(4)}},
 		{Name: "per-channel/odd-relu2/K=333,N=77/M=19", Shape: oddR, M: 19,
-			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), kerneltest.WithOutput(kernels.Float32)}},
+			Opts: opts{kerneltest.WithGranularity(scaling.PerChannel), kerneltest.WithOutput(moe.Float32)}},
 		{Name: "per-channel/gated/K=400,N=208/M=3", Shape: pcG, M: 3, Opts: opts{perCh}},
 		{Name: "per-channel/gated/K=400,N=208/M=150", Shape: pcG, M: 150, Opts: opts{perCh}},
 		{Name: "per-channel/gated/K=400,N=208/M=600/static", Shape: pcG, M: 600, Opts: opts{perCh, kerneltest.WithStaticScales()}},
@@ -253,7 +276,7 @@ func blockCases() []kerneltest.Case {
 	}
 }
 
-func decode64(dt kernels.DType, b []byte) []float64 {
+func decode64(dt moe.DType, b []byte) []float64 {
 	f := kerneltest.DecodeOutput(dt, b)
 	out := make([]float64, len(f))
 	for i, x := range f {
@@ -290,7 +313,7 @@ func TestUnsupportedRefused(t *testing.T) {
 	b := gpuBackend(t)
 	for i, c := range kerneltest.ActivationCases() {
 		set, _ := c.New(rand.New(rand.NewPCG(uint64(i), 1)))
-		if set.Activation != kernels.Relu2 && set.Activation != kernels.SiluGated || set.W13Bias != nil {
+		if set.Activation != moe.Relu2 && set.Activation != moe.SiluGated || set.W13Bias != nil {
 			if _, err := b.Load(context.Background(), set); !errors.Is(err, kernels.ErrUnsupported) {
 				t.Errorf("%s: Load: %v, want kernels.ErrUnsupported", c.Name, err)
 			}
@@ -328,8 +351,8 @@ func TestCasesMixedBlock(t *testing.T) {
 	// K=400, N=208 (multiples of 16) is on the sm90 path too, whose block
 	// kernel then gets Bn = 1 for per-channel weights.
 	for _, kn := range [][2]int{{320, 200}, {400, 208}} {
-		shape := kerneltest.Shape{Name: "mixed", Activation: kernels.SiluGated, E: 8, TopK: 2, K: kn[0], N: kn[1],
-			Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+		shape := kerneltest.Shape{Name: "mixed", Activation: moe.SiluGated, E: 8, TopK: 2, K: kn[0], N: kn[1],
+			Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
 		for _, g := range []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel} {
 			seed := rand.Uint64()
 			set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 7)), shape, 23, kerneltest.WithGranularity(g))
@@ -344,7 +367,7 @@ func TestCasesMixedBlock(t *testing.T) {
 // the CPU backend ref within kerneltest.ReferenceTol's bound, exact routing
 // ids, every output element written (poisoned first), no NaN; a path that
 // cannot take the set must report kernels.ErrUnsupported.
-func checkCase(t *testing.T, b *Backend, ref kernels.Backend, name string, set *kernels.ExpertSet, req *kernels.Request) {
+func checkCase(t *testing.T, b *Backend, ref kernels.Backend, name string, set *moe.ExpertSet, req *moe.Request) {
 	t.Helper()
 	ctx := context.Background()
 	l, err := b.Load(ctx, set)
@@ -404,7 +427,7 @@ func checkCase(t *testing.T, b *Backend, ref kernels.Backend, name string, set *
 	}
 }
 
-func mustLoad(t *testing.T, b kernels.Backend, set *kernels.ExpertSet) kernels.Loaded {
+func mustLoad(t *testing.T, b kernels.Backend, set *moe.ExpertSet) kernels.Loaded {
 	t.Helper()
 	l, err := b.Load(context.Background(), set)
 	if err != nil {
@@ -419,20 +442,20 @@ func TestSmall(t *testing.T) {
 	b := gpuBackend(t)
 	ctx := context.Background()
 	for _, c := range []kerneltest.Case{
-		{Name: "odd", Shape: kerneltest.Shape{Name: "odd", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
-			Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}, M: 11},
+		{Name: "odd", Shape: kerneltest.Shape{Name: "odd", Activation: moe.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
+			Scoring: moe.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}, M: 11},
 		{Name: "x16", Shape: kerneltest.Nemotron.Scaled(256, 128), M: 33},
-		{Name: "block", Shape: kerneltest.Shape{Name: "block", Activation: kernels.SiluGated, E: 8, TopK: 3, K: 320, N: 200,
-			Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 9},
-		{Name: "block/x16", Shape: kerneltest.Shape{Name: "block16", Activation: kernels.SiluGated, E: 8, TopK: 3, K: 400, N: 208,
-			Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 9},
-		{Name: "block/x16-relu2/fp8-in-per-group", Shape: kerneltest.Shape{Name: "block16r", Activation: kernels.Relu2, E: 4, TopK: 2,
-			K: 256, N: 144, Scoring: kernels.Softmax, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 70,
-			Opts: []kerneltest.Option{kerneltest.WithHidden(kernels.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.Block)}},
-		{Name: "per-channel", Shape: kerneltest.Shape{Name: "pc", Activation: kernels.Relu2, E: 4, TopK: 2, K: 96, N: 70,
-			Scoring: kernels.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
-		{Name: "per-channel/x16", Shape: kerneltest.Shape{Name: "pc16", Activation: kernels.SiluGated, E: 4, TopK: 2, K: 96, N: 48,
-			Scoring: kernels.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
+		{Name: "block", Shape: kerneltest.Shape{Name: "block", Activation: moe.SiluGated, E: 8, TopK: 3, K: 320, N: 200,
+			Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 9},
+		{Name: "block/x16", Shape: kerneltest.Shape{Name: "block16", Activation: moe.SiluGated, E: 8, TopK: 3, K: 400, N: 208,
+			Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 9},
+		{Name: "block/x16-relu2/fp8-in-per-group", Shape: kerneltest.Shape{Name: "block16r", Activation: moe.Relu2, E: 4, TopK: 2,
+			K: 256, N: 144, Scoring: moe.Softmax, ScalingFactor: 1, Block: [2]int{128, 128}}, M: 70,
+			Opts: []kerneltest.Option{kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithHiddenScale(scaling.Block)}},
+		{Name: "per-channel", Shape: kerneltest.Shape{Name: "pc", Activation: moe.Relu2, E: 4, TopK: 2, K: 96, N: 70,
+			Scoring: moe.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
+		{Name: "per-channel/x16", Shape: kerneltest.Shape{Name: "pc16", Activation: moe.SiluGated, E: 4, TopK: 2, K: 96, N: 48,
+			Scoring: moe.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
 	} {
 		if !wantCase(c.Name) {
 			continue
@@ -465,9 +488,9 @@ func TestSmall(t *testing.T) {
 func TestMaskedRows(t *testing.T) {
 	b := gpuBackend(t)
 	for _, renorm := range []bool{false, true} {
-		shape := kerneltest.Shape{Name: "masked", Activation: kernels.SiluGated, E: 4, TopK: 3, K: 128, N: 64,
-			Scoring: kernels.Softmax, Renormalize: renorm, ScalingFactor: 1}
-		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(rand.Uint64(), 1)), shape, 3, kerneltest.WithLogits(kernels.Float32))
+		shape := kerneltest.Shape{Name: "masked", Activation: moe.SiluGated, E: 4, TopK: 3, K: 128, N: 64,
+			Scoring: moe.Softmax, Renormalize: renorm, ScalingFactor: 1}
+		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(rand.Uint64(), 1)), shape, 3, kerneltest.WithLogits(moe.Float32))
 		ninf := math.Float32bits(float32(math.Inf(-1)))
 		for i := range 4 {
 			binary.LittleEndian.PutUint32(req.Logits.Data[4*i:], ninf) // row 0: all masked
@@ -530,7 +553,7 @@ func TestTiming(t *testing.T) {
 		}
 		return buf
 	}
-	set := &kernels.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N,
+	set := &moe.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N,
 		W13: randFP8(s.E * s.N * s.K), W2: randFP8(s.E * s.K * s.N),
 		W13Scale: scaling.WeightScale{Granularity: scaling.PerTensor, Values: []float32{0.05}},
 		W2Scale:  scaling.WeightScale{Granularity: scaling.PerTensor, Values: []float32{0.05}}}
@@ -548,7 +571,7 @@ func TestTiming(t *testing.T) {
 		for i := 0; i < m*s.K; i++ {
 			binary.LittleEndian.PutUint16(hidden[2*i:], scaling.Float32ToBF16(float32(rng.NormFloat64()*0.1)))
 		}
-		req.Hidden = kernels.Tensor{DType: kernels.BFloat16, Shape: []int{m, s.K}, Data: hidden}
+		req.Hidden = moe.Tensor{DType: moe.BFloat16, Shape: []int{m, s.K}, Data: hidden}
 		for _, p := range append([]gemmPath{{name: "auto", gemm: gemmAuto}}, paths(b, set)...) {
 			if p.name == "portable-f16" || p.name == "sm90" {
 				continue // auto is sm90 where it exists; f16 is the Ampere path
@@ -559,7 +582,7 @@ func TestTiming(t *testing.T) {
 				}
 				var ms []float64
 				var wall []time.Duration
-				var res *kernels.Result
+				var res *moe.Result
 				for i := range 13 {
 					out := make([]byte, m*s.K*2)
 					t0 := time.Now()

@@ -15,6 +15,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -58,7 +59,7 @@ func randomFP8(seed uint64, n int) []byte {
 // randomBlockSet is shape s's layer with random FP8 weights and random
 // block scales, made without quantizing (which would take minutes at full
 // size).
-func randomBlockSet(rng *rand.Rand, s kerneltest.Shape) *kernels.ExpertSet {
+func randomBlockSet(rng *rand.Rand, s kerneltest.Shape) *moe.ExpertSet {
 	bn, bk := s.Block[0], s.Block[1]
 	scale := func(rows, cols int) scaling.WeightScale {
 		v := make([]float32, s.E*((rows+bn-1)/bn)*((cols+bk-1)/bk))
@@ -67,17 +68,17 @@ func randomBlockSet(rng *rand.Rand, s kerneltest.Shape) *kernels.ExpertSet {
 		}
 		return scaling.WeightScale{Granularity: scaling.Block, Values: v, Block: s.Block, E: s.E, Rows: rows, Cols: cols}
 	}
-	return &kernels.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N, Block: s.Block,
+	return &moe.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N, Block: s.Block,
 		W13: randomFP8(rng.Uint64(), s.E*s.Rows1()*s.K), W2: randomFP8(rng.Uint64(), s.E*s.K*s.N),
 		W13Scale: scale(s.Rows1(), s.K), W2Scale: scale(s.K, s.N)}
 }
 
 // tokenRequest is req cut down to the tokens toks (logits routing only).
-func tokenRequest(req *kernels.Request, k, e int, toks []int) *kernels.Request {
+func tokenRequest(req *moe.Request, k, e int, toks []int) *moe.Request {
 	sub := *req
 	hsz := req.Hidden.DType.Size()
-	sub.Hidden = kernels.Tensor{DType: req.Hidden.DType, Shape: []int{len(toks), k}}
-	sub.Logits = kernels.Tensor{DType: req.Logits.DType, Shape: []int{len(toks), e}}
+	sub.Hidden = moe.Tensor{DType: req.Hidden.DType, Shape: []int{len(toks), k}}
+	sub.Logits = moe.Tensor{DType: req.Logits.DType, Shape: []int{len(toks), e}}
 	lsz := req.Logits.DType.Size()
 	ng := len(req.HiddenScale) / req.M()
 	sub.HiddenScale = nil
@@ -129,18 +130,18 @@ func TestDeepSeekV3Full(t *testing.T) {
 	for i := range hidden {
 		hidden[i] = float32(rng.NormFloat64() * 0.1)
 	}
-	bf16 := kernels.Tensor{DType: kernels.BFloat16, Shape: []int{m, s.K}, Data: make([]byte, 2*len(hidden))}
+	bf16 := moe.Tensor{DType: moe.BFloat16, Shape: []int{m, s.K}, Data: make([]byte, 2*len(hidden))}
 	for i, x := range hidden {
 		binary.LittleEndian.PutUint16(bf16.Data[2*i:], scaling.Float32ToBF16(x))
 	}
 	ng := (s.K + s.Block[1] - 1) / s.Block[1]
-	fp8 := kernels.Tensor{DType: kernels.Float8E4M3FN, Shape: []int{m, s.K}, Data: make([]byte, len(hidden))}
+	fp8 := moe.Tensor{DType: moe.Float8E4M3FN, Shape: []int{m, s.K}, Data: make([]byte, len(hidden))}
 	fp8Scale := make([]float32, m*ng)
 	scaling.QuantizeDynamic(fp8.Data, fp8Scale, hidden, m, s.K, s.Block[1])
 
 	for _, v := range []struct {
 		name   string
-		hidden kernels.Tensor
+		hidden moe.Tensor
 		scale  []float32
 	}{{"bf16-in", bf16, nil}, {"fp8-in-per-group", fp8, fp8Scale}} {
 		r := *req
@@ -174,7 +175,7 @@ func TestDeepSeekV3Full(t *testing.T) {
 // checkFullCall runs one TestDeepSeekV3Full call on gemm and checks it
 // against the CPU backend's output (every token) and the reference (tokens
 // toks); false when the call failed outright.
-func checkFullCall(t *testing.T, b *Backend, l kernels.Loaded, r *kernels.Request, gemm int64, name string, call int,
+func checkFullCall(t *testing.T, b *Backend, l kernels.Loaded, r *moe.Request, gemm int64, name string, call int,
 	k int, toks []int, cpuOut []float64, want []float64, wantIDs []int32) bool {
 	t.Helper()
 	out := make([]byte, r.M()*k*r.OutDType.Size())

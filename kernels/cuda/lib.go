@@ -4,7 +4,6 @@ package cuda
 
 import (
 	"fmt"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"sync"
@@ -15,28 +14,16 @@ import (
 var (
 	libMu    sync.Mutex
 	libCache = map[string]*library{}
-	// deprecatedLibVar warns once per process about $EXPERTD_CUDA_LIB.
-	deprecatedLibVar sync.Once
 )
 
-// findLibrary resolves the library path: configured, then
-// $EXPERTD_LIBRARY_PATH (the daemon's -library-path variable, for
-// processes that configure none: test binaries, expertbench), then
+// findLibrary resolves the library path: configured (the daemon's
+// -library-path, which also reads $EXPERTD_LIBRARY_PATH), then
 // build/libexpertd_cuda.so next to the executable (or beside it, or ../lib
-// beside it), then in the repository the working directory is in.
-// $EXPERTD_CUDA_LIB is a deprecated alias of $EXPERTD_LIBRARY_PATH.
+// beside it), then in the repository the working directory is in. The
+// backend reads no environment: a process's configuration does.
 func findLibrary(configured string) (string, error) {
 	if configured != "" {
 		return configured, nil
-	}
-	if p := os.Getenv("EXPERTD_LIBRARY_PATH"); p != "" {
-		return p, nil
-	}
-	if p := os.Getenv("EXPERTD_CUDA_LIB"); p != "" {
-		deprecatedLibVar.Do(func() {
-			slog.Warn("EXPERTD_CUDA_LIB is deprecated: set EXPERTD_LIBRARY_PATH (or -library-path) instead", slog.String("path", p))
-		})
-		return p, nil
 	}
 	var tried []string
 	try := func(p string) bool {

@@ -11,8 +11,8 @@ import (
 // Options are the CUDA backend's switches: the GEMM path every call asks
 // for and the library's expertd_options. The daemon sets them from its
 // configuration (cmd/expertd: a -cuda-* flag and an EXPERTD_CUDA_*
-// variable each) and passes them as kernels.Config.Options, keyed by the
-// names of OptionKeys; GetServerInfo reports them.
+// variable each) and passes them as kernels.Config.Options;
+// GetServerInfo reports them, keyed by the names of OptionKeys.
 type Options struct {
 	// GEMM is auto, portable, portable-f16 or sm90.
 	GEMM string
@@ -52,7 +52,7 @@ const DefaultStreams = 2
 // maxSyncSpin bounds Options.SyncSpin (the library's EXPERTD_MAX_SPIN_US).
 const maxSyncSpin = maxSpinUS * time.Microsecond
 
-// OptionKeys are the keys of kernels.Config.Options the backend takes.
+// OptionKeys are the option names of ParseOptions and Map.
 var OptionKeys = []string{"gemm", "streams", "pdl", "sm90-block", "sm90-grid", "sm90-toka", "sm90-pair", "sync-spin", "host-trace", "poison"}
 
 // gemmPaths maps Options.GEMM to the ABI's path choice.
@@ -60,8 +60,9 @@ var gemmPaths = map[string]int64{
 	"auto": gemmAuto, "portable": gemmPortable, "portable-f16": gemmPortableF16, "sm90": gemmSM90,
 }
 
-// ParseOptions reads kernels.Config.Options over the defaults. Unknown
-// keys and bad values are errors naming the key.
+// ParseOptions reads options by name (OptionKeys) over the defaults, for
+// a process configured by strings (a test binary's EXPERTD_CUDA_*
+// variables). Unknown keys and bad values are errors naming the key.
 func ParseOptions(kv map[string]string) (Options, error) {
 	o := DefaultOptions()
 	keys := make([]string, 0, len(kv))
@@ -77,23 +78,14 @@ func ParseOptions(kv map[string]string) (Options, error) {
 		}
 		switch k {
 		case "gemm":
-			if _, ok := gemmPaths[v]; !ok {
-				err = fmt.Errorf("want auto, portable, portable-f16 or sm90")
-			}
 			o.GEMM = v
 		case "streams":
 			o.Streams, err = strconv.Atoi(v)
-			if err == nil && (o.Streams < 1 || o.Streams > maxStreams) {
-				err = fmt.Errorf("want 1..%d", maxStreams)
-			}
 		case "pdl":
 			boolean(&o.PDL)
 		case "sm90-block":
 			boolean(&o.SM90Block)
 		case "sm90-grid":
-			if v != "persistent" && v != "full" {
-				err = fmt.Errorf("want persistent or full")
-			}
 			o.SM90Grid = v
 		case "sm90-toka":
 			boolean(&o.SM90TokA)
@@ -101,9 +93,6 @@ func ParseOptions(kv map[string]string) (Options, error) {
 			boolean(&o.SM90Pair)
 		case "sync-spin":
 			o.SyncSpin, err = time.ParseDuration(v)
-			if err == nil && (o.SyncSpin < 0 || o.SyncSpin > maxSyncSpin) {
-				err = fmt.Errorf("want 0..%v", maxSyncSpin)
-			}
 		case "host-trace":
 			boolean(&o.HostTrace)
 		case "poison":
@@ -115,7 +104,28 @@ func ParseOptions(kv map[string]string) (Options, error) {
 			return o, fmt.Errorf("cuda: option %s=%s: %w", k, quote(v), err)
 		}
 	}
-	return o, nil
+	return o, o.Validate()
+}
+
+// Validate checks the options' ranges and enumerations; an error names
+// the option (by its OptionKeys name) and its value.
+func (o Options) Validate() error {
+	bad := func(k, v, want string) error {
+		return fmt.Errorf("cuda: option %s=%s: want %s", k, quote(v), want)
+	}
+	if _, ok := gemmPaths[o.GEMM]; !ok {
+		return bad("gemm", o.GEMM, "auto, portable, portable-f16 or sm90")
+	}
+	if o.SM90Grid != "persistent" && o.SM90Grid != "full" {
+		return bad("sm90-grid", o.SM90Grid, "persistent or full")
+	}
+	if o.Streams < 1 || o.Streams > maxStreams {
+		return bad("streams", strconv.Itoa(o.Streams), fmt.Sprintf("1..%d", maxStreams))
+	}
+	if o.SyncSpin < 0 || o.SyncSpin > maxSyncSpin {
+		return bad("sync-spin", o.SyncSpin.String(), fmt.Sprintf("0..%v", maxSyncSpin))
+	}
+	return nil
 }
 
 // quote bounds a caller's string before it reaches a message.
@@ -126,8 +136,8 @@ func quote(s string) string {
 	return strconv.Quote(s)
 }
 
-// Map is o as kernels.Config.Options (every key, so GetServerInfo shows
-// the values in force).
+// Map is o by name (every key of OptionKeys), as GetServerInfo reports
+// the values in force.
 func (o Options) Map() map[string]string {
 	return map[string]string{
 		"gemm": o.GEMM, "streams": strconv.Itoa(o.Streams), "pdl": strconv.FormatBool(o.PDL),

@@ -4,8 +4,8 @@ import (
 	"math/rand/v2"
 	"testing"
 
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -13,8 +13,8 @@ import (
 // granularity, reach the library in its block layout with every weight
 // element seeing the scale its granularity gives it.
 func TestBlockScales(t *testing.T) {
-	shape := kerneltest.Shape{Name: "s", Activation: kernels.SiluGated, E: 3, TopK: 1, K: 40, N: 20,
-		Scoring: kernels.Softmax, ScalingFactor: 1}
+	shape := kerneltest.Shape{Name: "s", Activation: moe.SiluGated, E: 3, TopK: 1, K: 40, N: 20,
+		Scoring: moe.Softmax, ScalingFactor: 1}
 	block := [2]int{8, 16}
 	for _, tt := range []struct {
 		g      scaling.Granularity

@@ -9,6 +9,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -37,7 +38,7 @@ func selfCheck(ctx context.Context, b kernels.Backend) error {
 		}
 		return v
 	}
-	set := &kernels.ExpertSet{Activation: kernels.SiluGated, E: e, K: k, N: n}
+	set := &moe.ExpertSet{Activation: moe.SiluGated, E: e, K: k, N: n}
 	set.W13, set.W13Scale = scaling.QuantizeWeights(randn(e*2*n*k, 1), e, 2*n, k, scaling.PerExpert, [2]int{})
 	set.W2, set.W2Scale = scaling.QuantizeWeights(randn(e*k*n, 1), e, k, n, scaling.PerExpert, [2]int{})
 	hidden := make([]byte, 2*m*k)
@@ -48,11 +49,11 @@ func selfCheck(ctx context.Context, b kernels.Backend) error {
 	for i, x := range randn(m*e, 1) {
 		binary.LittleEndian.PutUint32(logits[4*i:], math.Float32bits(x))
 	}
-	req := &kernels.Request{
-		Hidden:   kernels.Tensor{DType: kernels.BFloat16, Shape: []int{m, k}, Data: hidden},
-		Logits:   kernels.Tensor{DType: kernels.Float32, Shape: []int{m, e}, Data: logits},
-		Routing:  kernels.Routing{TopK: 2, Renormalize: true, Scoring: kernels.Softmax, ScalingFactor: 1},
-		OutDType: kernels.BFloat16,
+	req := &moe.Request{
+		Hidden:   moe.Tensor{DType: moe.BFloat16, Shape: []int{m, k}, Data: hidden},
+		Logits:   moe.Tensor{DType: moe.Float32, Shape: []int{m, e}, Data: logits},
+		Routing:  moe.Routing{TopK: 2, Renormalize: true, Scoring: moe.Softmax, ScalingFactor: 1},
+		OutDType: moe.BFloat16,
 	}
 	got, err := kernels.Run(ctx, b, set, req)
 	if err != nil {

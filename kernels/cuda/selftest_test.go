@@ -6,13 +6,14 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/cpu"
+	"github.com/expertd/expertd/moe"
 )
 
 // garbage is the CPU backend with its output overwritten: what a library
 // that loads but computes nonsense looks like to the self-test.
 type garbage struct{ kernels.Backend }
 
-func (g garbage) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (g garbage) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	res, err := g.Backend.FusedMoE(ctx, l, req)
 	if err == nil {
 		for i := range res.Output {

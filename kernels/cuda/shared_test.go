@@ -22,6 +22,7 @@ import (
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 )
 
 // Memory from other places than Go's heap: device memory another process
@@ -31,13 +32,13 @@ import (
 // same, only where the bytes come from and go to differs.
 
 // sharedCase is a Nemotron-like case big enough to take several blocks.
-func sharedCase(seed uint64) (*kernels.ExpertSet, *kernels.Request) {
+func sharedCase(seed uint64) (*moe.ExpertSet, *moe.Request) {
 	return kerneltest.NewCase(rand.New(rand.NewPCG(seed, 7)), kerneltest.Nemotron.Scaled(256, 128), 37)
 }
 
 // sharedCall loads a fresh sharedCase and runs its request from Go memory:
 // the result the other memories must reproduce.
-func sharedCall(t *testing.T) (*Backend, kernels.Loaded, *kernels.Request, *kernels.Result) {
+func sharedCall(t *testing.T) (*Backend, kernels.Loaded, *moe.Request, *moe.Result) {
 	t.Helper()
 	b := gpuBackend(t)
 	set, req := sharedCase(rand.Uint64())
@@ -177,8 +178,8 @@ func TestCUDAIPC(t *testing.T) {
 	dother := dreq
 	dother.Hidden.Dev = r.Ptr() + uintptr(hb+lb+ob)
 	for i, tc := range []struct {
-		req  *kernels.Request
-		want *kernels.Result
+		req  *moe.Request
+		want *moe.Result
 	}{{&dreq, want}, {&dreq, want}, {&dreq, want}, {&dother, wantOther}, {&dother, wantOther}, {&dother, wantOther}, {&dreq, want}} {
 		// The third call of each address replays a graph.
 		res, err := b.FusedMoE(ctx, l, tc.req)
@@ -249,7 +250,7 @@ func TestConcurrentCallsOnOneSet(t *testing.T) {
 	set, _ := sharedCase(1)
 	l := mustLoad(t, b, set)
 	const n = 8
-	reqs := make([]*kernels.Request, n)
+	reqs := make([]*moe.Request, n)
 	wants := make([][]byte, n)
 	for i := range reqs {
 		_, reqs[i] = kerneltest.NewCase(rand.New(rand.NewPCG(1, 7)), kerneltest.Nemotron.Scaled(256, 128), 5+9*i)

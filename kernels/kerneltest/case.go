@@ -6,7 +6,6 @@ import (
 	"math/rand/v2"
 	"sync"
 
-	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
@@ -18,12 +17,12 @@ type caseConfig struct {
 	gran        scaling.Granularity
 	block       [2]int
 	static      bool
-	hidden      kernels.DType
+	hidden      moe.DType
 	hiddenGran  scaling.Granularity
-	logits      kernels.DType
+	logits      moe.DType
 	precomputed bool
 	skewTo      int
-	out         kernels.DType
+	out         moe.DType
 }
 
 // WithGranularity sets the weight scale granularity. The default is Block
@@ -43,7 +42,7 @@ func WithStaticScales() Option { return func(c *caseConfig) { c.static = true } 
 
 // WithHidden sets the hidden-state dtype: BFloat16 (default), Float32, or
 // Float8E4M3FN, which the case quantizes itself and sends with its scale.
-func WithHidden(dt kernels.DType) Option { return func(c *caseConfig) { c.hidden = dt } }
+func WithHidden(dt moe.DType) Option { return func(c *caseConfig) { c.hidden = dt } }
 
 // WithHiddenScale sets how FP8 hidden states are scaled: PerTensor (one
 // value), PerChannel (one per token, the default) or Block (one per token and
@@ -51,7 +50,7 @@ func WithHidden(dt kernels.DType) Option { return func(c *caseConfig) { c.hidden
 func WithHiddenScale(g scaling.Granularity) Option { return func(c *caseConfig) { c.hiddenGran = g } }
 
 // WithLogits sets the router-logit dtype: Float32 (default) or BFloat16.
-func WithLogits(dt kernels.DType) Option { return func(c *caseConfig) { c.logits = dt } }
+func WithLogits(dt moe.DType) Option { return func(c *caseConfig) { c.logits = dt } }
 
 // WithPrecomputedRouting sends random top-k ids (distinct per token) and
 // positive weights instead of logits.
@@ -63,13 +62,13 @@ func WithPrecomputedRouting() Option { return func(c *caseConfig) { c.precompute
 func WithAllTokensTo(e int) Option { return func(c *caseConfig) { c.skewTo = e } }
 
 // WithOutput sets the output dtype: BFloat16 (default) or Float32.
-func WithOutput(dt kernels.DType) Option { return func(c *caseConfig) { c.out = dt } }
+func WithOutput(dt moe.DType) Option { return func(c *caseConfig) { c.out = dt } }
 
 // NewCase generates one FusedMoE problem of shape s with m tokens: hidden
 // states randn/10, router logits randn, weights randn quantized to FP8 per
 // expert at the chosen granularity, correction bias randn/10 when the shape
 // has one. The set's slices are fresh; nothing is shared between calls.
-func NewCase(rng *rand.Rand, s Shape, m int, opts ...Option) (*kernels.ExpertSet, *kernels.Request) {
+func NewCase(rng *rand.Rand, s Shape, m int, opts ...Option) (*moe.ExpertSet, *moe.Request) {
 	return newCase(rng, s, m, nil, opts...)
 }
 
@@ -81,7 +80,7 @@ type weights struct {
 
 // weightKey says everything weight generation depends on.
 type weightKey struct {
-	act   kernels.Activation
+	act   moe.Activation
 	e, k  int
 	n     int
 	gran  scaling.Granularity
@@ -123,9 +122,9 @@ func genWeights(rng *rand.Rand, key weightKey) *weights {
 
 // newCase is NewCase with the weights taken from the process-wide cache
 // when shared is set.
-func newCase(rng *rand.Rand, s Shape, m int, shared func(weightKey) *weights, opts ...Option) (*kernels.ExpertSet, *kernels.Request) {
-	c := caseConfig{block: s.Block, hidden: kernels.BFloat16, hiddenGran: scaling.PerChannel,
-		logits: kernels.Float32, skewTo: -1, out: kernels.BFloat16}
+func newCase(rng *rand.Rand, s Shape, m int, shared func(weightKey) *weights, opts ...Option) (*moe.ExpertSet, *moe.Request) {
+	c := caseConfig{block: s.Block, hidden: moe.BFloat16, hiddenGran: scaling.PerChannel,
+		logits: moe.Float32, skewTo: -1, out: moe.BFloat16}
 	for _, o := range opts {
 		o(&c)
 	}
@@ -139,7 +138,7 @@ func newCase(rng *rand.Rand, s Shape, m int, shared func(weightKey) *weights, op
 		c.block = [2]int{}
 	}
 
-	set := &kernels.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N, Block: c.block}
+	set := &moe.ExpertSet{Activation: s.Activation, E: s.E, K: s.K, N: s.N, Block: c.block}
 	key := weightKey{act: s.Activation, e: s.E, k: s.K, n: s.N, gran: c.gran, block: c.block}
 	var w *weights
 	if shared != nil {
@@ -148,7 +147,7 @@ func newCase(rng *rand.Rand, s Shape, m int, shared func(weightKey) *weights, op
 		w = genWeights(rng, key)
 	}
 	set.W13, set.W13Scale, set.W2, set.W2Scale = w.w13, w.w13Scale, w.w2, w.w2Scale
-	if s.Activation == kernels.SwigluOAI {
+	if s.Activation == moe.SwigluOAI {
 		set.SwigluLimit, set.SwigluAlpha = s.SwigluLimit, s.SwigluAlpha
 		if set.SwigluLimit == 0 {
 			set.SwigluLimit = moe.DefaultSwigluLimit
@@ -165,8 +164,8 @@ func newCase(rng *rand.Rand, s Shape, m int, shared func(weightKey) *weights, op
 	}
 
 	hidden := randn(rng, m*s.K, 0.1)
-	req := &kernels.Request{
-		Routing: kernels.Routing{TopK: s.TopK, Renormalize: s.Renormalize, Scoring: s.Scoring,
+	req := &moe.Request{
+		Routing: moe.Routing{TopK: s.TopK, Renormalize: s.Renormalize, Scoring: s.Scoring,
 			NumGroups: s.NumGroups, TopKGroups: s.TopKGroups, ScalingFactor: s.ScalingFactor},
 		OutDType: c.out,
 	}
@@ -211,7 +210,7 @@ func newCase(rng *rand.Rand, s Shape, m int, shared func(weightKey) *weights, op
 		a13 := scaling.ClampScale(amax(hidden) / scaling.E4M3Max)
 		set.A13Scale = &a13
 	}
-	if c.hidden == kernels.Float8E4M3FN {
+	if c.hidden == moe.Float8E4M3FN {
 		q := make([]uint8, m*s.K)
 		switch {
 		case c.static || c.hiddenGran == scaling.PerTensor:
@@ -228,7 +227,7 @@ func newCase(rng *rand.Rand, s Shape, m int, shared func(weightKey) *weights, op
 			req.HiddenScale = make([]float32, m)
 			scaling.QuantizeDynamic(q, req.HiddenScale, hidden, m, s.K, s.K)
 		}
-		req.Hidden = kernels.Tensor{DType: kernels.Float8E4M3FN, Shape: []int{m, s.K}, Data: q}
+		req.Hidden = moe.Tensor{DType: moe.Float8E4M3FN, Shape: []int{m, s.K}, Data: q}
 	} else {
 		req.Hidden = floatTensor(c.hidden, hidden, m, s.K)
 	}
@@ -260,10 +259,10 @@ func amax(v []float32) float32 {
 }
 
 // floatTensor encodes v as an [rows, cols] FP32 or BF16 tensor.
-func floatTensor(dt kernels.DType, v []float32, rows, cols int) kernels.Tensor {
-	t := kernels.Tensor{DType: dt, Shape: []int{rows, cols}, Data: make([]byte, len(v)*dt.Size())}
+func floatTensor(dt moe.DType, v []float32, rows, cols int) moe.Tensor {
+	t := moe.Tensor{DType: dt, Shape: []int{rows, cols}, Data: make([]byte, len(v)*dt.Size())}
 	for i, x := range v {
-		if dt == kernels.BFloat16 {
+		if dt == moe.BFloat16 {
 			binary.LittleEndian.PutUint16(t.Data[2*i:], scaling.Float32ToBF16(x))
 		} else {
 			binary.LittleEndian.PutUint32(t.Data[4*i:], math.Float32bits(x))
@@ -273,10 +272,10 @@ func floatTensor(dt kernels.DType, v []float32, rows, cols int) kernels.Tensor {
 }
 
 // DecodeOutput widens an FP32 or BF16 output buffer to float32.
-func DecodeOutput(dt kernels.DType, b []byte) []float32 {
+func DecodeOutput(dt moe.DType, b []byte) []float32 {
 	out := make([]float32, len(b)/dt.Size())
 	for i := range out {
-		if dt == kernels.BFloat16 {
+		if dt == moe.BFloat16 {
 			out[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(b[2*i:]))
 		} else {
 			out[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))

@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -33,7 +34,7 @@ type Case struct {
 // not modify them). Hidden states, logits and biases come fresh from rng.
 // Weight quantization is most of a case's cost, so tables run several times
 // faster this way, under -race especially.
-func (c Case) New(rng *rand.Rand) (*kernels.ExpertSet, *kernels.Request) {
+func (c Case) New(rng *rand.Rand) (*moe.ExpertSet, *moe.Request) {
 	return newCase(rng, c.Shape, c.M, sharedWeights, c.Opts...)
 }
 
@@ -53,65 +54,65 @@ func Cases() []Case {
 	dsv3 := DeepSeekV3.Scaled(136, 40) // two K blocks (128+8)
 	topKE := Mixtral.Scaled(80, 40)
 	topKE.Name, topKE.TopK = "Mixtral/top_k=E", 8
-	sigE := Shape{Name: "sigmoid/top_k=E", Activation: kernels.Relu2, E: 8, TopK: 8, K: 48, N: 40,
-		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 2, TopKGroups: 2, ScalingFactor: 2.5}
+	sigE := Shape{Name: "sigmoid/top_k=E", Activation: moe.Relu2, E: 8, TopK: 8, K: 48, N: 40,
+		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, NumGroups: 2, TopKGroups: 2, ScalingFactor: 2.5}
 	// K and N multiples of 16, which the Hopper kernels need: the one-token
 	// FP8 cases at the end take the CUDA backend's decode path, where GEMM1
 	// routes the token itself. New cases go last: a case's data comes from
 	// its place in the table.
 	nemo16 := Nemotron.Scaled(128, 64)
-	odd := Shape{Name: "odd/K=77,N=45", Activation: kernels.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
-		Scoring: kernels.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
+	odd := Shape{Name: "odd/K=77,N=45", Activation: moe.SiluGated, E: 6, TopK: 3, K: 77, N: 45,
+		Scoring: moe.Sigmoid, Bias: true, NumGroups: 3, TopKGroups: 2, ScalingFactor: 1.5}
 	return []Case{
 		{Name: "Nemotron/M=16", Shape: nemo, M: 16, EmptyExperts: true},
 		{Name: "Nemotron/M=1", Shape: nemo, M: 1, EmptyExperts: true},
 		{Name: "Nemotron/M=40/per-channel/fp32-out", Shape: nemo, M: 40,
-			Opts: []Option{WithGranularity(scaling.PerChannel), WithOutput(kernels.Float32)}},
+			Opts: []Option{WithGranularity(scaling.PerChannel), WithOutput(moe.Float32)}},
 		{Name: "Nemotron/M=8/static/fp8-in", Shape: nemo, M: 8,
-			Opts: []Option{WithStaticScales(), WithHidden(kernels.Float8E4M3FN)}},
+			Opts: []Option{WithStaticScales(), WithHidden(moe.Float8E4M3FN)}},
 		{Name: "Qwen3/M=16/per-expert", Shape: qwen, M: 16, Opts: []Option{WithGranularity(scaling.PerExpert)}},
 		{Name: "Qwen3/M=12/block/bf16-logits", Shape: qwen, M: 12,
-			Opts: []Option{WithBlock(128, 128), WithLogits(kernels.BFloat16)}},
+			Opts: []Option{WithBlock(128, 128), WithLogits(moe.BFloat16)}},
 		{Name: "Qwen3/M=32/all-to-one", Shape: qwen, M: 32, Opts: []Option{WithAllTokensTo(5)}, EmptyExperts: true},
 		{Name: "Qwen3/M=7/fp8-in-per-tensor", Shape: qwen, M: 7,
-			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.PerTensor)}},
-		{Name: "Mixtral/M=48/fp8-in", Shape: mix, M: 48, Opts: []Option{WithHidden(kernels.Float8E4M3FN)}},
+			Opts: []Option{WithHidden(moe.Float8E4M3FN), WithHiddenScale(scaling.PerTensor)}},
+		{Name: "Mixtral/M=48/fp8-in", Shape: mix, M: 48, Opts: []Option{WithHidden(moe.Float8E4M3FN)}},
 		{Name: "Mixtral/M=1", Shape: mix, M: 1, EmptyExperts: true},
 		{Name: "Mixtral/M=20/static/fp32-in", Shape: mix, M: 20,
-			Opts: []Option{WithStaticScales(), WithHidden(kernels.Float32), WithGranularity(scaling.PerChannel)}},
+			Opts: []Option{WithStaticScales(), WithHidden(moe.Float32), WithGranularity(scaling.PerChannel)}},
 		{Name: "Mixtral/M=9/precomputed/all-to-one", Shape: mix, M: 9,
-			Opts: []Option{WithPrecomputedRouting(), WithAllTokensTo(7), WithOutput(kernels.Float32)}},
+			Opts: []Option{WithPrecomputedRouting(), WithAllTokensTo(7), WithOutput(moe.Float32)}},
 		{Name: "DeepSeekV3/M=16", Shape: dsv3, M: 16, EmptyExperts: true},
 		{Name: "DeepSeekV3/M=1/fp8-in-per-group", Shape: dsv3, M: 1,
-			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.Block)}, EmptyExperts: true},
+			Opts: []Option{WithHidden(moe.Float8E4M3FN), WithHiddenScale(scaling.Block)}, EmptyExperts: true},
 		{Name: "DeepSeekV3/M=6/fp8-in-per-tensor/static", Shape: dsv3, M: 6,
-			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithStaticScales()}},
+			Opts: []Option{WithHidden(moe.Float8E4M3FN), WithStaticScales()}},
 		// Enough tokens that the CUDA backend quantizes each token once
 		// before the gather instead of once per routed pair in it.
 		{Name: "Qwen3/M=300/bf16-in", Shape: qwen, M: 300},
 		{Name: "Nemotron/M=420/static/fp32-in", Shape: nemo, M: 420,
-			Opts: []Option{WithStaticScales(), WithHidden(kernels.Float32)}},
+			Opts: []Option{WithStaticScales(), WithHidden(moe.Float32)}},
 		{Name: "DeepSeekV3/M=300/bf16-in-per-group", Shape: dsv3, M: 300},
 		{Name: "top_k=E/softmax", Shape: topKE, M: 5},
 		// Enough routed pairs (8192 and more) that the CUDA backend aligns
 		// them over many blocks.
 		{Name: "top_k=E/M=1030", Shape: topKE, M: 1030},
 		{Name: "Qwen3/M=1024", Shape: qwen, M: 1024},
-		{Name: "top_k=E/sigmoid-groups", Shape: sigE, M: 7, Opts: []Option{WithOutput(kernels.Float32)}},
+		{Name: "top_k=E/sigmoid-groups", Shape: sigE, M: 7, Opts: []Option{WithOutput(moe.Float32)}},
 		{Name: "odd/block-wider-than-K", Shape: odd, M: 11, Opts: []Option{WithBlock(32, 128)}},
 		{Name: "odd/block-16x24/fp8-per-group", Shape: odd, M: 13,
-			Opts: []Option{WithBlock(16, 24), WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.Block)}},
+			Opts: []Option{WithBlock(16, 24), WithHidden(moe.Float8E4M3FN), WithHiddenScale(scaling.Block)}},
 		{Name: "odd/per-channel/precomputed", Shape: odd, M: 3,
 			Opts: []Option{WithGranularity(scaling.PerChannel), WithPrecomputedRouting()}},
-		{Name: "Nemotron/M=1/fp8-in", Shape: nemo16, M: 1, Opts: []Option{WithHidden(kernels.Float8E4M3FN)}},
+		{Name: "Nemotron/M=1/fp8-in", Shape: nemo16, M: 1, Opts: []Option{WithHidden(moe.Float8E4M3FN)}},
 		{Name: "Nemotron/M=1/fp8-in/static/per-channel/bf16-logits", Shape: nemo16, M: 1,
-			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithStaticScales(), WithGranularity(scaling.PerChannel),
-				WithLogits(kernels.BFloat16)}},
+			Opts: []Option{WithHidden(moe.Float8E4M3FN), WithStaticScales(), WithGranularity(scaling.PerChannel),
+				WithLogits(moe.BFloat16)}},
 		{Name: "Qwen3/M=1/fp8-in-per-tensor/per-channel/fp32-out", Shape: qwen, M: 1,
-			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.PerTensor),
-				WithGranularity(scaling.PerChannel), WithOutput(kernels.Float32)}},
+			Opts: []Option{WithHidden(moe.Float8E4M3FN), WithHiddenScale(scaling.PerTensor),
+				WithGranularity(scaling.PerChannel), WithOutput(moe.Float32)}},
 		{Name: "Qwen3/M=1/fp8-in/static/precomputed", Shape: qwen, M: 1,
-			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithStaticScales(), WithPrecomputedRouting()}},
+			Opts: []Option{WithHidden(moe.Float8E4M3FN), WithStaticScales(), WithPrecomputedRouting()}},
 	}
 }
 
@@ -123,12 +124,12 @@ func Cases() []Case {
 // kernels can take every case.
 func ActivationCases() []Case {
 	oai := GptOss.Scaled(96, 64)
-	clamp := Shape{Name: "SwigluOAI/limit=0.5", Activation: kernels.SwigluOAI, E: 16, TopK: 4, K: 64, N: 48,
-		Scoring: kernels.Softmax, Renormalize: true, ExpertBias: true, ScalingFactor: 1, SwigluLimit: 0.5, SwigluAlpha: 1}
-	geluTanh := Shape{Name: "GeluTanhGated", Activation: kernels.GeluTanhGated, E: 12, TopK: 3, K: 80, N: 48,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
-	gelu := Shape{Name: "GeluGated", Activation: kernels.GeluGated, E: 12, TopK: 3, K: 80, N: 48,
-		Scoring: kernels.Sigmoid, Bias: true, Renormalize: true, ScalingFactor: 2.5, ExpertBias: true}
+	clamp := Shape{Name: "SwigluOAI/limit=0.5", Activation: moe.SwigluOAI, E: 16, TopK: 4, K: 64, N: 48,
+		Scoring: moe.Softmax, Renormalize: true, ExpertBias: true, ScalingFactor: 1, SwigluLimit: 0.5, SwigluAlpha: 1}
+	geluTanh := Shape{Name: "GeluTanhGated", Activation: moe.GeluTanhGated, E: 12, TopK: 3, K: 80, N: 48,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
+	gelu := Shape{Name: "GeluGated", Activation: moe.GeluGated, E: 12, TopK: 3, K: 80, N: 48,
+		Scoring: moe.Sigmoid, Bias: true, Renormalize: true, ScalingFactor: 2.5, ExpertBias: true}
 	relu2 := Nemotron.Scaled(64, 48)
 	relu2.Name, relu2.ExpertBias = "Nemotron/bias", true
 	next := Qwen3Next.Scaled(32, 32)
@@ -136,15 +137,15 @@ func ActivationCases() []Case {
 	top16.Name, top16.TopK = "Qwen3Next/top_k=16", 16
 	return []Case{
 		{Name: "GptOss/M=16", Shape: oai, M: 16, EmptyExperts: true},
-		{Name: "GptOss/M=1/fp8-in", Shape: oai, M: 1, Opts: []Option{WithHidden(kernels.Float8E4M3FN)}},
+		{Name: "GptOss/M=1/fp8-in", Shape: oai, M: 1, Opts: []Option{WithHidden(moe.Float8E4M3FN)}},
 		{Name: "GptOss/M=24/per-channel/static", Shape: oai, M: 24,
 			Opts: []Option{WithGranularity(scaling.PerChannel), WithStaticScales()}},
-		{Name: "GptOss/M=9/block", Shape: oai, M: 9, Opts: []Option{WithBlock(32, 32), WithOutput(kernels.Float32)}},
+		{Name: "GptOss/M=9/block", Shape: oai, M: 9, Opts: []Option{WithBlock(32, 32), WithOutput(moe.Float32)}},
 		{Name: "SwigluOAI/limit=0.5/M=20/per-channel", Shape: clamp, M: 20,
 			Opts: []Option{WithGranularity(scaling.PerChannel)}},
 		{Name: "GeluTanhGated/M=10", Shape: geluTanh, M: 10},
 		{Name: "GeluTanhGated/M=1/fp8-in/per-channel", Shape: geluTanh, M: 1,
-			Opts: []Option{WithHidden(kernels.Float8E4M3FN), WithGranularity(scaling.PerChannel)}},
+			Opts: []Option{WithHidden(moe.Float8E4M3FN), WithGranularity(scaling.PerChannel)}},
 		{Name: "GeluGated/M=14/bias/per-expert", Shape: gelu, M: 14, Opts: []Option{WithGranularity(scaling.PerExpert)}},
 		{Name: "GeluGated/M=5/bias/precomputed", Shape: gelu, M: 5, Opts: []Option{WithPrecomputedRouting()}},
 		{Name: "Nemotron/M=12/bias", Shape: relu2, M: 12},
@@ -215,7 +216,7 @@ func CheckBackend(t TB, b kernels.Backend, cases ...Case) {
 
 // RunCase loads set into b, runs req, checks the result's sizes, and
 // closes the set (kernels.Run).
-func RunCase(ctx context.Context, b kernels.Backend, set *kernels.ExpertSet, req *kernels.Request) (*kernels.Result, error) {
+func RunCase(ctx context.Context, b kernels.Backend, set *moe.ExpertSet, req *moe.Request) (*moe.Result, error) {
 	res, err := kernels.Run(ctx, b, set, req)
 	if err != nil {
 		return nil, fmt.Errorf("kerneltest: %w", err)

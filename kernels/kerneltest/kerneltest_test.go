@@ -49,7 +49,7 @@ func TestPoison(t *testing.T) {
 			t.Errorf("size %d: Unwritten after one write = %d, want 4", size, got)
 		}
 	}
-	for _, dt := range []kernels.DType{kernels.Float32, kernels.BFloat16} {
+	for _, dt := range []moe.DType{moe.Float32, moe.BFloat16} {
 		b := make([]byte, 2*dt.Size())
 		Poison(b)
 		for i, v := range DecodeOutput(dt, b) {
@@ -62,11 +62,11 @@ func TestPoison(t *testing.T) {
 
 func TestDecodeOutput(t *testing.T) {
 	v := []float32{1.5, -2.25, 0, 3e-3, 1e30}
-	for _, dt := range []kernels.DType{kernels.Float32, kernels.BFloat16} {
+	for _, dt := range []moe.DType{moe.Float32, moe.BFloat16} {
 		got := DecodeOutput(dt, floatTensor(dt, v, 1, len(v)).Data)
 		for i := range v {
 			want := v[i]
-			if dt == kernels.BFloat16 {
+			if dt == moe.BFloat16 {
 				want = scaling.BF16ToFloat32(scaling.Float32ToBF16(v[i]))
 			}
 			if got[i] != want {
@@ -84,42 +84,42 @@ func TestNewCaseOptions(t *testing.T) {
 	tests := []struct {
 		name  string
 		opts  []Option
-		check func(*kernels.ExpertSet, *kernels.Request) error
+		check func(*moe.ExpertSet, *moe.Request) error
 	}{
-		{"default block", nil, func(set *kernels.ExpertSet, req *kernels.Request) error {
+		{"default block", nil, func(set *moe.ExpertSet, req *moe.Request) error {
 			if set.W13Scale.Granularity != scaling.Block || set.Block != [2]int{128, 128} {
 				return fmt.Errorf("granularity %v block %v, want block [128 128]", set.W13Scale.Granularity, set.Block)
 			}
-			if req.Hidden.DType != kernels.BFloat16 || req.OutDType != kernels.BFloat16 || set.A13Scale != nil {
+			if req.Hidden.DType != moe.BFloat16 || req.OutDType != moe.BFloat16 || set.A13Scale != nil {
 				return fmt.Errorf("hidden %v out %v static %v, want bf16, bf16, dynamic", req.Hidden.DType, req.OutDType, set.A13Scale)
 			}
 			return nil
 		}},
-		{"per-channel", []Option{WithGranularity(scaling.PerChannel)}, func(set *kernels.ExpertSet, _ *kernels.Request) error {
+		{"per-channel", []Option{WithGranularity(scaling.PerChannel)}, func(set *moe.ExpertSet, _ *moe.Request) error {
 			if set.W2Scale.Granularity != scaling.PerChannel || set.Block != [2]int{} {
 				return fmt.Errorf("granularity %v block %v, want per-channel, no block", set.W2Scale.Granularity, set.Block)
 			}
 			return nil
 		}},
-		{"static", []Option{WithStaticScales()}, func(set *kernels.ExpertSet, _ *kernels.Request) error {
+		{"static", []Option{WithStaticScales()}, func(set *moe.ExpertSet, _ *moe.Request) error {
 			if set.A13Scale == nil || set.A2Scale == nil || !(*set.A13Scale > 0 && *set.A2Scale > 0) {
 				return fmt.Errorf("static scales %v, %v, want both > 0", set.A13Scale, set.A2Scale)
 			}
 			return nil
 		}},
-		{"fp8 per group", []Option{WithHidden(kernels.Float8E4M3FN), WithHiddenScale(scaling.Block)}, func(_ *kernels.ExpertSet, req *kernels.Request) error {
-			if req.Hidden.DType != kernels.Float8E4M3FN || len(req.HiddenScale) != m*2 {
+		{"fp8 per group", []Option{WithHidden(moe.Float8E4M3FN), WithHiddenScale(scaling.Block)}, func(_ *moe.ExpertSet, req *moe.Request) error {
+			if req.Hidden.DType != moe.Float8E4M3FN || len(req.HiddenScale) != m*2 {
 				return fmt.Errorf("hidden %v with %d scales, want fp8 with %d", req.Hidden.DType, len(req.HiddenScale), m*2)
 			}
 			return nil
 		}},
-		{"fp8 per token", []Option{WithHidden(kernels.Float8E4M3FN)}, func(_ *kernels.ExpertSet, req *kernels.Request) error {
+		{"fp8 per token", []Option{WithHidden(moe.Float8E4M3FN)}, func(_ *moe.ExpertSet, req *moe.Request) error {
 			if len(req.HiddenScale) != m {
 				return fmt.Errorf("%d scales, want %d", len(req.HiddenScale), m)
 			}
 			return nil
 		}},
-		{"precomputed all-to-one", []Option{WithPrecomputedRouting(), WithAllTokensTo(9)}, func(_ *kernels.ExpertSet, req *kernels.Request) error {
+		{"precomputed all-to-one", []Option{WithPrecomputedRouting(), WithAllTokensTo(9)}, func(_ *moe.ExpertSet, req *moe.Request) error {
 			for tk := range m {
 				ids := slices.Clone(req.TopKIDs[tk*s.TopK : (tk+1)*s.TopK])
 				if ids[0] != 9 {
@@ -132,14 +132,14 @@ func TestNewCaseOptions(t *testing.T) {
 			}
 			return nil
 		}},
-		{"routed all-to-one", []Option{WithAllTokensTo(200), WithLogits(kernels.BFloat16)}, func(set *kernels.ExpertSet, req *kernels.Request) error {
+		{"routed all-to-one", []Option{WithAllTokensTo(200), WithLogits(moe.BFloat16)}, func(set *moe.ExpertSet, req *moe.Request) error {
 			ids, _ := referenceRouting(set, req)
 			for tk := range m {
 				if ids[tk*s.TopK] != 200 {
 					return fmt.Errorf("token %d routed to %v, want 200 first", tk, ids[tk*s.TopK:(tk+1)*s.TopK])
 				}
 			}
-			if req.Logits.DType != kernels.BFloat16 {
+			if req.Logits.DType != moe.BFloat16 {
 				return fmt.Errorf("logits %v, want bf16", req.Logits.DType)
 			}
 			return nil
@@ -160,26 +160,26 @@ type refBackend struct {
 	defect func(out []float64, ids []int32)
 }
 
-type refLoaded struct{ set *kernels.ExpertSet }
+type refLoaded struct{ set *moe.ExpertSet }
 
-func (l refLoaded) Set() *kernels.ExpertSet { return l.set }
-func (l refLoaded) Close() error            { return nil }
+func (l refLoaded) Set() *moe.ExpertSet { return l.set }
+func (l refLoaded) Close() error        { return nil }
 
 func (b refBackend) Name() string                       { return "ref" }
 func (b refBackend) Capabilities() kernels.Capabilities { return kernels.Capabilities{} }
 func (b refBackend) Close() error                       { return nil }
-func (b refBackend) Load(_ context.Context, set *kernels.ExpertSet) (kernels.Loaded, error) {
+func (b refBackend) Load(_ context.Context, set *moe.ExpertSet) (kernels.Loaded, error) {
 	return refLoaded{set}, nil
 }
 
-func (b refBackend) FusedMoE(_ context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (b refBackend) FusedMoE(_ context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	out, ids, w := Reference(l.Set(), req)
 	if b.defect != nil {
 		b.defect(out, ids)
 	}
-	res := &kernels.Result{TopKIDs: ids, TopKWeights: w, Output: make([]byte, len(out)*req.OutDType.Size())}
+	res := &moe.Result{TopKIDs: ids, TopKWeights: w, Output: make([]byte, len(out)*req.OutDType.Size())}
 	for i, v := range out {
-		if req.OutDType == kernels.Float32 {
+		if req.OutDType == moe.Float32 {
 			binary.LittleEndian.PutUint32(res.Output[4*i:], math.Float32bits(float32(v)))
 		} else {
 			binary.LittleEndian.PutUint16(res.Output[2*i:], scaling.Float32ToBF16(float32(v)))
@@ -240,16 +240,16 @@ func TestCheckBackendCatches(t *testing.T) {
 // weight 0, as moe.Route does, never NaN, with or without
 // renormalization.
 func TestReferenceMaskedRow(t *testing.T) {
-	set := &kernels.ExpertSet{E: 4}
+	set := &moe.ExpertSet{E: 4}
 	logits := make([]byte, 4*4)
 	for i := range 4 {
 		binary.LittleEndian.PutUint32(logits[4*i:], math.Float32bits(float32(math.Inf(-1))))
 	}
 	for _, renorm := range []bool{false, true} {
-		req := &kernels.Request{
-			Hidden:  kernels.Tensor{DType: kernels.Float32, Shape: []int{1, 1}},
-			Logits:  kernels.Tensor{DType: kernels.Float32, Shape: []int{1, 4}, Data: logits},
-			Routing: kernels.Routing{TopK: 2, Scoring: kernels.Softmax, Renormalize: renorm, ScalingFactor: 1},
+		req := &moe.Request{
+			Hidden:  moe.Tensor{DType: moe.Float32, Shape: []int{1, 1}},
+			Logits:  moe.Tensor{DType: moe.Float32, Shape: []int{1, 4}, Data: logits},
+			Routing: moe.Routing{TopK: 2, Scoring: moe.Softmax, Renormalize: renorm, ScalingFactor: 1},
 		}
 		ids, w := referenceRouting(set, req)
 		if !slices.Equal(ids, []int32{0, 1}) || !slices.Equal(w, []float64{0, 0}) {
@@ -304,19 +304,19 @@ func TestReferenceTol(t *testing.T) {
 func TestReferenceActivations(t *testing.T) {
 	gated := []float64{-2, 0.3, 1.7, 0.5, -1.25, 3} // gate rows, then up rows
 	tests := []struct {
-		act  kernels.Activation
+		act  moe.Activation
 		h    []float64
 		want []float64
 	}{
 		// Interleaved (gate, up) pairs; the first clamps both, the last up.
-		{kernels.SwigluOAI, []float64{8, -9, -3, 2.5, 0.7, 7.5},
+		{moe.SwigluOAI, []float64{8, -9, -3, 2.5, 0.7, 7.5},
 			[]float64{-41.99971876981991, -0.06324958397725089, 4.295151613785201}},
-		{kernels.SiluGated, gated, []float64{-0.11920292202211755, -0.21541594380437212, 4.312227148073973}},
-		{kernels.GeluTanhGated, gated, []float64{-0.02270115295611247, -0.23171365442844902, 4.872317686653468}},
-		{kernels.GeluGated, gated, []float64{-0.02275013194817921, -0.23171678332085724, 4.8727161399314305}},
+		{moe.SiluGated, gated, []float64{-0.11920292202211755, -0.21541594380437212, 4.312227148073973}},
+		{moe.GeluTanhGated, gated, []float64{-0.02270115295611247, -0.23171365442844902, 4.872317686653468}},
+		{moe.GeluGated, gated, []float64{-0.02275013194817921, -0.23171678332085724, 4.8727161399314305}},
 	}
 	for _, tt := range tests {
-		set := &kernels.ExpertSet{Activation: tt.act, E: 2, K: 1, N: 3,
+		set := &moe.ExpertSet{Activation: tt.act, E: 2, K: 1, N: 3,
 			SwigluLimit: moe.DefaultSwigluLimit, SwigluAlpha: moe.DefaultSwigluAlpha}
 		// Expert 1's bias holds a quarter of h and GEMM1 the rest; expert
 		// 0's bias must not be read.

@@ -5,7 +5,7 @@ import (
 	"math"
 	"sort"
 
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 )
 
@@ -19,7 +19,7 @@ import (
 // the intermediate with the static A2Scale or dynamically likewise.
 //
 // It returns the output [M, K] before output rounding, and the routing used.
-func Reference(set *kernels.ExpertSet, req *kernels.Request) (out []float64, ids []int32, w []float32) {
+func Reference(set *moe.ExpertSet, req *moe.Request) (out []float64, ids []int32, w []float32) {
 	out, ids, w, _ = ReferenceTol(set, req)
 	return out, ids, w
 }
@@ -42,7 +42,7 @@ const KnifeEdge = 1.0 / 2048
 // near the top of the E4M3 range moves a small case's one-token output by
 // several percent; at the reference shapes' sizes the slack is
 // negligible, and a case without knife-edge elements keeps the bar exactly.
-func ReferenceTol(set *kernels.ExpertSet, req *kernels.Request) (out []float64, ids []int32, w []float32, tol float64) {
+func ReferenceTol(set *moe.ExpertSet, req *moe.Request) (out []float64, ids []int32, w []float32, tol float64) {
 	m, k := req.M(), req.Routing.TopK
 	ids, w64 := referenceRouting(set, req)
 	w = make([]float32, len(w64))
@@ -113,11 +113,11 @@ func columnNorms(w []float64, rows, cols int) []float64 {
 }
 
 // referenceHidden is the GEMM1 input dequantized: the FP8 value times its scale.
-func referenceHidden(set *kernels.ExpertSet, req *kernels.Request) []float64 {
+func referenceHidden(set *moe.ExpertSet, req *moe.Request) []float64 {
 	m, kk := req.M(), set.K
 	bk := set.Block[1]
 	out := make([]float64, m*kk)
-	if req.Hidden.DType == kernels.Float8E4M3FN {
+	if req.Hidden.DType == moe.Float8E4M3FN {
 		for t := range m {
 			for c := range kk {
 				g := 0
@@ -131,7 +131,7 @@ func referenceHidden(set *kernels.ExpertSet, req *kernels.Request) []float64 {
 	}
 	src := make([]float32, m*kk)
 	for i := range src {
-		if req.Hidden.DType == kernels.BFloat16 {
+		if req.Hidden.DType == moe.BFloat16 {
 			src[i] = scaling.BF16ToFloat32(binary.LittleEndian.Uint16(req.Hidden.Data[2*i:]))
 		} else {
 			src[i] = math.Float32frombits(binary.LittleEndian.Uint32(req.Hidden.Data[4*i:]))
@@ -188,7 +188,7 @@ func dequantExpert(w []byte, ws scaling.WeightScale, e, rows, cols int) []float6
 
 // referenceIntermediate is GEMM1, its bias and the activation for one
 // token row routed to expert e.
-func referenceIntermediate(set *kernels.ExpertSet, a []float64, w13 []float64, e int) []float64 {
+func referenceIntermediate(set *moe.ExpertSet, a []float64, w13 []float64, e int) []float64 {
 	kk, n := set.K, set.N
 	h := make([]float64, set.Rows1())
 	for r := range h {
@@ -201,23 +201,23 @@ func referenceIntermediate(set *kernels.ExpertSet, a []float64, w13 []float64, e
 	}
 	x := make([]float64, n)
 	for i := range x {
-		if set.Activation == kernels.Relu2 {
+		if set.Activation == moe.Relu2 {
 			x[i] = math.Pow(math.Max(h[i], 0), 2)
 			continue
 		}
 		gr, ur := set.GateUp(i)
 		g, u := h[gr], h[ur]
 		switch set.Activation {
-		case kernels.SwigluOAI:
+		case moe.SwigluOAI:
 			limit, alpha := float64(set.SwigluLimit), float64(set.SwigluAlpha)
 			g = math.Min(g, limit)
 			u = math.Max(-limit, math.Min(u, limit))
 			x[i] = g / (1 + math.Exp(-alpha*g)) * (u + 1)
-		case kernels.GeluTanhGated:
+		case moe.GeluTanhGated:
 			x[i] = 0.5 * g * (1 + math.Tanh(math.Sqrt(2/math.Pi)*(g+0.044715*g*g*g))) * u
-		case kernels.GeluGated:
+		case moe.GeluGated:
 			x[i] = 0.5 * g * (1 + math.Erf(g/math.Sqrt2)) * u
-		default: // kernels.SiluGated
+		default: // moe.SiluGated
 			x[i] = g / (1 + math.Exp(-g)) * u
 		}
 	}
@@ -227,7 +227,7 @@ func referenceIntermediate(set *kernels.ExpertSet, a []float64, w13 []float64, e
 // requantize is the intermediate's FP8 quantization, dequantized, and for
 // each element the size of the step to the other rounding when the element
 // lies within KnifeEdge of a rounding midpoint (0 otherwise).
-func requantize(set *kernels.ExpertSet, x []float64) (xq, flip []float64) {
+func requantize(set *moe.ExpertSet, x []float64) (xq, flip []float64) {
 	row := make([]float32, len(x))
 	for i, v := range x {
 		row[i] = float32(v)
@@ -271,7 +271,7 @@ func knifeEdgeStep(v float64) float64 {
 
 // intermediateAmax is the largest |intermediate| over every routed pair
 // under dynamic quantization, for calibrating a static A2Scale.
-func intermediateAmax(set *kernels.ExpertSet, req *kernels.Request) float64 {
+func intermediateAmax(set *moe.ExpertSet, req *moe.Request) float64 {
 	ids, _ := referenceRouting(set, req)
 	a := referenceHidden(set, req)
 	k := req.Routing.TopK
@@ -290,7 +290,7 @@ func intermediateAmax(set *kernels.ExpertSet, req *kernels.Request) float64 {
 // selection on score+bias, groups by the sum of their top-2 selection
 // scores, ties to the lower id (stable sorts over ascending ids), weights
 // the unbiased scores, renormalized, times the scaling factor.
-func referenceRouting(set *kernels.ExpertSet, req *kernels.Request) ([]int32, []float64) {
+func referenceRouting(set *moe.ExpertSet, req *moe.Request) ([]int32, []float64) {
 	m, k, e := req.M(), req.Routing.TopK, set.E
 	r := req.Routing
 	if req.TopKIDs != nil {
@@ -306,14 +306,14 @@ func referenceRouting(set *kernels.ExpertSet, req *kernels.Request) ([]int32, []
 		score := make([]float64, e)
 		for i := range e {
 			var x float64
-			if req.Logits.DType == kernels.BFloat16 {
+			if req.Logits.DType == moe.BFloat16 {
 				x = float64(scaling.BF16ToFloat32(binary.LittleEndian.Uint16(req.Logits.Data[2*(t*e+i):])))
 			} else {
 				x = float64(math.Float32frombits(binary.LittleEndian.Uint32(req.Logits.Data[4*(t*e+i):])))
 			}
 			score[i] = x
 		}
-		if r.Scoring == kernels.Sigmoid {
+		if r.Scoring == moe.Sigmoid {
 			for i := range score {
 				score[i] = 1 / (1 + math.Exp(-score[i]))
 			}

@@ -9,17 +9,17 @@ package kerneltest
 import (
 	"fmt"
 
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 )
 
 // Shape is one model's MoE layer: its sizes, activation and routing.
 // The presets below are values; copy one and change fields to scale it.
 type Shape struct {
 	Name       string
-	Activation kernels.Activation
+	Activation moe.Activation
 	// E experts, TopK per token, hidden size K, intermediate size N.
 	E, TopK, K, N int
-	Scoring       kernels.Scoring
+	Scoring       moe.Scoring
 	Renormalize   bool
 	// Bias says the router has a correction bias (random per case).
 	Bias bool
@@ -39,14 +39,14 @@ type Shape struct {
 
 // The reference shapes of MOE_SPEC.md section 2.
 var (
-	Nemotron = Shape{Name: "Nemotron", Activation: kernels.Relu2, E: 128, TopK: 6, K: 2688, N: 1856,
-		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 1, TopKGroups: 1, ScalingFactor: 2.5}
-	Qwen3 = Shape{Name: "Qwen3", Activation: kernels.SiluGated, E: 128, TopK: 8, K: 2048, N: 768,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
-	Mixtral = Shape{Name: "Mixtral", Activation: kernels.SiluGated, E: 8, TopK: 2, K: 4096, N: 14336,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
-	DeepSeekV3 = Shape{Name: "DeepSeekV3", Activation: kernels.SiluGated, E: 256, TopK: 8, K: 7168, N: 2048,
-		Scoring: kernels.Sigmoid, Renormalize: true, Bias: true, NumGroups: 8, TopKGroups: 4, ScalingFactor: 2.5,
+	Nemotron = Shape{Name: "Nemotron", Activation: moe.Relu2, E: 128, TopK: 6, K: 2688, N: 1856,
+		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, NumGroups: 1, TopKGroups: 1, ScalingFactor: 2.5}
+	Qwen3 = Shape{Name: "Qwen3", Activation: moe.SiluGated, E: 128, TopK: 8, K: 2048, N: 768,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
+	Mixtral = Shape{Name: "Mixtral", Activation: moe.SiluGated, E: 8, TopK: 2, K: 4096, N: 14336,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
+	DeepSeekV3 = Shape{Name: "DeepSeekV3", Activation: moe.SiluGated, E: 256, TopK: 8, K: 7168, N: 2048,
+		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, NumGroups: 8, TopKGroups: 4, ScalingFactor: 2.5,
 		Block: [2]int{128, 128}}
 )
 
@@ -54,10 +54,10 @@ var (
 // layer (clamped SwiGLU with expert biases) and Qwen3-Next's (E = 512 with
 // a small intermediate size).
 var (
-	GptOss = Shape{Name: "GptOss", Activation: kernels.SwigluOAI, E: 128, TopK: 4, K: 2880, N: 2880,
-		Scoring: kernels.Softmax, Renormalize: true, ExpertBias: true, ScalingFactor: 1}
-	Qwen3Next = Shape{Name: "Qwen3Next", Activation: kernels.SiluGated, E: 512, TopK: 10, K: 2048, N: 512,
-		Scoring: kernels.Softmax, Renormalize: true, ScalingFactor: 1}
+	GptOss = Shape{Name: "GptOss", Activation: moe.SwigluOAI, E: 128, TopK: 4, K: 2880, N: 2880,
+		Scoring: moe.Softmax, Renormalize: true, ExpertBias: true, ScalingFactor: 1}
+	Qwen3Next = Shape{Name: "Qwen3Next", Activation: moe.SiluGated, E: 512, TopK: 10, K: 2048, N: 512,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
 )
 
 // Shapes lists the reference shapes.

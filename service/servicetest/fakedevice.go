@@ -9,6 +9,7 @@ import (
 	"sync"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
@@ -40,7 +41,7 @@ type FakeDevice struct {
 	// open counts regions opened and not closed; pinned, bytes pinned.
 	open   int
 	pinned int64
-	calls  []*kernels.Request
+	calls  []*moe.Request
 }
 
 var (
@@ -171,10 +172,10 @@ func (d *FakeDevice) Pinned() int64 {
 }
 
 // Calls are the requests FusedMoE was given, device addresses and all.
-func (d *FakeDevice) Calls() []*kernels.Request {
+func (d *FakeDevice) Calls() []*moe.Request {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return append([]*kernels.Request(nil), d.calls...)
+	return append([]*moe.Request(nil), d.calls...)
 }
 
 // bytesAt is the memory of n bytes at device address addr; d.mu must be
@@ -191,8 +192,8 @@ func (d *FakeDevice) bytesAt(addr uintptr, n int) ([]byte, error) {
 
 // FusedMoE runs req on the wrapped backend with its device tensors and
 // output replaced by the allocations' bytes, and returns no Output when
-// the output went to device memory, as kernels.Request.OutDev requires.
-func (d *FakeDevice) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+// the output went to device memory, as moe.Request.OutDev requires.
+func (d *FakeDevice) FusedMoE(ctx context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	host := *req
 	d.mu.Lock()
 	d.calls = append(d.calls, req)
@@ -228,7 +229,7 @@ func (d *FakeDevice) FusedMoE(ctx context.Context, l kernels.Loaded, req *kernel
 
 // toHost points a device tensor's Data at its allocation's bytes; d.mu
 // must be held.
-func (d *FakeDevice) toHost(t *kernels.Tensor) error {
+func (d *FakeDevice) toHost(t *moe.Tensor) error {
 	if t.Dev == 0 {
 		return nil
 	}

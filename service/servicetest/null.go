@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 )
 
 // NullBackend is a backend (the CPU backend, say, for loading and
@@ -13,12 +14,12 @@ import (
 type NullBackend struct{ kernels.Backend }
 
 // FusedMoE implements kernels.Backend.
-func (NullBackend) FusedMoE(_ context.Context, l kernels.Loaded, req *kernels.Request) (*kernels.Result, error) {
+func (NullBackend) FusedMoE(_ context.Context, l kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	n := req.M() * l.Set().K * req.OutDType.Size()
 	out := req.Out
 	if out == nil {
 		out = make([]byte, n)
 	}
-	return &kernels.Result{Output: out[:n], TopKIDs: make([]int32, req.M()*req.Routing.TopK),
+	return &moe.Result{Output: out[:n], TopKIDs: make([]int32, req.M()*req.Routing.TopK),
 		TopKWeights: make([]float32, req.M()*req.Routing.TopK), KernelNanos: 1}, nil
 }

@@ -11,7 +11,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/expertd/expertd/kernels"
+	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 )
@@ -31,7 +31,7 @@ const (
 // the caller to fill). Weight scales must be per-tensor, per-expert or
 // per-channel, and activation scales dynamic: what the custom naming
 // preset reads.
-func WriteSafetensorsLayer(path string, set *kernels.ExpertSet, layer int) (*pb.LoadExpertsRequest_SafetensorsSource, error) {
+func WriteSafetensorsLayer(path string, set *moe.ExpertSet, layer int) (*pb.LoadExpertsRequest_SafetensorsSource, error) {
 	if set.A13Scale != nil || set.A2Scale != nil {
 		return nil, fmt.Errorf("static activation scales cannot be named by the custom preset")
 	}
@@ -98,7 +98,7 @@ func WriteSafetensorsLayer(path string, set *kernels.ExpertSet, layer int) (*pb.
 		return nil, err
 	}
 	act := pb.Activation_ACTIVATION_SILU_GATED
-	if set.Activation == kernels.Relu2 {
+	if set.Activation == moe.Relu2 {
 		act = pb.Activation_ACTIVATION_RELU2
 	}
 	return &pb.LoadExpertsRequest_SafetensorsSource{

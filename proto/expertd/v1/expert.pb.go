@@ -1820,6 +1820,13 @@ type ServerInfo struct {
 	Devices []string `protobuf:"bytes,3,rep,name=devices,proto3" json:"devices,omitempty"`
 	// The server's limits.
 	Limits *ServerInfo_Limits `protobuf:"bytes,4,opt,name=limits,proto3" json:"limits,omitempty"`
+	// Connection handling as the server runs it.
+	Transport *ServerInfo_Transport `protobuf:"bytes,6,opt,name=transport,proto3" json:"transport,omitempty"`
+	// Every daemon setting in force, by flag name without the dash
+	// ("max-tokens", "batch-window", "cuda-gemm", ...), spelled as the flag
+	// takes it. Security settings (TLS files, tokens file, admin
+	// identities) and the trace collector URL read "(set)" or "" only.
+	Settings map[string]string `protobuf:"bytes,7,rep,name=settings,proto3" json:"settings,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// Call rings (AttachRing) as served.
 	Ring          *ServerInfo_RingInfo `protobuf:"bytes,5,opt,name=ring,proto3" json:"ring,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -1880,6 +1887,20 @@ func (x *ServerInfo) GetDevices() []string {
 func (x *ServerInfo) GetLimits() *ServerInfo_Limits {
 	if x != nil {
 		return x.Limits
+	}
+	return nil
+}
+
+func (x *ServerInfo) GetTransport() *ServerInfo_Transport {
+	if x != nil {
+		return x.Transport
+	}
+	return nil
+}
+
+func (x *ServerInfo) GetSettings() map[string]string {
+	if x != nil {
+		return x.Settings
 	}
 	return nil
 }
@@ -2988,8 +3009,18 @@ type ServerInfo_Limits struct {
 	// memory is off. RESOURCE_EXHAUSTED beyond either.
 	MaxShmRegions int32 `protobuf:"varint,5,opt,name=max_shm_regions,json=maxShmRegions,proto3" json:"max_shm_regions,omitempty"`
 	MaxShmBytes   int64 `protobuf:"varint,6,opt,name=max_shm_bytes,json=maxShmBytes,proto3" json:"max_shm_bytes,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// Calls that may wait for an execution slot (-max-queued, resolved:
+	// 4 x max_concurrent when the flag is 0); RESOURCE_EXHAUSTED beyond.
+	MaxQueued int32 `protobuf:"varint,7,opt,name=max_queued,json=maxQueued,proto3" json:"max_queued,omitempty"`
+	// Dynamic batching (-batch-window), in nanoseconds: how long a batch
+	// waits for more compatible calls after the running one; 0 means
+	// batching is off.
+	BatchWindowNanos int64 `protobuf:"varint,8,opt,name=batch_window_nanos,json=batchWindowNanos,proto3" json:"batch_window_nanos,omitempty"`
+	// Most tokens in one merged backend call (-batch-max-tokens); 0 means
+	// the server's default.
+	BatchMaxTokens int32 `protobuf:"varint,9,opt,name=batch_max_tokens,json=batchMaxTokens,proto3" json:"batch_max_tokens,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ServerInfo_Limits) Reset() {
@@ -3064,6 +3095,123 @@ func (x *ServerInfo_Limits) GetMaxShmBytes() int64 {
 	return 0
 }
 
+func (x *ServerInfo_Limits) GetMaxQueued() int32 {
+	if x != nil {
+		return x.MaxQueued
+	}
+	return 0
+}
+
+func (x *ServerInfo_Limits) GetBatchWindowNanos() int64 {
+	if x != nil {
+		return x.BatchWindowNanos
+	}
+	return 0
+}
+
+func (x *ServerInfo_Limits) GetBatchMaxTokens() int32 {
+	if x != nil {
+		return x.BatchMaxTokens
+	}
+	return 0
+}
+
+// Transport is the server's connection settings.
+type ServerInfo_Transport struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Goroutines running RPC handlers (-stream-workers); 0 means one per
+	// call.
+	StreamWorkers int32 `protobuf:"varint,1,opt,name=stream_workers,json=streamWorkers,proto3" json:"stream_workers,omitempty"`
+	// Shortest client ping interval allowed (-keepalive-min-time), in
+	// nanoseconds; a client pinging more often gets GOAWAY.
+	KeepaliveMinTimeNanos int64 `protobuf:"varint,2,opt,name=keepalive_min_time_nanos,json=keepaliveMinTimeNanos,proto3" json:"keepalive_min_time_nanos,omitempty"`
+	// The server pings a connection idle this long (-keepalive-time) and
+	// closes it when no answer comes within keepalive_timeout_nanos
+	// (-keepalive-timeout), in nanoseconds.
+	KeepaliveTimeNanos    int64 `protobuf:"varint,3,opt,name=keepalive_time_nanos,json=keepaliveTimeNanos,proto3" json:"keepalive_time_nanos,omitempty"`
+	KeepaliveTimeoutNanos int64 `protobuf:"varint,4,opt,name=keepalive_timeout_nanos,json=keepaliveTimeoutNanos,proto3" json:"keepalive_timeout_nanos,omitempty"`
+	// Age (±10% jitter) after which a connection gets GOAWAY
+	// (-max-connection-age) and how long its calls then have to finish
+	// (-max-connection-age-grace), in nanoseconds; 0 means never / no
+	// limit.
+	MaxConnectionAgeNanos      int64 `protobuf:"varint,5,opt,name=max_connection_age_nanos,json=maxConnectionAgeNanos,proto3" json:"max_connection_age_nanos,omitempty"`
+	MaxConnectionAgeGraceNanos int64 `protobuf:"varint,6,opt,name=max_connection_age_grace_nanos,json=maxConnectionAgeGraceNanos,proto3" json:"max_connection_age_grace_nanos,omitempty"`
+	unknownFields              protoimpl.UnknownFields
+	sizeCache                  protoimpl.SizeCache
+}
+
+func (x *ServerInfo_Transport) Reset() {
+	*x = ServerInfo_Transport{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ServerInfo_Transport) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ServerInfo_Transport) ProtoMessage() {}
+
+func (x *ServerInfo_Transport) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ServerInfo_Transport.ProtoReflect.Descriptor instead.
+func (*ServerInfo_Transport) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{14, 2}
+}
+
+func (x *ServerInfo_Transport) GetStreamWorkers() int32 {
+	if x != nil {
+		return x.StreamWorkers
+	}
+	return 0
+}
+
+func (x *ServerInfo_Transport) GetKeepaliveMinTimeNanos() int64 {
+	if x != nil {
+		return x.KeepaliveMinTimeNanos
+	}
+	return 0
+}
+
+func (x *ServerInfo_Transport) GetKeepaliveTimeNanos() int64 {
+	if x != nil {
+		return x.KeepaliveTimeNanos
+	}
+	return 0
+}
+
+func (x *ServerInfo_Transport) GetKeepaliveTimeoutNanos() int64 {
+	if x != nil {
+		return x.KeepaliveTimeoutNanos
+	}
+	return 0
+}
+
+func (x *ServerInfo_Transport) GetMaxConnectionAgeNanos() int64 {
+	if x != nil {
+		return x.MaxConnectionAgeNanos
+	}
+	return 0
+}
+
+func (x *ServerInfo_Transport) GetMaxConnectionAgeGraceNanos() int64 {
+	if x != nil {
+		return x.MaxConnectionAgeGraceNanos
+	}
+	return 0
+}
+
 // RingInfo is the call-ring service's settings.
 type ServerInfo_RingInfo struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3086,7 +3234,7 @@ type ServerInfo_RingInfo struct {
 
 func (x *ServerInfo_RingInfo) Reset() {
 	*x = ServerInfo_RingInfo{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[29]
+	mi := &file_expertd_v1_expert_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3098,7 +3246,7 @@ func (x *ServerInfo_RingInfo) String() string {
 func (*ServerInfo_RingInfo) ProtoMessage() {}
 
 func (x *ServerInfo_RingInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[29]
+	mi := &file_expertd_v1_expert_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3111,7 +3259,7 @@ func (x *ServerInfo_RingInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ServerInfo_RingInfo.ProtoReflect.Descriptor instead.
 func (*ServerInfo_RingInfo) Descriptor() ([]byte, []int) {
-	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{14, 2}
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{14, 4}
 }
 
 func (x *ServerInfo_RingInfo) GetEnabled() bool {
@@ -3306,13 +3454,15 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x15UnloadExpertsResponse\x12\x1f\n" +
 	"\vfreed_bytes\x18\x01 \x01(\x03R\n" +
 	"freedBytes\"\x16\n" +
-	"\x14GetServerInfoRequest\"\xe8\a\n" +
+	"\x14GetServerInfoRequest\"\xf3\f\n" +
 	"\n" +
 	"ServerInfo\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12>\n" +
 	"\bbackends\x18\x02 \x03(\v2\".expertd.v1.ServerInfo.BackendInfoR\bbackends\x12\x18\n" +
 	"\adevices\x18\x03 \x03(\tR\adevices\x125\n" +
-	"\x06limits\x18\x04 \x01(\v2\x1d.expertd.v1.ServerInfo.LimitsR\x06limits\x123\n" +
+	"\x06limits\x18\x04 \x01(\v2\x1d.expertd.v1.ServerInfo.LimitsR\x06limits\x12>\n" +
+	"\ttransport\x18\x06 \x01(\v2 .expertd.v1.ServerInfo.TransportR\ttransport\x12@\n" +
+	"\bsettings\x18\a \x03(\v2$.expertd.v1.ServerInfo.SettingsEntryR\bsettings\x123\n" +
 	"\x04ring\x18\x05 \x01(\v2\x1f.expertd.v1.ServerInfo.RingInfoR\x04ring\x1a\xc1\x02\n" +
 	"\vBackendInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x128\n" +
@@ -3324,7 +3474,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\adetails\x18\x06 \x03(\v2/.expertd.v1.ServerInfo.BackendInfo.DetailsEntryR\adetails\x1a:\n" +
 	"\fDetailsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a\xf0\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a\xe7\x02\n" +
 	"\x06Limits\x12*\n" +
 	"\x11max_message_bytes\x18\x01 \x01(\x03R\x0fmaxMessageBytes\x12\x1d\n" +
 	"\n" +
@@ -3332,7 +3482,21 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x10max_loaded_bytes\x18\x03 \x01(\x03R\x0emaxLoadedBytes\x12%\n" +
 	"\x0emax_concurrent\x18\x04 \x01(\x05R\rmaxConcurrent\x12&\n" +
 	"\x0fmax_shm_regions\x18\x05 \x01(\x05R\rmaxShmRegions\x12\"\n" +
-	"\rmax_shm_bytes\x18\x06 \x01(\x03R\vmaxShmBytes\x1a\xc2\x01\n" +
+	"\rmax_shm_bytes\x18\x06 \x01(\x03R\vmaxShmBytes\x12\x1d\n" +
+	"\n" +
+	"max_queued\x18\a \x01(\x05R\tmaxQueued\x12,\n" +
+	"\x12batch_window_nanos\x18\b \x01(\x03R\x10batchWindowNanos\x12(\n" +
+	"\x10batch_max_tokens\x18\t \x01(\x05R\x0ebatchMaxTokens\x1a\xd2\x02\n" +
+	"\tTransport\x12%\n" +
+	"\x0estream_workers\x18\x01 \x01(\x05R\rstreamWorkers\x127\n" +
+	"\x18keepalive_min_time_nanos\x18\x02 \x01(\x03R\x15keepaliveMinTimeNanos\x120\n" +
+	"\x14keepalive_time_nanos\x18\x03 \x01(\x03R\x12keepaliveTimeNanos\x126\n" +
+	"\x17keepalive_timeout_nanos\x18\x04 \x01(\x03R\x15keepaliveTimeoutNanos\x127\n" +
+	"\x18max_connection_age_nanos\x18\x05 \x01(\x03R\x15maxConnectionAgeNanos\x12B\n" +
+	"\x1emax_connection_age_grace_nanos\x18\x06 \x01(\x03R\x1amaxConnectionAgeGraceNanos\x1a;\n" +
+	"\rSettingsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a\xc2\x01\n" +
 	"\bRingInfo\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x18\n" +
 	"\aversion\x18\x02 \x01(\rR\aversion\x12\x1d\n" +
@@ -3441,7 +3605,7 @@ func file_expertd_v1_expert_proto_rawDescGZIP() []byte {
 }
 
 var file_expertd_v1_expert_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
+var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_expertd_v1_expert_proto_goTypes = []any{
 	(DataType)(0),                                // 0: expertd.v1.DataType
 	(Activation)(0),                              // 1: expertd.v1.Activation
@@ -3478,9 +3642,11 @@ var file_expertd_v1_expert_proto_goTypes = []any{
 	(*LoadExpertsRequest_SafetensorsSource)(nil), // 32: expertd.v1.LoadExpertsRequest.SafetensorsSource
 	(*ServerInfo_BackendInfo)(nil),               // 33: expertd.v1.ServerInfo.BackendInfo
 	(*ServerInfo_Limits)(nil),                    // 34: expertd.v1.ServerInfo.Limits
-	(*ServerInfo_RingInfo)(nil),                  // 35: expertd.v1.ServerInfo.RingInfo
-	nil,                                          // 36: expertd.v1.ServerInfo.BackendInfo.DetailsEntry
-	(*timestamppb.Timestamp)(nil),                // 37: google.protobuf.Timestamp
+	(*ServerInfo_Transport)(nil),                 // 35: expertd.v1.ServerInfo.Transport
+	nil,                                          // 36: expertd.v1.ServerInfo.SettingsEntry
+	(*ServerInfo_RingInfo)(nil),                  // 37: expertd.v1.ServerInfo.RingInfo
+	nil,                                          // 38: expertd.v1.ServerInfo.BackendInfo.DetailsEntry
+	(*timestamppb.Timestamp)(nil),                // 39: google.protobuf.Timestamp
 }
 var file_expertd_v1_expert_proto_depIdxs = []int32{
 	0,  // 0: expertd.v1.Tensor.dtype:type_name -> expertd.v1.DataType
@@ -3513,48 +3679,50 @@ var file_expertd_v1_expert_proto_depIdxs = []int32{
 	31, // 27: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
 	32, // 28: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
 	1,  // 29: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
-	37, // 30: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
+	39, // 30: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
 	9,  // 31: expertd.v1.ExpertSetInfo.routing:type_name -> expertd.v1.Routing
 	14, // 32: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
 	33, // 33: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
 	34, // 34: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
-	35, // 35: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
-	5,  // 36: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
-	23, // 37: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
-	5,  // 38: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
-	37, // 39: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
-	23, // 40: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
-	8,  // 41: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
-	3,  // 42: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
-	1,  // 43: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
-	4,  // 44: expertd.v1.LoadExpertsRequest.SafetensorsSource.weight_quantization:type_name -> expertd.v1.WeightQuantization
-	1,  // 45: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
-	36, // 46: expertd.v1.ServerInfo.BackendInfo.details:type_name -> expertd.v1.ServerInfo.BackendInfo.DetailsEntry
-	13, // 47: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
-	15, // 48: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
-	17, // 49: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
-	10, // 50: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
-	10, // 51: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
-	19, // 52: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
-	21, // 53: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
-	24, // 54: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
-	26, // 55: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
-	28, // 56: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
-	14, // 57: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
-	16, // 58: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
-	18, // 59: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
-	11, // 60: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
-	11, // 61: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
-	20, // 62: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
-	22, // 63: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
-	25, // 64: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
-	27, // 65: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
-	29, // 66: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
-	57, // [57:67] is the sub-list for method output_type
-	47, // [47:57] is the sub-list for method input_type
-	47, // [47:47] is the sub-list for extension type_name
-	47, // [47:47] is the sub-list for extension extendee
-	0,  // [0:47] is the sub-list for field type_name
+	35, // 35: expertd.v1.ServerInfo.transport:type_name -> expertd.v1.ServerInfo.Transport
+	36, // 36: expertd.v1.ServerInfo.settings:type_name -> expertd.v1.ServerInfo.SettingsEntry
+	37, // 37: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
+	5,  // 38: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
+	23, // 39: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
+	5,  // 40: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
+	39, // 41: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
+	23, // 42: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
+	8,  // 43: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
+	3,  // 44: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
+	1,  // 45: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
+	4,  // 46: expertd.v1.LoadExpertsRequest.SafetensorsSource.weight_quantization:type_name -> expertd.v1.WeightQuantization
+	1,  // 47: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
+	38, // 48: expertd.v1.ServerInfo.BackendInfo.details:type_name -> expertd.v1.ServerInfo.BackendInfo.DetailsEntry
+	13, // 49: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
+	15, // 50: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
+	17, // 51: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
+	10, // 52: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
+	10, // 53: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
+	19, // 54: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
+	21, // 55: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
+	24, // 56: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
+	26, // 57: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
+	28, // 58: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
+	14, // 59: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
+	16, // 60: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
+	18, // 61: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
+	11, // 62: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
+	11, // 63: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
+	20, // 64: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
+	22, // 65: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
+	25, // 66: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
+	27, // 67: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
+	29, // 68: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
+	59, // [59:69] is the sub-list for method output_type
+	49, // [49:59] is the sub-list for method input_type
+	49, // [49:49] is the sub-list for extension type_name
+	49, // [49:49] is the sub-list for extension extendee
+	0,  // [0:49] is the sub-list for field type_name
 }
 
 func init() { file_expertd_v1_expert_proto_init() }
@@ -3581,7 +3749,7 @@ func file_expertd_v1_expert_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_expertd_v1_expert_proto_rawDesc), len(file_expertd_v1_expert_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   31,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

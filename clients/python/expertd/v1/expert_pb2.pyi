@@ -352,7 +352,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "backends", "devices", "limits", "ring")
+    __slots__ = ("version", "backends", "devices", "limits", "transport", "settings", "ring")
     class BackendInfo(_message.Message):
         __slots__ = ("name", "activations", "granularities", "devices", "max_tokens", "details")
         class DetailsEntry(_message.Message):
@@ -376,20 +376,48 @@ class ServerInfo(_message.Message):
         details: _containers.ScalarMap[str, str]
         def __init__(self, name: _Optional[str] = ..., activations: _Optional[_Iterable[_Union[Activation, str]]] = ..., granularities: _Optional[_Iterable[str]] = ..., devices: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., details: _Optional[_Mapping[str, str]] = ...) -> None: ...
     class Limits(_message.Message):
-        __slots__ = ("max_message_bytes", "max_tokens", "max_loaded_bytes", "max_concurrent", "max_shm_regions", "max_shm_bytes")
+        __slots__ = ("max_message_bytes", "max_tokens", "max_loaded_bytes", "max_concurrent", "max_shm_regions", "max_shm_bytes", "max_queued", "batch_window_nanos", "batch_max_tokens")
         MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
         MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
         MAX_LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
         MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
         MAX_SHM_REGIONS_FIELD_NUMBER: _ClassVar[int]
         MAX_SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+        MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
+        BATCH_WINDOW_NANOS_FIELD_NUMBER: _ClassVar[int]
+        BATCH_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
         max_message_bytes: int
         max_tokens: int
         max_loaded_bytes: int
         max_concurrent: int
         max_shm_regions: int
         max_shm_bytes: int
-        def __init__(self, max_message_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_loaded_bytes: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., max_shm_regions: _Optional[int] = ..., max_shm_bytes: _Optional[int] = ...) -> None: ...
+        max_queued: int
+        batch_window_nanos: int
+        batch_max_tokens: int
+        def __init__(self, max_message_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_loaded_bytes: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., max_shm_regions: _Optional[int] = ..., max_shm_bytes: _Optional[int] = ..., max_queued: _Optional[int] = ..., batch_window_nanos: _Optional[int] = ..., batch_max_tokens: _Optional[int] = ...) -> None: ...
+    class Transport(_message.Message):
+        __slots__ = ("stream_workers", "keepalive_min_time_nanos", "keepalive_time_nanos", "keepalive_timeout_nanos", "max_connection_age_nanos", "max_connection_age_grace_nanos")
+        STREAM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+        KEEPALIVE_MIN_TIME_NANOS_FIELD_NUMBER: _ClassVar[int]
+        KEEPALIVE_TIME_NANOS_FIELD_NUMBER: _ClassVar[int]
+        KEEPALIVE_TIMEOUT_NANOS_FIELD_NUMBER: _ClassVar[int]
+        MAX_CONNECTION_AGE_NANOS_FIELD_NUMBER: _ClassVar[int]
+        MAX_CONNECTION_AGE_GRACE_NANOS_FIELD_NUMBER: _ClassVar[int]
+        stream_workers: int
+        keepalive_min_time_nanos: int
+        keepalive_time_nanos: int
+        keepalive_timeout_nanos: int
+        max_connection_age_nanos: int
+        max_connection_age_grace_nanos: int
+        def __init__(self, stream_workers: _Optional[int] = ..., keepalive_min_time_nanos: _Optional[int] = ..., keepalive_time_nanos: _Optional[int] = ..., keepalive_timeout_nanos: _Optional[int] = ..., max_connection_age_nanos: _Optional[int] = ..., max_connection_age_grace_nanos: _Optional[int] = ...) -> None: ...
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     class RingInfo(_message.Message):
         __slots__ = ("enabled", "version", "spin_nanos", "max_per_conn", "max_rings", "max_slot_bytes")
         ENABLED_FIELD_NUMBER: _ClassVar[int]
@@ -409,13 +437,17 @@ class ServerInfo(_message.Message):
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
     version: str
     backends: _containers.RepeatedCompositeFieldContainer[ServerInfo.BackendInfo]
     devices: _containers.RepeatedScalarFieldContainer[str]
     limits: ServerInfo.Limits
+    transport: ServerInfo.Transport
+    settings: _containers.ScalarMap[str, str]
     ring: ServerInfo.RingInfo
-    def __init__(self, version: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[ServerInfo.BackendInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[ServerInfo.Limits, _Mapping]] = ..., ring: _Optional[_Union[ServerInfo.RingInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[ServerInfo.BackendInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[ServerInfo.Limits, _Mapping]] = ..., transport: _Optional[_Union[ServerInfo.Transport, _Mapping]] = ..., settings: _Optional[_Mapping[str, str]] = ..., ring: _Optional[_Union[ServerInfo.RingInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterSharedMemoryRequest(_message.Message):
     __slots__ = ("name", "kind", "key", "offset", "byte_size", "cuda_ipc_handle")

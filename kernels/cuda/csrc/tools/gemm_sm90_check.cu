@@ -16,7 +16,7 @@
 //                              beyond the tree's own (run "quick" for that)
 //
 // Timing environment: AB_M=64,256 (token counts), AB_CASES=nemotron,qwen3,
-// deepseek-v3 (per-expert scales), deepseek-v3-block (at AB_DS_M, default
+// qwen3-next, deepseek-v3 (per-expert scales), deepseek-v3-block (at AB_DS_M, default
 // 8192), BNS=64,128,256 (also time the tree's kernels at each forced
 // token tile), BN=n (force the tile everywhere), PROFILE_M / PROFILE_CASE,
 // EXPERTD_SM90_PAIR=1 (paired 256-token tiles), EXPERTD_SM90_PINGPONG=0
@@ -371,6 +371,7 @@ bool time_ab(std::mt19937& rng) {
   for (const auto& name : cases) {
     Case c{"nemotron", 128, 2688, 1856, 0, 6, false, 0};
     if (name == "qwen3") c = {"qwen3", 128, 2048, 768, 0, 8, true, 0};
+    if (name == "qwen3-next") c = {"qwen3-next", 512, 2048, 512, 0, 10, true, 0};
     if (name.rfind("deepseek-v3", 0) == 0) c = {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0};
     const bool block = name == "deepseek-v3-block";
     for (const auto& mstr : block ? ds_ms : ms) {
@@ -402,7 +403,7 @@ bool time_ab(std::mt19937& rng) {
   return true;
 }
 
-// tiles_table sweeps the token tile for Nemotron, Qwen3 and DeepSeek-V3
+// tiles_table sweeps the token tile for Nemotron, Qwen3, Qwen3-Next and DeepSeek-V3
 // (per-expert scales, and block scales) over the M of TILES_M and prints
 // the generated sm90_tiles.h: per shape and mean tokens per expert, the
 // tile with the least GEMM1 + GEMM2 time. Candidates are the tiles from a
@@ -418,6 +419,7 @@ int tiles_table(std::mt19937& rng) {
   const Shape shapes[] = {
       {"nemotron", {"nemotron", 128, 2688, 1856, 0, 6, false, 0}, false},
       {"qwen3", {"qwen3", 128, 2048, 768, 0, 8, true, 0}, false},
+      {"qwen3-next", {"qwen3-next", 512, 2048, 512, 0, 10, true, 0}, false},
       {"deepseek-v3", {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0}, false},
       {"deepseek-v3-block", {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0}, true},
   };
