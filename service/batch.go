@@ -30,15 +30,22 @@ const DefaultBatchMaxTokens = 256
 func newBatch(s *Server, cfg Config) *batch.Backend {
 	o := batch.Options{Window: cfg.BatchWindow, Slots: s.slots, Tracer: cfg.Tracer, Meter: cfg.Meter, Logger: s.log}
 	if cfg.BatchWindow > 0 {
-		o.MaxTokens = cfg.BatchMaxTokens
-		if o.MaxTokens <= 0 {
-			o.MaxTokens = DefaultBatchMaxTokens
-		}
-		if cfg.MaxTokens > 0 {
-			o.MaxTokens = min(o.MaxTokens, cfg.MaxTokens)
-		}
+		o.MaxTokens = batchMaxTokens(cfg)
 	}
 	return batch.New(meteredBackend{Backend: s.backend, s: s}, o)
+}
+
+// batchMaxTokens is the most tokens of one merged call under cfg:
+// BatchMaxTokens, or DefaultBatchMaxTokens when 0, capped by MaxTokens.
+func batchMaxTokens(cfg Config) int {
+	n := cfg.BatchMaxTokens
+	if n <= 0 {
+		n = DefaultBatchMaxTokens
+	}
+	if cfg.MaxTokens > 0 {
+		n = min(n, cfg.MaxTokens)
+	}
+	return n
 }
 
 // meteredBackend is the server's backend as kernels/batch calls it: each

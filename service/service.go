@@ -446,7 +446,7 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 			MaxShmBytes:      s.shm.limitBytes(),
 			MaxQueued:        int32(s.cfg.MaxQueued),
 			BatchWindowNanos: s.cfg.BatchWindow.Nanoseconds(),
-			BatchMaxTokens:   int32(s.cfg.BatchMaxTokens),
+			BatchMaxTokens:   int32(batchMaxTokens(s.cfg)),
 		},
 		Ring: s.ringInfo(),
 		Transport: &pb.ServerInfo_Transport{

@@ -50,6 +50,33 @@ func TestGetServerInfo(t *testing.T) {
 	}
 }
 
+// TestGetServerInfoBatchMaxTokens checks that the reported batch bound is
+// the one in force: the default when unset, capped by max_tokens.
+func TestGetServerInfoBatchMaxTokens(t *testing.T) {
+	for _, tc := range []struct {
+		name                string
+		batchMax, maxTokens int
+		want                int32
+	}{
+		{"default", 0, 0, service.DefaultBatchMaxTokens},
+		{"set", 64, 0, 64},
+		{"capped by max_tokens", 0, 100, 100},
+		{"set, capped", 512, 300, 300},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := service.Config{BatchWindow: time.Millisecond, BatchMaxTokens: tc.batchMax, MaxTokens: tc.maxTokens}
+			c, _, _ := servicetest.StartServerConfig(t, cfg, &fakeBackend{})
+			got, err := c.GetServerInfo(testContext(t), &pb.GetServerInfoRequest{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if g := got.GetLimits().GetBatchMaxTokens(); g != tc.want {
+				t.Errorf("batch_max_tokens %d, want %d", g, tc.want)
+			}
+		})
+	}
+}
+
 // TestShutdownDrains checks that Shutdown waits for a running call, refuses
 // new ones with Unavailable, and frees the loaded sets.
 func TestShutdownDrains(t *testing.T) {

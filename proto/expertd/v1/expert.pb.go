@@ -3016,8 +3016,8 @@ type ServerInfo_Limits struct {
 	// waits for more compatible calls after the running one; 0 means
 	// batching is off.
 	BatchWindowNanos int64 `protobuf:"varint,8,opt,name=batch_window_nanos,json=batchWindowNanos,proto3" json:"batch_window_nanos,omitempty"`
-	// Most tokens in one merged backend call (-batch-max-tokens); 0 means
-	// the server's default.
+	// Most tokens in one merged backend call: -batch-max-tokens (its
+	// default when unset) capped by max_tokens.
 	BatchMaxTokens int32 `protobuf:"varint,9,opt,name=batch_max_tokens,json=batchMaxTokens,proto3" json:"batch_max_tokens,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
