@@ -166,11 +166,8 @@ const (
 )
 
 func (k RegionKind) String() string {
-	switch k {
-	case POSIXRegion:
-		return "posix"
-	case CUDAIPCRegion:
-		return "cuda_ipc"
+	if k == POSIXRegion || k == CUDAIPCRegion {
+		return shm.Kind(k).String()
 	}
 	return fmt.Sprintf("RegionKind(%d)", int(k))
 }
