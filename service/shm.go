@@ -417,38 +417,22 @@ func (t *shmTable) list(ctx context.Context, req *pb.ListSharedMemoryRequest) (*
 }
 
 // shmCall is what one FusedMoE call holds in shared memory: the regions it
-// references (each held once, by its lease), where each of its
-// shared-memory tensors is, and where its output goes. A nil *shmCall
-// holds nothing.
+// references (each held once, by its lease) and where its shared-memory
+// tensors and output are (placement, what conversion reads). A nil
+// *shmCall holds nothing.
 type shmCall struct {
 	lease *shm.Lease
-	// mem are the request's shared-memory tensors by field, resolved:
-	// host bytes of a POSIX region, or a CUDA IPC region's device address.
-	mem map[string]kernels.Tensor
-	// out is a POSIX output_shm's bytes, or outDev a CUDA IPC one's
-	// address; outRef is the reference the response returns. All are
-	// unset without output_shm.
-	out    []byte
-	outDev uintptr
-	outRef *pb.SharedMemoryRef
+	placement
+	// out is a POSIX output_shm's bytes, nil for none or CUDA IPC.
+	out []byte
 }
 
-// memory is where field's shared-memory tensor is (Memory and Data or
-// Dev); ok is false when nothing resolved it (shared memory disabled).
-func (c *shmCall) memory(field string) (kernels.Tensor, bool) {
+// placed is where the call's tensors are, for conversion; nil for none.
+func (c *shmCall) placed() *placement {
 	if c == nil {
-		return kernels.Tensor{}, false
+		return nil
 	}
-	t, ok := c.mem[field]
-	return t, ok
-}
-
-// outDevice is a CUDA IPC output_shm's device address, 0 for none.
-func (c *shmCall) outDevice() uintptr {
-	if c == nil {
-		return 0
-	}
-	return c.outDev
+	return &c.placement
 }
 
 // deviceFields are the only request fields a CUDA IPC region may hold,
@@ -479,10 +463,6 @@ func requestTensors(req *pb.FusedMoERequest) []shmTensor {
 	return ts
 }
 
-// allDTypes lets checkMeta size a tensor of any known dtype; whether the
-// dtype suits the field is validate.go's business.
-var allDTypes = []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float16, kernels.Float8E4M3FN, kernels.Float8E5M2, kernels.Int32}
-
 // resolve finds where the request's shared-memory tensors are: views
 // of the caller's POSIX regions (so validation and the backend read them
 // with no copy) or device addresses in its CUDA IPC regions, and where
@@ -490,9 +470,11 @@ var allDTypes = []kernels.DType{kernels.Float32, kernels.BFloat16, kernels.Float
 // answers (shmCall.memory). It runs before validation and holds every
 // region it touches until release, so none is unmapped under the call.
 // References are checked here (region known, offset and byte_size within
-// it and equal to the tensor's size, device memory only where allowed);
-// all else is left to validation, which refuses shm tensors when this is
-// disabled.
+// it, device memory only where allowed, output apart from the inputs);
+// whether byte_size is the size a tensor's declaration needs is
+// validation's, which sizes each declaration once (modelError words its
+// refusal for the reference, checkOutput sizes output_shm), and which
+// refuses shm tensors when this is disabled.
 func (t *shmTable) resolve(ctx context.Context, req *pb.FusedMoERequest) (*shmCall, error) {
 	if !t.enabled {
 		if req.GetOutputShm() != nil {
@@ -554,33 +536,19 @@ func (c *shmCall) acquire(req *pb.FusedMoERequest, ts []shmTensor) error {
 		if err == nil && r.Kind == shm.CUDAIPC && !deviceFields[x.field] {
 			err = invalidf(field, "region %s is CUDA IPC device memory; only hidden_states, router_logits and output_shm may live there", Quote(r.Name))
 		}
-		if err == nil {
-			// Only a well-formed declaration has a size to compare; a bad
-			// dtype or shape is reported by validation.
-			if m, merr := checkMeta(x.field, x.t, allDTypes...); merr == nil && m.bytes != ref.GetByteSize() {
-				err = invalidf(field+".byte_size", "%d: shape %v of %v needs %d bytes", ref.GetByteSize(), x.t.GetShape(), x.t.GetDtype(), m.bytes)
-			}
-		}
 		if err != nil {
 			return err
 		}
 		views = append(views, shmView{x.field, r, ref})
-		if c.mem == nil {
-			c.mem = make(map[string]kernels.Tensor, len(ts))
+		if c.tensors == nil {
+			c.tensors = make(map[string]moe.Tensor, len(ts))
 		}
-		c.mem[x.field] = memTensor(mem)
+		c.tensors[x.field] = memTensor(mem, ref.GetByteSize())
 	}
 	if ref := req.GetOutputShm(); ref != nil {
 		mem, out, err := take("output_shm", ref)
 		if err == nil {
-			err = checkOutputShm(req, ref, func(r *shm.Region, lo, hi int64) (string, bool) {
-				for _, v := range views {
-					if v.r == r && lo < v.ref.GetOffset()+v.ref.GetByteSize() && v.ref.GetOffset() < hi {
-						return v.field, true
-					}
-				}
-				return "", false
-			}, out)
+			err = checkOverlap(ref, out, views)
 		}
 		if err != nil {
 			return err
@@ -591,38 +559,27 @@ func (c *shmCall) acquire(req *pb.FusedMoERequest, ts []shmTensor) error {
 	return nil
 }
 
-// memTensor is resolved shared memory as a tensor's place.
-func memTensor(mem shm.Memory) kernels.Tensor {
+// memTensor is resolved shared memory of size bytes as a tensor's place.
+func memTensor(mem shm.Memory, size int64) moe.Tensor {
 	switch {
 	case mem.Host == nil:
-		return kernels.Tensor{Memory: moe.Device, Dev: mem.Dev}
+		return moe.Tensor{Memory: moe.Device, Dev: mem.Dev, DevBytes: size}
 	case mem.Pinned:
-		return kernels.Tensor{Memory: moe.Pinned, Data: mem.Host}
+		return moe.Tensor{Memory: moe.Pinned, Data: mem.Host}
 	}
-	return kernels.Tensor{Memory: moe.Host, Data: mem.Host}
+	return moe.Tensor{Memory: moe.Host, Data: mem.Host}
 }
 
-// checkOutputShm checks output_shm's size against [M, K] in the output
-// dtype, as far as the request declares them (a malformed hidden_states or
-// output_dtype is left to validation), and that it overlaps no input.
-func checkOutputShm(req *pb.FusedMoERequest, ref *pb.SharedMemoryRef, overlaps func(*shm.Region, int64, int64) (string, bool), r *shm.Region) error {
-	if in, ok := overlaps(r, ref.GetOffset(), ref.GetOffset()+ref.GetByteSize()); ok {
-		// The CPU backend finishes reading before the output is copied
-		// in, but a device backend may write it while reading the
-		// inputs: refuse rather than promise an order.
-		return invalidf("output_shm", "[%d, %d) of region %s overlaps %s.shm; use a separate slice", ref.GetOffset(), ref.GetOffset()+ref.GetByteSize(), Quote(r.Name), in)
-	}
-	hm, err := checkMeta("hidden_states", req.GetHiddenStates(), allDTypes...)
-	if err != nil || len(hm.shape) != 2 {
-		return nil
-	}
-	outType, ok := moe.OutputDType(moe.DType(req.GetOutputDtype()))
-	if !ok {
-		return nil
-	}
-	out := hm.bytes / int64(hm.dtype.Size()) * int64(outType.Size())
-	if ref.GetByteSize() != out {
-		return invalidf("output_shm.byte_size", "%d: the output [%d %d] of %v needs %d bytes", ref.GetByteSize(), hm.shape[0], hm.shape[1], outType.WireName(), out)
+// checkOverlap refuses an output_shm over an input's reference.
+func checkOverlap(ref *pb.SharedMemoryRef, r *shm.Region, views []shmView) error {
+	lo, hi := ref.GetOffset(), ref.GetOffset()+ref.GetByteSize()
+	for _, v := range views {
+		if v.r == r && lo < v.ref.GetOffset()+v.ref.GetByteSize() && v.ref.GetOffset() < hi {
+			// The CPU backend finishes reading before the output is
+			// copied in, but a device backend may write it while reading
+			// the inputs: refuse rather than promise an order.
+			return invalidf("output_shm", "[%d, %d) of region %s overlaps %s.shm; use a separate slice", lo, hi, Quote(r.Name), v.field)
+		}
 	}
 	return nil
 }

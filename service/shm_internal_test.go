@@ -65,7 +65,7 @@ func TestSharedMemoryPeers(t *testing.T) {
 
 // FuzzResolveShm feeds arbitrary references and shapes to shmTable.resolve over
 // a real 4000-byte region: it must never panic, and what it accepts must
-// view bytes inside the region, of the declared size, with the output
+// view bytes inside the region, of the reference's size, with the output
 // apart from the input; every region it took must be released.
 func FuzzResolveShm(f *testing.F) {
 	if _, err := os.Stat("/dev/shm"); err != nil {
