@@ -421,7 +421,7 @@ func (t *shmTable) list(ctx context.Context, req *pb.ListSharedMemoryRequest) (*
 // tensors and output are (placement, what conversion reads). A nil
 // *shmCall holds nothing.
 type shmCall struct {
-	lease *shm.Lease
+	lease shm.Lease
 	placement
 	// out is a POSIX output_shm's bytes, nil for none or CUDA IPC.
 	out []byte

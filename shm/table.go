@@ -361,8 +361,9 @@ func errNoRegion(name, hint string) error {
 }
 
 // Lease is what one call holds: the regions it resolved references in,
-// each held once until Release, so none is unmapped under the call. A nil
-// *Lease holds nothing.
+// each held once until Release, so none is unmapped under the call. It is
+// a value, so a call's lease costs no allocation of its own; a nil *Lease
+// holds nothing.
 type Lease struct {
 	t     *Table
 	owner uint64
@@ -370,7 +371,7 @@ type Lease struct {
 }
 
 // Lease starts a call of the owner's.
-func (t *Table) Lease(owner uint64) *Lease { return &Lease{t: t, owner: owner} }
+func (t *Table) Lease(owner uint64) Lease { return Lease{t: t, owner: owner} }
 
 // Hold finds the owner's region name and holds it for the call.
 func (l *Lease) Hold(name string) (*Region, error) {
@@ -445,7 +446,7 @@ func (l *Lease) Check() error {
 // Release lets go of the call's regions, releasing any unregistered
 // meanwhile.
 func (l *Lease) Release() {
-	if l == nil {
+	if l == nil || l.t == nil {
 		return
 	}
 	t := l.t

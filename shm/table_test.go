@@ -118,13 +118,15 @@ func TestTableOwnersEnd(t *testing.T) {
 	if names := tab.Disconnect(a); len(names) != 1 || closed != 1 {
 		t.Fatalf("Disconnect = %v with %d closed, want [r] and 1", names, closed)
 	}
-	_, err := tab.Lease(a).Hold("r")
+	la := tab.Lease(a)
+	_, err := la.Hold("r")
 	wantCode(t, err, codes.Canceled, "")
 	tab.Close()
 	if closed != 2 {
 		t.Fatalf("%d regions closed after Close, want 2", closed)
 	}
-	if _, err := tab.Lease(b).Hold("r"); !errors.Is(err, ErrClosed) {
+	lb := tab.Lease(b)
+	if _, err := lb.Hold("r"); !errors.Is(err, ErrClosed) {
 		t.Fatalf("Hold after Close = %v, want ErrClosed", err)
 	}
 	if _, err := tab.Register(tab.Connect(), Spec{Name: "s", Size: 1}, device(&closed, 1)); !errors.Is(err, ErrClosed) {
