@@ -36,6 +36,7 @@ const (
 	CUDAIPC Kind = 2
 )
 
+// String is the kind as the SDK prints it (client.RegionKind).
 func (k Kind) String() string {
 	switch k {
 	case POSIX:
