@@ -467,7 +467,7 @@ func requestTensors(req *pb.FusedMoERequest) []shmTensor {
 // of the caller's POSIX regions (so validation and the backend read them
 // with no copy) or device addresses in its CUDA IPC regions, and where
 // output_shm is. The request is left as it came; fromProto reads the
-// answers (shmCall.memory). It runs before validation and holds every
+// answers (placement.memory). It runs before validation and holds every
 // region it touches until release, so none is unmapped under the call.
 // References are checked here (region known, offset and byte_size within
 // it, device memory only where allowed, output apart from the inputs);
