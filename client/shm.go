@@ -17,6 +17,7 @@ import (
 
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/shm"
 )
 
 // Shared memory: a caller on the daemon's host can keep tensors and
@@ -69,6 +70,7 @@ func refFromProto(p *pb.SharedMemoryRef) *SharedMemoryRef {
 // with CreateSharedMemory and release it with Close.
 type SharedMemory struct {
 	key string
+	m   *shm.Mapping
 	mem []byte
 
 	mu               sync.Mutex
@@ -92,11 +94,11 @@ func CreateSharedMemory(key string, size int64) (*SharedMemory, error) {
 	if size < 1 {
 		return nil, fmt.Errorf("expertd shared memory: size %d: want >= 1", size)
 	}
-	mem, err := createShm(key, size)
+	m, err := shm.Create(key, size)
 	if err != nil {
 		return nil, fmt.Errorf("expertd shared memory: %w", err)
 	}
-	return &SharedMemory{key: key, mem: mem}, nil
+	return &SharedMemory{key: key, m: m, mem: m.Bytes()}, nil
 }
 
 // Key is the object's name under /dev/shm, what RegisterSharedMemory sends.
@@ -127,7 +129,7 @@ func (m *SharedMemory) Unlink() error {
 		return nil
 	}
 	m.unlinked = true
-	return os.Remove(shmPath(m.key))
+	return os.Remove(shm.Path(m.key))
 }
 
 // Close unmaps the object and unlinks it if Unlink was not called. Regions
@@ -142,7 +144,7 @@ func (m *SharedMemory) Close() error {
 	defer m.mu.Unlock()
 	if !m.closed {
 		m.closed = true
-		if err := unmapShm(m.mem); err != nil {
+		if err := m.m.Close(); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -151,8 +153,6 @@ func (m *SharedMemory) Close() error {
 	}
 	return nil
 }
-
-func shmPath(key string) string { return "/dev/shm/" + key }
 
 // RegionKind is the memory a region is in. The values mirror
 // expertd.v1.SharedMemoryKind.
@@ -167,11 +167,8 @@ const (
 )
 
 func (k RegionKind) String() string {
-	switch k {
-	case POSIXRegion:
-		return "posix"
-	case CUDAIPCRegion:
-		return "cuda_ipc"
+	if k == POSIXRegion || k == CUDAIPCRegion {
+		return shm.Kind(k).String()
 	}
 	return fmt.Sprintf("RegionKind(%d)", int(k))
 }

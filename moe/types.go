@@ -125,6 +125,9 @@ type Tensor struct {
 	// OpenIPC. Only backends that open such memory are given device
 	// tensors, and only as Request.Hidden and Request.Logits.
 	Dev uintptr
+	// DevBytes is how many bytes at Dev the caller lent, which Check holds
+	// to the declared size as it holds len(Data) for the other memories.
+	DevBytes int64
 }
 
 // Numel is the number of elements.

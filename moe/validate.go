@@ -44,8 +44,8 @@ func (e *LimitError) Error() string { return e.Field + ": " + e.Msg }
 
 // Input is a FusedMoE call as it arrives, before any check: a nil tensor
 // is one the caller left unset. Device tensors (Memory Device) are checked
-// for dtype and shape only, since their bytes are in memory this process
-// cannot read.
+// for dtype, shape and size (DevBytes) only, since their bytes are in
+// memory this process cannot read.
 type Input struct {
 	Hidden, HiddenScale  *Tensor
 	Logits               *Tensor
@@ -102,8 +102,22 @@ func wireNames(ds []DType) []string {
 	return names
 }
 
-// Check is Meta followed by the bytes: host tensors must hold exactly the
-// declared size; device tensors hold none this process can read.
+// SizeError is a tensor whose bytes are not the size its declaration
+// needs. It unwraps to the FieldError that words it for bytes sent with
+// the request; a server words it for where the bytes came from instead
+// (a shared-memory reference's byte_size, say).
+type SizeError struct {
+	FieldError
+	Shape     []int
+	DType     DType
+	Need, Got int64
+}
+
+// Unwrap is the FieldError.
+func (e *SizeError) Unwrap() error { return &e.FieldError }
+
+// Check is Meta followed by the bytes: a tensor must hold exactly the
+// declared size, in Data or, on the device, at Dev (DevBytes).
 func Check(field string, t *Tensor, allowed ...DType) error {
 	if t == nil {
 		return invalidf(field, "is required")
@@ -116,13 +130,16 @@ func Check(field string, t *Tensor, allowed ...DType) error {
 }
 
 func checkBytes(field string, t *Tensor, n int64) error {
+	got := int64(len(t.Data))
 	switch {
 	case t.Memory == Device:
-		return nil
+		got = t.DevBytes
 	case t.Data == nil:
 		return invalidf(field+".data", "is required")
-	case int64(len(t.Data)) != n:
-		return invalidf(field, "shape %v needs %d bytes, got %d", t.Shape, n, len(t.Data))
+	}
+	if got != n {
+		return &SizeError{FieldError: FieldError{Field: field, Msg: fmt.Sprintf("shape %v needs %d bytes, got %d", t.Shape, n, got)},
+			Shape: t.Shape, DType: t.DType, Need: n, Got: got}
 	}
 	return nil
 }

@@ -63,9 +63,19 @@ func TestValidate(t *testing.T) {
 	}
 
 	// A NaN in device memory cannot be seen, so it is not looked for.
-	dev := &Tensor{DType: Float32, Shape: []int{2, 4}, Memory: Device, Dev: 0x1000}
+	dev := &Tensor{DType: Float32, Shape: []int{2, 4}, Memory: Device, Dev: 0x1000, DevBytes: 32}
 	if r, err := Validate(&Input{Hidden: hidden(), Logits: dev, Routing: &RoutingInput{TopK: 2}}, set, Limits{}); err != nil || r.Logits.Dev != 0x1000 {
 		t.Errorf("device logits: %v, %+v", err, r)
+	}
+	// Device bytes are sized as host bytes are, and the error says by how
+	// much, for a server to word it for where the bytes are.
+	short := *dev
+	short.DevBytes = 31
+	_, err = Validate(&Input{Hidden: hidden(), Logits: &short, Routing: &RoutingInput{TopK: 2}}, set, Limits{})
+	var se *SizeError
+	if !errors.As(err, &se) || se.Field != "router_logits" || se.Need != 32 || se.Got != 31 || se.DType != Float32 ||
+		err.Error() != "router_logits: shape [2 4] needs 32 bytes, got 31" || !errors.As(err, new(*FieldError)) {
+		t.Errorf("device logits one byte short: %v, want a SizeError for router_logits (32 bytes needed, 31 got) that is a FieldError", err)
 	}
 	nan := logits()
 	binary.LittleEndian.PutUint32(nan.Data[4:], math.Float32bits(float32(math.NaN())))

@@ -277,7 +277,7 @@ func (s *Server) prepare(ctx context.Context, req *pb.FusedMoERequest, sh *shmCa
 		c.undo = append(c.undo, func() { s.reg.done(ent) })
 		c.ent, c.setLabel = ent, ex.ExpertSet
 		c.loaded, c.set = ent.loaded, ent.loaded.Set()
-		if c.req, err = checkRequest(req, c.set, lim, sh); err != nil {
+		if c.req, err = checkRequest(req, c.set, lim, sh.placed()); err != nil {
 			return nil, err
 		}
 		c.decoded = time.Now()
@@ -285,10 +285,10 @@ func (s *Server) prepare(ctx context.Context, req *pb.FusedMoERequest, sh *shmCa
 		// Validate the whole call before Load: a device backend copies the
 		// weights to the GPU, which a bad request should never cost.
 		var n int64
-		if c.set, n, err = inlineSet(ex.Weights, sh); err != nil {
+		if c.set, n, err = inlineSet(ex.Weights, sh.placed()); err != nil {
 			return nil, err
 		}
-		if c.req, err = checkRequest(req, c.set, lim, sh); err != nil {
+		if c.req, err = checkRequest(req, c.set, lim, sh.placed()); err != nil {
 			return nil, err
 		}
 		if err := s.reg.reserve("weights", n); err != nil {

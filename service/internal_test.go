@@ -281,10 +281,10 @@ func FuzzDecodeTensor(f *testing.F) {
 }
 
 // TestCheckRequestDevice: tensors in device memory (as shmTable.resolve finds
-// them) are checked for dtype and shape and become device tensors with no
-// host bytes, as does the output; a reference nothing resolved is refused.
-// Their sizes against the references are shmTable.resolve's to check
-// (cudaipc_test.go).
+// them) are checked for dtype, shape and size and become device tensors
+// with no host bytes, as does the output; a reference nothing resolved is
+// refused, and a size that disagrees with the declaration is the
+// reference's byte_size.
 func TestCheckRequestDevice(t *testing.T) {
 	set := &moe.ExpertSet{Activation: moe.SiluGated, E: 4, K: 8, N: 4}
 	ref := func(dt pb.DataType, n int64, shape ...int64) *pb.Tensor {
@@ -295,12 +295,14 @@ func TestCheckRequestDevice(t *testing.T) {
 		RouterLogits: ref(pb.DataType_DATA_TYPE_FLOAT32, 32, 2, 4),
 		Routing:      &pb.Routing{TopK: 2},
 	}
-	hidden := moe.Tensor{Memory: moe.Device, Dev: 0x1000}
-	logits := moe.Tensor{Memory: moe.Device, Dev: 0x2000}
-	onDevice := &shmCall{mem: map[string]moe.Tensor{"hidden_states": hidden, "router_logits": logits}, outDev: 0x3000}
+	hidden := moe.Tensor{Memory: moe.Device, Dev: 0x1000, DevBytes: 32}
+	logits := moe.Tensor{Memory: moe.Device, Dev: 0x2000, DevBytes: 32}
+	short := hidden
+	short.DevBytes = 31
+	onDevice := &placement{tensors: map[string]moe.Tensor{"hidden_states": hidden, "router_logits": logits}, outDev: 0x3000}
 	tests := []struct {
 		name       string
-		sh         *shmCall
+		sh         *placement
 		dtype      pb.DataType
 		wantHidden moe.Tensor
 		wantLogits moe.Tensor
@@ -308,10 +310,12 @@ func TestCheckRequestDevice(t *testing.T) {
 		wantErr    string
 	}{
 		{"on the device", onDevice, pb.DataType_DATA_TYPE_BFLOAT16,
-			moe.Tensor{DType: moe.BFloat16, Shape: []int{2, 8}, Memory: moe.Device, Dev: 0x1000},
-			moe.Tensor{DType: moe.Float32, Shape: []int{2, 4}, Memory: moe.Device, Dev: 0x2000}, 0x3000, ""},
+			moe.Tensor{DType: moe.BFloat16, Shape: []int{2, 8}, Memory: moe.Device, Dev: 0x1000, DevBytes: 32},
+			moe.Tensor{DType: moe.Float32, Shape: []int{2, 4}, Memory: moe.Device, Dev: 0x2000, DevBytes: 32}, 0x3000, ""},
+		{"short", &placement{tensors: map[string]moe.Tensor{"hidden_states": short, "router_logits": logits}}, pb.DataType_DATA_TYPE_BFLOAT16,
+			moe.Tensor{}, moe.Tensor{}, 0, "hidden_states.shm.byte_size: 31: shape [2 8] of DATA_TYPE_BFLOAT16 needs 32 bytes"},
 		{"dtype", onDevice, pb.DataType_DATA_TYPE_INT32, moe.Tensor{}, moe.Tensor{}, 0, "hidden_states: dtype DATA_TYPE_INT32"},
-		{"logits not resolved", &shmCall{mem: map[string]moe.Tensor{"hidden_states": hidden}}, pb.DataType_DATA_TYPE_BFLOAT16,
+		{"logits not resolved", &placement{tensors: map[string]moe.Tensor{"hidden_states": hidden}}, pb.DataType_DATA_TYPE_BFLOAT16,
 			moe.Tensor{}, moe.Tensor{}, 0, "router_logits.shm: shared memory is not supported"},
 	}
 	for _, tt := range tests {

@@ -18,6 +18,7 @@ import (
 	"github.com/expertd/expertd/codec"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/ring"
+	"github.com/expertd/expertd/shm"
 )
 
 // Call rings (AttachRing, docs/ring.md): a caller on this host lays a
@@ -182,43 +183,38 @@ func (s *Server) attachRing(req *pb.AttachRingRequest, stream grpc.ServerStreami
 	off, size := req.GetOffset(), ring.Size(slots, int(slotSize))
 
 	// Hold the region for the ring's life, as a call holds its regions.
-	t := s.shm
-	t.mu.Lock()
-	id, regs, err := t.connRegions(ctx)
+	id, err := s.shm.owner(ctx)
 	if err != nil {
-		t.mu.Unlock()
 		return err
 	}
-	reg, ok := regs[req.GetRegionName()]
+	held := s.shm.regions.Lease(id)
+	defer held.Release()
+	reg, err := held.Hold(req.GetRegionName())
+	if err != nil {
+		return shmError("", err)
+	}
 	switch {
-	case !ok:
-		err = codedf(codes.NotFound, "region_name", "no shared-memory region %q on this connection; register it first", req.GetRegionName())
-	case reg.m == nil:
-		err = invalidf("region_name", "region %q is %v; a ring must be in host memory (SHARED_MEMORY_KIND_POSIX)", reg.name, reg.kind)
-	case off < 0 || off > reg.size || size > reg.size-off:
-		err = invalidf("offset", "a ring of %d slots of %d bytes (%d bytes) at offset %d does not fit in region %q (%d bytes)", slots, slotSize, size, off, reg.name, reg.size)
-	case (reg.offset+off)%ring.Align != 0:
-		err = invalidf("offset", "%d: the ring must start %d-byte aligned within its object (region %q starts at %d)", off, ring.Align, reg.name, reg.offset)
+	case reg.Mapping() == nil:
+		err = invalidf("region_name", "region %q is %v; a ring must be in host memory (SHARED_MEMORY_KIND_POSIX)", reg.Name, pb.SharedMemoryKind(reg.Kind))
+	case off < 0 || off > reg.Size || size > reg.Size-off:
+		err = invalidf("offset", "a ring of %d slots of %d bytes (%d bytes) at offset %d does not fit in region %q (%d bytes)", slots, slotSize, size, off, reg.Name, reg.Size)
+	case (reg.Offset+off)%ring.Align != 0:
+		err = invalidf("offset", "%d: the ring must start %d-byte aligned within its object (region %q starts at %d)", off, ring.Align, reg.Name, reg.Offset)
 	}
 	if err != nil {
-		t.mu.Unlock()
 		return err
 	}
-	reg.refs++
-	held := &shmCall{t: t, used: []*region{reg}}
-	t.mu.Unlock()
-	defer held.release()
-	if err := reg.m.check(); err != nil {
-		return codedf(codes.FailedPrecondition, "region_name", "shared-memory region %q: %v; unregister and register it again", reg.name, err)
+	if err := reg.Mapping().Check(); err != nil {
+		return codedf(codes.FailedPrecondition, "region_name", "shared-memory region %q: %v; unregister and register it again", reg.Name, err)
 	}
 
-	mem := reg.m.data()[off : off+size : off+size]
+	mem := reg.Mapping().Bytes()[off : off+size : off+size]
 	var r *ring.Ring
-	if err := guard(func() { r, err = ring.Attach(mem, slots, int(slotSize)) }); err != nil {
-		return codedf(codes.FailedPrecondition, "region_name", "region %q: %v", reg.name, err)
+	if err := shm.Guard(func() { r, err = ring.Attach(mem, slots, int(slotSize)) }); err != nil {
+		return codedf(codes.FailedPrecondition, "region_name", "region %q: %v", reg.Name, err)
 	}
 	if err != nil {
-		return invalidf("region_name", "region %q at offset %d: %v", reg.name, off, err)
+		return invalidf("region_name", "region %q at offset %d: %v", reg.Name, off, err)
 	}
 	rs := s.rings
 	rs.mu.Lock()
@@ -249,12 +245,12 @@ func (s *Server) attachRing(req *pb.AttachRingRequest, stream grpc.ServerStreami
 	if err := stream.Send(&pb.AttachRingResponse{Version: ring.Version, SpinNanos: s.cfg.RingSpin.Nanoseconds()}); err != nil {
 		return err
 	}
-	sr := &servedRing{s: s, r: r, ctx: ctx, region: reg.name}
+	sr := &servedRing{s: s, r: r, ctx: ctx, region: reg.Name}
 	if rs.attached != nil {
 		rs.attached.Add(ctx, 1)
 		defer rs.attached.Add(context.WithoutCancel(ctx), -1)
 	}
-	s.log.InfoContext(ctx, "call ring attached", slog.String("region", reg.name), slog.Int64("offset", off),
+	s.log.InfoContext(ctx, "call ring attached", slog.String("region", reg.Name), slog.Int64("offset", off),
 		slog.Int("slots", slots), slog.Int64("slot_bytes", slotSize), slog.Uint64("conn", id))
 	// Wake the poller when the stream ends or the server drains.
 	stopAfter := context.AfterFunc(ctx, sr.halt)
@@ -268,14 +264,14 @@ func (s *Server) attachRing(req *pb.AttachRingRequest, stream grpc.ServerStreami
 	}()
 	sr.poll()
 	cause := sr.finish()
-	s.log.InfoContext(ctx, "call ring detached", slog.String("region", reg.name), slog.Uint64("conn", id), slog.Any("cause", cause))
+	s.log.InfoContext(ctx, "call ring detached", slog.String("region", reg.Name), slog.Uint64("conn", id), slog.Any("cause", cause))
 	return cause
 }
 
 // halt makes the poller stop and wakes it if it sleeps.
 func (sr *servedRing) halt() {
 	sr.stop.Store(true)
-	guard(sr.r.Ring) //nolint:errcheck // a broken ring's poller stops anyway
+	shm.Guard(sr.r.Ring) //nolint:errcheck // a broken ring's poller stops anyway
 }
 
 // poll runs the poller until halt: it takes the posted
@@ -294,7 +290,7 @@ func (sr *servedRing) poll() {
 	jobs := make([]slotCall, 0, r.Slots())
 	for n := 0; !sr.stop.Load(); n++ {
 		seen := uint32(0)
-		err := guard(func() {
+		err := shm.Guard(func() {
 			seen = r.Doorbell()
 			jobs = jobs[:0]
 			for i := range r.Slots() {
@@ -327,7 +323,7 @@ func (sr *servedRing) poll() {
 		if spin > 0 && (n%64 != 63 || time.Since(last) < spin) {
 			continue
 		}
-		if err := guard(func() { r.Sleep(seen, ringSleepTick) }); err != nil {
+		if err := shm.Guard(func() { r.Sleep(seen, ringSleepTick) }); err != nil {
 			sr.fail(err)
 			return
 		}
@@ -362,11 +358,11 @@ func (sr *servedRing) finish() error {
 		cause = codedf(codes.Canceled, "", "the ring's stream ended: %v", err)
 	}
 	if b := sr.broken.Load(); b != nil {
-		guard(sr.r.Close) //nolint:errcheck // the memory may be gone
+		shm.Guard(sr.r.Close) //nolint:errcheck // the memory may be gone
 		return *b
 	}
 	st := status.Convert(sr.s.toStatus(sr.ctx, "AttachRing", cause))
-	guard(func() { //nolint:errcheck // a fault here leaves nothing more to do
+	shm.Guard(func() { //nolint:errcheck // a fault here leaves nothing more to do
 		for i := range sr.r.Slots() {
 			if _, seq, _, ok, _ := sr.r.Take(i, nil); ok {
 				sr.complete(i, seq, nil, st)
@@ -383,7 +379,7 @@ func (sr *servedRing) finish() error {
 func (sr *servedRing) serve(c slotCall) {
 	s := sr.s
 	code := codes.OK
-	err := guard(func() {
+	err := shm.Guard(func() {
 		resp, out, cerr := sr.call(c)
 		if cerr != nil {
 			st := status.Convert(s.toStatus(sr.ctx, "AttachRing", cerr))
@@ -401,7 +397,7 @@ func (sr *servedRing) serve(c slotCall) {
 		s.log.ErrorContext(sr.ctx, "panic serving a call ring slot", slog.String("region", sr.region), slog.Int("slot", c.i),
 			slog.Any("panic", err), slog.String("stack", string(debug.Stack())))
 		code = codes.Internal
-		if cerr := guard(func() {
+		if cerr := shm.Guard(func() {
 			sr.complete(c.i, c.seq, nil, status.New(codes.Internal, "AttachRing: internal error (logged on the server)"))
 		}); cerr != nil {
 			sr.fail(cerr)

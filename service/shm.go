@@ -6,11 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"runtime/debug"
-	"sort"
-	"strings"
 	"sync"
-	"time"
 
 	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc/codes"
@@ -22,6 +18,7 @@ import (
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/shm"
 )
 
 // Shared memory for callers on the server's host, after Triton's system
@@ -30,18 +27,20 @@ import (
 // tensors (SharedMemoryRef) and the output (FusedMoERequest.output_shm)
 // into it, so those bytes never travel in messages.
 //
-// Regions belong to the connection that registered them, tracked by the
-// stats.Handler StatsHandler returns: a name means nothing on another
-// connection, and a connection's regions are unmapped when it closes, so a
-// caller that dies cannot leave mappings behind. A region is
-// reference-counted like an expert set: unregistering (or the connection
-// closing) forgets the name at once, and the mapping goes when the last call
-// using it ends.
+// The regions themselves are package shm's table, which knows nothing of
+// FusedMoE; this file is its gRPC edge. Regions belong to the connection
+// that registered them, tracked by the stats.Handler StatsHandler returns:
+// a name means nothing on another connection, and a connection's regions
+// are unmapped when it closes, so a caller that dies cannot leave mappings
+// behind. A region is reference-counted like an expert set: unregistering
+// (or the connection closing) forgets the name at once, and the mapping
+// goes when the last call using it ends.
 //
 // A POSIX region is a mapping of the caller's object, which the backend
 // page-locks when it can (HostPinner), so a GPU's copies from and to it
-// are DMA; its tensors reach the backend as moe.Pinned memory. A CUDA IPC region is device memory the backend opened from the
-// caller's cudaIpcMemHandle_t (IPCOpener): tensors there reach the backend
+// are DMA; its tensors reach the backend as moe.Pinned memory. A CUDA IPC
+// region is device memory the backend opened from the caller's
+// cudaIpcMemHandle_t (IPCOpener): tensors there reach the backend
 // as device addresses (moe.Device tensors, moe.Request.OutDev) and
 // are never copied through the host. Only hidden_states, router_logits and
 // the output may live there; every other tensor is read on the host
@@ -84,45 +83,15 @@ const (
 	DefaultMaxShmBytes   int64 = 64 << 30
 )
 
-// maxShmKey is NAME_MAX, the longest file name /dev/shm takes.
-const maxShmKey = 255
-
 // errShmDisabled answers the shared-memory RPCs on a server without
 // Config.SharedMemory.
 var errShmDisabled = codedf(codes.FailedPrecondition, "", "shared memory is disabled on this server; start expertd with -shared-memory, or send tensors inline")
 
-// region is one registered slice of a shared-memory object or of a CUDA
-// IPC allocation.
-type region struct {
-	name, key    string
-	kind         pb.SharedMemoryKind
-	offset, size int64
-	registered   time.Time
-	// m is a POSIX region's mapping (m.data() is its size bytes), nil for
-	// CUDA IPC; unpin, when set, unlocks its pages.
-	m     *mapping
-	unpin func() error
-	// dev is a CUDA IPC region's device memory, nil for POSIX.
-	dev kernels.DeviceRegion
-	// conn is the owning connection's id (for logs).
-	conn uint64
-	// refs counts calls using the region; gone is set once it is
-	// unregistered. Both are guarded by shmTable.mu; the mapping is
-	// released when gone && refs == 0.
-	refs int
-	gone bool
-}
-
-func (r *region) info() *pb.SharedMemoryRegion {
-	return &pb.SharedMemoryRegion{
-		Name: r.name, Kind: r.kind, Key: r.key,
-		Offset: r.offset, ByteSize: r.size, CallsInFlight: int32(r.refs),
-		RegisteredAt: timestamppb.New(r.registered),
-	}
-}
-
-// shmTable holds every connection's regions. It is also the stats.Handler
-// that learns when connections come and go.
+// shmTable is the server's side of the region table (package shm): the
+// stats.Handler that makes each connection an owner of regions and ends
+// its regions with it, the shared-memory RPCs' conversion from and to
+// protobuf, the backend's part in a registration (pinning, opening IPC
+// memory), and the resolution of a FusedMoE request's references (resolve).
 type shmTable struct {
 	log *slog.Logger
 	// backend opens CUDA IPC memory (IPCOpener) and page-locks POSIX
@@ -132,23 +101,13 @@ type shmTable struct {
 	// pinWarn logs the first failure to pin a POSIX region; later ones
 	// would only repeat it.
 	pinWarn sync.Once
-
-	mu     sync.Mutex
-	nextID uint64
-	// conns has an entry for every live connection (from TagConn to
-	// ConnEnd), so a registration racing its connection's end cannot leave
-	// a region nobody will clean up.
-	conns  map[uint64]map[string]*region
-	closed bool
-	// mapped counts the regions mapped (registered, or unregistered but
-	// still used by a call) and their bytes, for the gauges and the
-	// daemon-wide caps maxRegions and maxBytes.
-	mapped, mappedBytes  int64
+	regions *shm.Table
+	// maxRegions and maxBytes are the table's daemon-wide caps.
 	maxRegions, maxBytes int64
 }
 
 func newShmTable(cfg Config, backend kernels.Backend, log *slog.Logger) *shmTable {
-	t := &shmTable{log: log, backend: backend, enabled: cfg.SharedMemory, conns: map[uint64]map[string]*region{},
+	t := &shmTable{log: log, backend: backend, enabled: cfg.SharedMemory,
 		maxRegions: int64(cfg.MaxShmRegions), maxBytes: cfg.MaxShmBytes}
 	if t.maxRegions <= 0 {
 		t.maxRegions = DefaultMaxShmRegions
@@ -156,6 +115,7 @@ func newShmTable(cfg Config, backend kernels.Backend, log *slog.Logger) *shmTabl
 	if t.maxBytes <= 0 {
 		t.maxBytes = DefaultMaxShmBytes
 	}
+	t.regions = shm.New(shm.Config{MaxRegions: t.maxRegions, MaxBytes: t.maxBytes, MaxPerOwner: maxRegionsPerConn, Log: log})
 	return t
 }
 
@@ -175,35 +135,34 @@ func (t *shmTable) limitBytes() int64 {
 	return t.maxBytes
 }
 
-// checkCapsLocked refuses a region of size bytes that would take the
-// server past its daemon-wide caps; t.mu must be held.
-func (t *shmTable) checkCapsLocked(size int64) error {
-	if t.mapped >= t.maxRegions {
-		return exhaustedf("name", "the server has %d shared-memory regions mapped, the most it may (expertd -max-shm-regions); unregister regions or retry later", t.mapped)
+// shmError is err from package shm as the service's: a refusal's field
+// prefixed with where the request holds it (prefix, e.g.
+// "hidden_states.shm."), a closed table as draining.
+func shmError(prefix string, err error) error {
+	var se *shm.Error
+	switch {
+	case errors.As(err, &se):
+		field := se.Field
+		if field != "" {
+			field = prefix + field
+		}
+		return &requestError{code: se.Code, field: field, msg: se.Msg, quota: se.Quota, limit: se.Limit}
+	case errors.Is(err, shm.ErrClosed):
+		return errDraining
 	}
-	if size > t.maxBytes-t.mappedBytes {
-		return exhaustedf("byte_size", "%d bytes would take the server's shared-memory regions past %d bytes (%d mapped; expertd -max-shm-bytes); unregister regions or register less",
-			size, t.maxBytes, t.mappedBytes)
-	}
-	return nil
+	return err
 }
 
 // connKey carries a connection's id in contexts derived from TagConn's.
 type connKey struct{}
 
-// TagConn gives each connection an id its RPCs' contexts carry.
+// TagConn makes each connection an owner of regions, whose id its RPCs'
+// contexts carry.
 func (t *shmTable) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
 	if !t.enabled {
 		return ctx
 	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.nextID++
-	id := t.nextID
-	if !t.closed {
-		t.conns[id] = map[string]*region{}
-	}
-	return context.WithValue(ctx, connKey{}, id)
+	return context.WithValue(ctx, connKey{}, t.regions.Connect())
 }
 
 // HandleConn unregisters a connection's regions when it ends.
@@ -215,13 +174,7 @@ func (t *shmTable) HandleConn(ctx context.Context, s stats.ConnStats) {
 	if !ok {
 		return
 	}
-	t.mu.Lock()
-	regs := t.conns[id]
-	delete(t.conns, id)
-	names, free := t.dropLocked(regs)
-	t.mu.Unlock()
-	t.free(free)
-	if len(names) > 0 {
+	if names := t.regions.Disconnect(id); len(names) > 0 {
 		t.log.Info("shared memory unregistered: connection closed", slog.Uint64("conn", id), slog.Any("regions", names))
 	}
 }
@@ -233,104 +186,47 @@ func (t *shmTable) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Cont
 // HandleRPC does nothing.
 func (t *shmTable) HandleRPC(context.Context, stats.RPCStats) {}
 
-// dropLocked marks regs gone and returns their names, sorted, and those
-// no call uses, for free once t.mu is released.
-func (t *shmTable) dropLocked(regs map[string]*region) (names []string, free []*region) {
-	names = make([]string, 0, len(regs))
-	for name, r := range regs {
-		r.gone = true
-		if r.refs == 0 {
-			free = append(free, t.forgetLocked(r))
-		}
-		names = append(names, name)
-	}
-	sort.Strings(names)
-	return names, free
-}
-
-// forgetLocked takes r out of the gauges; free releases its memory.
-func (t *shmTable) forgetLocked(r *region) *region {
-	t.mapped--
-	t.mappedBytes -= r.size
-	return r
-}
-
-// free unmaps POSIX regions (unpinning them first: their pages must still
-// be mapped) and closes CUDA IPC ones. It runs without t.mu, since
-// munmap, cudaHostUnregister and cudaIpcCloseMemHandle can take a while
-// and every call that uses shared memory takes t.mu.
-func (t *shmTable) free(rs []*region) {
-	for _, r := range rs {
-		var err error
-		if r.dev != nil {
-			err = r.dev.Close()
-		} else {
-			if r.unpin != nil {
-				err = r.unpin()
-			}
-			err = errors.Join(err, r.m.close())
-		}
-		if err != nil {
-			t.log.Error("releasing shared memory", slog.String("region", r.name), slog.String("kind", r.kind.String()),
-				slog.String("key", r.key), slog.Uint64("conn", r.conn), slog.Any("err", err))
-		}
-	}
-}
-
 // closeAll unregisters every region and refuses new ones (Shutdown).
-func (t *shmTable) closeAll() {
-	t.mu.Lock()
-	t.closed = true
-	var free []*region
-	for id, regs := range t.conns {
-		_, f := t.dropLocked(regs)
-		free = append(free, f...)
-		delete(t.conns, id)
-	}
-	t.mu.Unlock()
-	t.free(free)
-}
+func (t *shmTable) closeAll() { t.regions.Close() }
 
-// connRegions returns the calling connection's regions; t.mu must be held.
-func (t *shmTable) connRegions(ctx context.Context) (uint64, map[string]*region, error) {
+// owner is the calling connection's id.
+func (t *shmTable) owner(ctx context.Context) (uint64, error) {
 	id, ok := ctx.Value(connKey{}).(uint64)
 	if !ok {
 		// Config.SharedMemory without StatsHandler installed: our bug.
-		return 0, nil, errors.New("shared memory: the call's connection is unknown (service.Server.StatsHandler is not installed on the grpc.Server)")
+		return 0, errors.New("shared memory: the call's connection is unknown (service.Server.StatsHandler is not installed on the grpc.Server)")
 	}
-	if t.closed {
-		return 0, nil, errDraining
-	}
-	regs, ok := t.conns[id]
-	if !ok {
-		return 0, nil, codedf(codes.Canceled, "", "the connection has closed")
-	}
-	return id, regs, nil
+	return id, nil
 }
 
 // initShmMetrics observes the mapped regions, so a leak (mappings that
 // outlive their connections) shows on a dashboard.
 func (t *shmTable) initMetrics(m metric.Meter) {
-	observe := func(get func() int64) metric.Int64Callback {
+	observe := func(get func(regions, bytes int64) int64) metric.Int64Callback {
 		return func(_ context.Context, o metric.Int64Observer) error {
-			t.mu.Lock()
-			v := get()
-			t.mu.Unlock()
-			o.Observe(v)
+			o.Observe(get(t.regions.Usage()))
 			return nil
 		}
 	}
 	if _, err := m.Int64ObservableGauge("expertd.shared_memory.regions",
 		metric.WithDescription("Shared-memory regions mapped: registered, or unregistered but still used by a call."),
 		metric.WithUnit("{region}"),
-		metric.WithInt64Callback(observe(func() int64 { return t.mapped }))); err != nil {
+		metric.WithInt64Callback(observe(func(regions, _ int64) int64 { return regions }))); err != nil {
 		t.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.regions"), slog.Any("err", err))
 	}
 	if _, err := m.Int64ObservableGauge("expertd.shared_memory.mapped_bytes",
 		metric.WithDescription("Bytes of the shared-memory regions mapped."),
 		metric.WithUnit("By"),
-		metric.WithInt64Callback(observe(func() int64 { return t.mappedBytes }))); err != nil {
+		metric.WithInt64Callback(observe(func(_, bytes int64) int64 { return bytes }))); err != nil {
 		t.log.Warn("metric not recorded", slog.String("metric", "expertd.shared_memory.mapped_bytes"), slog.Any("err", err))
+	}
+}
+
+func regionInfo(r shm.Info) *pb.SharedMemoryRegion {
+	return &pb.SharedMemoryRegion{
+		Name: r.Name, Kind: pb.SharedMemoryKind(r.Kind), Key: r.Key,
+		Offset: r.Offset, ByteSize: r.Size, CallsInFlight: int32(r.CallsInFlight),
+		RegisteredAt: timestamppb.New(r.Registered),
 	}
 }
 
@@ -372,8 +268,8 @@ func (t *shmTable) register(ctx context.Context, req *pb.RegisterSharedMemoryReq
 		if n := len(req.GetCudaIpcHandle()); n != 0 {
 			return nil, invalidf("cuda_ipc_handle", "%d bytes: must be empty for SHARED_MEMORY_KIND_POSIX", n)
 		}
-		if key, err = checkShmKey(req.GetKey()); err != nil {
-			return nil, err
+		if key, err = shm.CheckKey(req.GetKey()); err != nil {
+			return nil, shmError("", err)
 		}
 	case pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC:
 		if _, ok := t.backend.(IPCOpener); !ok {
@@ -402,126 +298,68 @@ func (t *shmTable) register(ctx context.Context, req *pb.RegisterSharedMemoryReq
 	if size > maxElements-off {
 		return nil, invalidf("byte_size", "offset %d + byte_size %d: want at most 2^40 bytes", off, size)
 	}
-	// Check the name before the memory: a refused registration should
-	// cost no open or mapping. It is checked again on insertion.
-	t.mu.Lock()
-	_, regs, err := t.connRegions(ctx)
-	if err == nil {
-		err = checkFree(regs, req.GetName())
-	}
-	if err == nil {
-		err = t.checkCapsLocked(size)
-	}
-	t.mu.Unlock()
+	id, err := t.owner(ctx)
 	if err != nil {
 		return nil, err
 	}
-
-	r := &region{name: req.GetName(), kind: kind, key: key, offset: off, size: size, registered: time.Now()}
-	if kind == pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC {
-		err = t.openIPC(r, req.GetCudaIpcHandle())
-	} else {
-		err = t.mapPOSIX(ctx, r)
-	}
+	spec := shm.Spec{Name: req.GetName(), Kind: shm.Kind(kind), Key: key, Offset: off, Size: size}
+	info, err := t.regions.Register(id, spec, func() (shm.Backing, error) {
+		if kind == pb.SharedMemoryKind_SHARED_MEMORY_KIND_CUDA_IPC {
+			return t.openIPC(spec, req.GetCudaIpcHandle())
+		}
+		return t.mapPOSIX(ctx, spec)
+	})
 	if err != nil {
-		return nil, err
+		return nil, shmError("", err)
 	}
-	t.mu.Lock()
-	id, regs, err := t.connRegions(ctx)
-	if err == nil {
-		err = checkFree(regs, r.name)
-	}
-	if err == nil {
-		err = t.checkCapsLocked(r.size) // registrations may have raced
-	}
-	if err != nil {
-		t.mu.Unlock()
-		t.free([]*region{r}) // never shared
-		return nil, err
-	}
-	r.conn = id
-	regs[r.name] = r
-	t.mapped++
-	t.mappedBytes += r.size
-	info := r.info()
-	t.mu.Unlock()
-	t.log.InfoContext(ctx, "shared memory registered", slog.String("region", r.name), slog.String("kind", kind.String()), slog.String("key", key),
-		slog.Int64("offset", off), slog.Int64("bytes", size), slog.Bool("pinned", r.unpin != nil), slog.Uint64("conn", id))
-	return &pb.RegisterSharedMemoryResponse{Region: info}, nil
+	t.log.InfoContext(ctx, "shared memory registered", slog.String("region", spec.Name), slog.String("kind", kind.String()), slog.String("key", key),
+		slog.Int64("offset", off), slog.Int64("bytes", size), slog.Bool("pinned", info.Pinned), slog.Uint64("conn", id))
+	return &pb.RegisterSharedMemoryResponse{Region: regionInfo(info)}, nil
 }
 
 // mapPOSIX maps r's slice of its object and, when the backend can,
 // page-locks it. Pinning only speeds up a GPU's copies, so a failure (a
 // RLIMIT_MEMLOCK too low, say) is logged once and the region served
 // unpinned.
-func (t *shmTable) mapPOSIX(ctx context.Context, r *region) error {
-	m, err := mapShm(r.key, r.offset, r.size)
+func (t *shmTable) mapPOSIX(ctx context.Context, r shm.Spec) (shm.Backing, error) {
+	m, err := shm.Open(r.Key, r.Offset, r.Size)
 	if err != nil {
-		return err
+		return shm.Backing{}, err
 	}
-	r.m = m
+	b := shm.Backing{Mapping: m}
 	p, ok := t.backend.(HostPinner)
 	if !ok {
-		return nil
+		return b, nil
 	}
 	// The whole mapping, which starts on a page boundary; the region may
 	// not.
-	if r.unpin, err = p.PinHost(m.pages()); err != nil {
-		r.unpin = nil
+	if b.Unpin, err = p.PinHost(m.Pages()); err != nil {
+		b.Unpin = nil
 		t.pinWarn.Do(func() {
 			t.log.WarnContext(ctx, "shared memory not page-locked: copies from and to POSIX regions go through staging buffers, and are slower (logged once)",
-				slog.String("backend", t.backend.Name()), slog.String("region", r.name), slog.String("key", r.key), slog.Int64("bytes", r.size), slog.Any("err", err))
+				slog.String("backend", t.backend.Name()), slog.String("region", r.Name), slog.String("key", r.Key), slog.Int64("bytes", r.Size), slog.Any("err", err))
 		})
 	}
-	return nil
+	return b, nil
 }
 
 // openIPC opens r's slice of the allocation handle names on the backend's
 // GPU, whose size the backend checks r against.
-func (t *shmTable) openIPC(r *region, handle []byte) error {
-	dev, err := t.backend.(IPCOpener).OpenIPC(handle, r.offset, r.size)
+func (t *shmTable) openIPC(r shm.Spec, handle []byte) (shm.Backing, error) {
+	dev, err := t.backend.(IPCOpener).OpenIPC(handle, r.Offset, r.Size)
 	switch {
 	case errors.Is(err, kernels.ErrUnsupported):
-		return codedf(codes.FailedPrecondition, "cuda_ipc_handle", "backend %s: %v", t.backend.Name(), err)
+		return shm.Backing{}, codedf(codes.FailedPrecondition, "cuda_ipc_handle", "backend %s: %v", t.backend.Name(), err)
 	case errors.Is(err, kernels.ErrOutOfMemory):
-		return exhaustedf("cuda_ipc_handle", "backend %s: %v", t.backend.Name(), err)
+		return shm.Backing{}, exhaustedf("cuda_ipc_handle", "backend %s: %v", t.backend.Name(), err)
 	case err != nil:
-		return invalidf("cuda_ipc_handle", "backend %s cannot open it: %v", t.backend.Name(), err)
+		return shm.Backing{}, invalidf("cuda_ipc_handle", "backend %s cannot open it: %v", t.backend.Name(), err)
 	}
-	if dev.Size() != r.size || dev.Ptr() == 0 {
+	if dev.Size() != r.Size || dev.Ptr() == 0 {
 		dev.Close() //nolint:errcheck // failing already
-		return fmt.Errorf("backend %s opened %d bytes at %#x for a region of %d", t.backend.Name(), dev.Size(), dev.Ptr(), r.size)
+		return shm.Backing{}, fmt.Errorf("backend %s opened %d bytes at %#x for a region of %d", t.backend.Name(), dev.Size(), dev.Ptr(), r.Size)
 	}
-	r.dev = dev
-	return nil
-}
-
-func checkFree(regs map[string]*region, name string) error {
-	if _, dup := regs[name]; dup {
-		return codedf(codes.AlreadyExists, "name", "%s: this connection already has a region of that name; unregister it first", Quote(name))
-	}
-	if len(regs) >= maxRegionsPerConn {
-		return limitf("name", "regions-per-connection", maxRegionsPerConn, 0, "this connection has %d regions, the most it may have; unregister one first", len(regs))
-	}
-	return nil
-}
-
-// checkShmKey returns the object name of a POSIX key ("/name" or "name"):
-// one file name, so the server opens /dev/shm/<name> and nothing else.
-func checkShmKey(key string) (string, error) {
-	k := strings.TrimPrefix(key, "/")
-	if len(k) < 1 || len(k) > maxShmKey {
-		return "", invalidf("key", "%s: want 1-%d characters after an optional leading /", Quote(key), maxShmKey)
-	}
-	for _, c := range k {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.ContainsRune("._-", c)) {
-			return "", invalidf("key", "%s: character %q is not in [A-Za-z0-9._-]; the key is one name under /dev/shm", Quote(key), c)
-		}
-	}
-	if strings.Contains(k, "..") || k == "." {
-		return "", invalidf("key", "%s: must not be \".\" or contain \"..\"", Quote(key))
-	}
-	return k, nil
+	return shm.Backing{Device: dev}, nil
 }
 
 // UnregisterSharedMemory forgets one of the calling connection's regions,
@@ -538,28 +376,14 @@ func (t *shmTable) unregister(ctx context.Context, req *pb.UnregisterSharedMemor
 	if err := checkLen("name", req.GetName(), maxNameBytes); err != nil {
 		return nil, err
 	}
-	t.mu.Lock()
-	id, regs, err := t.connRegions(ctx)
+	id, err := t.owner(ctx)
 	if err != nil {
-		t.mu.Unlock()
 		return nil, err
 	}
-	drop := regs
-	if name := req.GetName(); name != "" {
-		r, ok := regs[name]
-		if !ok {
-			t.mu.Unlock()
-			return nil, codedf(codes.NotFound, "name", "no shared-memory region %s on this connection", Quote(name))
-		}
-		drop = map[string]*region{name: r}
+	names, err := t.regions.Unregister(id, req.GetName())
+	if err != nil {
+		return nil, shmError("", err)
 	}
-	// drop may be regs itself: mark before deleting.
-	names, free := t.dropLocked(drop)
-	for _, name := range names {
-		delete(regs, name)
-	}
-	t.mu.Unlock()
-	t.free(free)
 	t.log.InfoContext(ctx, "shared memory unregistered", slog.Any("regions", names), slog.Uint64("conn", id))
 	return &pb.UnregisterSharedMemoryResponse{Names: names}, nil
 }
@@ -577,61 +401,38 @@ func (t *shmTable) list(ctx context.Context, req *pb.ListSharedMemoryRequest) (*
 	if err := checkLen("name", req.GetName(), maxNameBytes); err != nil {
 		return nil, err
 	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	_, regs, err := t.connRegions(ctx)
+	id, err := t.owner(ctx)
 	if err != nil {
 		return nil, err
 	}
-	resp := &pb.ListSharedMemoryResponse{}
-	if name := req.GetName(); name != "" {
-		r, ok := regs[name]
-		if !ok {
-			return nil, codedf(codes.NotFound, "name", "no shared-memory region %s on this connection", Quote(name))
-		}
-		resp.Regions = append(resp.Regions, r.info())
-		return resp, nil
+	infos, err := t.regions.List(id, req.GetName())
+	if err != nil {
+		return nil, shmError("", err)
 	}
-	for _, r := range regs {
-		resp.Regions = append(resp.Regions, r.info())
+	resp := &pb.ListSharedMemoryResponse{Regions: make([]*pb.SharedMemoryRegion, len(infos))}
+	for i, r := range infos {
+		resp.Regions[i] = regionInfo(r)
 	}
-	sort.Slice(resp.Regions, func(i, j int) bool { return resp.Regions[i].GetName() < resp.Regions[j].GetName() })
 	return resp, nil
 }
 
 // shmCall is what one FusedMoE call holds in shared memory: the regions it
-// references (each acquired once), where each of its shared-memory tensors
-// is, and where its output goes. A nil *shmCall holds nothing.
+// references (each held once, by its lease) and where its shared-memory
+// tensors and output are (placement, what conversion reads). A nil
+// *shmCall holds nothing.
 type shmCall struct {
-	t    *shmTable
-	used []*region
-	// mem are the request's shared-memory tensors by field, resolved:
-	// host bytes of a POSIX region, or a CUDA IPC region's device address.
-	mem map[string]moe.Tensor
-	// out is a POSIX output_shm's bytes, or outDev a CUDA IPC one's
-	// address; outRef is the reference the response returns. All are
-	// unset without output_shm.
-	out    []byte
-	outDev uintptr
-	outRef *pb.SharedMemoryRef
+	lease shm.Lease
+	placement
+	// out is a POSIX output_shm's bytes, nil for none or CUDA IPC.
+	out []byte
 }
 
-// memory is where field's shared-memory tensor is (Memory and Data or
-// Dev); ok is false when nothing resolved it (shared memory disabled).
-func (c *shmCall) memory(field string) (moe.Tensor, bool) {
+// placed is where the call's tensors are, for conversion; nil for none.
+func (c *shmCall) placed() *placement {
 	if c == nil {
-		return moe.Tensor{}, false
+		return nil
 	}
-	t, ok := c.mem[field]
-	return t, ok
-}
-
-// outDevice is a CUDA IPC output_shm's device address, 0 for none.
-func (c *shmCall) outDevice() uintptr {
-	if c == nil {
-		return 0
-	}
-	return c.outDev
+	return &c.placement
 }
 
 // deviceFields are the only request fields a CUDA IPC region may hold,
@@ -662,20 +463,18 @@ func requestTensors(req *pb.FusedMoERequest) []shmTensor {
 	return ts
 }
 
-// allDTypes lets checkMeta size a tensor of any known dtype; whether the
-// dtype suits the field is validate.go's business.
-var allDTypes = []moe.DType{moe.Float32, moe.BFloat16, moe.Float16, moe.Float8E4M3FN, moe.Float8E5M2, moe.Int32}
-
 // resolve finds where the request's shared-memory tensors are: views
 // of the caller's POSIX regions (so validation and the backend read them
 // with no copy) or device addresses in its CUDA IPC regions, and where
 // output_shm is. The request is left as it came; fromProto reads the
-// answers (shmCall.memory). It runs before validation and holds every
+// answers (placement.memory). It runs before validation and holds every
 // region it touches until release, so none is unmapped under the call.
 // References are checked here (region known, offset and byte_size within
-// it and equal to the tensor's size, device memory only where allowed);
-// all else is left to validation, which refuses shm tensors when this is
-// disabled.
+// it, device memory only where allowed, output apart from the inputs);
+// whether byte_size is the size a tensor's declaration needs is
+// validation's, which sizes each declaration once (modelError words its
+// refusal for the reference, checkOutput sizes output_shm), and which
+// refuses shm tensors when this is disabled.
 func (t *shmTable) resolve(ctx context.Context, req *pb.FusedMoERequest) (*shmCall, error) {
 	if !t.enabled {
 		if req.GetOutputShm() != nil {
@@ -691,177 +490,98 @@ func (t *shmTable) resolve(ctx context.Context, req *pb.FusedMoERequest) (*shmCa
 	if !uses {
 		return nil, nil
 	}
-	c := &shmCall{t: t}
-	views, out, err := c.acquire(ctx, req, ts)
+	id, err := t.owner(ctx)
+	if err != nil {
+		return nil, err
+	}
+	c := &shmCall{lease: t.regions.Lease(id)}
+	err = c.acquire(req, ts)
 	if err == nil {
-		err = c.checkMappings()
+		err = shmError("", c.lease.Check())
 	}
 	if err != nil {
 		c.release()
 		return nil, err
 	}
-	c.place(req, views, out)
 	return c, nil
 }
 
-// shmView is a request tensor's reference into an acquired region.
+// shmView is a request tensor's reference into a held region.
 type shmView struct {
-	x   shmTensor
-	r   *region
-	ref *pb.SharedMemoryRef
+	field string
+	r     *shm.Region
+	ref   *pb.SharedMemoryRef
 }
 
-// acquire checks the references of ts and output_shm against the
-// connection's regions and takes a reference on each region used (c.used,
-// which release gives back, on failure too). out is output_shm's region,
-// nil without one.
-func (c *shmCall) acquire(ctx context.Context, req *pb.FusedMoERequest, ts []shmTensor) (views []shmView, out *region, err error) {
-	t := c.t
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	_, regs, err := t.connRegions(ctx)
-	if err != nil {
-		return nil, nil, err
-	}
-	take := func(field string, ref *pb.SharedMemoryRef) (*region, error) {
+// acquire resolves the references of ts and output_shm in the
+// connection's regions, holding each region used (c.lease, which release
+// gives back, on failure too), and records where each tensor and the
+// output are.
+func (c *shmCall) acquire(req *pb.FusedMoERequest, ts []shmTensor) error {
+	take := func(field string, ref *pb.SharedMemoryRef) (shm.Memory, *shm.Region, error) {
 		if err := checkLen(field+".region_name", ref.GetRegionName(), maxNameBytes); err != nil {
-			return nil, err
+			return shm.Memory{}, nil, err
 		}
-		r, ok := regs[ref.GetRegionName()]
-		if !ok {
-			return nil, codedf(codes.NotFound, field+".region_name", "no shared-memory region %s on this connection; register it first", Quote(ref.GetRegionName()))
-		}
-		if off := ref.GetOffset(); off < 0 || off > r.size {
-			return nil, invalidf(field+".offset", "%d: want in [0, %d] (region %s has %d bytes)", off, r.size, Quote(r.name), r.size)
-		}
-		if n := ref.GetByteSize(); n < 0 || n > r.size-ref.GetOffset() {
-			return nil, invalidf(field+".byte_size", "%d at offset %d runs past the end of region %s (%d bytes)", n, ref.GetOffset(), Quote(r.name), r.size)
-		}
-		if !slicesContain(c.used, r) {
-			r.refs++
-			c.used = append(c.used, r)
-		}
-		return r, nil
+		mem, r, err := c.lease.Resolve(ref.GetRegionName(), ref.GetOffset(), ref.GetByteSize())
+		return mem, r, shmError(field+".", err)
 	}
+	var views []shmView
 	for _, x := range ts {
 		ref := x.t.GetShm()
 		if ref == nil {
 			continue
 		}
 		field := x.field + ".shm"
-		r, err := take(field, ref)
-		if err == nil && r.dev != nil && !deviceFields[x.field] {
-			err = invalidf(field, "region %s is CUDA IPC device memory; only hidden_states, router_logits and output_shm may live there", Quote(r.name))
-		}
-		if err == nil {
-			// Only a well-formed declaration has a size to compare; a bad
-			// dtype or shape is reported by validation.
-			if m, merr := checkMeta(x.field, x.t, allDTypes...); merr == nil && m.bytes != ref.GetByteSize() {
-				err = invalidf(field+".byte_size", "%d: shape %v of %v needs %d bytes", ref.GetByteSize(), x.t.GetShape(), x.t.GetDtype(), m.bytes)
-			}
+		mem, r, err := take(field, ref)
+		if err == nil && r.Kind == shm.CUDAIPC && !deviceFields[x.field] {
+			err = invalidf(field, "region %s is CUDA IPC device memory; only hidden_states, router_logits and output_shm may live there", Quote(r.Name))
 		}
 		if err != nil {
-			return nil, nil, err
+			return err
 		}
-		views = append(views, shmView{x, r, ref})
+		views = append(views, shmView{x.field, r, ref})
+		if c.tensors == nil {
+			c.tensors = make(map[string]moe.Tensor, len(ts))
+		}
+		c.tensors[x.field] = memTensor(mem, ref.GetByteSize())
 	}
 	if ref := req.GetOutputShm(); ref != nil {
-		if out, err = take("output_shm", ref); err == nil {
-			err = checkOutputShm(req, ref, func(r *region, lo, hi int64) (string, bool) {
-				for _, v := range views {
-					if v.r == r && lo < v.ref.GetOffset()+v.ref.GetByteSize() && v.ref.GetOffset() < hi {
-						return v.x.field, true
-					}
-				}
-				return "", false
-			}, out)
+		mem, out, err := take("output_shm", ref)
+		if err == nil {
+			err = checkOverlap(ref, out, views)
 		}
 		if err != nil {
-			return nil, nil, err
+			return err
 		}
-	}
-	return views, out, nil
-}
-
-// checkMappings checks that no POSIX region the call uses was shrunk
-// under its mapping, which would make reads past the new end fault
-// (SIGBUS); once per call, outside the table's lock. The check cannot
-// close the race with a truncation while the call runs: the backend reads
-// the inputs, and for an unbatched call writes the output, straight from
-// and to the mapping (README, "Security").
-func (c *shmCall) checkMappings() error {
-	for _, r := range c.used {
-		if r.m == nil {
-			continue // device memory: freeing it is the caller's to avoid
-		}
-		if err := r.m.check(); err != nil {
-			return codedf(codes.FailedPrecondition, "", "shared-memory region %s: %v; unregister and register it again", Quote(r.name), err)
-		}
-	}
-	return nil
-}
-
-// place records where each view's tensor and the output are: what
-// memory answers and the output goes to.
-func (c *shmCall) place(req *pb.FusedMoERequest, views []shmView, out *region) {
-	c.mem = make(map[string]moe.Tensor, len(views))
-	for _, v := range views {
-		lo, hi := v.ref.GetOffset(), v.ref.GetOffset()+v.ref.GetByteSize()
-		if v.r.dev != nil {
-			c.mem[v.x.field] = moe.Tensor{Memory: moe.Device, Dev: v.r.dev.Ptr() + uintptr(lo)}
-			continue
-		}
-		kind := moe.Host
-		if v.r.unpin != nil {
-			kind = moe.Pinned
-		}
-		// The capacity stops an append from writing past the view.
-		c.mem[v.x.field] = moe.Tensor{Memory: kind, Data: v.r.m.data()[lo:hi:hi]}
-	}
-	if out != nil {
-		ref := req.GetOutputShm()
-		lo, hi := ref.GetOffset(), ref.GetOffset()+ref.GetByteSize()
-		if out.dev != nil {
-			c.outDev = out.dev.Ptr() + uintptr(lo)
-		} else {
-			c.out = out.m.data()[lo:hi:hi]
-		}
+		c.out, c.outDev = mem.Host, mem.Dev
 		c.outRef = proto.Clone(ref).(*pb.SharedMemoryRef)
 	}
-}
-
-// checkOutputShm checks output_shm's size against [M, K] in the output
-// dtype, as far as the request declares them (a malformed hidden_states or
-// output_dtype is left to validation), and that it overlaps no input.
-func checkOutputShm(req *pb.FusedMoERequest, ref *pb.SharedMemoryRef, overlaps func(*region, int64, int64) (string, bool), r *region) error {
-	if in, ok := overlaps(r, ref.GetOffset(), ref.GetOffset()+ref.GetByteSize()); ok {
-		// The CPU backend finishes reading before the output is copied
-		// in, but a device backend may write it while reading the
-		// inputs: refuse rather than promise an order.
-		return invalidf("output_shm", "[%d, %d) of region %s overlaps %s.shm; use a separate slice", ref.GetOffset(), ref.GetOffset()+ref.GetByteSize(), Quote(r.name), in)
-	}
-	hm, err := checkMeta("hidden_states", req.GetHiddenStates(), allDTypes...)
-	if err != nil || len(hm.shape) != 2 {
-		return nil
-	}
-	outType, ok := moe.OutputDType(moe.DType(req.GetOutputDtype()))
-	if !ok {
-		return nil
-	}
-	out := hm.bytes / int64(hm.dtype.Size()) * int64(outType.Size())
-	if ref.GetByteSize() != out {
-		return invalidf("output_shm.byte_size", "%d: the output [%d %d] of %v needs %d bytes", ref.GetByteSize(), hm.shape[0], hm.shape[1], outType.WireName(), out)
-	}
 	return nil
 }
 
-func slicesContain(rs []*region, r *region) bool {
-	for _, x := range rs {
-		if x == r {
-			return true
+// memTensor is resolved shared memory of size bytes as a tensor's place.
+func memTensor(mem shm.Memory, size int64) moe.Tensor {
+	switch {
+	case mem.Host == nil:
+		return moe.Tensor{Memory: moe.Device, Dev: mem.Dev, DevBytes: size}
+	case mem.Pinned:
+		return moe.Tensor{Memory: moe.Pinned, Data: mem.Host}
+	}
+	return moe.Tensor{Memory: moe.Host, Data: mem.Host}
+}
+
+// checkOverlap refuses an output_shm over an input's reference.
+func checkOverlap(ref *pb.SharedMemoryRef, r *shm.Region, views []shmView) error {
+	lo, hi := ref.GetOffset(), ref.GetOffset()+ref.GetByteSize()
+	for _, v := range views {
+		if v.r == r && lo < v.ref.GetOffset()+v.ref.GetByteSize() && v.ref.GetOffset() < hi {
+			// The CPU backend finishes reading before the output is
+			// copied in, but a device backend may write it while reading
+			// the inputs: refuse rather than promise an order.
+			return invalidf("output_shm", "[%d, %d) of region %s overlaps %s.shm; use a separate slice", lo, hi, Quote(r.Name), v.field)
 		}
 	}
-	return false
+	return nil
 }
 
 // release lets go of the call's regions, releasing any unregistered
@@ -870,17 +590,7 @@ func (c *shmCall) release() {
 	if c == nil {
 		return
 	}
-	var free []*region
-	c.t.mu.Lock()
-	for _, r := range c.used {
-		r.refs--
-		if r.gone && r.refs == 0 {
-			free = append(free, c.t.forgetLocked(r))
-		}
-	}
-	c.used = nil
-	c.t.mu.Unlock()
-	c.t.free(free)
+	c.lease.Release()
 }
 
 // outBuffer is where an unbatched call's backend should write the output
@@ -919,19 +629,5 @@ func (c *shmCall) writeOutput(resp *pb.FusedMoEResponse) error {
 // copyGuarded copies, turning a fault (a mapping whose object was shrunk
 // after the per-call check) into an error instead of a crash.
 func copyGuarded(dst, src []byte) error {
-	return guard(func() { copy(dst, src) })
-}
-
-// guard runs f, turning a panic in it, a memory fault included (touching
-// a shared mapping past its object's end), into an error instead of a
-// crash.
-func guard(f func()) (err error) {
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-	defer func() {
-		if p := recover(); p != nil {
-			err = fmt.Errorf("memory fault: %v", p)
-		}
-	}()
-	f()
-	return nil
+	return shm.Guard(func() { copy(dst, src) })
 }

@@ -59,17 +59,75 @@ func fromModel(err error) error {
 	return err
 }
 
-// errNoShm refuses a shared-memory tensor that no region resolved: this
+// errNoShm refuses a shared-memory tensor that nothing placed: this
 // server has shared memory disabled.
 func errNoShm(field string) error {
 	return invalidf(field+".shm", "shared memory is not supported by this server; send data inline")
 }
 
+// placement is where a call's shared-memory tensors are (host bytes of a
+// POSIX region, or a CUDA IPC region's device address), by field, and
+// where its output goes: what shmTable.resolve found, and conversion
+// reads. A nil *placement places nothing (shared memory disabled).
+type placement struct {
+	tensors map[string]moe.Tensor
+	// outRef is output_shm, which the response returns, nil without;
+	// outDev is its address when it is in device memory.
+	outRef *pb.SharedMemoryRef
+	outDev uintptr
+}
+
+// memory is where field's shared-memory tensor is (Memory, and Data or
+// Dev and DevBytes); ok is false when nothing placed it.
+func (p *placement) memory(field string) (moe.Tensor, bool) {
+	if p == nil {
+		return moe.Tensor{}, false
+	}
+	t, ok := p.tensors[field]
+	return t, ok
+}
+
+// outDevice is a CUDA IPC output_shm's device address, 0 for none.
+func (p *placement) outDevice() uintptr {
+	if p == nil {
+		return 0
+	}
+	return p.outDev
+}
+
+// modelError is a validation error of the model's (fromModel), with a
+// tensor whose bytes are the wrong size worded for its shared-memory
+// reference when it has one: the reference's byte_size is what the caller
+// got wrong.
+func (p *placement) modelError(err error) error {
+	var se *moe.SizeError
+	if errors.As(err, &se) {
+		if _, ok := p.memory(se.Field); ok {
+			return invalidf(se.Field+".shm.byte_size", "%d: shape %v of %v needs %d bytes", se.Got, se.Shape, se.DType.WireName(), se.Need)
+		}
+	}
+	return fromModel(err)
+}
+
+// checkOutput checks output_shm's size against the validated call's
+// output, [M, K] in the output dtype.
+func (p *placement) checkOutput(r *moe.Request, k int) error {
+	if p == nil || p.outRef == nil {
+		return nil
+	}
+	m := r.M()
+	need := int64(m) * int64(k) * int64(r.OutDType.Size())
+	if n := p.outRef.GetByteSize(); n != need {
+		return invalidf("output_shm.byte_size", "%d: the output [%d %d] of %v needs %d bytes", n, m, k, r.OutDType.WireName(), need)
+	}
+	return nil
+}
+
 // tensorFromProto is t in the model, nil for an unset tensor: its bytes
-// inline (aliasing the request, no copy) or where sh resolved its
+// inline (aliasing the request, no copy) or where sh placed its
 // shared-memory reference. A tensor without a source has nil Data, which
 // moe.Check reports.
-func tensorFromProto(field string, t *pb.Tensor, sh *shmCall) (*moe.Tensor, error) {
+func tensorFromProto(field string, t *pb.Tensor, sh *placement) (*moe.Tensor, error) {
 	if t == nil {
 		return nil, nil
 	}
@@ -85,19 +143,19 @@ func tensorFromProto(field string, t *pb.Tensor, sh *shmCall) (*moe.Tensor, erro
 		if !ok {
 			return nil, errNoShm(field)
 		}
-		mt.Memory, mt.Data, mt.Dev = mem.Memory, mem.Data, mem.Dev
+		mt.Memory, mt.Data, mt.Dev, mt.DevBytes = mem.Memory, mem.Data, mem.Dev, mem.DevBytes
 	}
 	return mt, nil
 }
 
 // tensorBytes returns t's host bytes, checked against m's size.
-func tensorBytes(field string, t *pb.Tensor, m tensorMeta, sh *shmCall) ([]byte, error) {
+func tensorBytes(field string, t *pb.Tensor, m tensorMeta, sh *placement) ([]byte, error) {
 	mt, err := tensorFromProto(field, t, sh)
 	if err != nil {
 		return nil, err
 	}
 	if err := moe.Check(field, mt, m.dtype); err != nil {
-		return nil, fromModel(err)
+		return nil, sh.modelError(err)
 	}
 	return mt.Data, nil
 }
@@ -136,7 +194,7 @@ func checkLayout(prefix string, w *pb.ExpertWeights) (*moe.Layout, error) {
 
 // inlineSet validates ExpertWeights carried in a FusedMoE request, whose
 // tensors may be in shared memory (sh).
-func inlineSet(w *pb.ExpertWeights, sh *shmCall) (*moe.ExpertSet, int64, error) {
+func inlineSet(w *pb.ExpertWeights, sh *placement) (*moe.ExpertSet, int64, error) {
 	l, err := checkLayout("weights", w)
 	if err != nil {
 		return nil, 0, err
@@ -156,9 +214,9 @@ func inlineSet(w *pb.ExpertWeights, sh *shmCall) (*moe.ExpertSet, int64, error) 
 }
 
 // fromProto is the FusedMoE call in the model, its tensors where they are:
-// inline in the request or in the shared memory sh resolved. The request
+// inline in the request or in the shared memory sh places. The request
 // itself is never modified.
-func fromProto(req *pb.FusedMoERequest, sh *shmCall) (*moe.Input, error) {
+func fromProto(req *pb.FusedMoERequest, sh *placement) (*moe.Input, error) {
 	in := &moe.Input{OutDType: moe.DType(req.GetOutputDtype())}
 	for _, f := range []struct {
 		field string
@@ -182,7 +240,7 @@ func fromProto(req *pb.FusedMoERequest, sh *shmCall) (*moe.Input, error) {
 }
 
 // routingFromProto is rt in the model, nil when unset.
-func routingFromProto(rt *pb.Routing, sh *shmCall) (*moe.RoutingInput, error) {
+func routingFromProto(rt *pb.Routing, sh *placement) (*moe.RoutingInput, error) {
 	if rt == nil {
 		return nil, nil
 	}
@@ -204,14 +262,17 @@ func routingFromProto(rt *pb.Routing, sh *shmCall) (*moe.RoutingInput, error) {
 // checkRequest converts a FusedMoE request (fromProto) and validates it
 // against a loaded set (moe.Validate). Its output goes where sh says
 // (device memory), or to a buffer the caller provides.
-func checkRequest(req *pb.FusedMoERequest, set *moe.ExpertSet, lim moe.Limits, sh *shmCall) (*moe.Request, error) {
+func checkRequest(req *pb.FusedMoERequest, set *moe.ExpertSet, lim moe.Limits, sh *placement) (*moe.Request, error) {
 	in, err := fromProto(req, sh)
 	if err != nil {
 		return nil, err
 	}
 	r, err := moe.Validate(in, set, lim)
 	if err != nil {
-		return nil, fromModel(err)
+		return nil, sh.modelError(err)
+	}
+	if err := sh.checkOutput(r, set.K); err != nil {
+		return nil, err
 	}
 	r.OutDev = sh.outDevice()
 	r.NoRouting = !req.GetReturnRouting()

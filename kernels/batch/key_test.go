@@ -23,7 +23,7 @@ func TestBatchKeyCoversRequest(t *testing.T) {
 	}{
 		{reflect.TypeFor[moe.Request](), []string{"Hidden", "HiddenScale", "Logits", "Routing", "TopKIDs", "TopKWeights", "OutDType", "Out", "OutDev", "NoRouting"}},
 		{reflect.TypeFor[moe.Routing](), []string{"TopK", "Renormalize", "Scoring", "CorrectionBias", "NumGroups", "TopKGroups", "ScalingFactor"}},
-		{reflect.TypeFor[moe.Tensor](), []string{"DType", "Shape", "Data", "Memory", "Dev"}},
+		{reflect.TypeFor[moe.Tensor](), []string{"DType", "Shape", "Data", "Memory", "Dev", "DevBytes"}},
 	}
 	for _, tt := range tests {
 		var got []string
