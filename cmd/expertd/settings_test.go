@@ -11,6 +11,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/service"
 )
 
 // checkReportedSettings checks a daemon started with TestDaemon's flags
@@ -19,8 +20,8 @@ import (
 func checkReportedSettings(t *testing.T, info *pb.ServerInfo) {
 	t.Helper()
 	l, tr := info.GetLimits(), info.GetTransport()
-	if l.GetMaxQueued() != 4*defaultMaxConcurrent || time.Duration(l.GetBatchWindowNanos()) != 200*time.Microsecond || l.GetBatchMaxTokens() != 0 {
-		t.Errorf("limits %v: want max_queued %d, the default batch window, batch_max_tokens 0", l, 4*defaultMaxConcurrent)
+	if l.GetMaxQueued() != 4*defaultMaxConcurrent || time.Duration(l.GetBatchWindowNanos()) != 200*time.Microsecond || l.GetBatchMaxTokens() != service.DefaultBatchMaxTokens {
+		t.Errorf("limits %v: want max_queued %d, the default batch window and batch_max_tokens", l, 4*defaultMaxConcurrent)
 	}
 	if tr.GetStreamWorkers() != 0 || time.Duration(tr.GetKeepaliveMinTimeNanos()) != defaultKeepaliveMinTime ||
 		time.Duration(tr.GetKeepaliveTimeNanos()) != defaultKeepaliveTime || time.Duration(tr.GetKeepaliveTimeoutNanos()) != defaultKeepaliveTimeout ||
