@@ -112,6 +112,27 @@ func writeHalfCheckpoint(t testing.TB, rng *rand.Rand, h halfLayer, dir string, 
 	writeCheckpoint(t, dir, ts, shards, nil)
 }
 
+// dynamicFP8 is the row x as the server quantizes dynamic activations,
+// per group of group columns (min(group, len(x))), dequantized; group 0
+// leaves it unquantized.
+func dynamicFP8(x []float32, group int) []float64 {
+	out := make([]float64, len(x))
+	if group == 0 {
+		for i, v := range x {
+			out[i] = float64(v)
+		}
+		return out
+	}
+	g := min(group, len(x))
+	q, s, back := make([]uint8, len(x)), make([]float32, (len(x)+g-1)/g), make([]float32, len(x))
+	scaling.QuantizeDynamic(q, s, x, 1, len(x), g)
+	scaling.Dequantize(back, q, s, 1, len(x), g)
+	for i, v := range back {
+		out[i] = float64(v)
+	}
+	return out
+}
+
 // refMoE is the layer's output in float64 with the weights as the
 // checkpoint holds them, unquantized; with group > 0 the experts' input
 // and the intermediate are FP8-quantized per token and group of group
@@ -122,23 +143,7 @@ func refMoE(h halfLayer, w13, w2, hidden []float32, ids []int32, wts []float32, 
 	if h.gated {
 		rows = 2 * n
 	}
-	quant := func(x []float32) []float64 {
-		out := make([]float64, len(x))
-		if group == 0 {
-			for i, v := range x {
-				out[i] = float64(v)
-			}
-			return out
-		}
-		g := min(group, len(x))
-		q, s, back := make([]uint8, len(x)), make([]float32, (len(x)+g-1)/g), make([]float32, len(x))
-		scaling.QuantizeDynamic(q, s, x, 1, len(x), g)
-		scaling.Dequantize(back, q, s, 1, len(x), g)
-		for i, v := range back {
-			out[i] = float64(v)
-		}
-		return out
-	}
+	quant := func(x []float32) []float64 { return dynamicFP8(x, group) }
 	m := len(hidden) / k
 	out := make([]float64, m*k)
 	for t := range m {
