@@ -24,8 +24,9 @@ input scales (their max over the experts, as vLLM takes it). The shared
 experts stay out of the comparison: the daemon serves the routed ones.
 
 The BF16 and FP16 cases write what the unquantized releases ship (Mixtral,
-Qwen3-30B-A3B, DeepSeek's BF16 conversions): the experts' weights in
-16 bits, no quantization_config; the daemon quantizes them to FP8 as it
+Qwen3-30B-A3B, DeepSeek's BF16 conversions, gpt-oss's BF16 releases with
+GptOssExperts' stacked, biased experts): the experts' weights in 16 bits,
+no quantization_config; the daemon quantizes them to FP8 as it
 reads them, at the case's weight_quantization (default per-channel). The
 set is compared with two forwards of the block: with its 16-bit weights
 quantized here as the daemon should (per expert and matrix, gate and up
@@ -41,6 +42,7 @@ import tempfile
 
 import pytest
 
+import expertd
 import needs
 from hfref import FP8_MAX, act_dynamic, act_static, quantized_expert_inputs
 
@@ -223,7 +225,8 @@ AUTOFP8 = {"quant_method": "fp8", "activation_scheme": "static"}
 # 16-bit checkpoints the weights' dtype and the weight_quantization asked
 # for (None: the daemon's default, per-channel); stacked: the experts in
 # GptOssExperts' stacked tensors, with biases and a router of its own
-# (module "router", with a bias in its logits))
+# (module "router", with a bias in its logits); activation: the set's, where
+# a backend may not run it)
 CASES = {
     "nemotron_h-modelopt": dict(config=nemotron_config, block=nemotron_block, dims=(64, 32, 8, 2), scales="tensor",
                                 suffix="weight_scale", static=True, quant=MODELOPT, prefix="backbone.layers",
@@ -270,10 +273,11 @@ CASES = {
                                    proj=("gate_proj", "up_proj", "down_proj"), module="mlp", bias=True,
                                    preset="deepseek_v3"),
     "gpt_oss-bf16": dict(config=gpt_oss_config, block=gpt_oss_block, dims=(64, 32, 8, 2), scales=None,
-                         dtype=torch.bfloat16, prefix="model.layers", module="mlp", stacked=True, preset="gpt_oss"),
+                         dtype=torch.bfloat16, prefix="model.layers", module="mlp", stacked=True, preset="gpt_oss",
+                         activation=expertd.pb.ACTIVATION_SWIGLU_OAI),
     "gpt_oss-bf16-block": dict(config=gpt_oss_config, block=gpt_oss_block, dims=(256, 128, 8, 4), scales=None,
                                dtype=torch.bfloat16, weight_quantization="block", prefix="model.layers", module="mlp",
-                               stacked=True, preset="gpt_oss"),
+                               stacked=True, preset="gpt_oss", activation=expertd.pb.ACTIVATION_SWIGLU_OAI),
     "mixtral-bf16-per-tensor": dict(config=mixtral_config, block=mixtral_block, dims=(64, 32, 8, 2), scales=None,
                                     dtype=torch.bfloat16, weight_quantization="per_tensor", prefix="model.layers",
                                     proj=("w1", "w3", "w2"), module="block_sparse_moe", preset="mixtral"),
@@ -534,8 +538,16 @@ def test_checkpoint_matches_transformers(client, case_name, how):
     fields = {"tensor_prefix": case.get("tensor_prefix", "")} if how == "preset" else {}
     if case.get("weight_quantization"):
         fields["weight_quantization"] = case["weight_quantization"]
-    info = client.load_safetensors(name, name, layer=LAYER, preset="auto" if how == "auto" else case["preset"],
-                                   **fields)
+    preset = "auto" if how == "auto" else case["preset"]
+    act = case.get("activation")
+    if act is not None and act not in client.server_info().backends[0].activations:
+        # The serving backend (cuda) refuses the set, as its BackendInfo
+        # says it would.
+        with pytest.raises(expertd.FailedPreconditionError):
+            client.load_safetensors(name, name, layer=LAYER, preset=preset, **fields)
+        shutil.rmtree(d, ignore_errors=True)
+        pytest.skip(f"the daemon's backend does not run {expertd.pb.Activation.Name(act)}")
+    info = client.load_safetensors(name, name, layer=LAYER, preset=preset, **fields)
     try:
         assert (info.num_experts, info.hidden_size, info.intermediate_size) == (e, k, n), info
         rt = info.routing
