@@ -449,7 +449,12 @@ def _write_checkpoint(d, cfg, case, tensors, max_shard_size="48KB"):
                 "quantization_config": conf.pop("quantization_config")}
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(conf, f, indent=2)
-    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+    index = os.path.join(d, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        # Tensors that fit one shard are one model.safetensors, without
+        # an index.
+        return {name: "model.safetensors" for name in tensors}
+    with open(index) as f:
         return json.load(f)["weight_map"]
 
 
