@@ -3,46 +3,17 @@ package weights_test
 import (
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"fmt"
-	"maps"
 	"math"
 	"os"
 	"path/filepath"
-	"slices"
 	"testing"
 
+	"github.com/expertd/expertd/internal/safetensorstest"
 	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/weights"
 )
-
-// stTensor is one tensor to write: its dtype, shape and bytes.
-type stTensor struct {
-	dtype string
-	shape []int64
-	data  []byte
-}
-
-// writeSafetensors writes ts as the safetensors file path.
-func writeSafetensors(t *testing.T, path string, ts map[string]stTensor) {
-	t.Helper()
-	hdr := map[string]any{}
-	var data []byte
-	for _, name := range slices.Sorted(maps.Keys(ts)) {
-		x := ts[name]
-		hdr[name] = map[string]any{"dtype": x.dtype, "shape": x.shape, "data_offsets": []int{len(data), len(data) + len(x.data)}}
-		data = append(data, x.data...)
-	}
-	js, err := json.Marshal(hdr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := append(binary.LittleEndian.AppendUint64(nil, uint64(len(js))), js...)
-	if err := os.WriteFile(path, append(b, data...), 0o644); err != nil {
-		t.Fatal(err)
-	}
-}
 
 func bf16Bytes(v []float32) []byte {
 	b := make([]byte, 2*len(v))
@@ -76,18 +47,20 @@ func TestLoadGptOssLayout(t *testing.T) {
 	gu, down := powersOfTwo(e*k*2*n, 0), powersOfTwo(e*n*k, 3)
 	gub, db := powersOfTwo(e*2*n, 1), powersOfTwo(e*k, 2)
 	const p = "model.layers.0.mlp.experts."
-	ts := map[string]stTensor{
-		p + "gate_up_proj":      {"BF16", []int64{e, k, 2 * n}, bf16Bytes(gu)},
-		p + "gate_up_proj_bias": {"BF16", []int64{e, 2 * n}, bf16Bytes(gub)},
-		p + "down_proj":         {"BF16", []int64{e, n, k}, bf16Bytes(down)},
-		p + "down_proj_bias":    {"F32", []int64{e, k}, moe.Float32Bytes(db)},
+	ts := map[string]safetensorstest.Tensor{
+		p + "gate_up_proj":      {DType: "BF16", Shape: []int64{e, k, 2 * n}, Data: bf16Bytes(gu)},
+		p + "gate_up_proj_bias": {DType: "BF16", Shape: []int64{e, 2 * n}, Data: bf16Bytes(gub)},
+		p + "down_proj":         {DType: "BF16", Shape: []int64{e, n, k}, Data: bf16Bytes(down)},
+		p + "down_proj_bias":    {DType: "F32", Shape: []int64{e, k}, Data: moe.Float32Bytes(db)},
 	}
 	root := t.TempDir()
 	for _, d := range []string{"ck", "file"} {
 		if err := os.Mkdir(filepath.Join(root, d), 0o755); err != nil {
 			t.Fatal(err)
 		}
-		writeSafetensors(t, filepath.Join(root, d, "model.safetensors"), ts)
+		if err := safetensorstest.Write(filepath.Join(root, d, "model.safetensors"), ts, nil); err != nil {
+			t.Fatal(err)
+		}
 	}
 	cfg := fmt.Sprintf(`{"model_type":"gpt_oss","num_local_experts":%d,"num_experts_per_tok":2,"hidden_act":"silu","swiglu_limit":0.5,"swiglu_alpha":2.5}`, e)
 	if err := os.WriteFile(filepath.Join(root, "ck", "config.json"), []byte(cfg), 0o644); err != nil {
