@@ -88,37 +88,31 @@ func (g gptossLayer) fp8(w gptossWeights, q scaling.Granularity) gptossWeights {
 // db[e], times the routing weight.
 func (g gptossLayer) ref(w gptossWeights, hidden []float32, ids []int32, wts []float32, topk int, limit, alpha float64) []float64 {
 	k, n := g.k, g.n
-	quant := func(x []float32) []float64 { return dynamicFP8(x, len(x)) }
-	m := len(hidden) / k
-	out := make([]float64, m*k)
-	for t := range m {
-		a := quant(hidden[t*k : (t+1)*k])
-		for j := range topk {
-			e := int(ids[t*topk+j])
-			gu := make([]float64, 2*n)
-			for c := range 2 * n {
-				gu[c] = float64(w.gub[e*2*n+c])
-				for r := range k {
-					gu[c] += a[r] * float64(w.gu[(e*k+r)*2*n+c])
-				}
-			}
-			mid := make([]float32, n)
-			for i := range n {
-				gate := math.Min(gu[2*i], limit)
-				up := math.Max(-limit, math.Min(gu[2*i+1], limit))
-				mid[i] = float32((up + 1) * gate / (1 + math.Exp(-alpha*gate)))
-			}
-			q := quant(mid)
-			for c := range k {
-				y := float64(w.db[e*k+c])
-				for r := range n {
-					y += q[r] * float64(w.down[(e*n+r)*k+c])
-				}
-				out[t*k+c] += float64(wts[t*topk+j]) * y
+	// One group of both k and n columns: per token.
+	return routedRef(hidden, ids, wts, k, topk, k+n, func(e int, a []float64, quant func([]float32) []float64) []float64 {
+		gu := make([]float64, 2*n)
+		for c := range 2 * n {
+			gu[c] = float64(w.gub[e*2*n+c])
+			for r := range k {
+				gu[c] += a[r] * float64(w.gu[(e*k+r)*2*n+c])
 			}
 		}
-	}
-	return out
+		mid := make([]float32, n)
+		for i := range n {
+			gate := math.Min(gu[2*i], limit)
+			up := math.Max(-limit, math.Min(gu[2*i+1], limit))
+			mid[i] = float32((up + 1) * gate / (1 + math.Exp(-alpha*gate)))
+		}
+		q := quant(mid)
+		y := make([]float64, k)
+		for c := range k {
+			y[c] = float64(w.db[e*k+c])
+			for r := range n {
+				y[c] += q[r] * float64(w.down[(e*n+r)*k+c])
+			}
+		}
+		return y
+	})
 }
 
 // TestLoadGptOss loads BF16 and F16 gpt-oss layers (sharded checkpoint
