@@ -19,8 +19,8 @@ import (
 // MaxExperts bounds an expert set's E, and expert counting in a file.
 const MaxExperts = 1 << 16
 
-// maxDim bounds K and N of an expert set.
-const maxDim = 1 << 20
+// MaxDim bounds K and N of an expert set.
+const MaxDim = 1 << 20
 
 // Tensor indices within an expert set, in ExpertWeights field order; the
 // fingerprint hashes them in this order.
@@ -158,8 +158,8 @@ func CheckLayout(prefix string, d *SetDecl) (*Layout, error) {
 	}
 	// Far beyond any model (DeepSeek-V3 has E = 256, K = 7168), and keeps
 	// the sizes in ExpertSetInfo's int32 fields.
-	if l.E > MaxExperts || l.K > maxDim || l.N > maxDim {
-		return nil, invalidf(f(SetW13), "shape %v: want E <= %d and K, N <= %d", w13, MaxExperts, maxDim)
+	if l.E > MaxExperts || l.K > MaxDim || l.N > MaxDim {
+		return nil, invalidf(f(SetW13), "shape %v: want E <= %d and K, N <= %d", w13, MaxExperts, MaxDim)
 	}
 	switch bs := d.BlockShape; len(bs) {
 	case 0:

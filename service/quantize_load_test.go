@@ -112,6 +112,47 @@ func writeHalfCheckpoint(t testing.TB, rng *rand.Rand, h halfLayer, dir string, 
 	writeCheckpoint(t, dir, ts, shards, nil)
 }
 
+// dynamicFP8 is the row x as the server quantizes dynamic activations,
+// per group of group columns (min(group, len(x))), dequantized; group 0
+// leaves it unquantized.
+func dynamicFP8(x []float32, group int) []float64 {
+	out := make([]float64, len(x))
+	if group == 0 {
+		for i, v := range x {
+			out[i] = float64(v)
+		}
+		return out
+	}
+	g := min(group, len(x))
+	q, s, back := make([]uint8, len(x)), make([]float32, (len(x)+g-1)/g), make([]float32, len(x))
+	scaling.QuantizeDynamic(q, s, x, 1, len(x), g)
+	scaling.Dequantize(back, q, s, 1, len(x), g)
+	for i, v := range back {
+		out[i] = float64(v)
+	}
+	return out
+}
+
+// routedRef is a MoE layer's output in float64: each token's input,
+// quantized with quant (dynamicFP8 with group), goes through its top-k
+// experts, expert(e, a, quant) returning expert e's [k] output (which
+// quantizes its intermediate with quant), summed with the routing weights.
+func routedRef(hidden []float32, ids []int32, wts []float32, k, topk, group int, expert func(e int, a []float64, quant func([]float32) []float64) []float64) []float64 {
+	quant := func(x []float32) []float64 { return dynamicFP8(x, group) }
+	m := len(hidden) / k
+	out := make([]float64, m*k)
+	for t := range m {
+		a := quant(hidden[t*k : (t+1)*k])
+		for j := range topk {
+			y := expert(int(ids[t*topk+j]), a, quant)
+			for c := range k {
+				out[t*k+c] += float64(wts[t*topk+j]) * y[c]
+			}
+		}
+	}
+	return out
+}
+
 // refMoE is the layer's output in float64 with the weights as the
 // checkpoint holds them, unquantized; with group > 0 the experts' input
 // and the intermediate are FP8-quantized per token and group of group
@@ -122,56 +163,32 @@ func refMoE(h halfLayer, w13, w2, hidden []float32, ids []int32, wts []float32, 
 	if h.gated {
 		rows = 2 * n
 	}
-	quant := func(x []float32) []float64 {
-		out := make([]float64, len(x))
-		if group == 0 {
-			for i, v := range x {
-				out[i] = float64(v)
-			}
-			return out
-		}
-		g := min(group, len(x))
-		q, s, back := make([]uint8, len(x)), make([]float32, (len(x)+g-1)/g), make([]float32, len(x))
-		scaling.QuantizeDynamic(q, s, x, 1, len(x), g)
-		scaling.Dequantize(back, q, s, 1, len(x), g)
-		for i, v := range back {
-			out[i] = float64(v)
-		}
-		return out
-	}
-	m := len(hidden) / k
-	out := make([]float64, m*k)
-	for t := range m {
-		a := quant(hidden[t*k : (t+1)*k])
-		for j := range topk {
-			e := int(ids[t*topk+j])
-			hh := make([]float64, rows)
-			for r := range rows {
-				for c := range k {
-					hh[r] += float64(w13[(e*rows+r)*k+c]) * a[c]
-				}
-			}
-			mid := make([]float32, n)
-			for i := range n {
-				if h.gated {
-					g := hh[i]
-					mid[i] = float32(g / (1 + math.Exp(-g)) * hh[n+i])
-				} else {
-					r := math.Max(hh[i], 0)
-					mid[i] = float32(r * r)
-				}
-			}
-			q := quant(mid)
-			for r := range k {
-				var y float64
-				for c := range n {
-					y += float64(w2[(e*k+r)*n+c]) * q[c]
-				}
-				out[t*k+r] += float64(wts[t*topk+j]) * y
+	return routedRef(hidden, ids, wts, k, topk, group, func(e int, a []float64, quant func([]float32) []float64) []float64 {
+		hh := make([]float64, rows)
+		for r := range rows {
+			for c := range k {
+				hh[r] += float64(w13[(e*rows+r)*k+c]) * a[c]
 			}
 		}
-	}
-	return out
+		mid := make([]float32, n)
+		for i := range n {
+			if h.gated {
+				g := hh[i]
+				mid[i] = float32(g / (1 + math.Exp(-g)) * hh[n+i])
+			} else {
+				r := math.Max(hh[i], 0)
+				mid[i] = float32(r * r)
+			}
+		}
+		q := quant(mid)
+		y := make([]float64, k)
+		for r := range k {
+			for c := range n {
+				y[r] += float64(w2[(e*k+r)*n+c]) * q[c]
+			}
+		}
+		return y
+	})
 }
 
 func relL2(got []float32, want []float64) float64 {

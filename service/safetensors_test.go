@@ -2,7 +2,6 @@ package service_test
 
 import (
 	"encoding/binary"
-	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -14,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/expertd/expertd/internal/safetensorstest"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
@@ -31,31 +31,11 @@ type stTensor struct {
 // JSON header padded to 8 bytes, data.
 func writeSafetensors(t testing.TB, path string, tensors map[string]stTensor, meta map[string]string) {
 	t.Helper()
-	names := make([]string, 0, len(tensors))
-	for n := range tensors {
-		names = append(names, n)
+	ts := make(map[string]safetensorstest.Tensor, len(tensors))
+	for n, tt := range tensors {
+		ts[n] = safetensorstest.Tensor{DType: tt.dtype, Shape: tt.shape, Data: tt.data}
 	}
-	slices.Sort(names)
-	hdr := map[string]any{}
-	if meta != nil {
-		hdr["__metadata__"] = meta
-	}
-	var data []byte
-	for _, n := range names {
-		tt := tensors[n]
-		hdr[n] = map[string]any{"dtype": tt.dtype, "shape": tt.shape, "data_offsets": []int{len(data), len(data) + len(tt.data)}}
-		data = append(data, tt.data...)
-	}
-	js, err := json.Marshal(hdr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for len(js)%8 != 0 {
-		js = append(js, ' ')
-	}
-	out := binary.LittleEndian.AppendUint64(nil, uint64(len(js)))
-	out = append(append(out, js...), data...)
-	if err := os.WriteFile(path, out, 0o644); err != nil {
+	if err := safetensorstest.Write(path, ts, meta); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -71,6 +71,8 @@ func sourceFromProto(src *pb.LoadExpertsRequest_SafetensorsSource) *weights.Sour
 		NumExperts:            int(src.GetNumExperts()),
 		WeightQuantization:    weights.Quantization(src.GetWeightQuantization()),
 		Activation:            moe.Activation(src.GetActivation()),
+		SwigluLimit:           src.GetSwigluLimit(),
+		SwigluAlpha:           src.GetSwigluAlpha(),
 		W13Template:           src.GetW13Template(),
 		W2Template:            src.GetW2Template(),
 		W13ScaleTemplate:      src.GetW13ScaleTemplate(),

@@ -10,7 +10,7 @@ import (
 
 // reserveSet validates the set d declares, as a client's would be, and
 // reserves its bytes in b, with its weight buffers allocated for the
-// reads to fill.
+// reads to fill and the bytes of its inline tensors in place.
 func reserveSet(d *moe.SetDecl, b Budget) (*moe.Layout, *Set, error) {
 	l, err := moe.CheckLayout("safetensors", d)
 	if err != nil {
@@ -22,11 +22,16 @@ func reserveSet(d *moe.SetDecl, b Budget) (*moe.Layout, *Set, error) {
 	}
 	a.bufs[moe.SetW13] = make([]byte, l.Tensors[moe.SetW13].Bytes)
 	a.bufs[moe.SetW2] = make([]byte, l.Tensors[moe.SetW2].Bytes)
+	for i, t := range d.Tensors {
+		if i != moe.SetW13 && i != moe.SetW2 && t != nil {
+			a.bufs[i] = t.Data
+		}
+	}
 	return l, a, nil
 }
 
-// scaleDecl declares a Float32 scale tensor of the given shape holding v
-// (nil for no values yet).
+// scaleDecl declares a Float32 tensor (a scale or a bias) of the given
+// shape holding v (nil for no values yet).
 func scaleDecl(v []float32, shape ...int) *moe.Tensor {
 	t := &moe.Tensor{DType: moe.Float32, Shape: shape}
 	if v != nil {
@@ -329,6 +334,9 @@ func assemble(ctx context.Context, f *stFile, src *Source, subset ExpertSubset, 
 	if b13 || b2 {
 		d.BlockShape = block[:]
 	}
+	if err := layoutExtras(f, src, lay, numE, r, k, d); err != nil {
+		return nil, wrap(err)
+	}
 	l, a, err := reserveSet(d, b)
 	if err != nil {
 		return nil, err
@@ -352,11 +360,6 @@ func assemble(ctx context.Context, f *stFile, src *Source, subset ExpertSubset, 
 		if err := f.readInto(lay(e).w2.weight, "F8_E4M3", a.bufs[moe.SetW2][e*k*n:(e+1)*k*n]); err != nil {
 			a.Release()
 			return nil, wrap(err)
-		}
-	}
-	for i, t := range d.Tensors {
-		if i != moe.SetW13 && i != moe.SetW2 && t != nil {
-			a.bufs[i] = t.Data
 		}
 	}
 	if a.Set, err = l.Build("safetensors", a.bufs); err != nil {

@@ -107,6 +107,8 @@ func checkpointLayout(src *Source, e int) (l stLayout, ok bool, err error) {
 		return gated("layers.{L}.mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"), true, nil
 	case Mixtral:
 		return gated("layers.{L}.block_sparse_moe.experts.{e}.", "w1", "w3", "w2"), true, nil
+	case GptOss:
+		return gptossLayout(prefix, layer, e), true, nil
 	case Qwen3MoE:
 		if src.TensorPrefix == "" {
 			return l, false, nil
@@ -363,6 +365,9 @@ func (l *Loader) loadCheckpoint(ctx context.Context, src *Source, subset ExpertS
 	if err := tc.activation(kp, lay0.act); err != nil {
 		return nil, badConfig(err)
 	}
+	if err := tc.swiglu(kp, lay0.act, src); err != nil {
+		return nil, badConfig(err)
+	}
 	prefix := src.TensorPrefix
 	if prefix == "" {
 		prefix = defaultPrefix(src.Preset)
@@ -376,6 +381,10 @@ func (l *Loader) loadCheckpoint(ctx context.Context, src *Source, subset ExpertS
 		return nil, err
 	}
 	defer closeAll()
+	shards := len(f.r.(*multiReaderAt).parts)
+	if f, err = gptossView(f, src); err != nil {
+		return nil, err
+	}
 	if len(f.tensors) == 0 {
 		// NotFound, not InvalidArgument: a dense layer of a MoE model has
 		// no experts, which a caller loading every layer skips.
@@ -407,7 +416,7 @@ func (l *Loader) loadCheckpoint(ctx context.Context, src *Source, subset ExpertS
 	// each one start and end (with "expert set loaded").
 	began := time.Now()
 	l.log().InfoContext(ctx, "reading expert set from checkpoint", slog.String("name", src.Name), slog.String("path", clip.To(dir, clip.Quoted)),
-		slog.Int("layer", src.Layer), slog.Int("shards", len(f.r.(*multiReaderAt).parts)), slog.Int("tensors", len(f.tensors)))
+		slog.Int("layer", src.Layer), slog.Int("shards", shards), slog.Int("tensors", len(f.tensors)))
 	set, err := l.read(ctx, f, src, subset, rt, topK)
 	if err == nil {
 		l.log().InfoContext(ctx, "checkpoint layer read", slog.String("name", src.Name), slog.Duration("took", time.Since(began)))

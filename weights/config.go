@@ -25,6 +25,8 @@ type moeConfig struct {
 	NGroup              *int       `json:"n_group"`
 	TopKGroup           *int       `json:"topk_group"`
 	RoutedScalingFactor *float64   `json:"routed_scaling_factor"`
+	SwigluLimit         *float64   `json:"swiglu_limit"` // gpt-oss
+	SwigluAlpha         *float64   `json:"swiglu_alpha"` // gpt-oss
 	HiddenAct           string     `json:"hidden_act"`
 	MLPHiddenAct        string     `json:"mlp_hidden_act"` // Nemotron-H
 	Quantization        *quantConf `json:"quantization_config"`
@@ -161,6 +163,7 @@ var (
 		routedScalingFactor: 1}
 	// Qwen3VLMoeTextTopKRouter and MixtralTopKRouter renormalize their
 	// top-k softmax weights always; their configs have no norm_topk_prob.
+	// GptOssTopKRouter's softmax over the top-k logits is the same.
 	renormalizingRouter = routerDefaults{scoring: moe.Softmax, alwaysRenormalize: true}
 	// customRouter reads every key as given, with no defaults.
 	customRouter = routerDefaults{scoring: moe.Softmax, grouped: true, routedScalingFactor: 1}
@@ -177,6 +180,7 @@ var modelTypes = map[string]modelType{
 	"glm4_moe":     {DeepSeekV3, "", glm4MoERouter},
 	"qwen3_vl_moe": {Qwen3MoE, "model.language_model.", renormalizingRouter},
 	"mixtral":      {Mixtral, "", renormalizingRouter},
+	"gpt_oss":      {GptOss, "", renormalizingRouter},
 }
 
 // presetRouter is the router a preset's checkpoint takes when config.json
@@ -186,6 +190,7 @@ var presetRouter = map[Preset]routerDefaults{
 	NemotronH:  nemotronHRouter,
 	Qwen3MoE:   qwenMoERouter,
 	Mixtral:    renormalizingRouter,
+	GptOss:     renormalizingRouter,
 }
 
 // routerOf is the router of the first of modelTypes the loader knows, else
@@ -289,6 +294,8 @@ func (c *moeConfig) activation(kp string, act moe.Activation) error {
 	want := map[moe.Activation][]string{
 		moe.SiluGated: {"silu", "swish"},
 		moe.Relu2:     {"relu2"},
+		// GptOssConfig's hidden_act is "silu"; its experts clamp it.
+		moe.SwigluOAI: {"silu", "swish"},
 	}[act]
 	if !slices.Contains(want, got) {
 		return fmt.Errorf("%s%s: activation %s does not match the preset's %v (want %v)", kp, key, quote(got), act.WireName(), want)

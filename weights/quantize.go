@@ -151,6 +151,9 @@ func assembleHalf(ctx context.Context, f *stFile, src *Source, lay func(e int) s
 	if g == scaling.Block {
 		d.BlockShape = block[:]
 	}
+	if err := layoutExtras(f, src, lay, numE, r, k, d); err != nil {
+		return nil, wrap(err)
+	}
 	l, a, err := reserveSet(d, b)
 	if err != nil {
 		return nil, err

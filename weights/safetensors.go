@@ -287,6 +287,8 @@ type stLayout struct {
 	act moe.Activation
 	w13 []projection
 	w2  projection
+	// bias13 and bias2 name the expert's GEMM biases, "" for none.
+	bias13, bias2 string
 }
 
 func expand(tmpl string, layer, e int) string {
@@ -327,7 +329,7 @@ func presetLayout(src *Source, e int) (stLayout, error) {
 			w2:  custom(src.W2Template, src.W2ScaleTemplate),
 		}, nil
 	}
-	return stLayout{}, invalidf("safetensors.preset", "%v: want NEMOTRON_H, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, AUTO or CUSTOM", src.Preset)
+	return stLayout{}, invalidf("safetensors.preset", "%v: want NEMOTRON_H, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, GPT_OSS, AUTO or CUSTOM", src.Preset)
 }
 
 // Load reads the layer src names from a file or a checkpoint directory in
@@ -361,6 +363,9 @@ func (l *Loader) Load(ctx context.Context, src *Source, subset ExpertSubset) (*S
 	f, err := parseSafetensors(fh, st.Size())
 	if err != nil {
 		return nil, invalidf("safetensors.path", "%s: %v", quote(src.Path), err)
+	}
+	if f, err = gptossView(f, src); err != nil {
+		return nil, err
 	}
 	if src.NumExperts == 0 && subset == nil {
 		if src, err = l.wholeLayer(f, src); err != nil {

@@ -37,6 +37,9 @@ type Source struct {
 	WeightQuantization Quantization
 	// Activation is CUSTOM's.
 	Activation moe.Activation
+	// SwigluLimit and SwigluAlpha are a SwigluOAI layout's parameters; 0
+	// takes config.json's (of a checkpoint directory), else moe's defaults.
+	SwigluLimit, SwigluAlpha float32
 
 	W13Template, W2Template, W13ScaleTemplate, W2ScaleTemplate   string
 	GateTemplate, UpTemplate, GateScaleTemplate, UpScaleTemplate string
@@ -55,10 +58,11 @@ const (
 	DeepSeekV3
 	Mixtral
 	Auto
+	GptOss
 )
 
 var presetNames = [...]string{"NAMING_PRESET_UNSPECIFIED", "NAMING_PRESET_NEMOTRON_H", "NAMING_PRESET_QWEN3_MOE",
-	"NAMING_PRESET_CUSTOM", "NAMING_PRESET_DEEPSEEK_V3", "NAMING_PRESET_MIXTRAL", "NAMING_PRESET_AUTO"}
+	"NAMING_PRESET_CUSTOM", "NAMING_PRESET_DEEPSEEK_V3", "NAMING_PRESET_MIXTRAL", "NAMING_PRESET_AUTO", "NAMING_PRESET_GPT_OSS"}
 
 // String is p as expertd.v1.NamingPreset spells it, which is how messages
 // name a preset.

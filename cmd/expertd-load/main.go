@@ -63,7 +63,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.numLayers, "num-layers", 0, fmt.Sprintf("layer count for -layers all, at most %d (default: num_hidden_layers of -config)", maxLayers))
 	fs.StringVar(&c.configPath, "config", "", "a local copy of the checkpoint's config.json, for -layers all")
 	fs.StringVar(&c.name, "name", "", `expert set name, {L} replaced by the layer (default "<path>/layer{L}")`)
-	fs.StringVar(&c.preset, "preset", "auto", "naming preset: auto, nemotron_h, qwen3_moe, deepseek_v3, mixtral")
+	fs.StringVar(&c.preset, "preset", "auto", "naming preset: auto, nemotron_h, qwen3_moe, deepseek_v3, mixtral, gpt_oss")
 	fs.StringVar(&c.quant, "weight-quantization", "", "how a BF16/FP16 checkpoint is quantized to FP8: per_channel (the daemon's default), per_tensor or block")
 	fs.StringVar(&c.prefix, "tensor-prefix", "", `what precedes "layers.{L}" in tensor names, if not the preset's`)
 	fs.BoolVar(&c.overwrite, "overwrite", false, "replace sets of the same names")
@@ -162,7 +162,7 @@ func numHiddenLayers(path string) (int, error) {
 func presetOf(name string) (pb.NamingPreset, error) {
 	v, ok := pb.NamingPreset_value["NAMING_PRESET_"+strings.ToUpper(name)]
 	if !ok || v == int32(pb.NamingPreset_NAMING_PRESET_CUSTOM) || v == 0 {
-		return 0, fmt.Errorf("-preset %q: want auto, nemotron_h, qwen3_moe, deepseek_v3 or mixtral", name)
+		return 0, fmt.Errorf("-preset %q: want auto, nemotron_h, qwen3_moe, deepseek_v3, mixtral or gpt_oss", name)
 	}
 	return pb.NamingPreset(v), nil
 }

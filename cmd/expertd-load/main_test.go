@@ -309,3 +309,25 @@ func TestQuantizationOf(t *testing.T) {
 		}
 	}
 }
+
+// TestPresetOf: -preset takes every naming preset of the contract but
+// CUSTOM (which needs templates the tool does not take), in lower case,
+// and the refusal of any other name lists each one.
+func TestPresetOf(t *testing.T) {
+	_, err := presetOf("custom")
+	if err == nil {
+		t.Fatal(`presetOf("custom") succeeded`)
+	}
+	for v, full := range pb.NamingPreset_name {
+		if v == 0 || v == int32(pb.NamingPreset_NAMING_PRESET_CUSTOM) {
+			continue
+		}
+		name := strings.ToLower(strings.TrimPrefix(full, "NAMING_PRESET_"))
+		if got, err := presetOf(name); err != nil || got != pb.NamingPreset(v) {
+			t.Errorf("presetOf(%q) = %v, %v; want %v", name, got, err, pb.NamingPreset(v))
+		}
+		if !strings.Contains(err.Error(), name) {
+			t.Errorf("the refusal %q does not list %s", err, name)
+		}
+	}
+}

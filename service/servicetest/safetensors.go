@@ -2,15 +2,12 @@ package servicetest
 
 import (
 	"encoding/binary"
-	"encoding/json"
 	"fmt"
-	"maps"
 	"math"
-	"os"
-	"slices"
 	"strconv"
 	"strings"
 
+	"github.com/expertd/expertd/internal/safetensorstest"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 	"github.com/expertd/expertd/scaling"
@@ -36,11 +33,7 @@ func WriteSafetensorsLayer(path string, set *moe.ExpertSet, layer int) (*pb.Load
 		return nil, fmt.Errorf("static activation scales cannot be named by the custom preset")
 	}
 	rows := set.Rows1()
-	type tensor struct {
-		dtype string
-		shape []int64
-		data  []byte
-	}
+	type tensor = safetensorstest.Tensor
 	tensors := map[string]tensor{}
 	name := func(tmpl string, e int) string {
 		return strings.NewReplacer("{L}", strconv.Itoa(layer), "{e}", strconv.Itoa(e)).Replace(tmpl)
@@ -65,13 +58,13 @@ func WriteSafetensorsLayer(path string, set *moe.ExpertSet, layer int) (*pb.Load
 		if len(v) > 1 {
 			shape = []int64{int64(len(v))}
 		}
-		return tensor{"F32", shape, b}, nil
+		return tensor{DType: "F32", Shape: shape, Data: b}, nil
 	}
 	for e := range set.E {
 		w13 := set.W13[e*rows*set.K : (e+1)*rows*set.K]
 		w2 := set.W2[e*set.K*set.N : (e+1)*set.K*set.N]
-		tensors[name(stW13, e)] = tensor{"F8_E4M3", []int64{int64(rows), int64(set.K)}, w13}
-		tensors[name(stW2, e)] = tensor{"F8_E4M3", []int64{int64(set.K), int64(set.N)}, w2}
+		tensors[name(stW13, e)] = tensor{DType: "F8_E4M3", Shape: []int64{int64(rows), int64(set.K)}, Data: w13}
+		tensors[name(stW2, e)] = tensor{DType: "F8_E4M3", Shape: []int64{int64(set.K), int64(set.N)}, Data: w2}
 		s13, err := scale(set.W13Scale, e, rows)
 		if err != nil {
 			return nil, err
@@ -82,19 +75,7 @@ func WriteSafetensorsLayer(path string, set *moe.ExpertSet, layer int) (*pb.Load
 		}
 		tensors[name(stW13Scale, e)], tensors[name(stW2Scale, e)] = s13, s2
 	}
-	hdr := map[string]any{}
-	var data []byte
-	for _, n := range slices.Sorted(maps.Keys(tensors)) {
-		t := tensors[n]
-		hdr[n] = map[string]any{"dtype": t.dtype, "shape": t.shape, "data_offsets": []int{len(data), len(data) + len(t.data)}}
-		data = append(data, t.data...)
-	}
-	js, err := json.Marshal(hdr)
-	if err != nil {
-		return nil, err
-	}
-	out := binary.LittleEndian.AppendUint64(nil, uint64(len(js)))
-	if err := os.WriteFile(path, append(append(out, js...), data...), 0o644); err != nil {
+	if err := safetensorstest.Write(path, tensors, nil); err != nil {
 		return nil, err
 	}
 	act := pb.Activation_ACTIVATION_SILU_GATED

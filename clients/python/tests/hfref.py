@@ -33,8 +33,8 @@ def act_static(x, s):
 def quantized_expert_inputs(experts, q_in, q_mid):
     """Quantizes the input of every linear whose weight lies in the routed
     experts' parameters: q_in before the gate/up (or up) projection, q_mid
-    before the down projection. Other linears (router, shared experts) are
-    left alone."""
+    before the down projection (GptOssExperts: its input and its gated
+    intermediate). Other linears (router, shared experts) are left alone."""
     if isinstance(experts, torch.nn.ModuleList):  # one MLP module per expert
         down = [m.w2.weight if hasattr(m, "w2") else m.down_proj.weight for m in experts]
         up = [p for m in experts for n, p in m.named_parameters() if p is not None and
@@ -55,10 +55,21 @@ def quantized_expert_inputs(experts, q_in, q_mid):
             x = q_mid(x)
         return orig(x, w, b)
 
+    # GptOssExperts (input-major, "transposed" parameters) multiplies with
+    # @, not linear: its input is quantized as it enters the module, the
+    # intermediate as _apply_gate returns it.
+    stacked = getattr(experts, "is_transposed", False)
+    if stacked:
+        pre = experts.register_forward_pre_hook(lambda m, args: (q_in(args[0]), *args[1:]))
+        gate = experts._apply_gate
+        experts._apply_gate = lambda gate_up: q_mid(gate(gate_up))
     torch.nn.functional.linear = linear
     try:
         yield
     finally:
         torch.nn.functional.linear = orig
+        if stacked:
+            pre.remove()
+            del experts._apply_gate
 
 

@@ -24,8 +24,9 @@ input scales (their max over the experts, as vLLM takes it). The shared
 experts stay out of the comparison: the daemon serves the routed ones.
 
 The BF16 and FP16 cases write what the unquantized releases ship (Mixtral,
-Qwen3-30B-A3B, DeepSeek's BF16 conversions): the experts' weights in
-16 bits, no quantization_config; the daemon quantizes them to FP8 as it
+Qwen3-30B-A3B, DeepSeek's BF16 conversions, gpt-oss's BF16 releases with
+GptOssExperts' stacked, biased experts): the experts' weights in 16 bits,
+no quantization_config; the daemon quantizes them to FP8 as it
 reads them, at the case's weight_quantization (default per-channel). The
 set is compared with two forwards of the block: with its 16-bit weights
 quantized here as the daemon should (per expert and matrix, gate and up
@@ -41,6 +42,7 @@ import tempfile
 
 import pytest
 
+import expertd
 import needs
 from hfref import FP8_MAX, act_dynamic, act_static, quantized_expert_inputs
 
@@ -161,6 +163,21 @@ def glm4_moe_block(cfg):
     return Glm4MoeMoE(cfg)
 
 
+def gpt_oss_config(k, n, e, top_k):
+    from transformers import GptOssConfig
+    # swiglu_limit far below GptOssConfig's 7.0, which these weights never
+    # reach: the loader must take config.json's clamp (swiglu_alpha is
+    # saved at its default, 1.702).
+    return _eager(GptOssConfig(hidden_size=k, intermediate_size=n, num_local_experts=e, num_experts_per_tok=top_k,
+                               swiglu_limit=0.25, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, vocab_size=64))
+
+
+def gpt_oss_block(cfg):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    return GptOssMLP(cfg)
+
+
 def nemotron_config(k, n, e, top_k):
     from transformers import NemotronHConfig
     return _eager(NemotronHConfig(hidden_size=k, moe_intermediate_size=n, n_routed_experts=e, num_experts_per_tok=top_k,
@@ -206,7 +223,10 @@ AUTOFP8 = {"quant_method": "fp8", "activation_scheme": "static"}
 # projection names (gate, up, down; gate None without one), the block's
 # module name in the layer, router bias, wrapper config (multimodal); for
 # 16-bit checkpoints the weights' dtype and the weight_quantization asked
-# for (None: the daemon's default, per-channel))
+# for (None: the daemon's default, per-channel); stacked: the experts in
+# GptOssExperts' stacked tensors, with biases and a router of its own
+# (module "router", with a bias in its logits); activation: the set's, where
+# a backend may not run it)
 CASES = {
     "nemotron_h-modelopt": dict(config=nemotron_config, block=nemotron_block, dims=(64, 32, 8, 2), scales="tensor",
                                 suffix="weight_scale", static=True, quant=MODELOPT, prefix="backbone.layers",
@@ -252,6 +272,12 @@ CASES = {
                                    dtype=torch.bfloat16, weight_quantization="block", prefix="model.layers",
                                    proj=("gate_proj", "up_proj", "down_proj"), module="mlp", bias=True,
                                    preset="deepseek_v3"),
+    "gpt_oss-bf16": dict(config=gpt_oss_config, block=gpt_oss_block, dims=(64, 32, 8, 2), scales=None,
+                         dtype=torch.bfloat16, prefix="model.layers", module="mlp", stacked=True, preset="gpt_oss",
+                         activation=expertd.pb.ACTIVATION_SWIGLU_OAI),
+    "gpt_oss-bf16-block": dict(config=gpt_oss_config, block=gpt_oss_block, dims=(256, 128, 8, 4), scales=None,
+                               dtype=torch.bfloat16, weight_quantization="block", prefix="model.layers", module="mlp",
+                               stacked=True, preset="gpt_oss", activation=expertd.pb.ACTIVATION_SWIGLU_OAI),
     "mixtral-bf16-per-tensor": dict(config=mixtral_config, block=mixtral_block, dims=(64, 32, 8, 2), scales=None,
                                     dtype=torch.bfloat16, weight_quantization="per_tensor", prefix="model.layers",
                                     proj=("w1", "w3", "w2"), module="block_sparse_moe", preset="mixtral"),
@@ -262,11 +288,16 @@ CASES = {
 SHARED_EXPERTS = ("shared_experts", "shared_expert")
 
 
+def _router(block):
+    """The block's router: gate, or GptOssMLP's router."""
+    return getattr(block, "gate", None) or block.router
+
+
 def _init(block, g):
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-        gate = block.gate
+        gate = _router(block)
         if hasattr(gate, "e_score_correction_bias"):
             gate.e_score_correction_bias.copy_(torch.rand(gate.e_score_correction_bias.shape, generator=g) * 0.1)
 
@@ -291,9 +322,26 @@ def _expert_parts(case, up, down, x, gated):
     return parts + [(down_name, down[x])]
 
 
+def _stacked_layer(block, case, layer):
+    """GptOssExperts' parameters as its BF16 release stores them (under
+    their own names, biases included, in the case's dtype); the block's
+    are rounded to it."""
+    base = f"{case['prefix']}.{layer}.{case['module']}"
+    ts = {}
+    with torch.no_grad():
+        for pname, p in block.experts.named_parameters():
+            p.copy_(p.to(case["dtype"]).float())
+            ts[f"{base}.experts.{pname}"] = p.detach().to(case["dtype"]).contiguous()
+        for pname, p in block.router.named_parameters():
+            ts[f"{base}.router.{pname}"] = p.detach().to(torch.bfloat16).contiguous()
+    return ts
+
+
 def _half_layer(block, case, layer):
     """The layer's expert tensors in the case's 16-bit dtype; the block's
     expert weights are rounded to it."""
+    if case.get("stacked"):
+        return _stacked_layer(block, case, layer)
     base = f"{case['prefix']}.{layer}.{case['module']}"
     up, down, gated = _experts(block)
     ts = {}
@@ -316,8 +364,11 @@ def fp8_block(block, case):
     up, down, _ = _experts(b)
     with torch.no_grad():
         for w in [*up, *down]:
-            codes, s = QUANT[form](w.float())
-            w.copy_(dequant(codes, s, form))
+            # GptOssExperts holds each matrix input-major ([K, 2N], [N,
+            # K]); the daemon quantizes its transpose, output rows first.
+            m = w.T if case.get("stacked") else w
+            codes, s = QUANT[form](m.float())
+            m.copy_(dequant(codes, s, form))
     return b
 
 
@@ -398,7 +449,12 @@ def _write_checkpoint(d, cfg, case, tensors, max_shard_size="48KB"):
                 "quantization_config": conf.pop("quantization_config")}
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(conf, f, indent=2)
-    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+    index = os.path.join(d, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        # Tensors that fit one shard are one model.safetensors, without
+        # an index.
+        return {name: "model.safetensors" for name in tensors}
+    with open(index) as f:
         return json.load(f)["weight_map"]
 
 
@@ -458,6 +514,13 @@ def make_case(case_name, g):
     return cfg, block, ts, ts_other, x, q_in, q_mid
 
 
+def _forward(block, x):
+    """The block's output for the tokens x (GptOssMLP also returns its
+    router scores)."""
+    out = block(x.unsqueeze(0))
+    return (out[0] if isinstance(out, tuple) else out).squeeze(0)
+
+
 @pytest.mark.parametrize("how", ["auto", "preset"])
 @pytest.mark.parametrize("case_name", sorted(CASES))
 def test_checkpoint_matches_transformers(client, case_name, how):
@@ -480,8 +543,16 @@ def test_checkpoint_matches_transformers(client, case_name, how):
     fields = {"tensor_prefix": case.get("tensor_prefix", "")} if how == "preset" else {}
     if case.get("weight_quantization"):
         fields["weight_quantization"] = case["weight_quantization"]
-    info = client.load_safetensors(name, name, layer=LAYER, preset="auto" if how == "auto" else case["preset"],
-                                   **fields)
+    preset = "auto" if how == "auto" else case["preset"]
+    act = case.get("activation")
+    if act is not None and act not in client.server_info().backends[0].activations:
+        # The serving backend (cuda) refuses the set, as its BackendInfo
+        # says it would.
+        with pytest.raises(expertd.FailedPreconditionError):
+            client.load_safetensors(name, name, layer=LAYER, preset=preset, **fields)
+        shutil.rmtree(d, ignore_errors=True)
+        pytest.skip(f"the daemon's backend does not run {expertd.pb.Activation.Name(act)}")
+    info = client.load_safetensors(name, name, layer=LAYER, preset=preset, **fields)
     try:
         assert (info.num_experts, info.hidden_size, info.intermediate_size) == (e, k, n), info
         rt = info.routing
@@ -492,11 +563,12 @@ def test_checkpoint_matches_transformers(client, case_name, how):
             granularity = HALF_GRANULARITY[case.get("weight_quantization") or "per_channel"][0]
             assert (info.w13_scale_granularity, info.w2_scale_granularity) == (granularity, granularity), info
             with torch.no_grad(), quantized_expert_inputs(block.experts, q_in, q_mid):
-                want_half = block(x.unsqueeze(0)).squeeze(0)
+                want_half = _forward(block, x)
             block = fp8_block(block, case)
         with torch.no_grad(), quantized_expert_inputs(block.experts, q_in, q_mid):
-            want = block(x.unsqueeze(0)).squeeze(0)
-        logits = torch.nn.functional.linear(x, block.gate.weight.float())
+            want = _forward(block, x)
+        router = _router(block)
+        logits = torch.nn.functional.linear(x, router.weight.float(), getattr(router, "bias", None))
         res = client.fused_moe(x, expert_set=name, router_logits=logits, routing_message=rt, output_dtype="float32")
         got = res.output
         assert got.shape == want.shape and not torch.isnan(got).any()

@@ -272,9 +272,21 @@ const (
 	NamingPreset_NAMING_PRESET_MIXTRAL NamingPreset = 5
 	// The preset named by the checkpoint's config.json model_type
 	// (nemotron_h, qwen2_moe, qwen3_moe, qwen3_vl_moe, qwen3_next, deepseek_v3,
-	// kimi_k2, glm4_moe, mixtral);
+	// kimi_k2, glm4_moe, mixtral, gpt_oss);
 	// needs path to name a checkpoint directory.
 	NamingPreset_NAMING_PRESET_AUTO NamingPreset = 6
+	// gpt-oss (SWIGLU_OAI with expert biases), its BF16 or F16 releases,
+	// which the server quantizes to FP8 as it reads them: the layer's
+	// experts stacked as transformers' GptOssExperts holds them,
+	// model.layers.{L}.mlp.experts.gate_up_proj [E, K, 2N] (gate and up
+	// interleaved in the last dimension) with gate_up_proj_bias [E, 2N], and
+	// down_proj [E, N, K] with down_proj_bias [E, K]; each expert's matrices
+	// are transposed into w13 [2N, K] (rows interleaved, as SWIGLU_OAI takes
+	// them) and w2 [K, N]. config.json's swiglu_limit and swiglu_alpha give
+	// the activation's parameters. The router (mlp.router.weight and .bias)
+	// stays with the caller, whose router_logits include its bias. The
+	// MXFP4 release (gate_up_proj_blocks and _scales) does not load.
+	NamingPreset_NAMING_PRESET_GPT_OSS NamingPreset = 7
 )
 
 // Enum value maps for NamingPreset.
@@ -287,6 +299,7 @@ var (
 		4: "NAMING_PRESET_DEEPSEEK_V3",
 		5: "NAMING_PRESET_MIXTRAL",
 		6: "NAMING_PRESET_AUTO",
+		7: "NAMING_PRESET_GPT_OSS",
 	}
 	NamingPreset_value = map[string]int32{
 		"NAMING_PRESET_UNSPECIFIED": 0,
@@ -296,6 +309,7 @@ var (
 		"NAMING_PRESET_DEEPSEEK_V3": 4,
 		"NAMING_PRESET_MIXTRAL":     5,
 		"NAMING_PRESET_AUTO":        6,
+		"NAMING_PRESET_GPT_OSS":     7,
 	}
 )
 
@@ -2659,8 +2673,9 @@ func (x *LoadExpertsRequest_Chunk) GetData() []byte {
 // server takes what the fields below leave unset: the number of experts,
 // top_k, the routing (softmax or sigmoid, norm_topk_prob, n_group,
 // topk_group, routed_scaling_factor, the correction bias tensor of
-// noaux_tc / Nemotron-H routing) and quantization_config.weight_block_size;
-// it checks hidden_act against the preset's activation. Qwen3-VL's
+// noaux_tc / Nemotron-H routing), quantization_config.weight_block_size
+// and gpt-oss's swiglu_limit and swiglu_alpha; it checks hidden_act
+// against the preset's activation. Qwen3-VL's
 // text_config is read the same way. The routing is returned in
 // ExpertSetInfo.routing for the caller to send with FusedMoE.
 type LoadExpertsRequest_SafetensorsSource struct {
@@ -2723,8 +2738,17 @@ type LoadExpertsRequest_SafetensorsSource struct {
 	// server computes as it quantizes them (activations stay dynamic).
 	// Ignored for FP8 weights, whose scales come from the checkpoint.
 	WeightQuantization WeightQuantization `protobuf:"varint,20,opt,name=weight_quantization,json=weightQuantization,proto3,enum=expertd.v1.WeightQuantization" json:"weight_quantization,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// ACTIVATION_SWIGLU_OAI layouts only (GPT_OSS, or CUSTOM with that
+	// activation): the set's ExpertWeights.swiglu_limit. 0 means
+	// config.json's swiglu_limit (of a checkpoint directory), else
+	// gpt-oss's 7.0. Must be finite and >= 0.
+	SwigluLimit float32 `protobuf:"fixed32,21,opt,name=swiglu_limit,json=swigluLimit,proto3" json:"swiglu_limit,omitempty"`
+	// ACTIVATION_SWIGLU_OAI layouts only: the set's
+	// ExpertWeights.swiglu_alpha. 0 means config.json's swiglu_alpha (of a
+	// checkpoint directory), else gpt-oss's 1.702. Must be finite and >= 0.
+	SwigluAlpha   float32 `protobuf:"fixed32,22,opt,name=swiglu_alpha,json=swigluAlpha,proto3" json:"swiglu_alpha,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *LoadExpertsRequest_SafetensorsSource) Reset() {
@@ -2895,6 +2919,20 @@ func (x *LoadExpertsRequest_SafetensorsSource) GetWeightQuantization() WeightQua
 		return x.WeightQuantization
 	}
 	return WeightQuantization_WEIGHT_QUANTIZATION_UNSPECIFIED
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetSwigluLimit() float32 {
+	if x != nil {
+		return x.SwigluLimit
+	}
+	return 0
+}
+
+func (x *LoadExpertsRequest_SafetensorsSource) GetSwigluAlpha() float32 {
+	if x != nil {
+		return x.SwigluAlpha
+	}
+	return 0
 }
 
 // BackendInfo is one backend's capabilities.
@@ -3377,8 +3415,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\td2h_nanos\x18\x05 \x01(\x03R\bd2hNanos\x12\x1f\n" +
 	"\vtotal_nanos\x18\x06 \x01(\x03R\n" +
 	"totalNanos\x12#\n" +
-	"\rreceive_nanos\x18\a \x01(\x03R\freceiveNanos\"\xbd\n" +
-	"\n" +
+	"\rreceive_nanos\x18\a \x01(\x03R\freceiveNanos\"\x83\v\n" +
 	"\x12LoadExpertsRequest\x12?\n" +
 	"\x06header\x18\x01 \x01(\v2%.expertd.v1.LoadExpertsRequest.HeaderH\x00R\x06header\x12<\n" +
 	"\x05chunk\x18\x02 \x01(\v2$.expertd.v1.LoadExpertsRequest.ChunkH\x00R\x05chunk\x12T\n" +
@@ -3393,7 +3430,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x05Chunk\x12\x16\n" +
 	"\x06tensor\x18\x01 \x01(\tR\x06tensor\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x12\n" +
-	"\x04data\x18\x03 \x01(\fR\x04data\x1a\xce\x06\n" +
+	"\x04data\x18\x03 \x01(\fR\x04data\x1a\x94\a\n" +
 	"\x11SafetensorsSource\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x14\n" +
@@ -3420,7 +3457,9 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x11up_scale_template\x18\x11 \x01(\tR\x0fupScaleTemplate\x127\n" +
 	"\x18w13_input_scale_template\x18\x12 \x01(\tR\x15w13InputScaleTemplate\x125\n" +
 	"\x17w2_input_scale_template\x18\x13 \x01(\tR\x14w2InputScaleTemplate\x12O\n" +
-	"\x13weight_quantization\x18\x14 \x01(\x0e2\x1e.expertd.v1.WeightQuantizationR\x12weightQuantizationB\t\n" +
+	"\x13weight_quantization\x18\x14 \x01(\x0e2\x1e.expertd.v1.WeightQuantizationR\x12weightQuantization\x12!\n" +
+	"\fswiglu_limit\x18\x15 \x01(\x02R\vswigluLimit\x12!\n" +
+	"\fswiglu_alpha\x18\x16 \x01(\x02R\vswigluAlphaB\t\n" +
 	"\apayload\"\x88\x05\n" +
 	"\rExpertSetInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x126\n" +
@@ -3561,7 +3600,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\aScoring\x12\x17\n" +
 	"\x13SCORING_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fSCORING_SOFTMAX\x10\x01\x12\x13\n" +
-	"\x0fSCORING_SIGMOID\x10\x02*\xd4\x01\n" +
+	"\x0fSCORING_SIGMOID\x10\x02*\xef\x01\n" +
 	"\fNamingPreset\x12\x1d\n" +
 	"\x19NAMING_PRESET_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18NAMING_PRESET_NEMOTRON_H\x10\x01\x12\x1b\n" +
@@ -3569,7 +3608,8 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x14NAMING_PRESET_CUSTOM\x10\x03\x12\x1d\n" +
 	"\x19NAMING_PRESET_DEEPSEEK_V3\x10\x04\x12\x19\n" +
 	"\x15NAMING_PRESET_MIXTRAL\x10\x05\x12\x16\n" +
-	"\x12NAMING_PRESET_AUTO\x10\x06*\xa1\x01\n" +
+	"\x12NAMING_PRESET_AUTO\x10\x06\x12\x19\n" +
+	"\x15NAMING_PRESET_GPT_OSS\x10\a*\xa1\x01\n" +
 	"\x12WeightQuantization\x12#\n" +
 	"\x1fWEIGHT_QUANTIZATION_UNSPECIFIED\x10\x00\x12\"\n" +
 	"\x1eWEIGHT_QUANTIZATION_PER_TENSOR\x10\x01\x12#\n" +

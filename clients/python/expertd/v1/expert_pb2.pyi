@@ -44,6 +44,7 @@ class NamingPreset(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NAMING_PRESET_DEEPSEEK_V3: _ClassVar[NamingPreset]
     NAMING_PRESET_MIXTRAL: _ClassVar[NamingPreset]
     NAMING_PRESET_AUTO: _ClassVar[NamingPreset]
+    NAMING_PRESET_GPT_OSS: _ClassVar[NamingPreset]
 
 class WeightQuantization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -80,6 +81,7 @@ NAMING_PRESET_CUSTOM: NamingPreset
 NAMING_PRESET_DEEPSEEK_V3: NamingPreset
 NAMING_PRESET_MIXTRAL: NamingPreset
 NAMING_PRESET_AUTO: NamingPreset
+NAMING_PRESET_GPT_OSS: NamingPreset
 WEIGHT_QUANTIZATION_UNSPECIFIED: WeightQuantization
 WEIGHT_QUANTIZATION_PER_TENSOR: WeightQuantization
 WEIGHT_QUANTIZATION_PER_CHANNEL: WeightQuantization
@@ -239,7 +241,7 @@ class LoadExpertsRequest(_message.Message):
         data: bytes
         def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
     class SafetensorsSource(_message.Message):
-        __slots__ = ("name", "path", "layer", "preset", "w13_template", "w2_template", "w13_scale_template", "w2_scale_template", "activation", "num_experts", "overwrite", "weight_block_shape", "tensor_prefix", "gate_template", "up_template", "gate_scale_template", "up_scale_template", "w13_input_scale_template", "w2_input_scale_template", "weight_quantization")
+        __slots__ = ("name", "path", "layer", "preset", "w13_template", "w2_template", "w13_scale_template", "w2_scale_template", "activation", "num_experts", "overwrite", "weight_block_shape", "tensor_prefix", "gate_template", "up_template", "gate_scale_template", "up_scale_template", "w13_input_scale_template", "w2_input_scale_template", "weight_quantization", "swiglu_limit", "swiglu_alpha")
         NAME_FIELD_NUMBER: _ClassVar[int]
         PATH_FIELD_NUMBER: _ClassVar[int]
         LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +262,8 @@ class LoadExpertsRequest(_message.Message):
         W13_INPUT_SCALE_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
         W2_INPUT_SCALE_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
         WEIGHT_QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+        SWIGLU_LIMIT_FIELD_NUMBER: _ClassVar[int]
+        SWIGLU_ALPHA_FIELD_NUMBER: _ClassVar[int]
         name: str
         path: str
         layer: int
@@ -280,7 +284,9 @@ class LoadExpertsRequest(_message.Message):
         w13_input_scale_template: str
         w2_input_scale_template: str
         weight_quantization: WeightQuantization
-        def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., layer: _Optional[int] = ..., preset: _Optional[_Union[NamingPreset, str]] = ..., w13_template: _Optional[str] = ..., w2_template: _Optional[str] = ..., w13_scale_template: _Optional[str] = ..., w2_scale_template: _Optional[str] = ..., activation: _Optional[_Union[Activation, str]] = ..., num_experts: _Optional[int] = ..., overwrite: _Optional[bool] = ..., weight_block_shape: _Optional[_Iterable[int]] = ..., tensor_prefix: _Optional[str] = ..., gate_template: _Optional[str] = ..., up_template: _Optional[str] = ..., gate_scale_template: _Optional[str] = ..., up_scale_template: _Optional[str] = ..., w13_input_scale_template: _Optional[str] = ..., w2_input_scale_template: _Optional[str] = ..., weight_quantization: _Optional[_Union[WeightQuantization, str]] = ...) -> None: ...
+        swiglu_limit: float
+        swiglu_alpha: float
+        def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., layer: _Optional[int] = ..., preset: _Optional[_Union[NamingPreset, str]] = ..., w13_template: _Optional[str] = ..., w2_template: _Optional[str] = ..., w13_scale_template: _Optional[str] = ..., w2_scale_template: _Optional[str] = ..., activation: _Optional[_Union[Activation, str]] = ..., num_experts: _Optional[int] = ..., overwrite: _Optional[bool] = ..., weight_block_shape: _Optional[_Iterable[int]] = ..., tensor_prefix: _Optional[str] = ..., gate_template: _Optional[str] = ..., up_template: _Optional[str] = ..., gate_scale_template: _Optional[str] = ..., up_scale_template: _Optional[str] = ..., w13_input_scale_template: _Optional[str] = ..., w2_input_scale_template: _Optional[str] = ..., weight_quantization: _Optional[_Union[WeightQuantization, str]] = ..., swiglu_limit: _Optional[float] = ..., swiglu_alpha: _Optional[float] = ...) -> None: ...
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
