@@ -1,7 +1,11 @@
-// Package service implements expertd.v1.ExpertService: it validates requests
-// (validate.go, the only place that looks at raw protos), keeps the registry
-// of loaded expert sets, bounds concurrency and hands checked work to a
-// kernels.Backend.
+// Package service is expertd's gRPC edge: it implements
+// expertd.v1.ExpertService. Its handlers resolve shared-memory references
+// through shm (shm.go), convert each request from protobuf to moe once
+// (validate.go; weights.go for checkpoint sources), map model, loader and
+// table errors to gRPC statuses (errors.go), keep the registry of loaded
+// expert sets (registry.go) and run calls through kernels/batch on the
+// execution slots (fusedmoe.go, batch.go, slots.go). The rules themselves
+// live in moe, shm and weights.
 package service
 
 import (
