@@ -8,6 +8,22 @@ import (
 	"github.com/expertd/expertd/moe"
 )
 
+// fileError names src's file in a request's errors.
+func fileError(src *Source) func(error) error {
+	return func(err error) error { return invalidf("safetensors", "%s: %v", quote(src.Path), err) }
+}
+
+// reserveLayer completes d with what the file's layout adds (layoutExtras:
+// biases, activation parameters), its errors named by wrap, then reserves
+// the set (reserveSet).
+func reserveLayer(f *stFile, src *Source, lay func(e int) stLayout, numE, rows, k int, d *moe.SetDecl, b Budget,
+	wrap func(error) error) (*moe.Layout, *Set, error) {
+	if err := layoutExtras(f, src, lay, numE, rows, k, d); err != nil {
+		return nil, nil, wrap(err)
+	}
+	return reserveSet(d, b)
+}
+
 // reserveSet validates the set d declares, as a client's would be, and
 // reserves its bytes in b, with its weight buffers allocated for the
 // reads to fill and the bytes of its inline tensors in place.
@@ -192,7 +208,7 @@ func inputScales(f *stFile, names func(e int) []projection, numE int) ([]float32
 // before reading the weights; BF16 and F16 weights are quantized with hq
 // (nil: on the host).
 func assemble(ctx context.Context, f *stFile, src *Source, subset ExpertSubset, block [2]int, b Budget, hq HalfQuantizer) (*Set, error) {
-	wrap := func(err error) error { return invalidf("safetensors", "%s: %v", quote(src.Path), err) }
+	wrap := fileError(src)
 	// ids[e] is the file's expert that the set serves as expert e.
 	var ids []int
 	lay := func(e int) stLayout {
@@ -334,10 +350,7 @@ func assemble(ctx context.Context, f *stFile, src *Source, subset ExpertSubset, 
 	if b13 || b2 {
 		d.BlockShape = block[:]
 	}
-	if err := layoutExtras(f, src, lay, numE, r, k, d); err != nil {
-		return nil, wrap(err)
-	}
-	l, a, err := reserveSet(d, b)
+	l, a, err := reserveLayer(f, src, lay, numE, r, k, d, b, wrap)
 	if err != nil {
 		return nil, err
 	}

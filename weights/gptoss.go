@@ -45,7 +45,7 @@ func gptossView(f *stFile, src *Source) (*stFile, error) {
 	}
 	base := expand(prefix+"layers.{L}.mlp.experts.", src.Layer, 0)
 	gu, down := base+"gate_up_proj", base+"down_proj"
-	wrap := func(err error) error { return invalidf("safetensors", "%s: %v", quote(src.Path), err) }
+	wrap := fileError(src)
 	if _, ok := f.tensors[gu]; !ok {
 		if _, mx := f.tensors[gu+"_blocks"]; mx {
 			return nil, wrap(fmt.Errorf("%s is MXFP4 (gpt-oss's own release), which does not load; load a BF16 release of the model", quote(gu+"_blocks")))

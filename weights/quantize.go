@@ -151,10 +151,7 @@ func assembleHalf(ctx context.Context, f *stFile, src *Source, lay func(e int) s
 	if g == scaling.Block {
 		d.BlockShape = block[:]
 	}
-	if err := layoutExtras(f, src, lay, numE, r, k, d); err != nil {
-		return nil, wrap(err)
-	}
-	l, a, err := reserveSet(d, b)
+	l, a, err := reserveLayer(f, src, lay, numE, r, k, d, b, wrap)
 	if err != nil {
 		return nil, err
 	}
