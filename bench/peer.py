@@ -1,8 +1,8 @@
 """The FusedMoE op written in plain PyTorch: the peer expertd is measured against.
 
 What it computes is MOE_SPEC.md section 1 for per-tensor FP8 activations and
-per-expert FP8 weights: routing, GEMM1, activation, static FP8 requant, GEMM2,
-weighted combine, BF16 output. The two grouped GEMMs go through
+per-expert FP8 weights: routing, GEMM1 (and its per-expert bias), activation,
+static FP8 requant, GEMM2 (and its bias), weighted combine, BF16 output. The two grouped GEMMs go through
 torch._scaled_grouped_mm, PyTorch's CUTLASS FP8 rowwise grouped GEMM on SM90.
 
 Everything after the inputs is static in shape (no host sync), so the whole op
@@ -19,6 +19,8 @@ peer and expertd are checked against on small M.
 
 Run `python3 bench/peer.py` for a self-check: on a GPU with SM90 it checks the
 real peer; elsewhere it checks the plumbing with an emulated grouped GEMM.
+Either way it first holds reference_moe to loop_reference, the op written out
+one pair and one channel at a time.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ class MoEShape:
     """One model's MoE layer: sizes, activation and routing (MOE_SPEC.md section 2)."""
 
     name: str
-    activation: str  # "relu2" (non-gated, w1 [E, N, K]) or "silu_gated" (w13 [E, 2N, K])
+    # "relu2" (non-gated, w1 [E, N, K]); "silu_gated" or "swiglu_oai" (w13 [E, 2N, K],
+    # gate rows then up rows: see activate)
+    activation: str
     E: int
     top_k: int
     K: int  # hidden size
@@ -56,19 +60,26 @@ class MoEShape:
     n_group: int = 0  # expert groups for grouped top-k (0 or 1: none)
     topk_group: int = 0  # groups kept
     block: tuple[int, int] | None = None  # weight_block_shape [Bn, Bk]; None: per-expert scales
+    biases: bool = False  # per-expert biases on both GEMMs (w13_bias, w2_bias)
+    # swiglu_oai's clamp limit and sigmoid slope (gpt-oss's values)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     @property
     def rows1(self) -> int:
         """Output rows of GEMM1 per expert: 2N when gated (gate then up), else N."""
-        return 2 * self.N if self.activation == "silu_gated" else self.N
+        return self.N if self.activation == "relu2" else 2 * self.N
 
     def flops(self, M: int) -> int:
         """Matrix FLOPs for M tokens: both GEMMs over every (token, expert) pair."""
         return 2 * M * self.top_k * self.K * (self.rows1 + self.N)
 
     def expert_bytes(self) -> int:
-        """Weight bytes of one expert: FP8 w13 and w2, plus float32 block scales."""
+        """Weight bytes of one expert: FP8 w13 and w2, plus float32 block scales
+        and biases."""
         b = self.K * (self.rows1 + self.N)
+        if self.biases:
+            b += 4 * (self.rows1 + self.K)
         if self.block is not None:
             b += 4 * (math.prod(self.block_scale_shape(self.rows1, self.K))
                       + math.prod(self.block_scale_shape(self.K, self.N)))
@@ -99,18 +110,29 @@ DEEPSEEK_V3 = MoEShape(
     scoring="sigmoid", renormalize=True, scaling_factor=2.5, correction_bias=True,
     n_group=8, topk_group=4, block=(128, 128),
 )
-MODELS = {m.name: m for m in (NEMOTRON, QWEN3, QWEN3_NEXT, DEEPSEEK_V3)}
+# gpt-oss's clamped SwiGLU with biases on both GEMMs: GEMM1's on its
+# dequantized output before the activation, GEMM2's before the router weight.
+GPT_OSS = MoEShape(
+    "gpt-oss-120b", "swiglu_oai", E=128, top_k=4, K=2880, N=2880,
+    scoring="softmax", renormalize=True, biases=True,
+)
+MODELS = {m.name: m for m in (NEMOTRON, QWEN3, QWEN3_NEXT, DEEPSEEK_V3, GPT_OSS)}
 
 
 @dataclasses.dataclass
 class MoEWeights:
     """One layer's quantized weights and static scales, all on one device.
 
-    w13 is [E, rows1, K] and w2 is [E, K, N], FP8 E4M3FN, K-contiguous as in vLLM.
+    w13 is [E, rows1, K] and w2 is [E, K, N], FP8 E4M3FN, K-contiguous as in vLLM;
+    gated w13 holds each expert's gate rows, then its up rows (swiglu_oai too:
+    the order expertd_set_create takes, into which a loader turns gpt-oss's
+    interleaved checkpoint rows; random weights need no reordering).
     Per-expert layers: w13_scale and w2_scale are [E]; a13_scale and a2_scale are
     static per-tensor scales (0-dim float32). Block layers (shape.block = [Bn, Bk]):
     w13_scale is [E, ceil(rows1/Bn), ceil(K/Bk)], w2_scale [E, ceil(K/Bn),
     ceil(N/Bk)], and both activation scales are 0 (dynamic per token group of Bk).
+    With shape.biases, w13_bias [E, rows1] (w13's row order) and w2_bias [E, K]
+    are float32; else None.
     """
 
     shape: MoEShape
@@ -121,6 +143,8 @@ class MoEWeights:
     a13_scale: torch.Tensor
     a2_scale: torch.Tensor
     correction_bias: torch.Tensor | None
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
 
 
 def quantize_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,13 +240,20 @@ def make_weights(shape: MoEShape, device, gen: torch.Generator) -> MoEWeights:
         # Small: a trained model's bias balances the load, a random one of the
         # scores' size (0.1) leaves ~13 of 128 experts unhit at M=8192.
         bias = torch.randn(E, generator=gen, device=device) * 0.01
+    b13 = b2 = None
+    if shape.biases:
+        # Of the size of what each is added to (GEMM1's outputs are about 0.1,
+        # GEMM2's about 0.05), so a bias in the wrong place moves the output;
+        # BF16-representable, since FlashInfer takes its biases in BF16.
+        b13 = (torch.randn(E, R, generator=gen, device=device) * 0.1).bfloat16().float()
+        b2 = (torch.randn(E, K, generator=gen, device=device) * 0.05).bfloat16().float()
     if shape.block is not None:
         zero = torch.tensor(0.0, dtype=torch.float32, device=device)
-        return MoEWeights(shape, w13, w2, s13, s2, zero, zero.clone(), bias)
+        return MoEWeights(shape, w13, w2, s13, s2, zero, zero.clone(), bias, b13, b2)
     # randn/10 hidden states: amax of a few thousand draws is about 0.45.
     a13 = torch.tensor(0.5 / FP8_MAX, dtype=torch.float32, device=device)
     a2 = torch.tensor(1.0, dtype=torch.float32, device=device)
-    return MoEWeights(shape, w13, w2, s13, s2, a13, a2, bias)
+    return MoEWeights(shape, w13, w2, s13, s2, a13, a2, bias, b13, b2)
 
 
 def make_inputs(shape: MoEShape, w: MoEWeights, M: int, device,
@@ -236,6 +267,37 @@ def make_inputs(shape: MoEShape, w: MoEWeights, M: int, device,
         q, xs = quantize_groups(x, shape.block[1])
         return q, logits, xs.contiguous()
     return quantize_static(x, w.a13_scale), logits
+
+
+# ---------------------------------------------------------------- activation
+
+
+def activate(h: torch.Tensor, shape: MoEShape) -> torch.Tensor:
+    """The activation of GEMM1's output h [rows, rows1] (biased already, where
+    the layer has biases): [rows, N], float32 for h in BF16 or float32, float64
+    for float64. Gated layers read the gate from h[:, :N] and the up branch
+    from h[:, N:].
+
+    relu2: relu(h)^2. silu_gated: silu(gate) * up. swiglu_oai (gpt-oss): with
+    g = min(gate, limit) and u = clamp(up, -limit, limit), g * sigmoid(alpha * g)
+    * (u + 1).
+    """
+    f = torch.promote_types(h.dtype, torch.float32)
+    if shape.activation == "relu2":
+        return torch.relu(h).to(f).square_()
+    N = shape.N
+    gate, up = h[:, :N], h[:, N:]
+    if shape.activation == "silu_gated":
+        return torch.nn.functional.silu(gate.to(f)).mul_(up)
+    if shape.activation == "swiglu_oai":
+        lim = shape.swiglu_limit
+        # Copies first, so the clamps never write into h (whose dtype may be f)
+        # and run in f, where the limit is exact.
+        g = gate.to(f, copy=True).clamp_(max=lim)
+        u = up.to(f, copy=True).clamp_(-lim, lim).add_(1.0)
+        return torch.sigmoid(g * shape.swiglu_alpha).mul_(g).mul_(u)
+    raise ValueError(f"{shape.name}: activation {shape.activation!r}: want relu2, "
+                     "silu_gated or swiglu_oai")
 
 
 # ---------------------------------------------------------------- routing
@@ -331,6 +393,14 @@ def permute(ids: torch.Tensor, shape: MoEShape) -> Permutation:
     return Permutation(src_token, dest, end_padded.to(torch.int32))
 
 
+def row_experts(offs: torch.Tensor, cap: int) -> torch.Tensor:
+    """The expert of each of cap buffer rows, from offs [E] (cumulative rows
+    per expert); rows past offs[-1], which no pair reads, get the last expert.
+    Device-only (searchsorted), so it can run under graph capture."""
+    r = torch.arange(cap, device=offs.device)
+    return torch.searchsorted(offs.long(), r, right=True).clamp_max_(offs.numel() - 1)
+
+
 def gather_rows_fp8(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x[rows] for an FP8 tensor, through uint8 (index kernels skip float8 types)."""
     return x.view(torch.uint8).index_select(0, rows).view(torch.float8_e4m3fn)
@@ -403,27 +473,25 @@ class TorchPeer:
         self.sa2 = w.a2_scale.expand(cap).contiguous()
         self.inv_a2 = (1.0 / w.a2_scale).float()
 
-    def activation(self, h: torch.Tensor) -> torch.Tensor:
-        """relu(h)^2, or silu(gate) * up; float32 (in place where it can be)."""
-        if self.shape.activation == "relu2":
-            return torch.relu(h).float().square_()
-        N = self.shape.N
-        return torch.nn.functional.silu(h[:, :N].float()).mul_(h[:, N:])
-
-    def requant(self, h: torch.Tensor) -> torch.Tensor:
-        """activation(h) to FP8 at the static a2_scale."""
-        a = self.activation(h).mul_(self.inv_a2).clamp_(-FP8_MAX, FP8_MAX)
+    def requant(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """GEMM1's bias (per buffer row's expert, from offs) and the activation
+        on h, in float32, to FP8 at the static a2_scale."""
+        if self.w.w13_bias is not None:
+            h = self.w.w13_bias.index_select(0, row_experts(offs, h.shape[0])).add_(h)
+        a = activate(h, self.shape).mul_(self.inv_a2).clamp_(-FP8_MAX, FP8_MAX)
         return a.to(torch.float8_e4m3fn)
 
     def gemms(self, a1: torch.Tensor, offs: torch.Tensor,
               sa2: torch.Tensor | None = None) -> torch.Tensor:
-        """GEMM1, activation, requant, GEMM2 on permuted rows: [cap, K] BF16.
+        """GEMM1, bias, activation, requant, GEMM2 on permuted rows: [cap, K] BF16
+        (without GEMM2's bias: forward adds it in the combine).
 
         sa2 is GEMM2's per-row scale; forward passes a2_scale times each row's
         router weight, so the combine is a plain sum.
         """
         h = self.gmm(a1, self.b1, self.sa1, self.sb1, offs)
-        return self.gmm(self.requant(h), self.b2, self.sa2 if sa2 is None else sa2, self.sb2, offs)
+        return self.gmm(self.requant(h, offs), self.b2, self.sa2 if sa2 is None else sa2,
+                        self.sb2, offs)
 
     # Graph capture works: no host sync anywhere in forward.
     capturable = True
@@ -435,7 +503,7 @@ class TorchPeer:
         perm = permute(ids, self.shape)
         a1 = gather_rows_fp8(x_fp8, perm.src_token)
         h = self.gmm(a1, self.b1, self.sa1, self.sb1, perm.offs)
-        return a1, self.requant(h), perm.offs
+        return a1, self.requant(h, perm.offs), perm.offs
 
     def gemm_only(self, a1: torch.Tensor, a2: torch.Tensor, offs: torch.Tensor):
         """Just the two grouped GEMMs on pre-permuted, pre-quantized inputs."""
@@ -452,7 +520,13 @@ class TorchPeer:
         # The router weight rides in GEMM2's row scale (padding rows get 0).
         y = self.gemms(a1, p.offs, p.scatter_rows(weights).mul_(self.w.a2_scale))
         pairs = y.index_select(0, p.dest).view(self.M, s.top_k, s.K)
-        return pairs.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
+        out = pairs.sum(dim=1, dtype=torch.float32)
+        if self.w.w2_bias is not None:
+            # GEMM2's bias times each pair's router weight, summed over the
+            # pairs: the [M, E] router weights (0 where not routed) @ w2_bias.
+            dense = torch.zeros(self.M, s.E, dtype=torch.float32, device=out.device)
+            out.addmm_(dense.scatter_(1, ids.long(), weights.float()), self.w.w2_bias)
+        return out.to(torch.bfloat16)
 
     __call__ = forward
 
@@ -554,9 +628,8 @@ def blocked_colmajor(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     cap, G = scales.shape
     r = torch.arange(cap, device=scales.device)
     offs = offs.long()
-    e = torch.searchsorted(offs, r, right=True)
-    inside = e < offs.numel()
-    e = e.clamp_max(offs.numel() - 1)
+    e = row_experts(offs, cap)
+    inside = r < offs[-1]
     end = offs[e]
     start = torch.where(e > 0, offs[(e - 1).clamp_min(0)], torch.zeros_like(end))
     g = torch.arange(G, device=scales.device)
@@ -588,8 +661,8 @@ class BlockPeer:
         s = w.shape
         if s.block is None or s.block[0] != 128 or s.block[1] != 128:
             raise ValueError(f"{s.name}: BlockPeer needs weight_block_shape [128, 128]")
-        if s.activation != "silu_gated":
-            raise ValueError(f"{s.name}: BlockPeer implements SILU_GATED only")
+        if s.activation != "silu_gated" or s.biases:
+            raise ValueError(f"{s.name}: BlockPeer implements SILU_GATED without biases only")
         self.w, self.shape, self.M = w, s, M
         self.mode = mode or block_mode(w.w13.device)
         self.name = BLOCK_MODE_NAMES[self.mode]
@@ -622,9 +695,7 @@ class BlockPeer:
 
     def requant(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """silu(gate) * up in float32, quantized per token group of 128."""
-        N = self.shape.N
-        act = torch.nn.functional.silu(h[:, :N].float()).mul_(h[:, N:])
-        return quantize_groups(act, 128)
+        return quantize_groups(activate(h, self.shape), 128)
 
     def forward(self, x_fp8: torch.Tensor, logits: torch.Tensor,
                 x_scale: torch.Tensor) -> torch.Tensor:
@@ -739,8 +810,9 @@ def reference_moe(w: MoEWeights, x_fp8: torch.Tensor, logits: torch.Tensor,
     Same FP8 quantization of the intermediate as the op (static a2_scale, from a
     float32 value; for block layers dynamic per token group of Bk, amax/448 in
     float32, MOE_SPEC.md), same float32 routing. Block layers take x_scale [M,
-    K/Bk] and dequantize weights per [Bn, Bk] block. Slow; meant for M of a few
-    hundred (DeepSeek-V3: M <= 64).
+    K/Bk] and dequantize weights per [Bn, Bk] block. Biases: GEMM1's on its
+    dequantized output before the activation, GEMM2's on its output before the
+    router weight. Slow; meant for M of a few hundred (DeepSeek-V3: M <= 64).
     """
     s = w.shape
     ids, weights = route(logits, s, w.correction_bias)
@@ -760,16 +832,17 @@ def reference_moe(w: MoEWeights, x_fp8: torch.Tensor, logits: torch.Tensor,
             w2 = w.w2[e].double() * w.w2_scale[e].double()
         h = x[tok] @ w13.T
         del w13
-        if s.activation == "relu2":
-            act = torch.relu(h) ** 2
-        else:
-            act = h[:, : s.N] * torch.sigmoid(h[:, : s.N]) * h[:, s.N:]
+        if w.w13_bias is not None:
+            h += w.w13_bias[e].double()
+        act = activate(h, s)
         if s.block is not None:
             q, qs = quantize_groups(act.float(), bk)
             a2 = q.double() * qs.double().repeat_interleave(bk, dim=1)[:, : s.N]
         else:
             a2 = quantize_static(act.float(), w.a2_scale).double() * w.a2_scale.double()
         y = a2 @ w2.T
+        if w.w2_bias is not None:
+            y += w.w2_bias[e].double()
         out.index_add_(0, tok, y * weights[tok, slot].double()[:, None])
     return out.to(out_dtype)
 
@@ -788,10 +861,9 @@ def calibrate_a2_scale(w: MoEWeights, M: int, device, gen: torch.Generator) -> N
     for e in torch.unique(ids).tolist():
         tok = (ids == e).any(dim=1).nonzero(as_tuple=True)[0]
         h = xf[tok] @ (w.w13[e].float() * w.w13_scale[e]).T
-        if s.activation == "relu2":
-            act = torch.relu(h) ** 2
-        else:
-            act = torch.nn.functional.silu(h[:, : s.N]) * h[:, s.N:]
+        if w.w13_bias is not None:
+            h += w.w13_bias[e]
+        act = activate(h, s)
         amax = torch.maximum(amax, act.abs().max())
     w.a2_scale = (amax / FP8_MAX).clamp_min(MIN_SCALE).float()
 
@@ -842,9 +914,58 @@ def check_routing(shape: MoEShape, device, gen: torch.Generator) -> None:
 
 def small_shape(shape: MoEShape) -> MoEShape:
     """A cut-down layer with the same routing and activation, for CPU checks
-    (32 experts when grouped, so each of 8 groups keeps a choice)."""
+    (32 experts when grouped, so each of 8 groups keeps a choice). swiglu_oai's
+    limit drops to 0.2 so that its clamps change about a tenth of the gate and
+    up values of make_weights' layers (whose GEMM1 outputs are about 0.14:
+    gpt-oss's 7.0 would never clamp them)."""
     E = 32 if shape.n_group > 1 else 16
-    return dataclasses.replace(shape, name=shape.name + "-small", E=E, K=512, N=256)
+    limit = 0.2 if shape.activation == "swiglu_oai" else shape.swiglu_limit
+    return dataclasses.replace(shape, name=shape.name + "-small", E=E, K=512, N=256,
+                               swiglu_limit=limit)
+
+
+def loop_reference(w: MoEWeights, x_fp8: torch.Tensor,
+                   logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The op for a per-expert-scaled layer, written out one (token, slot) pair
+    and one channel at a time in Python float64 arithmetic, sharing no
+    activation or bias code with reference_moe: what self_check holds
+    reference_moe (and through it the peers) to. Returns the [M, K] float64
+    output and how many gate and up values swiglu_oai's clamps changed."""
+    s = w.shape
+    if s.block is not None:
+        raise ValueError(f"{s.name}: loop_reference takes per-expert scales only")
+    ids, weights = route(logits, s, w.correction_bias)
+    lim, alpha = s.swiglu_limit, s.swiglu_alpha
+    clamped = 0
+    out = torch.zeros(x_fp8.shape[0], s.K, dtype=torch.float64, device=x_fp8.device)
+    for t in range(x_fp8.shape[0]):
+        x = x_fp8[t].double() * float(w.a13_scale)
+        for j in range(s.top_k):
+            e, rw = int(ids[t, j]), float(weights[t, j])
+            h = ((w.w13[e].double() @ x) * float(w.w13_scale[e])).tolist()
+            if w.w13_bias is not None:
+                h = [v + b for v, b in zip(h, w.w13_bias[e].tolist())]
+            act = []
+            for n in range(s.N):
+                if s.activation == "relu2":
+                    act.append(max(h[n], 0.0) ** 2)
+                    continue
+                g, u = h[n], h[s.N + n]
+                if s.activation == "silu_gated":
+                    act.append(g / (1.0 + math.exp(-g)) * u)
+                elif s.activation == "swiglu_oai":
+                    gc, uc = min(g, lim), max(-lim, min(u, lim))
+                    clamped += (gc != g) + (uc != u)
+                    act.append(gc / (1.0 + math.exp(-alpha * gc)) * (uc + 1.0))
+                else:
+                    raise ValueError(f"{s.name}: activation {s.activation!r}")
+            a2 = torch.tensor(act, dtype=torch.float64, device=x.device).float()
+            a2 = quantize_static(a2, w.a2_scale).double() * float(w.a2_scale)
+            y = (w.w2[e].double() @ a2) * float(w.w2_scale[e])
+            if w.w2_bias is not None:
+                y = y + w.w2_bias[e].double()
+            out[t] += rw * y
+    return out, clamped
 
 
 def self_check(device) -> int:
@@ -872,6 +993,18 @@ def self_check(device) -> int:
             p = make_peer(w, M, gmm)
             got = p(*inputs)
             want = reference_moe(w, *inputs)
+            if s.block is None and M <= 64:
+                # Both in float64 from the same FP8 data: only a difference in
+                # what is computed (activation, bias placement, gate/up rows)
+                # moves them apart by more than rounding.
+                loop, clamped = loop_reference(w, *inputs)
+                lerr = rel_l2(want, loop)
+                # The small swiglu_oai layer must exercise the clamps.
+                lok = lerr <= 1e-9 and (full or s.activation != "swiglu_oai" or clamped > 0)
+                failures += not lok
+                print(f"reference check {s.name:19s} M={M:5d} rel-L2 {lerr:.2e} vs the loop "
+                      f"(bar 1e-9{f', {clamped} values clamped' if s.activation == 'swiglu_oai' else ''}) "
+                      f"{'ok' if lok else 'FAIL'}")
             err = rel_l2(got, want)
             what = "torch._scaled_grouped_mm" if full else "float32 emulation"
             if isinstance(p, BlockPeer):
