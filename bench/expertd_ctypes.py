@@ -1,15 +1,18 @@
 """ctypes mirror of kernels/cuda/csrc/expertd_cuda.h, for the device benchmark.
 
-Only what the benchmark needs: version check, init, expert-set create/free and
-the device-pointer entry point expertd_moe_device. The constants below must
-equal the header's #defines. Four ABI versions load: v1; v2, whose
+Only what the benchmark needs: version check, init, expert-set create/free,
+expertd_set_epilogue and the device-pointer entry point expertd_moe_device.
+The constants below must equal the header's #defines. Five ABI versions load: v1; v2, whose
 expertd_set_create also takes the weight block shape (block_n, block_k; 0, 0:
 no block mode); v3, whose expertd_init also takes the streams per set
 (the benchmark's device-pointer calls use none of them: 1); and v4, whose
 expertd_init takes a struct expertd_options and whose expertd_moe_device takes
 a struct expertd_call (Options and Call below mirror them; the library checks
-their size and version fields). A v1 library refuses
-block-scaled layers here with EXPERTD_ERR_UNSUPPORTED, before any call. Every
+their size and version fields); and v5, which adds the gated activations
+(SWIGLU_OAI among them) and expertd_set_epilogue (per-expert biases and
+SWIGLU_OAI's limit and alpha). A v1 library refuses block-scaled layers here
+with EXPERTD_ERR_UNSUPPORTED, before any call, and one older than v5 layers
+with biases or SWIGLU_OAI. Every
 call's return code is checked; a failure raises ExpertdError with
 expertd_last_error().
 """
@@ -22,7 +25,7 @@ import os
 import torch
 
 # The ABI versions this mirror speaks; the newest is the header's.
-ABI_VERSIONS = (1, 2, 3, 4)
+ABI_VERSIONS = (1, 2, 3, 4, 5)
 ABI_VERSION = max(ABI_VERSIONS)
 
 OK = 0
@@ -35,6 +38,11 @@ DTYPE_FLOAT8_E4M3FN = 4
 
 ACT_SILU_GATED = 1
 ACT_RELU2 = 2
+ACT_SWIGLU_OAI = 3
+ACT_GELU_TANH_GATED = 4
+ACT_GELU_GATED = 5
+# bench.peer.MoEShape.activation to the header's value.
+_ACTIVATIONS = {"silu_gated": ACT_SILU_GATED, "relu2": ACT_RELU2, "swiglu_oai": ACT_SWIGLU_OAI}
 SCORING_SOFTMAX = 1
 SCORING_SIGMOID = 2
 
@@ -130,10 +138,15 @@ _SET_CREATE[3] = _SET_CREATE[2]
 _INIT = {1: [ctypes.c_int], 2: [ctypes.c_int], 3: [ctypes.c_int, ctypes.c_int],
          4: [ctypes.c_int, ctypes.POINTER(Options)]}
 _SET_CREATE[4] = _SET_CREATE[2]
+# v5 adds activations and expertd_set_epilogue (Library binds it); the rest
+# is v4's.
+_SET_CREATE[5] = _SET_CREATE[4]
+_INIT[5] = _INIT[4]
 _MOE_DEVICE_V1 = [ctypes.c_uint64, _i64p, ctypes.c_int, _f32p, ctypes.c_int,
                   _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.c_size_t]
 _MOE_DEVICE = {1: _MOE_DEVICE_V1, 2: _MOE_DEVICE_V1, 3: _MOE_DEVICE_V1,
                4: [ctypes.c_uint64, ctypes.POINTER(Call)]}
+_MOE_DEVICE[5] = _MOE_DEVICE[4]
 
 
 # (name, restype, argtypes), in the header's order and spelling of types;
@@ -151,7 +164,7 @@ _SIGNATURES = [
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
-    """Device address of a contiguous tensor, or NULL."""
+    """Address of a contiguous tensor (device or host memory), or NULL."""
     if t is None:
         return None
     if not t.is_contiguous():
@@ -161,7 +174,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class Library:
     """A loaded libexpertd_cuda.so whose ABI version this mirror speaks
-    (self.abi: 1, 2 or 3)."""
+    (self.abi: one of ABI_VERSIONS)."""
 
     def __init__(self, path: str = DEFAULT_LIB):
         self.path = os.path.abspath(path)
@@ -182,11 +195,20 @@ class Library:
         if got >= 4:
             self.lib.expertd_options_default.restype = None
             self.lib.expertd_options_default.argtypes = [ctypes.POINTER(Options)]
+        if got >= 5:
+            self.lib.expertd_set_epilogue.restype = ctypes.c_int
+            self.lib.expertd_set_epilogue.argtypes = [ctypes.c_uint64, _p, _p, ctypes.c_float,
+                                                      ctypes.c_float]
 
     @property
     def block_scales(self) -> bool:
         """Whether expertd_set_create takes block-scaled weights (ABI >= 2)."""
         return self.abi >= 2
+
+    @property
+    def epilogue(self) -> bool:
+        """Whether the library has SWIGLU_OAI and expert biases (ABI >= 5)."""
+        return self.abi >= 5
 
     def check(self, func: str, code: int) -> None:
         """Raise ExpertdError with the thread's last error unless code is OK."""
@@ -217,8 +239,10 @@ class ExpertSet:
     def __init__(self, lib: Library, device: int, weights):
         """Upload bench.peer.MoEWeights (copied to host: the ABI takes host weights).
 
-        Block-scaled weights (shape.block = [Bn, Bk]) need ABI 2; a v1 library
-        raises ExpertdError(EXPERTD_ERR_UNSUPPORTED) before any call.
+        Block-scaled weights (shape.block = [Bn, Bk]) need ABI 2, SWIGLU_OAI
+        and biases ABI 5; an older library raises
+        ExpertdError(EXPERTD_ERR_UNSUPPORTED) before any call. Biases and
+        SWIGLU_OAI's limit and alpha go through expertd_set_epilogue.
         """
         s = weights.shape
         self.lib, self.shape, self.weights = lib, s, weights
@@ -227,7 +251,16 @@ class ExpertSet:
             raise ExpertdError("expertd_set_create", ERR_UNSUPPORTED,
                                f"library ABI {lib.abi} has no block-scaled weights "
                                f"(weight_block_shape {list(s.block)} needs ABI 2)")
-        act = ACT_RELU2 if s.activation == "relu2" else ACT_SILU_GATED
+        if s.activation not in _ACTIVATIONS:
+            raise ValueError(f"{s.name}: activation {s.activation!r} has no expertd value here")
+        act = _ACTIVATIONS[s.activation]
+        biases = [b for b in (weights.w13_bias, weights.w2_bias) if b is not None]
+        epilogue = bool(biases) or act == ACT_SWIGLU_OAI
+        if epilogue and not lib.epilogue:
+            raise ExpertdError("expertd_set_epilogue", ERR_UNSUPPORTED,
+                               f"library ABI {lib.abi} has no expert biases or SWIGLU_OAI "
+                               f"({s.name}: activation {s.activation}, "
+                               f"{'with' if biases else 'no'} biases; needs ABI 5)")
         # Host copies live only for the call; the library copies them to the GPU.
         w13 = weights.w13.view(torch.uint8).cpu().contiguous()
         w2 = weights.w2.view(torch.uint8).cpu().contiguous()
@@ -243,12 +276,35 @@ class ExpertSet:
             a13, a2, ctypes.byref(handle)))
         self.handle = handle.value
         del w13, w2
+        if epilogue:
+            self._set_epilogue(weights)
         # The static per-tensor hidden scale; block layers pass each call's
         # per-token-group scales instead.
         self.hidden_scale = weights.a13_scale.float().reshape(1).contiguous()
         self.bias = None
         if weights.correction_bias is not None:
             self.bias = weights.correction_bias.float().contiguous()
+
+    def _set_epilogue(self, weights) -> None:
+        """expertd_set_epilogue with host copies of the biases (w13's row order:
+        gate rows, then up rows, as the library takes w13) and the shape's
+        SWIGLU_OAI limit and alpha (1, 1 for other activations, which ignore
+        them); frees the set if the call fails."""
+        s = weights.shape
+        b13 = None if weights.w13_bias is None else weights.w13_bias.float().cpu().contiguous()
+        b2 = None if weights.w2_bias is None else weights.w2_bias.float().cpu().contiguous()
+        for name, b, want in (("w13_bias", b13, (s.E, s.rows1)), ("w2_bias", b2, (s.E, s.K))):
+            if b is not None and tuple(b.shape) != want:
+                self.free()
+                raise ValueError(f"{s.name}: {name} is {list(b.shape)}, want {list(want)}")
+        oai = s.activation == "swiglu_oai"
+        limit, alpha = (s.swiglu_limit, s.swiglu_alpha) if oai else (1.0, 1.0)
+        try:
+            self.lib.check("expertd_set_epilogue", self.lib.lib.expertd_set_epilogue(
+                self.handle, _ptr(b13), _ptr(b2), limit, alpha))
+        except ExpertdError:
+            self.free()
+            raise
 
     def params(self, M: int, gemm: int = GEMM_AUTO):
         """The call's parameters for M tokens of FP8 hidden, FP32 logits, BF16 out:
@@ -261,7 +317,7 @@ class ExpertSet:
         s = self.shape
         n_hidden_scale = 1 if s.block is None else M * -(-s.K // s.block[1])
         if self.lib.abi >= 4:
-            c = Call(size=ctypes.sizeof(Call), version=4, m=M, top_k=s.top_k,
+            c = Call(size=ctypes.sizeof(Call), version=self.lib.abi, m=M, top_k=s.top_k,
                      renormalize=int(s.renormalize),
                      scoring=SCORING_SIGMOID if s.scoring == "sigmoid" else SCORING_SOFTMAX,
                      num_groups=s.n_group if s.n_group > 1 else 0,
