@@ -10,9 +10,20 @@ the same way:
   expert (a13_scale * w13_scale[e]), GEMM2's input quant scale (1 / a2_scale,
   0-dim), GEMM2's dequant scale per expert (a2_scale * w2_scale[e]) and GEMM1's
   input dequant scale (a13_scale, 0-dim); no input_sf.
-- For gated activations (ActivationType.Swiglu) GEMM1's output rows hold the
-  linear (up) half first and the gate half second, so w13 [gate; up] is passed
-  as [up; gate]. Relu2 is not gated: w13 goes as it is.
+- For gated activations (ActivationType.Swiglu, SwigluBias) GEMM1's output
+  rows hold the linear (up) half first and the gate half second, so w13
+  [gate; up] is passed as [up; gate], and so is w13_bias. Relu2 is not gated:
+  w13 goes as it is.
+- gpt-oss's swiglu_oai is ActivationType.SwigluBias (the kernel the binding
+  switches Swiglu to when given these parameters; named here so that the
+  workspace size and the autotuner's profiles are that kernel's) with
+  per-expert float32 swiglu_alpha, swiglu_beta (1: the up branch plus one)
+  and swiglu_limit:
+  min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clamp(up, -limit,
+  limit) + beta). Biases go as fc1_expert_biases [E, 2N] (added to GEMM1's
+  dequantized output before the activation) and fc2_expert_biases [E, K]
+  (added to GEMM2's output before the router weight), both in the output
+  dtype (BF16), which is why make_weights draws BF16-representable biases.
 - It takes precomputed top-k ids (int32) and weights (float32): the full op
   here is bench/peer.py's `route` followed by `cutlass_fused_moe`, and
   `moe_only` times the call alone.
@@ -79,7 +90,7 @@ def supports(shape: peer.MoEShape) -> str | None:
     """None if the peer runs this layer, else why not."""
     if shape.block is not None:
         return "block-scaled FP8 is not this peer's path (per-tensor FP8 only)"
-    if shape.activation not in ("relu2", "silu_gated"):
+    if shape.activation not in ("relu2", "silu_gated", "swiglu_oai"):
         return f"activation {shape.activation!r} has no FlashInfer counterpart here"
     return None
 
@@ -100,13 +111,25 @@ class FlashInferPeer:
         self.fi, self.w, self.shape = fi, w, s
         self.buckets = tuple(sorted(set(buckets)))
         self.max_m = self.buckets[-1]
-        if s.activation == "silu_gated":
-            self.act = fi.activation.Swiglu
-            self.fc1 = torch.cat([w.w13[:, s.N:], w.w13[:, : s.N]], dim=1).contiguous()
-        else:
-            self.act = fi.activation.Relu2
-            self.fc1 = w.w13.contiguous()
+        dev = w.w13.device
+        self.act = {"relu2": fi.activation.Relu2, "silu_gated": fi.activation.Swiglu,
+                    "swiglu_oai": fi.activation.SwigluBias}[s.activation]
+        gated = s.activation != "relu2"
+        self.fc1 = _up_first(w.w13, s.N) if gated else w.w13.contiguous()
         self.fc2 = w.w2.contiguous()
+        # MoEWeights has both biases or neither, as the binding takes them.
+        self.biases = {}
+        if s.biases:
+            b13 = _up_first(w.w13_bias, s.N) if gated else w.w13_bias
+            self.biases = {"fc1_expert_biases": b13.bfloat16().contiguous(),
+                           "fc2_expert_biases": w.w2_bias.bfloat16().contiguous()}
+        self.act_params = {}
+        if s.activation == "swiglu_oai":
+            def per_expert(v):
+                return torch.full((s.E,), v, dtype=torch.float32, device=dev)
+            self.act_params = {"swiglu_alpha": per_expert(s.swiglu_alpha),
+                               "swiglu_beta": per_expert(1.0),
+                               "swiglu_limit": per_expert(s.swiglu_limit)}
         a13 = w.a13_scale.float().reshape(())
         a2 = w.a2_scale.float().reshape(())
         self.quant_scales = [
@@ -115,7 +138,6 @@ class FlashInferPeer:
             (w.w2_scale.float() * a2).contiguous(),
             a13.contiguous(),
         ]
-        dev = w.w13.device
         nbytes = fi.workspace_size(
             self.max_m, s.K, s.N, s.E, s.top_k, x_dtype=torch.float8_e4m3fn,
             weight_dtype=torch.float8_e4m3fn, output_dtype=torch.bfloat16,
@@ -147,7 +169,7 @@ class FlashInferPeer:
             fc1_expert_weights=self.fc1, fc2_expert_weights=self.fc2,
             output_dtype=torch.bfloat16, quant_scales=self.quant_scales, output=out,
             activation_type=self.act, tune_max_num_tokens=self.max_m,
-            workspace_buffer=self.workspace)
+            workspace_buffer=self.workspace, **self.biases, **self.act_params)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The peers' routing (bench/peer.py), ids made contiguous int32."""
@@ -173,18 +195,25 @@ class FlashInferPeer:
             torch.cuda.synchronize()
 
 
+def _up_first(t: torch.Tensor, N: int) -> torch.Tensor:
+    """[E, 2N, ...] gate rows then up rows as TensorRT-LLM's [up; gate]."""
+    return torch.cat([t[:, N:], t[:, :N]], dim=1).contiguous()
+
+
 def fake(calls: list | None = None) -> FlashInfer:
     """A stand-in FlashInfer that computes what `cutlass_fused_moe` is documented
     to compute, in float32 on any device, for checking this module's plumbing
-    (scale order, the [up; gate] swap, routing) without a GPU. Each call's
-    keyword arguments are appended to calls when given."""
+    (scale order, the [up; gate] swap, biases, SwigluBias's parameters,
+    routing) without a GPU. Each call's keyword arguments are appended to calls
+    when given."""
 
     class Act:
-        Swiglu, Relu2 = "Swiglu", "Relu2"
+        Swiglu, SwigluBias, Relu2 = "Swiglu", "SwigluBias", "Relu2"
 
     def fused_moe(*, input, token_selected_experts, token_final_scales, fc1_expert_weights,
                   fc2_expert_weights, output_dtype, quant_scales, output, activation_type,
-                  **kw):
+                  fc1_expert_biases=None, fc2_expert_biases=None, swiglu_alpha=None,
+                  swiglu_beta=None, swiglu_limit=None, **kw):
         if calls is not None:
             calls.append(dict(kw, activation_type=activation_type))
         # The input is FP8 already, so GEMM1's dequant scale carries a13_scale and
@@ -197,13 +226,21 @@ def fake(calls: list | None = None) -> FlashInfer:
             for j in range(token_selected_experts.shape[1]):
                 e = int(token_selected_experts[t, j])
                 h = (x[t] @ fc1_expert_weights[e].float().T) * g1[e]
+                if fc1_expert_biases is not None:
+                    h = h + fc1_expert_biases[e].float()
                 if activation_type == Act.Swiglu:
                     act = torch.nn.functional.silu(h[n:]) * h[:n]
+                elif activation_type == Act.SwigluBias:
+                    lim = swiglu_limit[e]
+                    gate, lin = h[n:].clamp(max=lim), h[:n].clamp(-lim, lim)
+                    act = gate * torch.sigmoid(gate * swiglu_alpha[e]) * (lin + swiglu_beta[e])
                 else:
                     act = torch.relu(h).square()
                 a2 = (act * q2).clamp(-peer.FP8_MAX, peer.FP8_MAX).to(torch.float8_e4m3fn)
-                y[t] += token_final_scales[t, j] * ((a2.float() @ fc2_expert_weights[e].float().T)
-                                                    * g2[e])
+                y2 = (a2.float() @ fc2_expert_weights[e].float().T) * g2[e]
+                if fc2_expert_biases is not None:
+                    y2 = y2 + fc2_expert_biases[e].float()
+                y[t] += token_final_scales[t, j] * y2
         output.copy_(y.to(output_dtype))
         return [output]
 
@@ -228,7 +265,7 @@ def self_check(device) -> int:
     # moves it past a few 1e-3; the real kernel rounds GEMM1's output to BF16.
     bar = 2e-2 if real else 5e-3
     failures = 0
-    for shape in (peer.NEMOTRON, peer.QWEN3):
+    for shape in (peer.NEMOTRON, peer.QWEN3, peer.GPT_OSS):
         s = shape if real else peer.small_shape(shape)
         w = peer.make_weights(s, device, gen)
         peer.calibrate_a2_scale(w, 64, device, gen)
