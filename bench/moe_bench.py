@@ -30,6 +30,10 @@ with the host once per call: its full op is timed eagerly (the timing column say
 so); its GEMMs alone are graph-captured. A v1 library (no block scales) runs the
 peer alone for it and the tables say "unsupported".
 
+gpt-oss-120b runs gpt-oss's clamped SwiGLU (SWIGLU_OAI) with per-expert biases
+on both GEMMs, which expertd takes from ABI 5 on (expertd_set_epilogue): an
+older library runs the peers alone for it and the tables say "unsupported".
+
 Without build/libexpertd_cuda.so it runs the peer alone and says so.
 Results are printed as tables (the last one is the summary) and written to
 $OUT/moe_bench.json and $OUT/moe_bench.md when OUT is set, with the picture
@@ -110,15 +114,18 @@ MODEL_TOKENS = {"deepseek-v3": [1, 64, 256, 4096, 8192]}
 MODEL_CHECK_M = {"deepseek-v3": [1, 64]}
 # The default run; DeepSeek-V3 adds ~2 min and 23 GB of weights (expertd's and
 # the peer's copies): run it alone with --model deepseek-v3, or with --models all.
-DEFAULT_MODELS = ["nemotron-3-nano", "qwen3-30b-a3b", "qwen3-next-80b-a3b"]
+DEFAULT_MODELS = ["nemotron-3-nano", "qwen3-30b-a3b", "qwen3-next-80b-a3b", "gpt-oss-120b"]
 # The targets for DeepSeek-V3 (docs/perf-notes.md): decode (M <= 256) at >= 3.4 TB/s of touched
 # weights, M=8192 at >= 800 TFLOP/s.
-# Qwen3-Next's (E=512, N=512): decode streams >= 85% of the copy ceiling, M=8192 runs at >= 70%
-# of the dense FP8 ceiling (section 3's H200 figures; on an H100 the table's ratios say more).
+# Qwen3-Next's (E=512, N=512) and gpt-oss-120b's (E=128, top-4, K=N=2880, SwiGLU-OAI with
+# biases): decode streams >= 85% of the copy ceiling, M=8192 runs at >= 70% of the dense FP8
+# ceiling (section 3's H200 figures; on an H100 the table's ratios say more).
+_STREAM_TARGETS = {"decode_max_m": 256, "decode_tbps": round(0.85 * COPY_TBPS, 2),
+                   "prefill_m": 8192, "prefill_tflops": round(0.70 * FP8_TFLOPS)}
 TARGETS = {"deepseek-v3": {"decode_max_m": 256, "decode_tbps": 3.4, "prefill_m": 8192,
                            "prefill_tflops": 800.0},
-           "qwen3-next-80b-a3b": {"decode_max_m": 256, "decode_tbps": round(0.85 * COPY_TBPS, 2),
-                                  "prefill_m": 8192, "prefill_tflops": round(0.70 * FP8_TFLOPS)}}
+           "qwen3-next-80b-a3b": _STREAM_TARGETS,
+           "gpt-oss-120b": _STREAM_TARGETS}
 CHECK_BAR = 2e-2
 # FlashInfer is timed only when every checked M is within this rel-L2 of the
 # reference: its rounding differs from the other peers' (BF16 GEMM1 output, fused

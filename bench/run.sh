@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the FusedMoE GPU benchmark: expertd (build/libexpertd_cuda.so) against
-# the PyTorch peer and FlashInfer's cutlass_fused_moe, Nemotron, Qwen3 and Qwen3-Next at
-# M = 1..8192 (--model deepseek-v3 for DeepSeek-V3, --models all for all four).
+# the PyTorch peer and FlashInfer's cutlass_fused_moe, Nemotron, Qwen3, Qwen3-Next and
+# gpt-oss-120b at M = 1..8192 (--model deepseek-v3 for DeepSeek-V3, --models all for all five).
 # Without the library it runs the peers alone and says so. Extra arguments go to
 # bench/moe_bench.py.
 # FlashInfer: where $EXPERTD_FLASHINFER (default .carry/flashinfer, a copy of
