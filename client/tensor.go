@@ -55,11 +55,7 @@ type Tensor struct {
 
 // FromFloat32 is an FP32 tensor of the given shape holding v.
 func FromFloat32(v []float32, shape ...int) Tensor {
-	b := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
-	}
-	return Tensor{DType: moe.Float32, Shape: shape, Data: b}
+	return Tensor{DType: moe.Float32, Shape: shape, Data: moe.Float32Bytes(v)}
 }
 
 // FromBFloat16 is a BF16 tensor of the given shape holding the raw bf16

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"sync"
 	"time"
 
@@ -367,7 +366,7 @@ func (s *Server) respond(ctx context.Context, start time.Time, req *pb.FusedMoER
 	}
 	if req.GetReturnRouting() {
 		resp.TopkIds = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_INT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: int32Bytes(res.TopKIDs)}}
-		resp.TopkWeights = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: float32Bytes(res.TopKWeights)}}
+		resp.TopkWeights = &pb.Tensor{Dtype: pb.DataType_DATA_TYPE_FLOAT32, Shape: []int64{m, topk}, Source: &pb.Tensor_Data{Data: moe.Float32Bytes(res.TopKWeights)}}
 	}
 	resp.Timings = &pb.Timings{
 		DecodeNanos: c.decoded.Sub(start).Nanoseconds(),
@@ -431,14 +430,6 @@ func int32Bytes(v []int32) []byte {
 	b := make([]byte, 4*len(v))
 	for i, x := range v {
 		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
-	}
-	return b
-}
-
-func float32Bytes(v []float32) []byte {
-	b := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
 	}
 	return b
 }

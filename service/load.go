@@ -88,7 +88,7 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 	}
 	for i, t := range weightTensors(h.GetWeights()) {
 		if t != nil && t.GetSource() != nil {
-			return nil, invalidf("header.weights."+tensorNames[i], "carries data; the header declares dtype and shape only, chunks carry the bytes")
+			return nil, invalidf("header.weights."+moe.SetTensorNames[i], "carries data; the header declares dtype and shape only, chunks carry the bytes")
 		}
 	}
 	total := l.TotalBytes()
@@ -152,7 +152,7 @@ func (s *Server) loadChunked(ctx context.Context, stream grpc.ClientStreamingSer
 	}
 	for i := range bufs {
 		if l.Present[i] && !cover[i].complete(int64(len(bufs[i]))) {
-			return nil, invalidf("chunk["+tensorNames[i]+"]", "incomplete: missing bytes %s of %d", cover[i].gaps(int64(len(bufs[i]))), len(bufs[i]))
+			return nil, invalidf("chunk["+moe.SetTensorNames[i]+"]", "incomplete: missing bytes %s of %d", cover[i].gaps(int64(len(bufs[i]))), len(bufs[i]))
 		}
 	}
 	fp := moe.Fingerprint(bufs)

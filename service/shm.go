@@ -457,7 +457,7 @@ func requestTensors(req *pb.FusedMoERequest) []shmTensor {
 	}
 	if w := req.GetWeights(); w != nil {
 		for i, t := range weightTensors(w) {
-			ts = append(ts, shmTensor{"weights." + tensorNames[i], t})
+			ts = append(ts, shmTensor{"weights." + moe.SetTensorNames[i], t})
 		}
 	}
 	return ts

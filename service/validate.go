@@ -160,9 +160,6 @@ func tensorBytes(field string, t *pb.Tensor, m tensorMeta, sh *placement) ([]byt
 	return mt.Data, nil
 }
 
-// tensorNames are the ExpertWeights field names, as chunks name them.
-var tensorNames = moe.SetTensorNames
-
 func weightTensors(w *pb.ExpertWeights) [moe.SetTensors]*pb.Tensor {
 	return [moe.SetTensors]*pb.Tensor{w.GetW13(), w.GetW2(), w.GetW13Scale(), w.GetW2Scale(), w.GetA13Scale(), w.GetA2Scale(),
 		w.GetW13Bias(), w.GetW2Bias()}
@@ -205,7 +202,7 @@ func inlineSet(w *pb.ExpertWeights, sh *placement) (*moe.ExpertSet, int64, error
 			continue
 		}
 		m := tensorMeta{dtype: l.Tensors[i].DType, shape: l.Tensors[i].Shape, bytes: l.Tensors[i].Bytes}
-		if data[i], err = tensorBytes("weights."+tensorNames[i], t, m, sh); err != nil {
+		if data[i], err = tensorBytes("weights."+moe.SetTensorNames[i], t, m, sh); err != nil {
 			return nil, 0, err
 		}
 	}

@@ -1,9 +1,7 @@
 package servicetest
 
 import (
-	"encoding/binary"
 	"fmt"
-	"math"
 	"strconv"
 	"strings"
 
@@ -50,10 +48,7 @@ func WriteSafetensorsLayer(path string, set *moe.ExpertSet, layer int) (*pb.Load
 		default:
 			return tensor{}, fmt.Errorf("weight scale granularity %v: want per-tensor, per-expert or per-channel", ws.Granularity)
 		}
-		b := make([]byte, 4*len(v))
-		for i, x := range v {
-			binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
-		}
+		b := moe.Float32Bytes(v)
 		shape := []int64{}
 		if len(v) > 1 {
 			shape = []int64{int64(len(v))}
