@@ -17,20 +17,12 @@ out="${EXPERTD_BUILD:-$root/build}"  # override: a private output folder
 obj="${EXPERTD_OBJ:-$root/.tools/obj}"  # objects stay out of build/, which travels to the device
 mkdir -p "$obj" "$out"
 
-nvcc="${NVCC:-}"
-if [[ -z "$nvcc" ]]; then
-  if [[ -x "$root/.tools/cuda/bin/nvcc" ]]; then
-    nvcc="$root/.tools/cuda/bin/nvcc"
-  elif command -v nvcc >/dev/null; then
-    nvcc="$(command -v nvcc)"
-  else
-    "$root/scripts/cuda-install.sh"
-    nvcc="$root/.tools/cuda/bin/nvcc"
-  fi
+# With no nvcc anywhere, install the pinned one first; nvcc-env.sh then
+# picks it (NVCC, else .tools/cuda, else PATH) and its static runtime.
+if [[ -z "${NVCC:-}" && ! -x "$root/.tools/cuda/bin/nvcc" ]] && ! command -v nvcc >/dev/null; then
+  "$root/scripts/cuda-install.sh"
 fi
-cuda_home="$(cd "$(dirname "$nvcc")/.." && pwd)"
-cudart="$cuda_home/lib64/libcudart_static.a"
-[[ -f "$cudart" ]] || cudart="$cuda_home/lib/libcudart_static.a"
+source "$root/scripts/nvcc-env.sh"
 
 gencode=(-gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
          -gencode arch=compute_80,code=compute_80)

@@ -27,12 +27,9 @@ if [[ -f "$stamp" && -x "$dest/bin/nvcc" ]]; then
   exit 0
 fi
 
-py="${PYTHON:-python3}"
+source "$root/scripts/wheels.sh"
+install_wheels "$dest" "${pkgs[@]}"
 site="$dest/.site"
-rm -rf "$dest"
-mkdir -p "$site"
-"$py" -m pip install --quiet --no-deps --no-compile --disable-pip-version-check \
-  --target "$site" "${pkgs[@]}"
 
 # Merge every wheel's CUDA tree into one prefix.
 cu="$site/nvidia/cu13"

@@ -19,12 +19,9 @@ if [[ -f "$stamp" && -f "$dest/include/cutlass/cutlass.h" ]]; then
   exit 0
 fi
 
-py="${PYTHON:-python3}"
+source "$root/scripts/wheels.sh"
+install_wheels "$dest" "nvidia-cutlass==$version"
 site="$dest/.site"
-rm -rf "$dest"
-mkdir -p "$site"
-"$py" -m pip install --quiet --no-deps --no-compile --disable-pip-version-check \
-  --target "$site" "nvidia-cutlass==$version"
 
 src="$site/cutlass_library/source"
 [[ -f "$src/include/cutlass/cutlass.h" ]] || { echo "cutlass-install: no headers in the wheel" >&2; exit 1; }

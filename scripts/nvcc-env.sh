@@ -1,6 +1,7 @@
-# nvcc-env.sh, sourced by the scripts that build standalone CUDA tools with
-# $root set: sets nvcc (NVCC, else .tools/cuda/bin/nvcc from
-# cuda-install.sh, else nvcc on PATH) and cudart (its static CUDA runtime).
+# nvcc-env.sh, sourced by the scripts that build CUDA code (the library and
+# the standalone tools) with $root set: sets nvcc (NVCC, else
+# .tools/cuda/bin/nvcc from cuda-install.sh, else nvcc on PATH), cuda_home
+# and cudart (its static CUDA runtime).
 nvcc="${NVCC:-}"
 if [[ -z "$nvcc" ]]; then
   if [[ -x "$root/.tools/cuda/bin/nvcc" ]]; then nvcc="$root/.tools/cuda/bin/nvcc"; else nvcc="$(command -v nvcc)"; fi
