@@ -119,18 +119,16 @@ func requestProto(r *moe.Request, e int) *pb.FusedMoERequest {
 
 // referenceCases are the kerneltest cases the service runs end to end: every
 // granularity, static scales, FP8 input with each scale layout, BF16 logits,
-// precomputed routing, grouped sigmoid routing and odd sizes, and with
-// activations, every activation, expert biases and E = 512 with top_k = 16.
-func referenceCases(t *testing.T, activations bool) []kerneltest.Case {
+// precomputed routing, grouped sigmoid routing and odd sizes, every
+// activation, expert biases and E = 512 with top_k = 16.
+func referenceCases(t *testing.T) []kerneltest.Case {
 	want := []string{
 		"Nemotron/M=16", "Nemotron/M=8/static/fp8-in", "Qwen3/M=16/per-expert", "Qwen3/M=12/block/bf16-logits",
 		"Mixtral/M=9/precomputed/all-to-one", "DeepSeekV3/M=1/fp8-in-per-group", "top_k=E/sigmoid-groups",
 		"odd/block-16x24/fp8-per-group", "odd/per-channel/precomputed",
-	}
-	if activations {
-		want = append(want, "GptOss/M=16", "GptOss/M=24/per-channel/static", "SwigluOAI/limit=0.5/M=20/per-channel",
-			"GeluTanhGated/M=10", "GeluGated/M=5/bias/precomputed", "Nemotron/M=12/bias",
-			"Qwen3Next/top_k=16/M=33/per-channel")
+		"GptOss/M=16", "GptOss/M=24/per-channel/static", "SwigluOAI/limit=0.5/M=20/per-channel",
+		"GeluTanhGated/M=10", "GeluGated/M=5/bias/precomputed", "Nemotron/M=12/bias",
+		"Qwen3Next/top_k=16/M=33/per-channel",
 	}
 	var cases []kerneltest.Case
 	for _, c := range append(kerneltest.Cases(), kerneltest.ActivationCases()...) {
@@ -150,7 +148,7 @@ func referenceCases(t *testing.T, activations bool) []kerneltest.Case {
 // float64 reference, return the reference's routing, and equal the
 // backend's own output bit for bit (the service must not change numerics).
 func TestFusedMoEMatchesReference(t *testing.T) {
-	checkAgainstReference(t, cpu.New(kernels.Config{Threads: 2}), true, true)
+	checkAgainstReference(t, cpu.New(kernels.Config{Threads: 2}), true)
 }
 
 // TestFusedMoEMatchesReferenceCUDA is the same check on the CUDA backend;
@@ -161,14 +159,12 @@ func TestFusedMoEMatchesReferenceCUDA(t *testing.T) {
 		t.Skipf("no CUDA backend: %v", err)
 	}
 	defer b.Close()
-	// The CUDA kernels do not run kerneltest.ActivationCases' activations
-	// and biases yet (the backend refuses them: TestUnsupportedRefused).
-	checkAgainstReference(t, b, false, false)
+	checkAgainstReference(t, b, false)
 }
 
-func checkAgainstReference(t *testing.T, backend kernels.Backend, exact, activations bool) {
+func checkAgainstReference(t *testing.T, backend kernels.Backend, exact bool) {
 	rng := newRand(t)
-	for _, tc := range referenceCases(t, activations) {
+	for _, tc := range referenceCases(t) {
 		t.Run(strings.ReplaceAll(tc.Name, "/", "_"), func(t *testing.T) {
 			ctx := testContext(t)
 			set, req := kerneltest.NewCase(rand.New(rand.NewPCG(rng.Uint64(), rng.Uint64())), tc.Shape, tc.M, tc.Opts...)

@@ -4,7 +4,7 @@ package cuda
 // parses the header and checks that every #define there has this value, so
 // the two cannot drift apart silently.
 const (
-	abiVersion = 4
+	abiVersion = 5
 
 	codeOK          = 0
 	codeInvalid     = 1
@@ -18,8 +18,11 @@ const (
 	dtypeBFloat16 = 2
 	dtypeFloat8   = 4
 
-	actSiluGated = 1
-	actRelu2     = 2
+	actSiluGated     = 1
+	actRelu2         = 2
+	actSwigluOAI     = 3
+	actGeluTanhGated = 4
+	actGeluGated     = 5
 
 	scoringSoftmax = 1
 	scoringSigmoid = 2

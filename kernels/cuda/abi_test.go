@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/expertd/expertd/moe"
 )
 
 // TestHeaderMatchesGo checks every numeric #define of the C header against
@@ -31,10 +33,13 @@ func TestHeaderMatchesGo(t *testing.T) {
 		"EXPERTD_DTYPE_BFLOAT16":      dtypeBFloat16,
 		"EXPERTD_DTYPE_FLOAT8_E4M3FN": dtypeFloat8,
 
-		"EXPERTD_ACT_SILU_GATED":  actSiluGated,
-		"EXPERTD_ACT_RELU2":       actRelu2,
-		"EXPERTD_SCORING_SOFTMAX": scoringSoftmax,
-		"EXPERTD_SCORING_SIGMOID": scoringSigmoid,
+		"EXPERTD_ACT_SILU_GATED":      actSiluGated,
+		"EXPERTD_ACT_RELU2":           actRelu2,
+		"EXPERTD_ACT_SWIGLU_OAI":      actSwigluOAI,
+		"EXPERTD_ACT_GELU_TANH_GATED": actGeluTanhGated,
+		"EXPERTD_ACT_GELU_GATED":      actGeluGated,
+		"EXPERTD_SCORING_SOFTMAX":     scoringSoftmax,
+		"EXPERTD_SCORING_SIGMOID":     scoringSigmoid,
 
 		"EXPERTD_GEMM_AUTO":         gemmAuto,
 		"EXPERTD_GEMM_PORTABLE":     gemmPortable,
@@ -235,6 +240,20 @@ func TestLibraryChecksStructs(t *testing.T) {
 		rc, msg := call(func() int32 { return lib.init(0, &tc.o) })
 		if rc != codeInvalid || !strings.Contains(msg, tc.want) {
 			t.Errorf("init with %s options: rc %s, %q; want ERR_INVALID naming %q", tc.name, codeName(rc), msg, tc.want)
+		}
+	}
+}
+
+// TestActivationCodes: the header's activation codes are moe.Activation's
+// values, as it says.
+func TestActivationCodes(t *testing.T) {
+	for _, c := range []struct {
+		code int
+		act  moe.Activation
+	}{{actSiluGated, moe.SiluGated}, {actRelu2, moe.Relu2}, {actSwigluOAI, moe.SwigluOAI},
+		{actGeluTanhGated, moe.GeluTanhGated}, {actGeluGated, moe.GeluGated}} {
+		if c.code != int(c.act) {
+			t.Errorf("%v: code %d, want %d", c.act, c.code, int(c.act))
 		}
 	}
 }

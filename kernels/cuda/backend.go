@@ -111,7 +111,7 @@ func (b *Backend) Name() string { return "cuda" }
 // Capabilities implements kernels.Backend.
 func (b *Backend) Capabilities() kernels.Capabilities {
 	return kernels.Capabilities{
-		Activations:   []moe.Activation{moe.SiluGated, moe.Relu2},
+		Activations:   []moe.Activation{moe.SiluGated, moe.Relu2, moe.SwigluOAI, moe.GeluTanhGated, moe.GeluGated},
 		Granularities: []scaling.Granularity{scaling.PerTensor, scaling.PerExpert, scaling.PerChannel, scaling.Block},
 		Devices:       []string{b.info},
 		Details:       b.opts.Map(),
@@ -207,11 +207,14 @@ func (b *Backend) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded,
 		act = actSiluGated
 	case moe.Relu2:
 		act = actRelu2
+	case moe.SwigluOAI:
+		act = actSwigluOAI
+	case moe.GeluTanhGated:
+		act = actGeluTanhGated
+	case moe.GeluGated:
+		act = actGeluGated
 	default:
 		return nil, fmt.Errorf("cuda: activation %v: %w", set.Activation, kernels.ErrUnsupported)
-	}
-	if set.W13Bias != nil || set.W2Bias != nil {
-		return nil, fmt.Errorf("cuda: expert biases: %w", kernels.ErrUnsupported)
 	}
 	for _, ws := range []scaling.WeightScale{set.W13Scale, set.W2Scale} {
 		switch ws.Granularity {
@@ -230,8 +233,26 @@ func (b *Backend) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded,
 		return nil, fmt.Errorf("cuda: weight sizes %d/%d do not match E=%d K=%d N=%d", len(set.W13), len(set.W2), set.E, set.K, set.N)
 	}
 	s13, s2, block := set.W13Scale.Values, set.W2Scale.Values, set.Block
-	if block != [2]int{} {
+	w13, b13 := set.W13, set.W13Bias
+	switch {
+	case set.Activation == moe.SwigluOAI && block != [2]int{}:
+		// One row per scale block, so the scales move with their rows.
+		s13 = expandBlocks(set.W13Scale, set.E, set.Rows1(), set.K, 1, block[1])
+		s2 = expandBlocks(set.W2Scale, set.E, set.K, set.N, 1, block[1])
+		block[0] = 1
+	case block != [2]int{}:
 		s13, s2, block[0] = blockScales(set)
+	}
+	if set.Activation == moe.SwigluOAI {
+		w13 = gateFirst(set, w13, set.K)
+		// Per-channel scales, or blocks of one row, move with their rows;
+		// per-tensor and per-expert ones (1 or E values) have none.
+		if rows := set.E * set.Rows1(); len(s13)%rows == 0 {
+			s13 = gateFirst(set, s13, len(s13)/rows)
+		}
+		if b13 != nil {
+			b13 = gateFirst(set, b13, 1)
+		}
 	}
 	if len(s13) > math.MaxInt32 || len(s2) > math.MaxInt32 {
 		return nil, fmt.Errorf("cuda: %d and %d weight scales: %w", len(s13), len(s2), kernels.ErrUnsupported)
@@ -246,14 +267,32 @@ func (b *Backend) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded,
 	var h uint64
 	err := b.call("set_create", func() int32 {
 		return b.lib.setCreate(int32(b.device), int32(set.E), int32(set.K), int32(set.N), act,
-			&set.W13[0], &set.W2[0], &s13[0], int32(len(s13)), &s2[0], int32(len(s2)),
+			&w13[0], &set.W2[0], &s13[0], int32(len(s13)), &s2[0], int32(len(s2)),
 			int32(block[0]), int32(block[1]), a13, a2, &h)
 	})
 	runtime.KeepAlive(set)
+	runtime.KeepAlive(w13)
 	runtime.KeepAlive(s13)
 	runtime.KeepAlive(s2)
 	if err != nil {
 		return nil, err
+	}
+	if b13 != nil || set.W2Bias != nil || set.Activation == moe.SwigluOAI {
+		limit, alpha := set.SwigluLimit, set.SwigluAlpha
+		if set.Activation != moe.SwigluOAI {
+			limit, alpha = 1, 1 // ignored by the other activations
+		}
+		err = b.call("set_epilogue", func() int32 {
+			return b.lib.setEpilogue(h, first(b13), first(set.W2Bias), limit, alpha)
+		})
+		runtime.KeepAlive(b13)
+		runtime.KeepAlive(set)
+		if err != nil {
+			if ferr := b.call("set_free", func() int32 { return b.lib.setFree(h) }); ferr != nil {
+				err = errors.Join(err, ferr)
+			}
+			return nil, err
+		}
 	}
 	meta := *set
 	meta.W13, meta.W2 = nil, nil
@@ -262,6 +301,31 @@ func (b *Backend) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded,
 	b.live[l] = struct{}{}
 	b.mu.Unlock()
 	return l, nil
+}
+
+// gateFirst reorders each expert's rows of v ([E, Rows1, width] elements)
+// from the set's gate/up order (ExpertSet.GateUp: SwigluOAI's interleaved
+// rows) to gate rows first, the order the kernels pair gate and up in.
+func gateFirst[T any](set *moe.ExpertSet, v []T, width int) []T {
+	out := make([]T, len(v))
+	r1 := set.Rows1()
+	for e := range set.E {
+		src, dst := v[e*r1*width:(e+1)*r1*width], out[e*r1*width:(e+1)*r1*width]
+		for j := range set.N {
+			g, u := set.GateUp(j)
+			copy(dst[j*width:(j+1)*width], src[g*width:(g+1)*width])
+			copy(dst[(set.N+j)*width:(set.N+j+1)*width], src[u*width:(u+1)*width])
+		}
+	}
+	return out
+}
+
+// first is a pointer to v's first element, nil for an empty v.
+func first(v []float32) *float32 {
+	if len(v) == 0 {
+		return nil
+	}
+	return &v[0]
 }
 
 // blockScales returns the set's weight scales in the library's block layout,

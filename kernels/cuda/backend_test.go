@@ -306,19 +306,38 @@ func wantCase(name string) bool {
 	return strings.Contains(name, os.Getenv("EXPERTD_TEST_CASE"))
 }
 
-// TestUnsupportedRefused: sets the kernels do not run (the newer
-// activations, expert biases) are refused at Load with
-// kernels.ErrUnsupported, which the service reports as FAILED_PRECONDITION.
-func TestUnsupportedRefused(t *testing.T) {
+// TestActivationCases runs kerneltest.ActivationCases (every newer
+// activation, expert biases, E = 512, top_k = 16) and larger shapes of them
+// through checkCase, so each GEMM path's epilogue runs them at several token
+// tiles: the decode route (one FP8 token), per-channel and block scales
+// (SwigluOAI's interleaved rows reordered at load, its block scales one row
+// per block), token-major block tiles, static scales.
+func TestActivationCases(t *testing.T) {
 	b := gpuBackend(t)
-	for i, c := range kerneltest.ActivationCases() {
-		set, _ := c.New(rand.New(rand.NewPCG(uint64(i), 1)))
-		if set.Activation != moe.Relu2 && set.Activation != moe.SiluGated || set.W13Bias != nil {
-			if _, err := b.Load(context.Background(), set); !errors.Is(err, kernels.ErrUnsupported) {
-				t.Errorf("%s: Load: %v, want kernels.ErrUnsupported", c.Name, err)
-			}
-		}
-	}
+	ref := cpu.New(kernels.Config{})
+	oai := kerneltest.GptOss.Scaled(512, 256)
+	oai.E = 16
+	gelu := kerneltest.Shape{Name: "x16-gelu-bias", Activation: moe.GeluGated, E: 16, TopK: 4, K: 512, N: 256,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1, ExpertBias: true}
+	geluTanh := gelu
+	geluTanh.Name, geluTanh.Activation = "x16-gelu-tanh-bias", moe.GeluTanhGated
+	relu := kerneltest.Nemotron.Scaled(512, 384)
+	relu.Name, relu.ExpertBias = "x16-relu2-bias", true
+	next := kerneltest.Qwen3Next.Scaled(256, 128)
+	fp8 := kerneltest.WithHidden(moe.Float8E4M3FN)
+	pc := kerneltest.WithGranularity(scaling.PerChannel)
+	cases := append(kerneltest.ActivationCases(),
+		kerneltest.Case{Name: "x16/GptOss/M=1", Shape: oai, M: 1},
+		kerneltest.Case{Name: "x16/GptOss/M=1/fp8-in/per-channel", Shape: oai, M: 1, Opts: []kerneltest.Option{fp8, pc}},
+		kerneltest.Case{Name: "x16/GptOss/M=200/per-channel", Shape: oai, M: 200, Opts: []kerneltest.Option{pc}},
+		kerneltest.Case{Name: "x16/GptOss/M=300/block", Shape: oai, M: 300, Opts: []kerneltest.Option{kerneltest.WithBlock(128, 128)}},
+		kerneltest.Case{Name: "x16/GeluGated/M=300/block", Shape: gelu, M: 300, Opts: []kerneltest.Option{kerneltest.WithBlock(128, 128)}},
+		kerneltest.Case{Name: "x16/GeluTanhGated/M=64/static", Shape: geluTanh, M: 64, Opts: []kerneltest.Option{kerneltest.WithStaticScales()}},
+		kerneltest.Case{Name: "x16/Relu2/M=300/block", Shape: relu, M: 300, Opts: []kerneltest.Option{kerneltest.WithBlock(128, 128)}},
+		kerneltest.Case{Name: "x16/Relu2/M=1/fp8-in", Shape: relu, M: 1, Opts: []kerneltest.Option{fp8}},
+		kerneltest.Case{Name: "x16/Qwen3Next/M=300", Shape: next, M: 300},
+	)
+	checkCases(t, b, ref, cases)
 }
 
 // TestCases runs the shared table plus extraCases and blockCases through
@@ -326,8 +345,13 @@ func TestUnsupportedRefused(t *testing.T) {
 func TestCases(t *testing.T) {
 	b := gpuBackend(t)
 	t.Logf("device: %s", b.info)
-	cases := append(append(kerneltest.Cases(), extraCases()...), blockCases()...)
-	ref := cpu.New(kernels.Config{})
+	checkCases(t, b, cpu.New(kernels.Config{}), append(append(kerneltest.Cases(), extraCases()...), blockCases()...))
+}
+
+// checkCases runs checkCase on each of the cases wantCase selects, on
+// fresh data from the test's seed.
+func checkCases(t *testing.T, b *Backend, ref kernels.Backend, cases []kerneltest.Case) {
+	t.Helper()
 	for _, c := range cases {
 		if !wantCase(c.Name) {
 			continue
@@ -642,5 +666,28 @@ func TestPackCallRouting(t *testing.T) {
 		if !asked || len(ids) != n || len(w) != n {
 			t.Errorf("routing wanted: outputs %#x/%#x, %d/%d values, want %d each", c.topKIDsOut.data, c.topKWeightsOut.data, len(ids), len(w), n)
 		}
+	}
+}
+
+// TestGateFirst: SwigluOAI's interleaved GEMM1 rows (gate 2j, up 2j+1)
+// reach the library gate rows first, per expert, whole rows at a time; the
+// other gated activations' rows are already in that order.
+func TestGateFirst(t *testing.T) {
+	set := &moe.ExpertSet{Activation: moe.SwigluOAI, E: 2, N: 3, K: 2}
+	// Expert e's row r is {10e + r, -(10e + r)}.
+	var v []int
+	for e := range set.E {
+		for r := range set.Rows1() {
+			v = append(v, 10*e+r, -(10*e + r))
+		}
+	}
+	got := gateFirst(set, v, set.K)
+	want := []int{0, 0, 2, -2, 4, -4, 1, -1, 3, -3, 5, -5, 10, -10, 12, -12, 14, -14, 11, -11, 13, -13, 15, -15}
+	if !slices.Equal(got, want) {
+		t.Errorf("SwigluOAI: gateFirst = %v, want %v", got, want)
+	}
+	set.Activation = moe.GeluGated
+	if got := gateFirst(set, v, set.K); !slices.Equal(got, v) {
+		t.Errorf("GeluGated: gateFirst = %v, want the rows unchanged", got)
 	}
 }

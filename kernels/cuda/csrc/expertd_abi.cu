@@ -72,6 +72,12 @@ int expertd_set_create(int device, int num_experts, int hidden, int inter, int a
                     n_w2_scale, block_n, block_k, a13_scale, a2_scale, out_handle);
 }
 
+int expertd_set_epilogue(uint64_t handle, const float* w13_bias, const float* w2_bias, float swiglu_limit,
+                         float swiglu_alpha) {
+  g_last_error.clear();
+  return set_epilogue(handle, w13_bias, w2_bias, swiglu_limit, swiglu_alpha);
+}
+
 int expertd_set_free(uint64_t handle) {
   g_last_error.clear();
   return set_free(handle);

@@ -32,7 +32,7 @@ extern "C" {
 #define EXPERTD_API
 #endif
 
-#define EXPERTD_ABI_VERSION 4
+#define EXPERTD_ABI_VERSION 5
 
 /* Return codes. */
 #define EXPERTD_OK 0
@@ -52,6 +52,9 @@ extern "C" {
  * kernels.Scoring's. */
 #define EXPERTD_ACT_SILU_GATED 1
 #define EXPERTD_ACT_RELU2 2
+#define EXPERTD_ACT_SWIGLU_OAI 3      /* gpt-oss's clamped SwiGLU; gate rows first here (see set_create) */
+#define EXPERTD_ACT_GELU_TANH_GATED 4 /* gelu_tanh(gate) * up */
+#define EXPERTD_ACT_GELU_GATED 5      /* erf gelu(gate) * up */
 #define EXPERTD_SCORING_SOFTMAX 1
 #define EXPERTD_SCORING_SIGMOID 2
 
@@ -182,8 +185,9 @@ EXPERTD_API int expertd_init(int device, const expertd_options* opts);
 EXPERTD_API int expertd_device_info(int device, char* buf, int buflen);
 
 /* expertd_set_create uploads one MoE layer's experts to device memory.
- * w13 is FP8 [E, rows1, K] with rows1 = 2N (SILU_GATED) or N (RELU2); w2 is
- * FP8 [E, K, N].
+ * w13 is FP8 [E, rows1, K] with rows1 = 2N (the gated activations: gate
+ * rows [0, N), up rows [N, 2N), for SWIGLU_OAI too, whose interleaved
+ * checkpoint rows the caller reorders) or N (RELU2); w2 is FP8 [E, K, N].
  *
  * block_n = block_k = 0: no block mode. n_w13_scale is 1 (per-tensor), E
  * (per-expert) or E*rows1 (per-channel: one per w13 row, [E, rows1]);
@@ -212,6 +216,16 @@ EXPERTD_API int expertd_set_create(int device, int num_experts, int hidden, int 
                        const uint8_t* w13, const uint8_t* w2, const float* w13_scale,
                        int n_w13_scale, const float* w2_scale, int n_w2_scale, int block_n,
                        int block_k, float a13_scale, float a2_scale, uint64_t* out_handle);
+
+/* expertd_set_epilogue gives a set made by expertd_set_create, before its
+ * first call, the optional per-expert biases and SWIGLU_OAI's parameters:
+ * w13_bias [E, rows1] floats (in w13's row order) is added to GEMM1's
+ * dequantized output before the activation, w2_bias [E, K] floats to
+ * GEMM2's before the router weight; NULL means none. swiglu_limit and
+ * swiglu_alpha (> 0) are SWIGLU_OAI's clamp limit and sigmoid slope and
+ * are ignored by the other activations. */
+EXPERTD_API int expertd_set_epilogue(uint64_t handle, const float* w13_bias, const float* w2_bias,
+                                     float swiglu_limit, float swiglu_alpha);
 
 /* expertd_set_free releases a set's device memory and cached graphs. */
 EXPERTD_API int expertd_set_free(uint64_t handle);

@@ -85,8 +85,6 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(const uint8_t* p) {
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
 // store_out writes one finished output element in the epilogue's format.
 template <GemmEpilogue kEpi>
 __device__ __forceinline__ void store_out(const MoeGemmArgs& p, size_t idx, float v) {
@@ -313,6 +311,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
   // Epilogue straight from registers: accumulator c of tile (mi, j) sits at
   // row mi*16 + g + 8*(c/2), column t*2 + c%2 of the tile's 8 channels.
   const float ws = kBlock ? 1.f : p.w_scale[expert];
+  const float* bias = kEpi != GemmEpilogue::kWeightedBF16 && p.bias ? p.bias + size_t(expert) * p.w_rows : nullptr;
 #pragma unroll
   for (int mi = 0; mi < TM / 16; ++mi) {
 #pragma unroll
@@ -329,7 +328,8 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
         if (kGated) {
           const int ch = c0 + 8 * warp + t * 2 + cc;
           if (ch >= p.n_out) continue;
-          const float v = silu(acc[mi][0][c] * sc) * (acc[mi][1][c] * sc);
+          const float v = gemm1_act(p.act, bias, p.n_out, ch, acc[mi][0][c] * sc, acc[mi][1][c] * sc, p.swiglu_limit,
+                                    p.swiglu_alpha);
           store_out<kEpi>(p, orow * p.ld_out + ch, v);
         } else {
 #pragma unroll
@@ -338,8 +338,9 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_portable_kernel(const MoeGe
             if (ch >= p.n_out) continue;
             float v = acc[mi][j][c] * sc;
             if (kEpi != GemmEpilogue::kWeightedBF16) {
-              v = fmaxf(v, 0.f);
-              v = v * v;
+              // kRelu2, the one non-gated activation, as a constant: the
+              // gated ones' math would cost this kernel registers.
+              v = gemm1_act(GemmAct::kRelu2, bias, p.n_out, ch, v, 0.f, 0.f, 0.f);
             }
             store_out<kEpi>(p, orow * p.ld_out + ch, v);
           }
@@ -418,7 +419,7 @@ int portable_block_rows(int m, int top_k, int num_experts) {
 
 cudaError_t launch_gemm1_portable(const MoeGemmArgs& a, bool use_f16, cudaStream_t stream) {
   if (!args_ok(a)) return cudaErrorInvalidValue;
-  const bool gated = a.act == GemmAct::kSiluGated;
+  const bool gated = gemm_act_gated(a.act);
   if (a.w_rows != (gated ? 2 * a.n_out : a.n_out)) return cudaErrorInvalidValue;
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:

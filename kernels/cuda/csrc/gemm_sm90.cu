@@ -1,7 +1,8 @@
 // Hopper (sm_90a) grouped FP8 GEMM for fused MoE: TMA loads into 128-byte
 // swizzled shared memory, an mbarrier ring, warp-specialized producer and
-// wgmma (QGMMA) consumers, and fused epilogues (SiLU-and-mul or ReLU²,
-// re-quantization to FP8; or router-weighted BF16 output for GEMM2).
+// wgmma (QGMMA) consumers, and fused epilogues (GEMM1's bias and its gated
+// activation or ReLU² (gemm1_act), re-quantization to FP8; or
+// router-weighted BF16 output for GEMM2).
 //
 // Layout choice ("swap AB"): the weights are wgmma's A operand (the M side,
 // 64 output channels per consumer warpgroup) and the expert's tokens are the
@@ -14,7 +15,7 @@
 // ones (kPC: one per weight row) are per accumulator row instead: each
 // consumer thread holds two weight rows, whose scales it loads when a tile
 // starts, while the tile's operands stream in; for gated GEMM1 these are the
-// gate and the up row of one channel, scaled before silu(gate) * up.
+// gate and the up row of one channel, scaled before the activation.
 //
 // Block scales (kBlk: [block_n, 128] weight blocks, activations quantized
 // per token and group of 128 K values) promote DeepGEMM-style: a pipeline
@@ -154,8 +155,6 @@ __device__ __forceinline__ uint64_t smem_desc(const void* tile) {
   return d;
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
-
 // stage_store writes output channel oc of one staging row in the epilogue's
 // element type.
 template <GemmEpilogue kEpi>
@@ -234,6 +233,11 @@ struct Params {
   int32_t* layout_expert;
   int32_t* layout_blocks;
   int max_blocks;
+  // GEMM1's activation, bias [E, w_rows] (null: none) and kSwigluOAI's
+  // parameters (gemm1_act).
+  GemmAct act;
+  const float* bias;
+  float swiglu_limit, swiglu_alpha;
 };
 
 // TileRef is one tile's token rows: nblk alignment blocks from blk on, all
@@ -350,8 +354,8 @@ __device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int*
 // a ring slot more than one fill ahead, which the barriers' phase parity
 // could not tell apart. Each warpgroup has its own staging tile and row
 // tables.
-template <int BN, int kNWG, int kStages, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
-          bool kPair, bool kPP>
+template <int BN, int kNWG, int kStages, bool kGated, bool kAny, GemmEpilogue kEpi, bool kPC, bool kBlk,
+          bool kTokA, bool kPair, bool kPP>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
@@ -578,6 +582,25 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       // warpgroup's own, or with kPP both in turn.
       auto half_of = [&](int v) { return kPP ? v : wg; };
       const int oc0 = wtile * kOC;  // first output channel of the tile
+      // GEMM1's output for staging column oc (gate g, up u); 0 past the
+      // last channel, whose outputs are never stored (nor its bias read).
+      const float* bias = p.bias ? p.bias + size_t(expert) * p.w_rows : nullptr;
+      // Without kAny the activation is a constant (SiLU-gated or ReLU²,
+      // no bias): one activation's math in the unrolled epilogue, as the
+      // common layers need; with kAny the set's activation and bias are
+      // read at run time, and every activation's code sits in the loop.
+      auto act1 = [&](int oc, float g, float u) {
+        constexpr GemmAct kConst = kGated ? GemmAct::kSiluGated : GemmAct::kRelu2;
+        if constexpr (!kAny) {
+          return gemm1_act(kConst, nullptr, 0, 0, g, u, 0.f, 0.f);
+        } else {
+          const int ch = oc0 + oc;
+          // kRelu2, the one non-gated activation, as a constant: the gated
+          // ones' math would cost the non-gated kernels registers.
+          const GemmAct act = kGated ? p.act : GemmAct::kRelu2;
+          return ch < p.n_out ? gemm1_act(act, bias, p.n_out, ch, g, u, p.swiglu_limit, p.swiglu_alpha) : 0.f;
+        }
+      };
       float wsc[kHalves][2];
 #pragma unroll
       for (int v = 0; v < kHalves; ++v) {
@@ -758,17 +781,16 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
                 for (int g = 0; g < BN / 16; ++g) {
                   const float gv = acc[4 * (2 * g) + 2 * h + j] * sc;
                   const float uv = acc[4 * (2 * g + 1) + 2 * h + j] * sc;
-                  stage_store<kEpi>(row, 8 * g + 2 * (lane % 4) + j, silu(gv) * uv, p.out_inv_scale);
+                  const int oc = 8 * g + 2 * (lane % 4) + j;
+                  stage_store<kEpi>(row, oc, act1(oc, gv, uv), p.out_inv_scale);
                 }
               } else {
 #pragma unroll
                 for (int i = 0; i < BN / 8; ++i) {
                   float v = acc[4 * i + 2 * h + j] * sc;
-                  if (kEpi != GemmEpilogue::kWeightedBF16) {
-                    v = fmaxf(v, 0.f);
-                    v = v * v;
-                  }
-                  stage_store<kEpi>(row, 8 * i + 2 * (lane % 4) + j, v, p.out_inv_scale);
+                  const int oc = 8 * i + 2 * (lane % 4) + j;
+                  if (kEpi != GemmEpilogue::kWeightedBF16) v = act1(oc, v, 0.f);
+                  stage_store<kEpi>(row, oc, v, p.out_inv_scale);
                 }
               }
             }
@@ -788,18 +810,14 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
                 if (kGated) {
                   const float g = kPC ? a[4 * i + c2] * sc * ws[0] : a[4 * i + c2] * sc;
                   const float u = kPC ? a[4 * i + 2 + c2] * sc * ws[1] : a[4 * i + 2 + c2] * sc;
-                  const float v = silu(g) * u;
                   const int oc = half_of(hv) * 32 + 8 * warp + lane / 4;
-                  stage_store<kEpi>(row, oc, v, p.out_inv_scale);
+                  stage_store<kEpi>(row, oc, act1(oc, g, u), p.out_inv_scale);
                 } else {
 #pragma unroll
                   for (int h = 0; h < 2; ++h) {
                     float v = kPC ? a[4 * i + 2 * h + c2] * sc * ws[h] : a[4 * i + 2 * h + c2] * sc;
-                    if (kEpi != GemmEpilogue::kWeightedBF16) {
-                      v = fmaxf(v, 0.f);
-                      v = v * v;
-                    }
                     const int oc = half_of(hv) * kWGRows + 16 * warp + lane / 4 + 8 * h;
+                    if (kEpi != GemmEpilogue::kWeightedBF16) v = act1(oc, v, 0.f);
                     stage_store<kEpi>(row, oc, v, p.out_inv_scale);
                   }
                 }
@@ -856,6 +874,12 @@ cudaError_t encode(CUtensorMap* map, const void* base, int rank, const cuuint64_
 
 bool persistent_grid() { return switches().sm90_persistent.load(std::memory_order_relaxed); }
 
+// plain_act1 says whether GEMM1 runs one of the two constant epilogues:
+// SiLU-gated or ReLU², without a bias.
+bool plain_act1(const MoeGemmArgs& a) {
+  return !a.bias && (a.act == GemmAct::kSiluGated || a.act == GemmAct::kRelu2);
+}
+
 // SmemPlan is a kernel's shared memory: its fixed part (staging tiles, row
 // tables, barriers) and as many pipeline stages as fit beside it, at most
 // eight: eight keep enough bytes in flight, more do not pay for their
@@ -876,8 +900,8 @@ struct SmemPlan {
   static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
 };
 
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA, bool kPair,
-          bool kPP>
+template <int BN, int kNWG, bool kGated, bool kAny, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
+          bool kPair, bool kPP>
 cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP>;
   constexpr int kOC = Plan::kOC;
@@ -909,7 +933,7 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kEpi, kPC, kBlk, kTokA, kPair, kPP>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kAny, kEpi, kPC, kBlk, kTokA, kPair, kPP>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
@@ -936,6 +960,10 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   p.layout_expert = const_cast<int32_t*>(a.block_expert);
   p.layout_blocks = const_cast<int32_t*>(a.num_blocks);
   p.max_blocks = a.max_blocks;
+  p.act = a.act;
+  p.bias = kEpi == GemmEpilogue::kWeightedBF16 ? nullptr : a.bias;
+  p.swiglu_limit = a.swiglu_limit;
+  p.swiglu_alpha = a.swiglu_alpha;
   p.a_scale_ld = a.a_scale_ld;
   p.block_n = kBlk ? a.block_n : 1;
   p.w_row_blocks = kBlk ? (a.w_rows + a.block_n - 1) / a.block_n : 0;
@@ -966,7 +994,7 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
+template <int BN, int kNWG, bool kGated, bool kAny, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
           bool kPair = false, bool kPP = false>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   // Ping-pong's second staging tile must leave four stages: one is held by
@@ -974,21 +1002,32 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   // warpgroup runs its epilogue. Tiles where it does not (FP32 staging of
   // 128 tokens) run cooperatively.
   constexpr bool kRunPP = kPP && SmemPlan<BN, kNWG, kGated, kEpi, kBlk, true>::kStages >= 4;
-  return launch_plan<BN, kNWG, kGated, kEpi, kPC, kBlk, kTokA, kPair, kRunPP>(a, stream);
+  return launch_plan<BN, kNWG, kGated, kAny, kEpi, kPC, kBlk, kTokA, kPair, kRunPP>(a, stream);
 }
 
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
+// GEMM1's activation: gated or not, and any (kAny: read at run time, with
+// the bias) or the constant SiLU-gated / ReLU² of plain_act1.
+template <int BN, int kNWG, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA, bool kPair, bool kPP>
+cudaError_t launch_act(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
+  const bool any = !plain_act1(a);
+  if (gated) {
+    return any ? launch_cfg<BN, kNWG, true, true, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s)
+               : launch_cfg<BN, kNWG, true, false, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+  }
+  return any ? launch_cfg<BN, kNWG, false, true, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s)
+             : launch_cfg<BN, kNWG, false, false, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+}
+
 template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false, bool kPP = false>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPP>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+      return launch_act<BN, kNWG, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPP>(a, gated, s);
     case GemmEpilogue::kAct1F32:
-      return gated ? launch_cfg<BN, kNWG, true, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPP>(a, s)
-                   : launch_cfg<BN, kNWG, false, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+      return launch_act<BN, kNWG, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPP>(a, gated, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+      return launch_cfg<BN, kNWG, false, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair, kPP>(a, s);
   }
   return cudaErrorInvalidValue;
 }
@@ -1077,7 +1116,7 @@ cudaError_t launch(const MoeGemmArgs& a, bool gated, cudaStream_t stream) {
 
 cudaError_t launch_gemm1_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
   if (args.epilogue == GemmEpilogue::kWeightedBF16) return cudaErrorInvalidValue;
-  return launch(args, args.act == GemmAct::kSiluGated, stream);
+  return launch(args, gemm_act_gated(args.act), stream);
 }
 
 cudaError_t launch_gemm2_sm90(const MoeGemmArgs& args, cudaStream_t stream) {

@@ -85,11 +85,51 @@ enum class GemmEpilogue : int {
 // GemmAct is GEMM1's nonlinearity (ignored by GEMM2).
 enum class GemmAct : int {
   // silu(gate) * up over w_rows = 2*n_out rows: gate rows [0, n_out), up
-  // rows [n_out, 2*n_out) (vLLM order).
+  // rows [n_out, 2*n_out) (vLLM order). Every gated activation below has
+  // this layout too.
   kSiluGated = 0,
   // relu(h)^2 over w_rows = n_out rows.
   kRelu2 = 1,
+  // gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit,
+  // limit), g * sigmoid(alpha * g) * (u + 1).
+  kSwigluOAI = 2,
+  // gelu_tanh(gate) * up (GeGLU, tanh approximation).
+  kGeluTanhGated = 3,
+  // gelu(gate) * up with the exact, erf-based gelu.
+  kGeluGated = 4,
 };
+
+// gemm_act_gated says whether act reads a gate and an up row per channel.
+inline bool gemm_act_gated(GemmAct act) { return act != GemmAct::kRelu2; }
+
+#ifdef __CUDACC__
+// gemm1_act is GEMM1's epilogue for output channel ch < n_out: the
+// dequantized gate g and up u (u unused by kRelu2) plus the expert's bias
+// row (bias, w_rows floats in weight-row order, or null), through the
+// activation. Both GEMM implementations call it, so they agree on the math.
+__device__ __forceinline__ float gemm1_act(GemmAct act, const float* bias, int n_out, int ch, float g, float u,
+                                           float limit, float alpha) {
+  if (bias) {
+    g += bias[ch];
+    if (act != GemmAct::kRelu2) u += bias[n_out + ch];
+  }
+  switch (act) {
+    case GemmAct::kRelu2:
+      g = fmaxf(g, 0.f);
+      return g * g;
+    case GemmAct::kSwigluOAI:
+      g = fminf(g, limit);
+      u = fminf(fmaxf(u, -limit), limit);
+      return g / (1.0f + __expf(-alpha * g)) * (u + 1.f);
+    case GemmAct::kGeluTanhGated:
+      return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+    case GemmAct::kGeluGated:
+      return 0.5f * g * (1.f + erff(g * 0.7071067811865476f)) * u;
+    default:
+      return g / (1.0f + __expf(-g)) * u;
+  }
+}
+#endif
 
 // WScale is the layout of a GEMM's weight scales.
 enum class WScale : int {
@@ -185,6 +225,12 @@ struct MoeGemmArgs {
   // GEMM1 only, Hopper only; appended last so the GEMM check tool's base
   // tree keeps the layout of the fields above.
   DecodeRoute route;
+
+  // GEMM1 only, appended for the same reason: the per-expert bias
+  // [num_experts, w_rows] added before the activation (null: none), and
+  // kSwigluOAI's limit and alpha.
+  const float* bias;
+  float swiglu_limit, swiglu_alpha;
 };
 
 // Portable path (gemm_portable.cu), every epilogue: mma.sync m16n8k32 e4m3 on sm_89+, or

@@ -524,23 +524,36 @@ constexpr int kCombineThreads = 128;
 constexpr int kCombineCols = 8 * kCombineThreads;
 
 // combine_kernel: out[t] = sum over slots of y[t*top_k + j] (weights already
-// applied by GEMM2), in slot order; pairs with an out-of-range id add 0.
+// applied by GEMM2), in slot order, then, with a GEMM2 bias (bias2 [E, k],
+// else null), the sum over slots of w[t*top_k + j] * bias2[id of j]: the
+// bias a pair's GEMM2 output gets before its router weight, added here where
+// the weight is at hand. Pairs with an out-of-range id add 0.
 // Grid: (m, ceil(k / kCombineCols)). A thread loads its columns of up to
 // eight slots before it adds any (one round trip, not one a slot), and the
 // grid spreads a token over several blocks, which small calls need to keep
 // more than a handful of SMs busy.
 __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m, int top_k, int k, int E,
-                               int out_dtype, void* out) {
+                               int out_dtype, void* out, const float* w, const float* bias2) {
   pdl_wait();
   pdl_trigger();
   const int tok = blockIdx.x;
   if (tok >= m) return;
   __shared__ int valid[64];
+  __shared__ int expert[64];
   if (threadIdx.x < top_k) {
     const int e = ids[size_t(tok) * top_k + threadIdx.x];
     valid[threadIdx.x] = e >= 0 && e < E;
+    expert[threadIdx.x] = e;
   }
   __syncthreads();
+  // bias_at is column c's GEMM2 bias term of the token.
+  auto bias_at = [&](int c) {
+    float b = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+      if (valid[j]) b += w[size_t(tok) * top_k + j] * bias2[size_t(expert[j]) * k + c];
+    }
+    return b;
+  };
   const __nv_bfloat16* yt = y + size_t(tok) * top_k * k;
   const int col0 = blockIdx.y * kCombineCols;
   // Eight columns per thread with 16-byte loads and stores where rows allow
@@ -570,6 +583,10 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
         }
       }
     }
+    if (bias2) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] += bias_at(8 * c8 + q);
+    }
     if (out_dtype == 1) {
       float4* o = reinterpret_cast<float4*>(static_cast<float*>(out) + size_t(tok) * k) + 2 * c8;
       o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -589,6 +606,7 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
     for (int j = 0; j < top_k; ++j) {
       if (valid[j]) acc += __bfloat162float(yt[size_t(j) * k + c]);
     }
+    if (bias2) acc += bias_at(c);
     if (out_dtype == 1) {
       static_cast<float*>(out)[size_t(tok) * k + c] = acc;
     } else {

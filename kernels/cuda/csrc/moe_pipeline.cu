@@ -381,8 +381,11 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   MoeGemmArgs g1{};
   g1.w = s.w13;
   g1.num_experts = s.E;
-  g1.act = s.act == EXPERTD_ACT_SILU_GATED ? GemmAct::kSiluGated : GemmAct::kRelu2;
-  g1.w_rows = s.act == EXPERTD_ACT_SILU_GATED ? 2 * s.N : s.N;
+  g1.act = gemm_act(s.act);
+  g1.w_rows = int(rows1(s));
+  g1.bias = s.w13_bias;
+  g1.swiglu_limit = s.swiglu_limit;
+  g1.swiglu_alpha = s.swiglu_alpha;
   g1.k = s.K;
   g1.n_out = s.N;
   g1.a = a1q;
@@ -440,6 +443,8 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g2.k = s.N;
   g2.n_out = s.K;
   g2.act = GemmAct::kRelu2;  // unused by GEMM2
+  // GEMM2's bias goes in at the combine, which has each pair's weight.
+  g2.bias = nullptr;
   g2.a = a2q;
   g2.a_scale_rows = static_a2 ? nullptr : a2s;
   g2.a_scale_ld = groups(s, s.N);
@@ -454,7 +459,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
 
   const dim3 combine_grid(c.m, (s.K + kCombineCols - 1) / kCombineCols);
   CK(launch_kernel(pdl, combine_kernel, combine_grid, kCombineThreads, 0, st, y, p.ids, c.m, c.top_k, s.K, s.E,
-                   c.out_dtype, p.out));
+                   c.out_dtype, p.out, p.w, s.w2_bias));
   return EXPERTD_OK;
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdarg>
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -225,7 +226,7 @@ bool use_sm90(const Set& s, const Call& c) {
 
 int block_rows_for(const Set& s, const Call& c, bool sm90) {
 #ifdef EXPERTD_HAVE_SM90
-  if (sm90) return sm90_block_rows(c.m, c.top_k, s.E, s.block_k > 0, s.K, s.N, s.act == EXPERTD_ACT_SILU_GATED);
+  if (sm90) return sm90_block_rows(c.m, c.top_k, s.E, s.block_k > 0, s.K, s.N, act_gated(s.act));
 #endif
   (void)sm90;
   return portable_block_rows(c.m, c.top_k, s.E);
@@ -241,10 +242,10 @@ int set_create(int device, int num_experts, int hidden, int inter, int activatio
     return fail(EXPERTD_ERR_UNSUPPORTED, "num_experts=%d (1..%d)", num_experts, EXPERTD_MAX_EXPERTS);
   if (hidden < 1 || inter < 1 || hidden > (1 << 20) || inter > (1 << 20))
     return fail(EXPERTD_ERR_INVALID, "hidden=%d inter=%d", hidden, inter);
-  if (activation != EXPERTD_ACT_SILU_GATED && activation != EXPERTD_ACT_RELU2)
+  if (activation < EXPERTD_ACT_SILU_GATED || activation > EXPERTD_ACT_GELU_GATED)
     return fail(EXPERTD_ERR_UNSUPPORTED, "activation %d", activation);
   if (!w13 || !w2 || !w13_scale || !w2_scale) return fail(EXPERTD_ERR_INVALID, "set_create: NULL weights or scales");
-  const int64_t E = num_experts, rows1 = activation == EXPERTD_ACT_SILU_GATED ? 2 * int64_t(inter) : inter;
+  const int64_t E = num_experts, rows1 = act_gated(activation) ? 2 * int64_t(inter) : inter;
   WScale m13, m2;
   if (block_n < 0 || block_k < 0 || (block_n > 0) != (block_k > 0))
     return fail(EXPERTD_ERR_INVALID, "block %d x %d: want both > 0 (block mode) or both 0", block_n, block_k);
@@ -319,6 +320,28 @@ int set_create(int device, int num_experts, int hidden, int inter, int activatio
   if (int rc = upload_scale(&s->w2_scale, w2_scale, n_w2_scale, m2)) return rc;
 
   *out_handle = add_set(std::move(s));
+  return EXPERTD_OK;
+}
+
+int set_epilogue(uint64_t handle, const float* w13_bias, const float* w2_bias, float swiglu_limit,
+                 float swiglu_alpha) {
+  std::shared_ptr<Set> s = find_set(handle);
+  if (!s) return fail(EXPERTD_ERR_NOT_FOUND, "set_epilogue: unknown handle %llu", (unsigned long long)handle);
+  if (!(swiglu_limit > 0) || !(swiglu_alpha > 0) || std::isinf(swiglu_limit) || std::isinf(swiglu_alpha))
+    return fail(EXPERTD_ERR_INVALID, "set_epilogue: swiglu limit %g, alpha %g: want finite and > 0",
+                double(swiglu_limit), double(swiglu_alpha));
+  if (s->w13_bias || s->w2_bias) return fail(EXPERTD_ERR_INVALID, "set_epilogue: the set has its biases already");
+  CK(cudaSetDevice(s->device));
+  auto upload = [&](float** dst, const float* src, size_t n) -> int {
+    if (!src) return EXPERTD_OK;
+    CK(cudaMalloc(dst, n * sizeof(float)));
+    CK(cudaMemcpy(*dst, src, n * sizeof(float), cudaMemcpyHostToDevice));
+    return EXPERTD_OK;
+  };
+  if (int rc = upload(&s->w13_bias, w13_bias, size_t(s->E) * rows1(*s))) return rc;
+  if (int rc = upload(&s->w2_bias, w2_bias, size_t(s->E) * s->K)) return rc;
+  s->swiglu_limit = swiglu_limit;
+  s->swiglu_alpha = swiglu_alpha;
   return EXPERTD_OK;
 }
 

@@ -122,6 +122,11 @@ struct Set {
   WScale w13_mode, w2_mode;
   int block_n = 0, block_k = 0;  // block mode when > 0 (then both modes are kBlock)
   float a13_scale, a2_scale;   // <= 0: dynamic
+  // Optional biases, [E, rows1] and [E, K] (null: none), and SWIGLU_OAI's
+  // parameters (expertd_set_epilogue).
+  float* w13_bias = nullptr;
+  float* w2_bias = nullptr;
+  float swiglu_limit = 7.f, swiglu_alpha = 1.702f;
   bool poison = false;  // the poison option when the set was made: NaN-fill before each run
 
   // Lanes, created on first need; idle holds those no call holds.
@@ -141,8 +146,31 @@ struct Set {
     cudaFree(w2);
     cudaFree(w13_scale);
     cudaFree(w2_scale);
+    cudaFree(w13_bias);
+    cudaFree(w2_bias);
   }
 };
+
+// gemm_act is an EXPERTD_ACT_* activation as the GEMMs name it.
+inline GemmAct gemm_act(int act) {
+  switch (act) {
+    case EXPERTD_ACT_RELU2:
+      return GemmAct::kRelu2;
+    case EXPERTD_ACT_SWIGLU_OAI:
+      return GemmAct::kSwigluOAI;
+    case EXPERTD_ACT_GELU_TANH_GATED:
+      return GemmAct::kGeluTanhGated;
+    case EXPERTD_ACT_GELU_GATED:
+      return GemmAct::kGeluGated;
+  }
+  return GemmAct::kSiluGated;
+}
+
+// act_gated says whether an EXPERTD_ACT_* activation has gate and up rows.
+inline bool act_gated(int act) { return gemm_act_gated(gemm_act(act)); }
+
+// rows1 is GEMM1's weight rows per expert.
+inline int64_t rows1(const Set& s) { return act_gated(s.act) ? 2 * int64_t(s.N) : s.N; }
 
 // LaneLease holds one of a set's lanes for a call and gives it back.
 class LaneLease {
@@ -196,6 +224,8 @@ int block_rows_for(const Set& s, const Call& c, bool sm90);
 int set_create(int device, int num_experts, int hidden, int inter, int activation, const uint8_t* w13,
                const uint8_t* w2, const float* w13_scale, int n_w13_scale, const float* w2_scale, int n_w2_scale,
                int block_n, int block_k, float a13_scale, float a2_scale, uint64_t* out_handle);
+int set_epilogue(uint64_t handle, const float* w13_bias, const float* w2_bias, float swiglu_limit,
+                 float swiglu_alpha);
 int set_free(uint64_t handle);
 int ipc_map(int device, const uint8_t* handle, int handle_len, uint64_t* dev_ptr, uint64_t* bytes);
 int ipc_unmap(uint64_t dev_ptr);

@@ -111,10 +111,9 @@ func (DataType) EnumDescriptor() ([]byte, []int) {
 	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{0}
 }
 
-// Activation is the expert MLP's nonlinearity.
-// The cpu backend runs every value; the cuda backend runs SILU_GATED and
-// RELU2, and answers FAILED_PRECONDITION for the others and for expert
-// biases until its kernels take them.
+// Activation is the expert MLP's nonlinearity. Both backends run every
+// value, with or without expert biases; a backend's BackendInfo lists what
+// it runs, and one that lacks a value answers FAILED_PRECONDITION.
 type Activation int32
 
 const (

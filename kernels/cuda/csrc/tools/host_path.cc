@@ -112,8 +112,9 @@ int main(int argc, char** argv) {
   }
   g_last_error = reinterpret_cast<LastError>(sym(h, "expertd_last_error"));
   const int abi = reinterpret_cast<AbiVersion>(sym(h, "expertd_abi_version"))();
-  if (abi != 3 && abi != EXPERTD_ABI_VERSION) {
-    fprintf(stderr, "host_path: library speaks ABI %d; this tool knows 3 and %d\n", abi, EXPERTD_ABI_VERSION);
+  // ABI 4 differs from 5 only in what this tool does not call.
+  if (abi != 3 && abi != 4 && abi != EXPERTD_ABI_VERSION) {
+    fprintf(stderr, "host_path: library speaks ABI %d; this tool knows 3, 4 and %d\n", abi, EXPERTD_ABI_VERSION);
     return 2;
   }
   if (abi == 3) {
