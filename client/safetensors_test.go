@@ -167,42 +167,33 @@ func TestPresetEnumsMirrorProto(t *testing.T) {
 		"WEIGHT_QUANTIZATION_PER_TENSOR": client.QuantizePerTensor, "WEIGHT_QUANTIZATION_PER_CHANNEL": client.QuantizePerChannel,
 		"WEIGHT_QUANTIZATION_BLOCK": client.QuantizeBlock,
 	}
-	check := func(wire map[string]int32, sdk map[string]int) {
-		for name, v := range wire {
-			got, ok := sdk[name]
-			switch {
-			case v == 0:
-				if ok {
-					t.Errorf("%s (0) has an SDK constant; the zero value is the default", name)
-				}
-			case !ok:
-				t.Errorf("%s (%d) has no SDK constant", name, v)
-			case int32(got) != v:
-				t.Errorf("SDK constant for %s is %d, want the wire's %d", name, got, v)
+	mirrorsWire(t, pb.NamingPreset_value, presets)
+	mirrorsWire(t, pb.WeightQuantization_value, quants)
+}
+
+// mirrorsWire checks an SDK enum's constants (by wire name) against the
+// wire's values: each constant is its name's value, and each wire value
+// but the zero default has a constant.
+func mirrorsWire[T ~int](t *testing.T, wire map[string]int32, sdk map[string]T) {
+	t.Helper()
+	for name, v := range wire {
+		got, ok := sdk[name]
+		switch {
+		case v == 0:
+			if ok {
+				t.Errorf("%s (0) has an SDK constant; the zero value is the default", name)
 			}
-		}
-		for name := range sdk {
-			if _, ok := wire[name]; !ok {
-				t.Errorf("SDK constant %s is not a wire value", name)
-			}
+		case !ok:
+			t.Errorf("%s (%d) has no SDK constant", name, v)
+		case int32(got) != v:
+			t.Errorf("SDK constant for %s is %d, want the wire's %d", name, got, v)
 		}
 	}
-	ints := func(m any) map[string]int {
-		out := map[string]int{}
-		switch m := m.(type) {
-		case map[string]client.NamingPreset:
-			for k, v := range m {
-				out[k] = int(v)
-			}
-		case map[string]client.WeightQuantization:
-			for k, v := range m {
-				out[k] = int(v)
-			}
+	for name := range sdk {
+		if _, ok := wire[name]; !ok {
+			t.Errorf("SDK constant %s is not a wire value", name)
 		}
-		return out
 	}
-	check(pb.NamingPreset_value, ints(presets))
-	check(pb.WeightQuantization_value, ints(quants))
 }
 
 // TestLoadGptOss has the server read a gpt-oss layer (stacked BF16
