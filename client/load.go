@@ -165,6 +165,31 @@ const (
 	Mixtral
 	// AutoPreset picks the preset from a checkpoint directory's config.json.
 	AutoPreset
+	// GptOss names gpt-oss's stacked experts (SwigluOAI with both biases):
+	// model.layers.{L}.mlp.experts.gate_up_proj [E, K, 2N] and down_proj
+	// [E, N, K] with their _bias siblings, from its BF16 or F16 releases,
+	// which the server quantizes to FP8 as it reads them
+	// (SafetensorsSource.WeightQuantization). The MXFP4 release does not
+	// load.
+	GptOss
+)
+
+// WeightQuantization is the granularity of the FP8 weight scales the
+// server computes as it quantizes BF16 or F16 checkpoint weights. The zero
+// value is the server's default, per channel.
+type WeightQuantization int
+
+const (
+	// QuantizePerTensor is one scale per expert and matrix (gate and up
+	// stacked as w13, and w2), as vLLM's --quantization fp8.
+	QuantizePerTensor WeightQuantization = iota + 1
+	// QuantizePerChannel is one scale per output row of each expert's
+	// matrices.
+	QuantizePerChannel
+	// QuantizeBlock is one scale per [Bn, Bk] tile (BlockShape, else
+	// [128, 128]); FusedMoE then quantizes activations per token and group
+	// of Bk.
+	QuantizeBlock
 )
 
 // SafetensorsSource is a layer in a .safetensors file or a Hugging Face
@@ -193,6 +218,14 @@ type SafetensorsSource struct {
 	// expertd.v1.LoadExpertsRequest.SafetensorsSource).
 	GateTemplate, UpTemplate, GateScaleTemplate, UpScaleTemplate string
 	W13InputScaleTemplate, W2InputScaleTemplate                  string
+	// WeightQuantization applies to BF16 and F16 weights only; FP8 weights
+	// keep their checkpoint's scales.
+	WeightQuantization WeightQuantization
+	// SwigluLimit and SwigluAlpha are a SwigluOAI layout's clamp limit and
+	// sigmoid slope (GptOss, or CustomNames with SwigluOAI); 0 means
+	// config.json's swiglu_limit and swiglu_alpha (of a checkpoint
+	// directory), else gpt-oss's 7 and 1.702.
+	SwigluLimit, SwigluAlpha float32
 }
 
 // LoadSafetensors makes the server read a layer from a safetensors file
@@ -211,6 +244,8 @@ func (c *Client) LoadSafetensors(ctx context.Context, name string, src Safetenso
 		TensorPrefix: src.TensorPrefix, GateTemplate: src.GateTemplate, UpTemplate: src.UpTemplate,
 		GateScaleTemplate: src.GateScaleTemplate, UpScaleTemplate: src.UpScaleTemplate,
 		W13InputScaleTemplate: src.W13InputScaleTemplate, W2InputScaleTemplate: src.W2InputScaleTemplate,
+		WeightQuantization: pb.WeightQuantization(src.WeightQuantization),
+		SwigluLimit:        src.SwigluLimit, SwigluAlpha: src.SwigluAlpha,
 	}
 	if src.BlockShape != [2]int{} {
 		msg.WeightBlockShape = []int32{int32(src.BlockShape[0]), int32(src.BlockShape[1])}

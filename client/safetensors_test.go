@@ -7,13 +7,17 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"testing"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/expertd/expertd/client"
+	"github.com/expertd/expertd/internal/safetensorstest"
 	"github.com/expertd/expertd/moe"
+	pb "github.com/expertd/expertd/proto/expertd/v1"
+	"github.com/expertd/expertd/scaling"
 	"github.com/expertd/expertd/service"
 )
 
@@ -144,5 +148,145 @@ func TestLoadCheckpointDir(t *testing.T) {
 		RouterLogits: client.FromFloat32(make([]float32, e), 1, e), Routing: *info.Routing})
 	if err != nil {
 		t.Errorf("FusedMoE with the checkpoint's routing: %v", err)
+	}
+}
+
+// TestPresetEnumsMirrorProto: LoadSafetensors sends NamingPreset and
+// WeightQuantization as their integer values, so each SDK constant must
+// be the wire's value of the same name, and every wire value but
+// UNSPECIFIED must have a constant (a preset the proto grows is one the
+// SDK can name).
+func TestPresetEnumsMirrorProto(t *testing.T) {
+	presets := map[string]client.NamingPreset{
+		"NAMING_PRESET_NEMOTRON_H": client.NemotronH, "NAMING_PRESET_QWEN3_MOE": client.Qwen3MoE,
+		"NAMING_PRESET_CUSTOM": client.CustomNames, "NAMING_PRESET_DEEPSEEK_V3": client.DeepSeekV3,
+		"NAMING_PRESET_MIXTRAL": client.Mixtral, "NAMING_PRESET_AUTO": client.AutoPreset,
+		"NAMING_PRESET_GPT_OSS": client.GptOss,
+	}
+	quants := map[string]client.WeightQuantization{
+		"WEIGHT_QUANTIZATION_PER_TENSOR": client.QuantizePerTensor, "WEIGHT_QUANTIZATION_PER_CHANNEL": client.QuantizePerChannel,
+		"WEIGHT_QUANTIZATION_BLOCK": client.QuantizeBlock,
+	}
+	mirrorsWire(t, pb.NamingPreset_value, presets)
+	mirrorsWire(t, pb.WeightQuantization_value, quants)
+}
+
+// mirrorsWire checks an SDK enum's constants (by wire name) against the
+// wire's values: each constant is its name's value, and each wire value
+// but the zero default has a constant.
+func mirrorsWire[T ~int](t *testing.T, wire map[string]int32, sdk map[string]T) {
+	t.Helper()
+	for name, v := range wire {
+		got, ok := sdk[name]
+		switch {
+		case v == 0:
+			if ok {
+				t.Errorf("%s (0) has an SDK constant; the zero value is the default", name)
+			}
+		case !ok:
+			t.Errorf("%s (%d) has no SDK constant", name, v)
+		case int32(got) != v:
+			t.Errorf("SDK constant for %s is %d, want the wire's %d", name, got, v)
+		}
+	}
+	for name := range sdk {
+		if _, ok := wire[name]; !ok {
+			t.Errorf("SDK constant %s is not a wire value", name)
+		}
+	}
+}
+
+// TestLoadGptOss has the server read a gpt-oss layer (stacked BF16
+// experts with biases) through the SDK's GptOss preset and checks that
+// SafetensorsSource's SwiGLU parameters and weight quantization reach it:
+// the activation and shape it reports, the scale granularity each
+// WeightQuantization gives, and FusedMoE's output, which a clamp limit or
+// slope that got lost on the way would leave at gpt-oss's defaults.
+func TestLoadGptOss(t *testing.T) {
+	const e, k, n, m = 4, 32, 16, 3
+	rng := newRand(t)
+	dir := t.TempDir()
+	if err := os.Mkdir(filepath.Join(dir, "ck"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	bf16 := func(shape ...int64) safetensorstest.Tensor {
+		numel := int64(1)
+		for _, d := range shape {
+			numel *= d
+		}
+		b := make([]byte, 2*numel)
+		for i := range numel {
+			binary.LittleEndian.PutUint16(b[2*i:], scaling.Float32ToBF16(float32(rng.NormFloat64())))
+		}
+		return safetensorstest.Tensor{DType: "BF16", Shape: shape, Data: b}
+	}
+	const p = "model.layers.0.mlp.experts."
+	err := safetensorstest.Write(filepath.Join(dir, "ck", "model.safetensors"), map[string]safetensorstest.Tensor{
+		p + "gate_up_proj": bf16(e, k, 2*n), p + "gate_up_proj_bias": bf16(e, 2*n),
+		p + "down_proj": bf16(e, n, k), p + "down_proj_bias": bf16(e, k),
+	}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := fmt.Sprintf(`{"model_type":"gpt_oss","num_local_experts":%d,"num_experts_per_tok":2}`, e)
+	if err := os.WriteFile(filepath.Join(dir, "ck", "config.json"), []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	c := startServer(t, service.Config{WeightsDir: dir})
+	ctx := testContext(t)
+
+	// Hidden states of a few units make GEMM1's outputs exceed a limit of
+	// 0.25 by far, so the clamp decides the output.
+	hidden := make([]float32, m*k)
+	for i := range hidden {
+		hidden[i] = 4 * float32(rng.NormFloat64())
+	}
+	logits := make([]float32, m*e)
+	for i := range logits {
+		logits[i] = float32(rng.NormFloat64())
+	}
+	run := func(t *testing.T, name string, src client.SafetensorsSource, wantGranularity string) []float32 {
+		t.Helper()
+		src.Path, src.Preset = "ck", client.GptOss
+		info, err := c.LoadSafetensors(ctx, name, src)
+		if err != nil {
+			t.Fatalf("LoadSafetensors(%+v): %v", src, err)
+		}
+		if info.Activation != moe.SwigluOAI || info.NumExperts != e || info.HiddenSize != k || info.IntermediateSize != n ||
+			info.W13ScaleGranularity != wantGranularity {
+			t.Errorf("%+v: info %+v, want swiglu_oai E,K,N = %d,%d,%d with %s w13 scales", src, info, e, k, n, wantGranularity)
+		}
+		res, err := c.FusedMoE(ctx, &client.FusedMoERequest{ExpertSet: name, Hidden: client.FromFloat32(hidden, m, k),
+			RouterLogits: client.FromFloat32(logits, m, e), Routing: client.Routing{TopK: 2, Renormalize: true},
+			OutputDType: moe.Float32})
+		if err != nil {
+			t.Fatalf("FusedMoE on %+v: %v", src, err)
+		}
+		out, err := res.Output.Float32s()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	def := run(t, "defaults", client.SafetensorsSource{}, "per-channel")
+	for _, tt := range []struct {
+		name        string
+		src         client.SafetensorsSource
+		granularity string
+		same        bool // as the defaults' output
+	}{
+		{"given-defaults", client.SafetensorsSource{SwigluLimit: moe.DefaultSwigluLimit, SwigluAlpha: moe.DefaultSwigluAlpha}, "per-channel", true},
+		{"per-channel", client.SafetensorsSource{WeightQuantization: client.QuantizePerChannel}, "per-channel", true},
+		{"limit-0.25", client.SafetensorsSource{SwigluLimit: 0.25}, "per-channel", false},
+		{"alpha-0.5", client.SafetensorsSource{SwigluAlpha: 0.5}, "per-channel", false},
+		{"per-tensor", client.SafetensorsSource{WeightQuantization: client.QuantizePerTensor}, "per-expert", false},
+		{"block", client.SafetensorsSource{WeightQuantization: client.QuantizeBlock}, "block", false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			got := run(t, tt.name, tt.src, tt.granularity)
+			if same := slices.Equal(got, def); same != tt.same {
+				t.Errorf("output equal to the defaults' = %v, want %v\ngot      %v\ndefaults %v", same, tt.same, got[:4], def[:4])
+			}
+		})
 	}
 }

@@ -120,7 +120,8 @@ func requestProto(r *moe.Request, e int) *pb.FusedMoERequest {
 // referenceCases are the kerneltest cases the service runs end to end: every
 // granularity, static scales, FP8 input with each scale layout, BF16 logits,
 // precomputed routing, grouped sigmoid routing and odd sizes, every
-// activation, expert biases and E = 512 with top_k = 16.
+// activation, expert biases and E = 512 with top_k = 16 under softmax and
+// under sigmoid with a correction bias.
 func referenceCases(t *testing.T) []kerneltest.Case {
 	want := []string{
 		"Nemotron/M=16", "Nemotron/M=8/static/fp8-in", "Qwen3/M=16/per-expert", "Qwen3/M=12/block/bf16-logits",
@@ -128,7 +129,8 @@ func referenceCases(t *testing.T) []kerneltest.Case {
 		"odd/block-16x24/fp8-per-group", "odd/per-channel/precomputed",
 		"GptOss/M=16", "GptOss/M=24/per-channel/static", "SwigluOAI/limit=0.5/M=20/per-channel",
 		"GeluTanhGated/M=10", "GeluGated/M=5/bias/precomputed", "Nemotron/M=12/bias",
-		"Qwen3Next/top_k=16/M=33/per-channel",
+		"Qwen3Next/top_k=16/M=33/per-channel", "sigmoid-bias/E=512/top_k=16/M=40",
+		"Relu2/E=512/top_k=16/M=24/per-channel/bf16-logits",
 	}
 	var cases []kerneltest.Case
 	for _, c := range append(kerneltest.Cases(), kerneltest.ActivationCases()...) {

@@ -119,9 +119,11 @@ func Cases() []Case {
 // ActivationCases is the table of the gated activations beyond SiluGated
 // and of expert biases: gpt-oss's clamped SwiGLU (at its own limit and at a
 // small one that clamps most gates and ups), both GeGLUs, biases with
-// every activation, and Qwen3-Next's E = 512 and a top_k of 16. Each shape
-// is scaled down like Cases'; K and N are multiples of 16 so the Hopper
-// kernels can take every case.
+// every activation, Qwen3-Next's E = 512 and a top_k of 16, and E = 512
+// with top_k = 16 under sigmoid scores ranked with a correction bias
+// (GLM-4.5's and MiniMax-M2's routing) for a gated and a ReLU² layer. Each
+// shape is scaled down like Cases'; K and N are multiples of 16 so the
+// Hopper kernels can take every case.
 func ActivationCases() []Case {
 	oai := GptOss.Scaled(96, 64)
 	clamp := Shape{Name: "SwigluOAI/limit=0.5", Activation: moe.SwigluOAI, E: 16, TopK: 4, K: 64, N: 48,
@@ -135,6 +137,10 @@ func ActivationCases() []Case {
 	next := Qwen3Next.Scaled(32, 32)
 	top16 := next
 	top16.Name, top16.TopK = "Qwen3Next/top_k=16", 16
+	sigBias := Shape{Name: "sigmoid-bias/E=512/top_k=16", Activation: moe.SiluGated, E: 512, TopK: 16, K: 48, N: 32,
+		Scoring: moe.Sigmoid, Bias: true, Renormalize: true, ScalingFactor: 2.5}
+	relu512 := Shape{Name: "Relu2/E=512/top_k=16", Activation: moe.Relu2, E: 512, TopK: 16, K: 64, N: 48,
+		Scoring: moe.Sigmoid, Bias: true, Renormalize: true, NumGroups: 1, TopKGroups: 1, ScalingFactor: 2.5}
 	return []Case{
 		{Name: "GptOss/M=16", Shape: oai, M: 16, EmptyExperts: true},
 		{Name: "GptOss/M=1/fp8-in", Shape: oai, M: 1, Opts: []Option{WithHidden(moe.Float8E4M3FN)}},
@@ -153,6 +159,11 @@ func ActivationCases() []Case {
 		{Name: "Qwen3Next/M=1", Shape: next, M: 1, EmptyExperts: true},
 		{Name: "Qwen3Next/top_k=16/M=33/per-channel", Shape: top16, M: 33,
 			Opts: []Option{WithGranularity(scaling.PerChannel)}},
+		{Name: "sigmoid-bias/E=512/top_k=16/M=40", Shape: sigBias, M: 40, EmptyExperts: true},
+		{Name: "sigmoid-bias/E=512/top_k=16/M=1/fp8-in", Shape: sigBias, M: 1,
+			Opts: []Option{WithHidden(moe.Float8E4M3FN)}, EmptyExperts: true},
+		{Name: "Relu2/E=512/top_k=16/M=24/per-channel/bf16-logits", Shape: relu512, M: 24,
+			Opts: []Option{WithGranularity(scaling.PerChannel), WithLogits(moe.BFloat16)}},
 	}
 }
 

@@ -6,9 +6,9 @@
 //   gemm_sm90_check quick      correctness only
 //   gemm_sm90_check block ...  the same with [128, 128] block scales (and
 //                              DeepSeek-V3 timings)
-//   gemm_sm90_check tiles      times each layer of the table's shapes at each
-//                              token tile and prints sm90_tiles.h (stdout;
-//                              progress on stderr)
+//   gemm_sm90_check tiles      times each layer of kLayers at each token tile
+//                              and prints sm90_tiles.h (stdout; progress on
+//                              stderr)
 //   gemm_sm90_check ab [block] times the tree's kernels against a baseline
 //                              copy linked into the same binary (see
 //                              gemm_sm90_base.cu and scripts/sm90-ab-build.sh)
@@ -16,9 +16,11 @@
 //                              beyond the tree's own (run "quick" for that)
 //
 // Timing environment: AB_M=64,256 (token counts), AB_CASES=nemotron,qwen3,
-// qwen3-next, deepseek-v3 (per-expert scales), deepseek-v3-block (at AB_DS_M, default
-// 8192), BNS=64,128,256 (also time the tree's kernels at each forced
-// token tile), BN=n (force the tile everywhere), PROFILE_M / PROFILE_CASE,
+// qwen3-next,gpt-oss,nemotron-3-ultra,deepseek-v3 (per-expert scales),
+// deepseek-v3-block (at AB_DS_M, default 8192): names from kLayers,
+// TILES_M=1,16 (the tiles run's token counts), BNS=64,128,256 (also time
+// the tree's kernels at each forced token tile), BN=n (force the tile
+// everywhere), PROFILE_M / PROFILE_CASE,
 // EXPERTD_SM90_PAIR=1 (paired 256-token tiles), EXPERTD_SM90_PINGPONG=0
 // (two-warpgroup tiles cooperative instead of ping-pong), AB_WARM=1 (an
 // untimed run after each L2 flush, so the timed one finds what fits of its
@@ -132,6 +134,40 @@ struct Case {
   bool gated;
   int skew;  // 0 uniform, 1 all pairs on expert 0, 2 random with empty experts
 };
+
+// kLayers: every layer shape the benchmark runs, and Nemotron-3-Ultra's,
+// which it does not (512 experts of N = 640), for the tiles run, ab
+// (AB_CASES) and PROFILE_CASE alike. The tile table is keyed by hidden,
+// inter, gated and block scales; E and top_k only set the tokens per expert
+// that a token count gives. gpt-oss's layer runs the SiLU-gated epilogue: a
+// tile trades weight passes against idle token slots, which its clamped
+// SwiGLU and biases (per-row epilogue work) do not change.
+// nemotron-3-ultra is a LatentMoE layer: its experts see the 2048-wide
+// latent, not the model's 8192-wide hidden state, so hidden is 2048.
+struct Layer {
+  Case c;  // M unset
+  bool block;
+};
+const Layer kLayers[] = {
+    {{"nemotron", 128, 2688, 1856, 0, 6, false, 0}, false},
+    {{"qwen3", 128, 2048, 768, 0, 8, true, 0}, false},
+    {{"qwen3-next", 512, 2048, 512, 0, 10, true, 0}, false},
+    {{"gpt-oss", 128, 2880, 2880, 0, 4, true, 0}, false},
+    {{"nemotron-3-ultra", 512, 2048, 640, 0, 22, false, 0}, false},
+    {{"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0}, false},
+    {{"deepseek-v3-block", 256, 7168, 2048, 0, 8, true, 0}, true},
+};
+
+// find_layer is kLayers' entry of that name; an unknown name ends the run
+// with the list, so a typo in AB_CASES or PROFILE_CASE times nothing else.
+const Layer& find_layer(const std::string& name) {
+  for (const Layer& l : kLayers)
+    if (name == l.c.name) return l;
+  std::fprintf(stderr, "unknown layer %s; one of:", name.c_str());
+  for (const Layer& l : kLayers) std::fprintf(stderr, " %s", l.c.name);
+  std::fprintf(stderr, "\n");
+  std::exit(2);
+}
 
 struct Layout {
   int block_rows, max_blocks, rows, num_blocks, pairs;
@@ -369,11 +405,9 @@ bool time_ab(std::mt19937& rng) {
   const auto bns = split(std::getenv("BNS"), "");
   const int forced = g_force_bn;  // BN, for both the baseline and the tree
   for (const auto& name : cases) {
-    Case c{"nemotron", 128, 2688, 1856, 0, 6, false, 0};
-    if (name == "qwen3") c = {"qwen3", 128, 2048, 768, 0, 8, true, 0};
-    if (name == "qwen3-next") c = {"qwen3-next", 512, 2048, 512, 0, 10, true, 0};
-    if (name.rfind("deepseek-v3", 0) == 0) c = {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0};
-    const bool block = name == "deepseek-v3-block";
+    const Layer& layer = find_layer(name);
+    Case c = layer.c;
+    const bool block = layer.block;
     for (const auto& mstr : block ? ds_ms : ms) {
       c.M = std::atoi(mstr.c_str());
       const unsigned point_seed = rng();
@@ -403,31 +437,18 @@ bool time_ab(std::mt19937& rng) {
   return true;
 }
 
-// tiles_table sweeps the token tile for Nemotron, Qwen3, Qwen3-Next and DeepSeek-V3
-// (per-expert scales, and block scales) over the M of TILES_M and prints
-// the generated sm90_tiles.h: per shape and mean tokens per expert, the
-// tile with the least GEMM1 + GEMM2 time. Candidates are the tiles from a
-// quarter of the mean to 16x it (and the rule's own choice: 64-token tiles
-// won at 4 per expert for Qwen3), so the sweep skips tiles that re-read
-// every expert's weights dozens of times.
-int tiles_table(std::mt19937& rng) {
-  struct Shape {
-    const char* name;
-    Case c;
-    bool block;
-  };
-  const Shape shapes[] = {
-      {"nemotron", {"nemotron", 128, 2688, 1856, 0, 6, false, 0}, false},
-      {"qwen3", {"qwen3", 128, 2048, 768, 0, 8, true, 0}, false},
-      {"qwen3-next", {"qwen3-next", 512, 2048, 512, 0, 10, true, 0}, false},
-      {"deepseek-v3", {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0}, false},
-      {"deepseek-v3-block", {"deepseek-v3", 256, 7168, 2048, 0, 8, true, 0}, true},
-  };
+// tiles_table sweeps the token tile for every layer of kLayers over the M
+// of TILES_M and prints the generated sm90_tiles.h: per shape and mean
+// tokens per expert, the tile with the least GEMM1 + GEMM2 time. Candidates
+// are the tiles from a quarter of the mean to 16x it (and the rule's own
+// choice: 64-token tiles won at 4 per expert for Qwen3), so the sweep skips
+// tiles that re-read every expert's weights dozens of times.
+int tiles_table(std::mt19937& rng, unsigned seed) {
   const auto ms = split(std::getenv("TILES_M"), "1,16,64,256,512,1024,2048,4096,8192");
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::string rows;
-  for (const auto& sh : shapes) {
+  for (const Layer& sh : kLayers) {
     g_block = sh.block;
     int last_pe = -1;
     std::string last_row;
@@ -450,11 +471,12 @@ int tiles_table(std::mt19937& rng) {
         if (bn == rule) rule_ms = g_sum_ms;
         if (g_sum_ms < best_ms) best_ms = g_sum_ms, best = bn;
       }
-      std::fprintf(stderr, "tiles %s M=%d per_expert=%d best %d (%.4f ms), rule %d (%.4f ms);%s\n", sh.name, c.M, pe,
+      std::fprintf(stderr, "tiles %s M=%d per_expert=%d best %d (%.4f ms), rule %d (%.4f ms);%s\n", c.name, c.M, pe,
                    best, best_ms, rule, rule_ms, tried.c_str());
       char row[256];
-      std::snprintf(row, sizeof row, "    {%d, %d, %s, %s, %d, %d},  // M=%d: %.4f ms; ms by tile:%s\n", c.K, c.N,
-                    c.gated ? "true" : "false", sh.block ? "true" : "false", pe, best, c.M, best_ms, tried.c_str());
+      std::snprintf(row, sizeof row, "    {%d, %d, %s, %s, %d, %d},  // %s M=%d: %.4f ms; ms by tile:%s\n", c.K,
+                    c.N, c.gated ? "true" : "false", sh.block ? "true" : "false", pe, best, c.name, c.M, best_ms,
+                    tried.c_str());
       // Equal means (M=1 and M=16 for 128 experts): the larger M decides.
       if (pe == last_pe) {
         last_row = row;
@@ -470,8 +492,19 @@ int tiles_table(std::mt19937& rng) {
   time_t now = time(nullptr);
   char when[64];
   std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  std::printf("// Code generated by gemm_sm90_check tiles on %s, %s. DO NOT EDIT.\n", prop.name, when);
-  std::printf("// Regenerate on the target card: build/gemm_sm90_check tiles > kernels/cuda/csrc/sm90_tiles.h\n");
+  // The command as run: the variables that change what is timed, then the
+  // tool, so the header says how to reproduce this very table.
+  std::string cmd;
+  for (const char* v : {"TILES_M", "EXPERTD_SM90_PAIR", "EXPERTD_SM90_PINGPONG", "AB_WARM"})
+    if (const char* x = std::getenv(v)) cmd += std::string(v) + "=" + x + " ";
+  cmd += "build/gemm_sm90_check tiles > kernels/cuda/csrc/sm90_tiles.h";
+  std::printf("// Code generated by gemm_sm90_check tiles. DO NOT EDIT.\n");
+  std::printf("// Command: %s\n", cmd.c_str());
+  std::printf("// Card: %s (sm_%d%d, %d SMs, %.0f GiB); %s; seed %u.\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount, prop.totalGlobalMem / double(1 << 30), when, seed);
+  for (const Layer& l : kLayers)
+    std::printf("// Layer %s: E=%d, top_k=%d, hidden=%d, inter=%d, %s%s.\n", l.c.name, l.c.E, l.c.topk, l.c.K, l.c.N,
+                l.c.gated ? "gated" : "ReLU2", l.block ? ", [128, 128] block scales" : "");
   std::printf("#pragma once\nnamespace expertd {\n");
   std::printf("// Sm90TileRow: for a layer shape, the fastest token tile (GEMM1 + GEMM2,\n");
   std::printf("// L2 flushed, uniform random routing) at a mean of per_expert tokens per\n");
@@ -508,18 +541,18 @@ int main(int argc, char** argv) {
   if (tiles) {
     g_log = stderr;
     std::fprintf(stderr, "seed %u\n", seed);
-    return tiles_table(rng);
+    return tiles_table(rng, seed);
   }
   std::printf("seed %u\n", seed);
-  // PROFILE_M=m: only time DeepSeek-V3 at M=m (block scales with "block",
-  // else per-expert ones), for a profiler to pick its kernels;
-  // PROFILE_CASE=nemotron or qwen3 times that layer instead.
+  // PROFILE_M=m: only time one layer of kLayers (PROFILE_CASE, default
+  // deepseek-v3) at M=m, for a profiler to pick its kernels; "block" gives
+  // any layer block scales, as deepseek-v3-block has.
   if (const char* pm = std::getenv("PROFILE_M")) {
     const char* pc = std::getenv("PROFILE_CASE");
-    const std::string name = pc ? pc : "deepseek-v3";
-    Case c{"deepseek-v3", 256, 7168, 2048, std::atoi(pm), 8, true, 0};
-    if (name == "nemotron") c = {"nemotron", 128, 2688, 1856, c.M, 6, false, 0};
-    if (name == "qwen3") c = {"qwen3", 128, 2048, 768, c.M, 8, true, 0};
+    const Layer& layer = find_layer(pc ? pc : "deepseek-v3");
+    Case c = layer.c;
+    c.M = std::atoi(pm);
+    g_block = g_block || layer.block;
     run(c, false, true, rng);
     return 0;
   }
