@@ -4,7 +4,7 @@ package cuda
 // parses the header and checks that every #define there has this value, so
 // the two cannot drift apart silently.
 const (
-	abiVersion = 4
+	abiVersion = 5
 
 	codeOK          = 0
 	codeInvalid     = 1
@@ -44,6 +44,14 @@ const (
 	maxStreams = 16
 
 	ipcHandleBytes = 64
+
+	maxLaneDepth   = 64
+	laneFlagsBytes = 256
+	laneDoorbell   = 0
+	laneDone       = 128
+	laneStop       = 2
+	laneMPS        = 1
+	laneSkips      = 2
 )
 
 // cBuf mirrors struct expertd_buf: one tensor of a call.

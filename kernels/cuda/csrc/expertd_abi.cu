@@ -156,4 +156,20 @@ int expertd_copy(int device, uint64_t dst, uint64_t src, uint64_t bytes) {
   return EXPERTD_OK;
 }
 
+int expertd_lane_open(uint64_t set, const expertd_call* call, int depth, uint64_t* lane, uint8_t* flags_handle,
+                      int handle_len) {
+  g_last_error.clear();
+  return lane_open(set, call, depth, lane, flags_handle, handle_len);
+}
+
+int expertd_lane_stats(uint64_t lane, uint64_t* served, int32_t* mode) {
+  g_last_error.clear();
+  return lane_stats(lane, served, mode);
+}
+
+int expertd_lane_close(uint64_t lane) {
+  g_last_error.clear();
+  return lane_close(lane);
+}
+
 }  // extern "C"
