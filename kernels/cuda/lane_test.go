@@ -4,14 +4,12 @@ package cuda
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"math/rand/v2"
 	"strings"
-	"sync/atomic"
 	"testing"
-	"time"
-	"unsafe"
+
+	"github.com/ebitengine/purego"
 
 	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
@@ -44,15 +42,23 @@ func fakeLaneBackend(t *testing.T, flags ...string) (*Backend, kernels.Loaded, *
 	return b, l, &r
 }
 
-// fakeFlags are the fake lane's flags, whose "IPC handle" carries their
-// host address.
-func fakeFlags(t *testing.T, f kernels.LaneFlags) (doorbell, done *atomic.Uint32) {
+// fakeLaneCall makes one call on a fake lane as a caller's stream would
+// (the fake library's fakecuda_lane_call, on the flags the lane reports).
+func fakeLaneCall(t *testing.T, b *Backend, f kernels.LaneFlags) {
 	t.Helper()
-	if len(f.Handle) != IPCHandleBytes || string(f.Handle[:8]) != "fakelane" {
-		t.Fatalf("flags handle %q: not the fake's", f.Handle)
+	h, err := purego.Dlopen(b.lib.path, purego.RTLD_NOW|purego.RTLD_LOCAL)
+	if err != nil {
+		t.Fatal(err)
 	}
-	base := uintptr(binary.LittleEndian.Uint64(f.Handle[8:]))
-	return (*atomic.Uint32)(unsafe.Pointer(base + uintptr(f.Doorbell))), (*atomic.Uint32)(unsafe.Pointer(base + uintptr(f.Done))) //nolint:govet // the fake's malloc'ed flags
+	var call func(handle *byte, doorbell, done int64) int32
+	sym, err := purego.Dlsym(h, "fakecuda_lane_call")
+	if err != nil {
+		t.Fatal(err)
+	}
+	purego.RegisterFunc(&call, sym)
+	if rc := call(&f.Handle[0], f.Doorbell, f.Done); rc != 0 {
+		t.Fatalf("fakecuda_lane_call: %d (1: not the fake's handle, 2: done never set)", rc)
+	}
 }
 
 // TestLaneLifecycle rings a lane on the fake library as a caller's stream
@@ -71,18 +77,9 @@ func TestLaneLifecycle(t *testing.T) {
 	if !lane.SkipsOnClose() || lane.MPS() {
 		t.Errorf("mode: skips %v, MPS %v; the fake reports skips only", lane.SkipsOnClose(), lane.MPS())
 	}
-	doorbell, done := fakeFlags(t, f)
 	const calls = 5
-	for i := range calls {
-		done.Store(0)
-		doorbell.Store(1)
-		deadline := time.Now().Add(10 * time.Second)
-		for done.Load() != 1 {
-			if time.Now().After(deadline) {
-				t.Fatalf("call %d: done never set", i)
-			}
-			time.Sleep(50 * time.Microsecond)
-		}
+	for range calls {
+		fakeLaneCall(t, b, f)
 	}
 	if got := lane.Served(); got != calls {
 		t.Errorf("Served = %d, want %d", got, calls)

@@ -155,4 +155,24 @@ int expertd_lane_close(uint64_t lane) {
   return 0;
 }
 
+/* fakecuda_lane_call is a caller's side of one call, for tests: done = 0,
+ * doorbell = 1, then wait (up to 10 s) for done. handle and the offsets
+ * are what lane_open's caller was given. Returns 0 when done was set. */
+int fakecuda_lane_call(const uint8_t* handle, int64_t doorbell_off, int64_t done_off) {
+  uint64_t addr;
+  if (memcmp(handle, "fakelane", 8) != 0) return 1;
+  memcpy(&addr, handle + 8, sizeof addr);
+  char* base = (char*)(uintptr_t)addr;
+  _Atomic uint32_t* doorbell = (_Atomic uint32_t*)(base + doorbell_off);
+  _Atomic uint32_t* done = (_Atomic uint32_t*)(base + done_off);
+  atomic_store(done, 0);
+  atomic_store(doorbell, 1);
+  const struct timespec tick = {0, 50000};
+  for (int i = 0; i < 200000; ++i) {
+    if (atomic_load(done) == 1) return 0;
+    nanosleep(&tick, NULL);
+  }
+  return 2;
+}
+
 const char* expertd_last_error(void) { return last; }
