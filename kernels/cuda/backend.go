@@ -44,7 +44,7 @@ type Backend struct {
 
 	mu     sync.Mutex
 	closed bool
-	live   map[*loaded]struct{} // sets to free on Close
+	live   map[*loaded]struct{}  // sets to free on Close
 	lanes  map[*gpuLane]struct{} // lanes to close on Close, before the sets
 }
 

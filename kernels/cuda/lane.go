@@ -124,3 +124,6 @@ func (b *Backend) closeLane(l *gpuLane) error {
 	b.mu.Unlock()
 	return b.call("lane_close", func() int32 { return b.lib.laneClose(l.id) })
 }
+
+// MaxLaneDepth is the largest depth OpenLane takes.
+func (b *Backend) MaxLaneDepth() int { return MaxLaneDepth }
