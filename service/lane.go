@@ -43,9 +43,10 @@ type LaneOpener interface {
 // enqueued on the GPU.
 const DefaultLaneMax = 8
 
-// defaultLaneDepth is OpenLaneRequest.depth 0: one call enqueued behind
-// the one running, enough that a chain never waits for the launcher.
-const defaultLaneDepth = 2
+// defaultLaneDepth is OpenLaneRequest.depth 0: calls enough that a chain
+// of decode-sized layers (tens of microseconds each) never waits for the
+// launcher thread, whose wake-up after a call takes about as long.
+const defaultLaneDepth = 8
 
 // lanes counts the open lanes against the cap and keeps what the metrics
 // report.

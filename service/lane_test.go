@@ -119,8 +119,8 @@ func TestLaneCalls(t *testing.T) {
 	req := laneRequest(rng)
 	resp, end := openLane(t, c, req)
 	if len(resp.GetFlagsCudaIpcHandle()) != 64 || resp.GetFlagsByteSize() != 256 || resp.GetDoorbellOffset() != 0 || resp.GetDoneOffset() != 128 ||
-		resp.GetDepth() != 2 || resp.GetMps() || !resp.GetSkipsOnClose() {
-		t.Errorf("OpenLane response %v: want a 64-byte handle, 256 bytes, doorbell 0, done 128, depth 2, no MPS, skips on close", resp)
+		resp.GetDepth() != 8 || resp.GetMps() || !resp.GetSkipsOnClose() {
+		t.Errorf("OpenLane response %v: want a 64-byte handle, 256 bytes, doorbell 0, done 128, depth 8, no MPS, skips on close", resp)
 	}
 	if d.Lanes() != 1 {
 		t.Fatalf("%d lanes open in the backend, want 1", d.Lanes())

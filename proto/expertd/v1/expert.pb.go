@@ -2529,7 +2529,7 @@ type OpenLaneRequest struct {
 	// writes the output before done.
 	Call *FusedMoERequest `protobuf:"bytes,1,opt,name=call,proto3" json:"call,omitempty"`
 	// Calls the server keeps enqueued ahead of the caller: 1 to
-	// ServerInfo.lane.max_depth; 0 means 2. A chain of calls longer than
+	// ServerInfo.lane.max_depth; 0 means 8. A chain of calls longer than
 	// depth still runs, each enqueued when an earlier one completes.
 	Depth         uint32 `protobuf:"varint,2,opt,name=depth,proto3" json:"depth,omitempty"`
 	unknownFields protoimpl.UnknownFields
