@@ -32,33 +32,9 @@ admin=9293
 listen=127.0.0.1:50163
 daemon=""
 py="${PYTHON:-python3}"
-pypath="$PWD/clients/python:$PWD/bench"
-if [[ -n ${PY_WHEELS:-} ]]; then
-	site=$(mktemp -d)
-	"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$PY_WHEELS"/*.whl &&
-		pypath="$site:$pypath"
-fi
-
-start() { # start LOG
-	"$build/expertd" -listen "$listen" -admin-addr "127.0.0.1:$admin" -backend cuda -library-path "$lib" \
-		-shared-memory -log-level info > "$out/$1" 2>&1 &
-	daemon=$!
-	for _ in $(seq 300); do
-		curl -sf "http://127.0.0.1:$admin/readyz" > /dev/null && return 0
-		sleep 0.1
-	done
-	say "daemon not ready: $(tail -3 "$out/$1")"
-}
-# stop ends the daemon without waiting on anything else this shell started.
-stop() {
-	kill "$daemon" 2> /dev/null
-	for _ in $(seq 100); do
-		kill -0 "$daemon" 2> /dev/null || return 0
-		sleep 0.1
-	done
-	say "daemon did not stop in 10 s"
-	kill -9 "$daemon" 2> /dev/null
-}
+# shellcheck source=scripts/device-daemon.sh
+source scripts/device-daemon.sh
+pypath=$(python_path "$PWD/bench")
 
 cat > "$out/lane_bench.py" << 'EOF'
 import ctypes
@@ -230,11 +206,11 @@ EOF
 
 phase() { # phase NAME
 	say "== $1: $(nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader 2>&1)"
-	start "daemon-$1.log"
+	daemon_start "$listen" "daemon-$1.log" -shared-memory -log-level info
 	PYTHONPATH="$pypath" timeout 150 "$py" "$out/lane_bench.py" "$listen" "$lib" 2>&1 | tee -a "$S"
 	say "python exit ${PIPESTATUS[0]}"
 	curl -s "http://127.0.0.1:$admin/metrics" | grep -E '^expertd_lane' | tee -a "$S"
-	stop
+	daemon_stop
 	grep -E 'lane (opened|closed)|closing a lane' "$out/daemon-$1.log" | tail -4 | tee -a "$S"
 }
 

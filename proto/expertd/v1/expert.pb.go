@@ -2522,7 +2522,7 @@ type OpenLaneRequest struct {
 	// The call, validated as a FusedMoE request: expert_set names a loaded
 	// set (inline weights are refused); hidden_states.shm, router_logits.shm
 	// and output_shm reference SHARED_MEMORY_KIND_CUDA_IPC regions of this
-	// connection, which stay held while the lane is open; hidden_scale,
+	// connection, which stay held while the lane is open; hidden_states_scale,
 	// topk_ids, topk_weights and return_routing are not set. Its routing
 	// parameters and dtypes serve every call. Each ring reads the tensors'
 	// bytes as they are when the caller's stream reaches the doorbell and
