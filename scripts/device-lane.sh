@@ -5,7 +5,8 @@
 # against the library in-process, on the Nemotron layer, without MPS and
 # then under MPS when the machine has nvidia-cuda-mps-control.
 #   run: bash scripts/device-lane.sh      (carry: ["build"])
-# Each phase starts a daemon (-backend cuda -shared-memory), then one Python
+# First, when build/cuda.test is there (make cuda-test-bin), the Go test of
+# the library's lane (TestLaneOnDevice). Then each phase starts a daemon (-backend cuda -shared-memory), then one Python
 # process (torch, and the expertd package from clients/python; PY_WHEELS as
 # in device-latency.sh where grpcio or protobuf are missing) that:
 #   - uploads the layer to the daemon and creates the same layer in-process
@@ -214,6 +215,13 @@ phase() { # phase NAME
 	grep -E 'lane (opened|closed)|closing a lane' "$out/daemon-$1.log" | tail -4 | tee -a "$S"
 }
 
+# The library's side alone: a lane rung from a second process with copies
+# (kernels/cuda/lane_gpu_test.go), when the Go test binary was carried.
+if [[ -x $build/cuda.test ]]; then
+	say "== TestLaneOnDevice"
+	EXPERTD_LIBRARY_PATH="$lib" EXPERTD_CUDA_REQUIRE=1 timeout 120 "$build/cuda.test" -test.run '^TestLaneOnDevice$' -test.v 2>&1 |
+		tail -8 | tee -a "$S"
+fi
 phase "without MPS"
 if command -v nvidia-cuda-mps-control > /dev/null; then
 	export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
