@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "expertd_cuda.h"
@@ -40,6 +41,12 @@ void expertd_call_init(expertd_call* c) {
 int expertd_init(int device, const expertd_options* opts) {
   g_last_error.clear();
   if (int rc = set_options(opts)) return rc;
+  // A lane's stream blocks on a stream memory wait until its caller rings;
+  // streams beyond the device's hardware queues share one, and work queued
+  // behind such a wait on a shared queue waits with it (another lane's, a
+  // set's, the stop write that closes a lane). The most queues the driver
+  // gives, unless the process asked for a number, before the context exists.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   if (int rc = check_device(device)) return rc;
   CK(cudaSetDevice(device));
   CK(cudaFree(nullptr));  // creates the primary context now, not in the first call

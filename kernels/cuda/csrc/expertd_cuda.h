@@ -173,7 +173,9 @@ EXPERTD_API void expertd_call_init(expertd_call* call);
  * stream, workspace and pinned staging, so one call's copies overlap
  * another's kernels. The options apply to the whole process (the last init
  * wins; sets created before keep their poison switch). Any thread may call
- * the library. */
+ * the library. Unless the environment sets CUDA_DEVICE_MAX_CONNECTIONS,
+ * the first init sets it to 32 (for the lanes below: a stream blocked on
+ * its doorbell must not share a hardware queue with other streams). */
 EXPERTD_API int expertd_init(int device, const expertd_options* opts);
 
 /* expertd_device_info writes a NUL-terminated description of device into buf

@@ -274,9 +274,14 @@ int lane_open(uint64_t set, const expertd_call* call, int depth, uint64_t* lane,
   const Layout L = call_layout(s, c);
   if (int rc = ensure_workspace(g->ws, L)) return rc;
   CK(cudaStreamSynchronize(g->ws.stream));
-  if (build_graph(*g, c, L, k, true) == EXPERTD_OK) {
+  // The conditional graph, launched once with the doorbell at rest (its
+  // gate skips the call), proves the driver runs it.
+  if (build_graph(*g, c, L, k, true) == EXPERTD_OK && cudaGraphLaunch(g->exec, g->ws.stream) == cudaSuccess &&
+      cudaStreamSynchronize(g->ws.stream) == cudaSuccess) {
     g->mode |= EXPERTD_LANE_SKIPS;
   } else {
+    if (g->exec) cudaGraphExecDestroy(g->exec);
+    g->exec = nullptr;
     // A driver without conditional nodes in captured graphs: closing runs
     // the calls still enqueued once more.
     g_last_error.clear();
