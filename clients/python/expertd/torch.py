@@ -282,8 +282,9 @@ class RemoteMoE(nn.Module):
     routing is a Routing message (or expertd.routing(...)); shared is an
     optional module added to the output (DeepSeek-V3 and Nemotron-H shared
     experts); output_dtype is the service's output dtype on the host paths
-    (default float32 for float32 hidden states, else bfloat16; the CUDA IPC
-    paths return bfloat16). path is "auto" (the fastest the daemon serves
+    (default float32 for float32 hidden states, else bfloat16; the paths
+    that take CUDA tensors where they are, gpu and the CUDA IPC ones, return
+    bfloat16). path is "auto" (the fastest the daemon serves
     for the inputs' device) or one of PATHS, which must then be served.
     After a forward, the path attribute names the path it took. close()
     releases the ring and regions (the module's collection does too). Use
