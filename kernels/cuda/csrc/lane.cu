@@ -83,10 +83,27 @@ __global__ void lane_gate_plain(unsigned* doorbell) {
   if (*reinterpret_cast<volatile unsigned*>(doorbell) == 1u) *doorbell = 0u;
 }
 
+// side_stream is the device's stream for the stop writes that close
+// lanes: one for all of them, since every stream may take one of the
+// device's hardware queues, which a lane's blocked stream must not share.
+int side_stream(int device, cudaStream_t* out) {
+  static std::mutex mu;
+  static std::map<int, cudaStream_t> streams;
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = streams.find(device);
+  if (it == streams.end()) {
+    cudaStream_t st = nullptr;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    it = streams.emplace(device, st).first;
+  }
+  *out = it->second;
+  return EXPERTD_OK;
+}
+
 struct GpuLane {
   std::shared_ptr<Set> set;
   Lane ws;  // the lane's stream and workspace (~Lane synchronizes and frees them)
-  cudaStream_t side = nullptr;
+  cudaStream_t side = nullptr;  // side_stream's, not the lane's to destroy
   uint8_t* flags = nullptr;
   float* bias = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -164,7 +181,6 @@ struct GpuLane {
     if (ws.stream) cudaStreamSynchronize(ws.stream);
     if (exec) cudaGraphExecDestroy(exec);
     for (cudaEvent_t e : ev) cudaEventDestroy(e);
-    if (side) cudaStreamDestroy(side);
     cudaFree(flags);
     cudaFree(bias);
   }
@@ -259,7 +275,7 @@ int lane_open(uint64_t set, const expertd_call* call, int depth, uint64_t* lane,
 
   g->ws.device = s.device;
   CK(cudaStreamCreateWithFlags(&g->ws.stream, cudaStreamNonBlocking));
-  CK(cudaStreamCreateWithFlags(&g->side, cudaStreamNonBlocking));
+  if (int rc = side_stream(s.device, &g->side)) return rc;
   CK(cudaMalloc(&g->flags, EXPERTD_LANE_FLAGS_BYTES));
   CK(cudaMemset(g->flags, 0, EXPERTD_LANE_FLAGS_BYTES));
   expertd_call k = in;
