@@ -27,29 +27,16 @@ say() { echo "$*" | tee -a "$S"; }
 admin=9291
 daemon=""
 
+# shellcheck source=scripts/device-daemon.sh
+source scripts/device-daemon.sh
 start() { # start LISTEN LOG [daemon flags...]
 	local listen=$1 log=$2
 	shift 2
-	"$build/expertd" -listen "$listen" -admin-addr "127.0.0.1:$admin" -backend cuda -library-path "$lib" \
-		-shared-memory -ring -max-queued 256 -log-level warn "$@" > "$out/$log" 2>&1 &
-	daemon=$!
-	for _ in $(seq 300); do
-		curl -sf "http://127.0.0.1:$admin/readyz" > /dev/null && break
-		sleep 0.1
-	done
+	daemon_start "$listen" "$log" -shared-memory -ring -max-queued 256 -log-level warn "$@"
 	timeout 60 "$build/expertbench" -addr "$listen" -model nemotron -progress 0 -load -keep -m 1 -c 1 -calls 1 -no-rtt \
 		> "$out/load-$log.txt" 2>&1 || say "load failed on $listen: $(tail -3 "$out/load-$log.txt")"
 }
-# stop ends the daemon without waiting on anything else this shell started.
-stop() {
-	kill "$daemon" 2> /dev/null
-	for _ in $(seq 100); do
-		kill -0 "$daemon" 2> /dev/null || return 0
-		sleep 0.1
-	done
-	say "daemon did not stop in 10 s"
-	kill -9 "$daemon" 2> /dev/null
-}
+stop() { daemon_stop; }
 row() { # row ADDR [expertbench flags...]
 	local addr=$1
 	shift
@@ -80,16 +67,7 @@ row "$A" -no-rtt -c 4 -m 256 -ring $ipc
 row "$A" -no-rtt -c 8 -m 256
 row "$A" -no-rtt -c 8 -m 256 -conns 8
 py="${PYTHON:-python3}"
-# PY_WHEELS: a folder of wheels (grpcio, protobuf, googleapis-common-protos
-# at the versions clients/python's stubs are generated for) installed into
-# a scratch directory first on PYTHONPATH, for a machine whose own protobuf
-# cannot read the committed stubs.
-pypath="$PWD/clients/python"
-if [[ -n ${PY_WHEELS:-} ]]; then
-	site=$(mktemp -d)
-	"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$PY_WHEELS"/*.whl &&
-		pypath="$site:$pypath"
-fi
+pypath=$(python_path)
 if PYTHONPATH="$pypath" "$py" -c 'import grpc, numpy' 2> /dev/null; then
 	say "== Python grpcio unary inline"
 	PYTHONPATH="$pypath" timeout 60 "$py" bench/python_latency.py --ring --addr "$A" --m 1 256 --duration "${dur%s}" 2>&1 |

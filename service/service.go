@@ -95,6 +95,9 @@ type Config struct {
 	// DefaultRingMaxPerConn, DefaultRingMax and DefaultRingMaxSlotBytes.
 	RingMaxPerConn, RingMax int
 	RingMaxSlotBytes        int64
+	// MaxLanes bounds the GPU-ordered lanes (OpenLane, lane.go) open at
+	// once on the server; 0 means DefaultLaneMax.
+	MaxLanes int
 	// MaxShmRegions bounds the shared-memory regions mapped at once over
 	// all connections (registered, or unregistered but still used by a
 	// call): the per-connection bound alone lets many connections hold
@@ -147,6 +150,7 @@ type Server struct {
 	faults faults
 	shm    *shmTable
 	rings  *rings
+	lanes  *lanes
 	// batch runs every FusedMoE call on the backend, merging compatible
 	// calls when cfg.BatchWindow is set.
 	batch *batch.Backend
@@ -215,6 +219,7 @@ func New(cfg Config, backend kernels.Backend, logger *slog.Logger) *Server {
 		slots:   newExecSlots(cfg),
 		shm:     newShmTable(cfg, backend, logger),
 		rings:   newRings(),
+		lanes:   newLanes(),
 	}
 	s.reg.closeFn = s.free
 	s.initMetrics(cfg.Meter)
@@ -298,6 +303,7 @@ func (s *Server) initMetrics(m metric.Meter) {
 	}
 	s.shm.initMetrics(m)
 	s.initRingMetrics(m)
+	s.initLaneMetrics(m)
 }
 
 // Register attaches the service to a gRPC server.
@@ -385,8 +391,12 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining = true
 	s.mu.Unlock()
 	s.rings.closeAll()
+	s.lanes.closeAll()
 	s.batch.Flush()
 	err := s.WaitIdle(ctx)
+	if err == nil {
+		err = s.lanes.wait(ctx)
+	}
 	s.reg.removeAll()
 	s.shm.closeAll()
 	return err
@@ -453,6 +463,7 @@ func (s *Server) GetServerInfo(ctx context.Context, _ *pb.GetServerInfoRequest) 
 			BatchMaxTokens:   int32(batchMaxTokens(s.cfg)),
 		},
 		Ring: s.ringInfo(),
+		Lane: s.laneInfo(),
 		Transport: &pb.ServerInfo_Transport{
 			StreamWorkers:              int32(s.cfg.StreamWorkers),
 			KeepaliveMinTimeNanos:      s.cfg.KeepaliveMinTime.Nanoseconds(),

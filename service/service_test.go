@@ -41,6 +41,7 @@ func TestGetServerInfo(t *testing.T) {
 			MaxQueued: 12, BatchWindowNanos: 300e3, BatchMaxTokens: 64},
 		Ring: &pb.ServerInfo_RingInfo{Version: 1, MaxPerConn: service.DefaultRingMaxPerConn, MaxRings: service.DefaultRingMax,
 			MaxSlotBytes: service.DefaultRingMaxSlotBytes},
+		Lane: &pb.ServerInfo_LaneInfo{MaxLanes: service.DefaultLaneMax},
 		Transport: &pb.ServerInfo_Transport{StreamWorkers: 5, KeepaliveMinTimeNanos: 1e9, KeepaliveTimeNanos: 2e9,
 			KeepaliveTimeoutNanos: 3e9, MaxConnectionAgeNanos: 4e9, MaxConnectionAgeGraceNanos: 5e9},
 		Settings: map[string]string{"max-tokens": "8192", "tls-key": "(set)"},

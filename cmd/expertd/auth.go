@@ -71,6 +71,7 @@ var methodRoles = map[string]role{
 	pb.ExpertService_UnregisterSharedMemory_FullMethodName: roleUser,
 	pb.ExpertService_ListSharedMemory_FullMethodName:       roleUser,
 	pb.ExpertService_AttachRing_FullMethodName:             roleUser,
+	pb.ExpertService_OpenLane_FullMethodName:               roleUser,
 	pb.ExpertService_LoadExperts_FullMethodName:            roleAdmin,
 	pb.ExpertService_UnloadExperts_FullMethodName:          roleAdmin,
 }

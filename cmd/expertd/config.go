@@ -264,6 +264,9 @@ func (c Config) validate() error {
 	if c.RingMaxPerConn < 1 || c.RingMax < 1 || c.RingMaxSlotBytes < 128 || c.RingMaxSlotBytes > 1<<30 {
 		errs = append(errs, fmt.Errorf("-ring-max-per-conn %d, -ring-max %d, -ring-max-slot-bytes %d: want >= 1, >= 1 and 128 B to 1 GiB", c.RingMaxPerConn, c.RingMax, c.RingMaxSlotBytes))
 	}
+	if c.MaxLanes < 1 {
+		errs = append(errs, fmt.Errorf("-lane-max %d: want >= 1", c.MaxLanes))
+	}
 	if c.MaxShmRegions < 1 || c.MaxShmBytes < 1 {
 		errs = append(errs, fmt.Errorf("-max-shm-regions %d, -max-shm-bytes %d: want >= 1", c.MaxShmRegions, c.MaxShmBytes))
 	}

@@ -22,6 +22,7 @@ func defaults() Config {
 			RingSpin: service.DefaultRingSpin, RingMaxPerConn: service.DefaultRingMaxPerConn, RingMax: service.DefaultRingMax,
 			RingMaxSlotBytes: service.DefaultRingMaxSlotBytes,
 			MaxShmRegions:    service.DefaultMaxShmRegions, MaxShmBytes: service.DefaultMaxShmBytes,
+			MaxLanes: service.DefaultLaneMax,
 		},
 		Listen: "127.0.0.1:50051", UnixMode: 0o660, Backend: "auto",
 		AdminAddr: "127.0.0.1:9090", LogLevel: "info", LogFormat: "text", ShutdownTimeout: 30 * time.Second,
@@ -102,6 +103,7 @@ func TestParseConfig(t *testing.T) {
 			func(c *Config) {
 				c.MaxConnectionAge, c.MaxConnectionAgeGrace, c.KeepaliveMinTime = time.Hour, 30*time.Second, 5*time.Second
 			}},
+		{"lane cap", []string{"-lane-max", "2"}, nil, func(c *Config) { c.MaxLanes = 2 }},
 		{"shared memory caps", []string{"-max-shm-regions", "100", "-max-shm-bytes", "1GiB", "-idle-free-memory", "0"}, nil,
 			func(c *Config) { c.MaxShmRegions, c.MaxShmBytes, c.IdleFreeMemory = 100, 1<<30, 0 }},
 		{"shared memory caps env", nil, map[string]string{"EXPERTD_MAX_SHM_REGIONS": "7", "EXPERTD_MAX_SHM_BYTES": "1MiB", "EXPERTD_IDLE_FREE_MEMORY": "2m"},
@@ -158,6 +160,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{"bad env ring", nil, map[string]string{"EXPERTD_RING": "on"}, `$EXPERTD_RING: "on" is not true or false`},
 		{"ring spin too long", []string{"-ring-spin", "1s"}, nil, "-ring-spin 1s"},
 		{"no rings", []string{"-ring-max", "0"}, nil, "-ring-max 0"},
+		{"no lanes", []string{"-lane-max", "0"}, nil, "-lane-max 0: want >= 1"},
 		{"no shm regions", []string{"-max-shm-regions", "0"}, nil, "-max-shm-regions 0, -max-shm-bytes 68719476736: want >= 1"},
 		{"negative idle", []string{"-idle-free-memory", "-1s"}, nil, "-idle-free-memory -1s: want >= 0"},
 		{"otlp without scheme", []string{"-otlp-endpoint", "localhost:4317"}, nil, `-otlp-endpoint "localhost:4317": want an http:// or https:// URL`},

@@ -257,6 +257,16 @@ func (l *loaded) release() {
 	}
 }
 
+// Inner is the inner backend's set behind set, one this layer loaded (set
+// itself otherwise), for callers that hand a set to the inner backend
+// directly (GPU-ordered lanes). Holding set keeps it open.
+func Inner(set kernels.Loaded) kernels.Loaded {
+	if l, ok := set.(*loaded); ok {
+		return l.Loaded
+	}
+	return set
+}
+
 // FusedMoE runs req, merged with compatible calls when it can be.
 func (bt *Backend) FusedMoE(ctx context.Context, set kernels.Loaded, req *moe.Request) (*moe.Result, error) {
 	res, _, err := bt.Run(ctx, set, req)

@@ -47,6 +47,14 @@ const (
 	maxStreams = 16
 
 	ipcHandleBytes = 64
+
+	maxLaneDepth   = 64
+	laneFlagsBytes = 256
+	laneDoorbell   = 0
+	laneDone       = 128
+	laneStop       = 2
+	laneMPS        = 1
+	laneSkips      = 2
 )
 
 // cBuf mirrors struct expertd_buf: one tensor of a call.

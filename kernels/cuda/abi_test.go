@@ -60,6 +60,14 @@ func TestHeaderMatchesGo(t *testing.T) {
 		"EXPERTD_MAX_TOP_K":        maxTopK,
 		"EXPERTD_MAX_STREAMS":      maxStreams,
 		"EXPERTD_IPC_HANDLE_BYTES": ipcHandleBytes,
+
+		"EXPERTD_MAX_LANE_DEPTH":   maxLaneDepth,
+		"EXPERTD_LANE_FLAGS_BYTES": laneFlagsBytes,
+		"EXPERTD_LANE_DOORBELL":    laneDoorbell,
+		"EXPERTD_LANE_DONE":        laneDone,
+		"EXPERTD_LANE_STOP":        laneStop,
+		"EXPERTD_LANE_MPS":         laneMPS,
+		"EXPERTD_LANE_SKIPS":       laneSkips,
 	}
 	re := regexp.MustCompile(`(?m)^#define\s+(EXPERTD_\w+)\s+(-?\d+)\b`)
 	seen := map[string]bool{}

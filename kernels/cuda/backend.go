@@ -44,7 +44,8 @@ type Backend struct {
 
 	mu     sync.Mutex
 	closed bool
-	live   map[*loaded]struct{} // sets to free on Close
+	live   map[*loaded]struct{}  // sets to free on Close
+	lanes  map[*gpuLane]struct{} // lanes to close on Close, before the sets
 }
 
 // New opens the library named by cfg.LibraryPath (or found by the default
@@ -130,8 +131,15 @@ func (b *Backend) Close() error {
 	for l := range b.live {
 		live = append(live, l)
 	}
+	lanes := make([]*gpuLane, 0, len(b.lanes))
+	for l := range b.lanes {
+		lanes = append(lanes, l)
+	}
 	b.mu.Unlock()
 	var errs []error
+	for _, l := range lanes {
+		errs = append(errs, l.Close())
+	}
 	for _, l := range live {
 		errs = append(errs, l.Close())
 	}

@@ -110,6 +110,9 @@ func openLibrary(configured string) (*library, error) {
 		{&l.ipcExport, "expertd_ipc_export"},
 		{&l.copyMem, "expertd_copy"},
 		{&l.lastError, "expertd_last_error"},
+		{&l.laneOpen, "expertd_lane_open"},
+		{&l.laneStats, "expertd_lane_stats"},
+		{&l.laneClose, "expertd_lane_close"},
 	} {
 		if err := bind(b.fptr, b.name); err != nil {
 			return nil, err

@@ -33,6 +33,9 @@ type library struct {
 	ipcExport      func(device int32, ptr uint64, handle *byte, n int32) int32
 	copyMem        func(device int32, dst, src, n uint64) int32
 	lastError      func() string
+	laneOpen       func(set uint64, c *cCall, depth int32, lane *uint64, handle *byte, n int32) int32
+	laneStats      func(lane uint64, served *uint64, mode *int32) int32
+	laneClose      func(lane uint64) int32
 }
 
 // errNoLibrary marks a library that is not there: backend=auto falls back.

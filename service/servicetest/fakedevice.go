@@ -35,6 +35,8 @@ type FakeDevice struct {
 	// OnUnpin, when set, is called with the pinned bytes by each unpin
 	// before it unpins them.
 	OnUnpin func(b []byte)
+	// OpenLaneErr, when set, is what OpenLane returns.
+	OpenLaneErr error
 
 	mu     sync.Mutex
 	allocs []*Allocation
@@ -42,11 +44,14 @@ type FakeDevice struct {
 	open   int
 	pinned int64
 	calls  []*moe.Request
+	// lanes counts lanes opened and not closed.
+	lanes int
 }
 
 var (
 	_ service.IPCOpener  = (*FakeDevice)(nil)
 	_ service.HostPinner = (*FakeDevice)(nil)
+	_ service.LaneOpener = (*FakeDevice)(nil)
 )
 
 // NewFakeDevice gives b fake device memory.

@@ -18,6 +18,13 @@ RemoteMoE picks the fastest path the daemon offers at its first forward
 "expertd.torch"), and falls back to plain gRPC where a faster one is not
 served:
 
+    "gpu"            CUDA tensors in a CUDA IPC region, each call started
+                     from torch's current stream through a GPU-ordered lane
+                     (docs/gpu-ordered.md): no host thread on the call's
+                     path, capturable in a CUDA graph (cuda backend on this
+                     GPU, -shared-memory, MPS on both sides; "auto" takes it
+                     only under MPS, since without it each call costs a
+                     context switch, about 0.3 ms)
     "ring+cuda_ipc"  CUDA tensors in a CUDA IPC region, calls posted into a
                      call ring (cuda backend on this GPU, -shared-memory -ring)
     "cuda_ipc"       the same region, each call a unary gRPC call (no -ring)
@@ -27,6 +34,10 @@ served:
 
 CUDA tensors that cannot go through CUDA IPC (a cpu-backend daemon, a GPU
 the daemon cannot open) take the host path picked for host tensors.
+
+A lane serves one token count: the "gpu" path opens one per M it sees (up
+to MAX_LANES per module, then M takes the next path), on the first forward
+of that M, which must therefore run before a CUDA graph captures it.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertd import _common
+from expertd import lane as _lane
 from expertd import ring as _ring
 from expertd import shm as _shm
 from expertd.errors import ExpertdError, from_rpc_error
@@ -50,7 +62,11 @@ FP8_MAX = 448.0
 log = logging.getLogger("expertd.torch")
 
 # PATHS are the values of RemoteMoE's path argument besides "auto".
-PATHS = ("ring+cuda_ipc", "cuda_ipc", "ring", "grpc")
+PATHS = ("gpu", "ring+cuda_ipc", "cuda_ipc", "ring", "grpc")
+
+# MAX_LANES bounds one module's lanes (one per token count); each holds a
+# slot of the daemon's -lane-max.
+MAX_LANES = 8
 
 # A ring's slots carry requests and responses whose tensors are region
 # references: a few hundred bytes each, so small slots suffice.
@@ -136,6 +152,8 @@ class _Link:
         self._attached = None
         self._shms: dict[str, _shm.SharedMemory] = {}
         self._regions: dict[str, object] = {}
+        # lanes by (device, M): the lane and its region's tensors.
+        self.lanes: dict[tuple[str, int], _GpuLane] = {}
 
     def _register_posix(self, what: str, size: int):
         shm = _shm.SharedMemory.create(size)
@@ -192,12 +210,48 @@ class _Link:
             self._regions["cuda"] = region
         return region
 
+    def lane(self, device, m: int, k: int, e: int, expert_set: str, routing: pb.Routing) -> "_GpuLane":
+        """Opens a lane for M = m calls on device, over a CUDA IPC region
+        of its own (a lane fixes its buffers' addresses)."""
+        need = [m * k * 2, m * e * 4, m * k * 2]
+        offs, size = _layout(*need)
+        arena = torch.empty(size, dtype=torch.uint8, device=device)
+        what = f"lane{m}@{device}"
+        region = self.client.register_cuda_tensor(f"{self.prefix}/{what}", arena)
+        self._regions[what] = region
+        h = arena[offs[0]:offs[0] + need[0]].view(torch.bfloat16).view(m, k)
+        lg = arena[offs[1]:offs[1] + need[1]].view(torch.float32).view(m, e)
+        out = arena[offs[2]:offs[2] + need[2]].view(torch.bfloat16).view(m, k)
+        call = _common.fused_moe_request(region.tensor(h), expert_set=expert_set, router_logits=region.tensor(lg),
+                                         routing_message=routing, output_shm=region.ref(out))
+        try:
+            lane = _lane.open_lane(self.client, call)
+        except BaseException:
+            self._drop(what)
+            raise
+        gl = _GpuLane(lane, what, h, lg, out)
+        self.lanes[(str(device), m)] = gl
+        return gl
+
+    def close_lane(self, key) -> None:
+        gl = self.lanes.pop(key, None)
+        if gl is None:
+            return
+        # A call still waiting on the caller's stream ends before the lane.
+        torch.cuda.synchronize(gl.out.device)
+        try:
+            gl.lane.close()
+        finally:
+            self._drop(gl.region)
+
     def call(self, req: pb.FusedMoERequest, ring: bool) -> pb.FusedMoEResponse:
         if ring:
             return self.ring.fused_moe(req, timeout_s=self.client.timeout)
         return self.client._call(self.client.stub.FusedMoE, req)
 
     def close(self) -> None:
+        for key in list(self.lanes):
+            self.close_lane(key)
         if self._attached is not None:
             self._attached.cancel()
             self._attached = None
@@ -208,6 +262,19 @@ class _Link:
             self._drop(what)
 
 
+def _on_gpu(path: str) -> bool:
+    """Whether path takes CUDA tensors where they are."""
+    return path == "gpu" or path.endswith("cuda_ipc")
+
+
+class _GpuLane:
+    """An open lane and the tensors of its region: the call reads h and lg
+    and writes out."""
+
+    def __init__(self, lane, region: str, h, lg, out):
+        self.lane, self.region, self.h, self.lg, self.out = lane, region, h, lg, out
+
+
 class RemoteMoE(nn.Module):
     """A MoE block whose routed experts run in expertd.
 
@@ -215,8 +282,9 @@ class RemoteMoE(nn.Module):
     routing is a Routing message (or expertd.routing(...)); shared is an
     optional module added to the output (DeepSeek-V3 and Nemotron-H shared
     experts); output_dtype is the service's output dtype on the host paths
-    (default float32 for float32 hidden states, else bfloat16; the CUDA IPC
-    paths return bfloat16). path is "auto" (the fastest the daemon serves
+    (default float32 for float32 hidden states, else bfloat16; the paths
+    that take CUDA tensors where they are, gpu and the CUDA IPC ones, return
+    bfloat16). path is "auto" (the fastest the daemon serves
     for the inputs' device) or one of PATHS, which must then be served.
     After a forward, the path attribute names the path it took. close()
     releases the ring and regions (the module's collection does too). Use
@@ -238,6 +306,9 @@ class RemoteMoE(nn.Module):
         self.path: str | None = None
         self._paths: dict[str, str] = {}
         self._why: dict[str, str | None] = {}
+        # lane_mps: whether the daemon reported MPS for this module's last
+        # lane (None before one opened).
+        self.lane_mps: bool | None = None
         self._info = None
         self._link = _Link(client, name)
         weakref.finalize(self, self._link.close)
@@ -339,17 +410,46 @@ class RemoteMoE(nn.Module):
             self._why[key] = why
         return self._why[key]
 
+    def _lane_why(self, device) -> str | None:
+        key = f"lane:{device}"
+        if key not in self._why:
+            why = None
+            if not self._server().lane.enabled:
+                why = "the daemon serves no GPU-ordered lanes (-shared-memory, cuda backend)"
+            else:
+                try:
+                    mps = _lane.mps_enabled(device.index if device.index is not None else torch.cuda.current_device())
+                except OSError as e:
+                    why = f"libcuda: {e}"
+                else:
+                    if not mps and self.requested_path == "auto":
+                        why = "this process's GPU contexts are not shared through MPS (a lane call would cost a context switch)"
+            self._why[key] = why
+        return self._why[key]
+
     def _why_not(self, path: str, device) -> str | None:
-        cuda = path.endswith("cuda_ipc")
+        cuda = _on_gpu(path)
         if cuda and device.type != "cuda":
             return "the tensors are not on a CUDA device"
-        reasons = [self._cuda_why(device) if cuda else None, self._ring_why() if path.startswith("ring") else None]
+        reasons = [self._cuda_why(device) if cuda else None, self._ring_why() if path.startswith("ring") else None,
+                   self._lane_why(device) if path == "gpu" else None]
         return next((r for r in reasons if r is not None), None)
 
-    def _choose(self, device) -> str:
-        key = str(device)
+    def _choose(self, device, m: int | None = None) -> str:
+        """The path for calls on device; with m, for M = m calls, which
+        the "gpu" path may have refused (no lane for that M)."""
+        key = str(device) if m is None or self._paths.get(str(device)) != "gpu" else f"{device}/m={m}"
         if key in self._paths:
             return self._paths[key]
+        if m is not None and key != str(device):
+            why = self._why.get(f"nolane:{device}") or self._gpu_lane(device, m)
+            if why is None:
+                self._paths[key] = "gpu"
+                return "gpu"
+            path = next(p for p in PATHS[1:] if self._why_not(p, device) is None or p == "grpc")
+            self._paths[key] = path
+            log.info("RemoteMoE %s on %s, M=%d: path %s (gpu unavailable: %s)", self.name, device, m, path, why)
+            return path
         if self.requested_path != "auto":
             why = self._why_not(self.requested_path, device)
             if why is not None:
@@ -358,7 +458,7 @@ class RemoteMoE(nn.Module):
         else:
             skipped = []
             for path in PATHS:
-                if path.endswith("cuda_ipc") and device.type != "cuda":
+                if _on_gpu(path) and device.type != "cuda":
                     continue
                 why = self._why_not(path, device) if path != "grpc" else None
                 if why is None:
@@ -367,9 +467,41 @@ class RemoteMoE(nn.Module):
         self._paths[key] = path
         log.info("RemoteMoE %s on %s: path %s%s", self.name, key, path,
                  f" ({'; '.join(skipped)})" if skipped else "")
+        if path == "gpu" and m is not None:
+            return self._choose(device, m)
         return path
 
+    def _gpu_lane(self, device, m: int) -> str | None:
+        """Opens the lane for M = m calls on device; None when it serves,
+        else why not (path="gpu" raises instead)."""
+        try:
+            if len(self._link.lanes) >= MAX_LANES:
+                raise ValueError(f"this module already has {MAX_LANES} lanes (MAX_LANES)")
+            gl = self._link.lane(device, m, self.gate_weight.shape[1], self.gate_weight.shape[0], self.name, self.routing)
+        except (ExpertdError, ValueError, OSError, RuntimeError) as e:
+            if self.requested_path == "gpu":
+                raise
+            return f"opening a lane failed: {e}"
+        self.lane_mps = gl.lane.mps
+        if gl.lane.mps:
+            return None
+        if self.requested_path == "gpu":
+            log.warning("RemoteMoE %s: the daemon's GPU contexts are not shared through MPS: each lane call costs a "
+                        "context switch (about 0.3 ms); start the MPS control daemon for both processes", self.name)
+            return None
+        self._link.close_lane((str(device), m))
+        why = "the daemon's GPU contexts are not shared through MPS (a lane call would cost a context switch)"
+        self._why[f"nolane:{device}"] = why
+        return why
+
     # Calls.
+
+    def _call_gpu(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        gl = self._link.lanes[(str(x.device), x.shape[0])]
+        gl.h.copy_(x)
+        gl.lg.copy_(logits)
+        gl.lane.enqueue(torch.cuda.current_stream(x.device).cuda_stream)
+        return gl.out.clone()
 
     def _call_cuda(self, x: torch.Tensor, logits: torch.Tensor, ring: bool) -> torch.Tensor:
         m, k = x.shape
@@ -411,8 +543,10 @@ class RemoteMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits = F.linear(x.float(), self.gate_weight.float())
-        self.path = self._choose(x.device)
-        if self.path.endswith("cuda_ipc"):
+        self.path = self._choose(x.device, x.shape[0])
+        if self.path == "gpu":
+            y = self._call_gpu(x.to(torch.bfloat16), logits)
+        elif self.path.endswith("cuda_ipc"):
             y = self._call_cuda(x.to(torch.bfloat16), logits, ring=self.path.startswith("ring"))
         else:
             out = self.output_dtype or ("float32" if hidden_states.dtype == torch.float32 else "bfloat16")

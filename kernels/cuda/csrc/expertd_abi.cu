@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "expertd_cuda.h"
@@ -40,6 +41,12 @@ void expertd_call_init(expertd_call* c) {
 int expertd_init(int device, const expertd_options* opts) {
   g_last_error.clear();
   if (int rc = set_options(opts)) return rc;
+  // A lane's stream blocks on a stream memory wait until its caller rings;
+  // streams beyond the device's hardware queues share one, and work queued
+  // behind such a wait on a shared queue waits with it (another lane's, a
+  // set's, the stop write that closes a lane). The most queues the driver
+  // gives, unless the process asked for a number, before the context exists.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   if (int rc = check_device(device)) return rc;
   CK(cudaSetDevice(device));
   CK(cudaFree(nullptr));  // creates the primary context now, not in the first call
@@ -160,6 +167,22 @@ int expertd_copy(int device, uint64_t dst, uint64_t src, uint64_t bytes) {
   CK(cudaSetDevice(device));
   CK(cudaMemcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), size_t(bytes), cudaMemcpyDefault));
   return EXPERTD_OK;
+}
+
+int expertd_lane_open(uint64_t set, const expertd_call* call, int depth, uint64_t* lane, uint8_t* flags_handle,
+                      int handle_len) {
+  g_last_error.clear();
+  return lane_open(set, call, depth, lane, flags_handle, handle_len);
+}
+
+int expertd_lane_stats(uint64_t lane, uint64_t* served, int32_t* mode) {
+  g_last_error.clear();
+  return lane_stats(lane, served, mode);
+}
+
+int expertd_lane_close(uint64_t lane) {
+  g_last_error.clear();
+  return lane_close(lane);
 }
 
 }  // extern "C"

@@ -176,7 +176,9 @@ EXPERTD_API void expertd_call_init(expertd_call* call);
  * stream, workspace and pinned staging, so one call's copies overlap
  * another's kernels. The options apply to the whole process (the last init
  * wins; sets created before keep their poison switch). Any thread may call
- * the library. */
+ * the library. Unless the environment sets CUDA_DEVICE_MAX_CONNECTIONS,
+ * the first init sets it to 32 (for the lanes below: a stream blocked on
+ * its doorbell must not share a hardware queue with other streams). */
 EXPERTD_API int expertd_init(int device, const expertd_options* opts);
 
 /* expertd_device_info writes a NUL-terminated description of device into buf
@@ -271,6 +273,45 @@ EXPERTD_API int expertd_dev_alloc(int device, uint64_t bytes, uint64_t* dev_ptr)
 EXPERTD_API int expertd_dev_free(int device, uint64_t dev_ptr);
 EXPERTD_API int expertd_ipc_export(int device, uint64_t dev_ptr, uint8_t* handle, int handle_len);
 EXPERTD_API int expertd_copy(int device, uint64_t dst, uint64_t src, uint64_t bytes);
+
+/* GPU-ordered lanes (docs/gpu-ordered.md). A lane serves one call shape
+ * on one set for a caller whose tensors live on the same GPU, with no host
+ * thread of either process on a call's path. Its two 32-bit flags live in
+ * an allocation of EXPERTD_LANE_FLAGS_BYTES the library makes and exports
+ * as a CUDA IPC handle: doorbell at byte EXPERTD_LANE_DOORBELL, done at
+ * EXPERTD_LANE_DONE, both 0 at rest. The caller, per call, on its stream:
+ * cuStreamWriteValue32(done, 0), cuStreamWriteValue32(doorbell, 1),
+ * cuStreamWaitValue32(done == 1); the values are constants, so its side
+ * may be captured into a CUDA graph and replayed. The library keeps depth
+ * calls enqueued on the lane's own stream, each waiting for the doorbell
+ * (>= 1), resetting it, running the call and writing done = 1; a thread
+ * of the library enqueues the next as each completes. Closing sets the
+ * doorbell to EXPERTD_LANE_STOP, which the calls still enqueued pass
+ * without running (where the mode has EXPERTD_LANE_SKIPS; otherwise they
+ * run once more on the buffers, which the caller must keep until close
+ * returns).
+ *
+ * expertd_lane_open takes a call as expertd_moe_device does (hidden,
+ * logits and out in device memory; no hidden_scale, no precomputed or
+ * returned routing); correction_bias, if any, is host memory copied at
+ * open. Its addresses and shape serve every call of the lane; call->stream
+ * is ignored. depth is 1..EXPERTD_MAX_LANE_DEPTH; flags_handle receives
+ * the flags' EXPERTD_IPC_HANDLE_BYTES-byte IPC handle. expertd_lane_stats
+ * reports the calls the lane ran and its mode (EXPERTD_LANE_* bits).
+ * expertd_lane_close releases the enqueued calls, waits for them and frees
+ * the lane; the set stays loaded until its lanes are closed. */
+#define EXPERTD_MAX_LANE_DEPTH 64
+#define EXPERTD_LANE_FLAGS_BYTES 256
+#define EXPERTD_LANE_DOORBELL 0
+#define EXPERTD_LANE_DONE 128
+#define EXPERTD_LANE_STOP 2
+#define EXPERTD_LANE_MPS 1   /* mode: the device's contexts are shared through MPS */
+#define EXPERTD_LANE_SKIPS 2 /* mode: calls released by close skip the MoE work */
+
+EXPERTD_API int expertd_lane_open(uint64_t set, const expertd_call* call, int depth, uint64_t* lane,
+                                  uint8_t* flags_handle, int handle_len);
+EXPERTD_API int expertd_lane_stats(uint64_t lane, uint64_t* served, int32_t* mode);
+EXPERTD_API int expertd_lane_close(uint64_t lane);
 
 /* expertd_last_error describes the calling thread's last failure ("" if
  * none). The string stays valid until that thread's next call. */

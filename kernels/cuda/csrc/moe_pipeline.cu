@@ -110,6 +110,8 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   return L;
 }
 
+}  // namespace
+
 int ensure_workspace(Lane& l, const Layout& L) {
   if (L.total <= l.ws_bytes) return EXPERTD_OK;
   CK(cudaStreamSynchronize(l.stream));
@@ -124,6 +126,8 @@ int ensure_workspace(Lane& l, const Layout& L) {
   l.ws_bytes = want;
   return EXPERTD_OK;
 }
+
+namespace {
 
 int ensure_pinned(uint8_t** p, size_t* have, size_t want) {
   if (want <= *have) return EXPERTD_OK;
@@ -765,14 +769,6 @@ int run_device(uint64_t handle, const expertd_call* call) {
   std::shared_ptr<Set> sp;
   if (int rc = begin_call(handle, call, "moe_device", &sp, &c)) return rc;
   Set& s = *sp;
-  const expertd_call& k = *call;
-  const bool have_topk = k.topk_ids_in.data && k.topk_weights_in.data;
-  const void* hidden = k.hidden.data;
-  void* out = k.out.data;
-  const auto* topk_ids_in = static_cast<const int32_t*>(k.topk_ids_in.data);
-  const auto* topk_w_in = static_cast<const float*>(k.topk_weights_in.data);
-  auto* topk_ids_out = static_cast<int32_t*>(k.topk_ids_out.data);
-  auto* topk_w_out = static_cast<float*>(k.topk_weights_out.data);
   CK(cudaSetDevice(s.device));
   // Its own lane, apart from the host entry's: the caller orders these
   // calls (one stream at a time), and the work may be captured into the
@@ -784,9 +780,8 @@ int run_device(uint64_t handle, const expertd_call* call) {
     CK(cudaStreamCreateWithFlags(&s.dev_lane->stream, cudaStreamNonBlocking));
   }
   Lane& ln = *s.dev_lane;
-  const bool sm90 = use_sm90(s, c);
-  const Layout L = layout(s, c, block_rows_for(s, c, sm90));
-  cudaStream_t st = reinterpret_cast<cudaStream_t>(uintptr_t(k.stream));
+  const Layout L = call_layout(s, c);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(uintptr_t(call->stream));
   if (L.total > ln.ws_bytes) {
     // Growing frees the old workspace, which work queued on the caller's
     // stream may still read.
@@ -794,9 +789,24 @@ int run_device(uint64_t handle, const expertd_call* call) {
     if (int rc = ensure_workspace(ln, L)) return rc;
     CK(cudaStreamSynchronize(ln.stream));
   }
+  return enqueue_device(s, ln.ws, c, L, *call, st);
+}
+
+Layout call_layout(const Set& s, const Call& c) { return layout(s, c, block_rows_for(s, c, use_sm90(s, c))); }
+
+int check_device_call(uint64_t handle, const expertd_call* call, const char* op, std::shared_ptr<Set>* sp, Call* c) {
+  return begin_call(handle, call, op, sp, c);
+}
+
+int enqueue_device(Set& s, uint8_t* ws, const Call& c, const Layout& L, const expertd_call& k, cudaStream_t st) {
+  const bool have_topk = k.topk_ids_in.data && k.topk_weights_in.data;
+  const auto* topk_ids_in = static_cast<const int32_t*>(k.topk_ids_in.data);
+  const auto* topk_w_in = static_cast<const float*>(k.topk_weights_in.data);
+  auto* topk_ids_out = static_cast<int32_t*>(k.topk_ids_out.data);
+  auto* topk_w_out = static_cast<float*>(k.topk_weights_out.data);
   const size_t P = L.p;
   Ptrs p;
-  p.hidden = hidden;
+  p.hidden = k.hidden.data;
   p.hidden_scale = static_cast<const float*>(k.hidden_scale.data);
   p.logits = k.logits.data;
   p.bias = c.have_bias ? static_cast<const float*>(k.correction_bias.data) : nullptr;
@@ -804,11 +814,11 @@ int run_device(uint64_t handle, const expertd_call* call) {
     p.ids = const_cast<int32_t*>(topk_ids_in);
     p.w = const_cast<float*>(topk_w_in);
   } else {
-    p.ids = topk_ids_out ? topk_ids_out : reinterpret_cast<int32_t*>(ln.ws + L.ids);
-    p.w = topk_w_out ? topk_w_out : reinterpret_cast<float*>(ln.ws + L.w);
+    p.ids = topk_ids_out ? topk_ids_out : reinterpret_cast<int32_t*>(ws + L.ids);
+    p.w = topk_w_out ? topk_w_out : reinterpret_cast<float*>(ws + L.w);
   }
-  p.out = out;
-  if (int rc = enqueue(s, ln.ws, c, L, p, st)) return rc;
+  p.out = k.out.data;
+  if (int rc = enqueue(s, ws, c, L, p, st)) return rc;
   if (have_topk) {
     if (topk_ids_out) CK(cudaMemcpyAsync(topk_ids_out, topk_ids_in, P * 4, cudaMemcpyDeviceToDevice, st));
     if (topk_w_out) CK(cudaMemcpyAsync(topk_w_out, topk_w_in, P * 4, cudaMemcpyDeviceToDevice, st));

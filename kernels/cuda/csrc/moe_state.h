@@ -233,4 +233,22 @@ int set_options(const expertd_options* opts);
 int run_host(uint64_t handle, const expertd_call* call);
 int run_device(uint64_t handle, const expertd_call* call);
 
+// The device path's pieces, shared by run_device and the lanes (lane.cu):
+// check_device_call validates a call and finds its set (op names the entry
+// point in errors); call_layout is the workspace a call needs;
+// ensure_workspace grows a lane's workspace to it (synchronizing its
+// stream); enqueue_device enqueues the call, its buffers in device memory,
+// on st with no host synchronization, so it may be captured.
+int check_device_call(uint64_t handle, const expertd_call* call, const char* op, std::shared_ptr<Set>* sp, Call* c);
+Layout call_layout(const Set& s, const Call& c);
+int ensure_workspace(Lane& l, const Layout& L);
+int enqueue_device(Set& s, uint8_t* ws, const Call& c, const Layout& L, const expertd_call& k, cudaStream_t st);
+
+// The GPU-ordered lanes (lane.cu; expertd_cuda.h documents the entry
+// points of the same names).
+int lane_open(uint64_t set, const expertd_call* call, int depth, uint64_t* lane, uint8_t* flags_handle,
+              int handle_len);
+int lane_stats(uint64_t lane, uint64_t* served, int32_t* mode);
+int lane_close(uint64_t lane);
+
 }  // namespace expertd

@@ -1841,7 +1841,9 @@ type ServerInfo struct {
 	// identities) and the trace collector URL read "(set)" or "" only.
 	Settings map[string]string `protobuf:"bytes,7,rep,name=settings,proto3" json:"settings,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// Call rings (AttachRing) as served.
-	Ring          *ServerInfo_RingInfo `protobuf:"bytes,5,opt,name=ring,proto3" json:"ring,omitempty"`
+	Ring *ServerInfo_RingInfo `protobuf:"bytes,5,opt,name=ring,proto3" json:"ring,omitempty"`
+	// GPU-ordered lanes (OpenLane) as served.
+	Lane          *ServerInfo_LaneInfo `protobuf:"bytes,8,opt,name=lane,proto3" json:"lane,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1921,6 +1923,13 @@ func (x *ServerInfo) GetSettings() map[string]string {
 func (x *ServerInfo) GetRing() *ServerInfo_RingInfo {
 	if x != nil {
 		return x.Ring
+	}
+	return nil
+}
+
+func (x *ServerInfo) GetLane() *ServerInfo_LaneInfo {
+	if x != nil {
+		return x.Lane
 	}
 	return nil
 }
@@ -2506,6 +2515,176 @@ func (x *AttachRingResponse) GetSpinNanos() int64 {
 	return 0
 }
 
+// OpenLaneRequest describes the one call every ring of the lane runs.
+type OpenLaneRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The call, validated as a FusedMoE request: expert_set names a loaded
+	// set (inline weights are refused); hidden_states.shm, router_logits.shm
+	// and output_shm reference SHARED_MEMORY_KIND_CUDA_IPC regions of this
+	// connection, which stay held while the lane is open; hidden_states_scale,
+	// topk_ids, topk_weights and return_routing are not set. Its routing
+	// parameters and dtypes serve every call. Each ring reads the tensors'
+	// bytes as they are when the caller's stream reaches the doorbell and
+	// writes the output before done.
+	Call *FusedMoERequest `protobuf:"bytes,1,opt,name=call,proto3" json:"call,omitempty"`
+	// Calls the server keeps enqueued ahead of the caller: 1 to
+	// ServerInfo.lane.max_depth; 0 means 8. A chain of calls longer than
+	// depth still runs, each enqueued when an earlier one completes.
+	Depth         uint32 `protobuf:"varint,2,opt,name=depth,proto3" json:"depth,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenLaneRequest) Reset() {
+	*x = OpenLaneRequest{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenLaneRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenLaneRequest) ProtoMessage() {}
+
+func (x *OpenLaneRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenLaneRequest.ProtoReflect.Descriptor instead.
+func (*OpenLaneRequest) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *OpenLaneRequest) GetCall() *FusedMoERequest {
+	if x != nil {
+		return x.Call
+	}
+	return nil
+}
+
+func (x *OpenLaneRequest) GetDepth() uint32 {
+	if x != nil {
+		return x.Depth
+	}
+	return 0
+}
+
+// OpenLaneResponse says the lane is served and where its flags are.
+type OpenLaneResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The cudaIpcMemHandle_t (64 bytes) of the device allocation holding
+	// the flags, flags_byte_size bytes; the caller opens it on the server's
+	// GPU (cuIpcOpenMemHandle) and closes it once this call has ended.
+	FlagsCudaIpcHandle []byte `protobuf:"bytes,1,opt,name=flags_cuda_ipc_handle,json=flagsCudaIpcHandle,proto3" json:"flags_cuda_ipc_handle,omitempty"`
+	FlagsByteSize      int64  `protobuf:"varint,2,opt,name=flags_byte_size,json=flagsByteSize,proto3" json:"flags_byte_size,omitempty"`
+	// Byte offsets of the two 32-bit flags in that allocation; both are 0
+	// between calls.
+	DoorbellOffset int64 `protobuf:"varint,3,opt,name=doorbell_offset,json=doorbellOffset,proto3" json:"doorbell_offset,omitempty"`
+	DoneOffset     int64 `protobuf:"varint,4,opt,name=done_offset,json=doneOffset,proto3" json:"done_offset,omitempty"`
+	// The calls the server keeps enqueued.
+	Depth uint32 `protobuf:"varint,5,opt,name=depth,proto3" json:"depth,omitempty"`
+	// The server's GPU contexts are shared through MPS (its control daemon
+	// runs and this server is its client). The caller should be one too:
+	// without MPS the processes' contexts time-slice the GPU and each call
+	// costs a context switch (about 0.3 ms) instead of a few microseconds.
+	Mps bool `protobuf:"varint,6,opt,name=mps,proto3" json:"mps,omitempty"`
+	// Calls the server still has enqueued when the lane ends are released
+	// without running. When false they run once more on the lane's buffers
+	// before the call ends.
+	SkipsOnClose  bool `protobuf:"varint,7,opt,name=skips_on_close,json=skipsOnClose,proto3" json:"skips_on_close,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenLaneResponse) Reset() {
+	*x = OpenLaneResponse{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenLaneResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenLaneResponse) ProtoMessage() {}
+
+func (x *OpenLaneResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenLaneResponse.ProtoReflect.Descriptor instead.
+func (*OpenLaneResponse) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *OpenLaneResponse) GetFlagsCudaIpcHandle() []byte {
+	if x != nil {
+		return x.FlagsCudaIpcHandle
+	}
+	return nil
+}
+
+func (x *OpenLaneResponse) GetFlagsByteSize() int64 {
+	if x != nil {
+		return x.FlagsByteSize
+	}
+	return 0
+}
+
+func (x *OpenLaneResponse) GetDoorbellOffset() int64 {
+	if x != nil {
+		return x.DoorbellOffset
+	}
+	return 0
+}
+
+func (x *OpenLaneResponse) GetDoneOffset() int64 {
+	if x != nil {
+		return x.DoneOffset
+	}
+	return 0
+}
+
+func (x *OpenLaneResponse) GetDepth() uint32 {
+	if x != nil {
+		return x.Depth
+	}
+	return 0
+}
+
+func (x *OpenLaneResponse) GetMps() bool {
+	if x != nil {
+		return x.Mps
+	}
+	return false
+}
+
+func (x *OpenLaneResponse) GetSkipsOnClose() bool {
+	if x != nil {
+		return x.SkipsOnClose
+	}
+	return false
+}
+
 // Header names the set and declares its tensors.
 type LoadExpertsRequest_Header struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2530,7 +2709,7 @@ type LoadExpertsRequest_Header struct {
 
 func (x *LoadExpertsRequest_Header) Reset() {
 	*x = LoadExpertsRequest_Header{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[24]
+	mi := &file_expertd_v1_expert_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2542,7 +2721,7 @@ func (x *LoadExpertsRequest_Header) String() string {
 func (*LoadExpertsRequest_Header) ProtoMessage() {}
 
 func (x *LoadExpertsRequest_Header) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[24]
+	mi := &file_expertd_v1_expert_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2610,7 +2789,7 @@ type LoadExpertsRequest_Chunk struct {
 
 func (x *LoadExpertsRequest_Chunk) Reset() {
 	*x = LoadExpertsRequest_Chunk{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[25]
+	mi := &file_expertd_v1_expert_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2622,7 +2801,7 @@ func (x *LoadExpertsRequest_Chunk) String() string {
 func (*LoadExpertsRequest_Chunk) ProtoMessage() {}
 
 func (x *LoadExpertsRequest_Chunk) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[25]
+	mi := &file_expertd_v1_expert_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2752,7 +2931,7 @@ type LoadExpertsRequest_SafetensorsSource struct {
 
 func (x *LoadExpertsRequest_SafetensorsSource) Reset() {
 	*x = LoadExpertsRequest_SafetensorsSource{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[26]
+	mi := &file_expertd_v1_expert_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2764,7 +2943,7 @@ func (x *LoadExpertsRequest_SafetensorsSource) String() string {
 func (*LoadExpertsRequest_SafetensorsSource) ProtoMessage() {}
 
 func (x *LoadExpertsRequest_SafetensorsSource) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[26]
+	mi := &file_expertd_v1_expert_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2959,7 +3138,7 @@ type ServerInfo_BackendInfo struct {
 
 func (x *ServerInfo_BackendInfo) Reset() {
 	*x = ServerInfo_BackendInfo{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[27]
+	mi := &file_expertd_v1_expert_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2971,7 +3150,7 @@ func (x *ServerInfo_BackendInfo) String() string {
 func (*ServerInfo_BackendInfo) ProtoMessage() {}
 
 func (x *ServerInfo_BackendInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[27]
+	mi := &file_expertd_v1_expert_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3062,7 +3241,7 @@ type ServerInfo_Limits struct {
 
 func (x *ServerInfo_Limits) Reset() {
 	*x = ServerInfo_Limits{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[28]
+	mi := &file_expertd_v1_expert_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3074,7 +3253,7 @@ func (x *ServerInfo_Limits) String() string {
 func (*ServerInfo_Limits) ProtoMessage() {}
 
 func (x *ServerInfo_Limits) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[28]
+	mi := &file_expertd_v1_expert_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3179,7 +3358,7 @@ type ServerInfo_Transport struct {
 
 func (x *ServerInfo_Transport) Reset() {
 	*x = ServerInfo_Transport{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[29]
+	mi := &file_expertd_v1_expert_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3191,7 +3370,7 @@ func (x *ServerInfo_Transport) String() string {
 func (*ServerInfo_Transport) ProtoMessage() {}
 
 func (x *ServerInfo_Transport) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[29]
+	mi := &file_expertd_v1_expert_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3249,6 +3428,70 @@ func (x *ServerInfo_Transport) GetMaxConnectionAgeGraceNanos() int64 {
 	return 0
 }
 
+// LaneInfo is the lane service's settings.
+type ServerInfo_LaneInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// OpenLane is served (-shared-memory and a backend with lanes).
+	Enabled bool `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"`
+	// Lanes open at once on the server (-lane-max).
+	MaxLanes int32 `protobuf:"varint,2,opt,name=max_lanes,json=maxLanes,proto3" json:"max_lanes,omitempty"`
+	// Largest OpenLaneRequest.depth.
+	MaxDepth      uint32 `protobuf:"varint,3,opt,name=max_depth,json=maxDepth,proto3" json:"max_depth,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ServerInfo_LaneInfo) Reset() {
+	*x = ServerInfo_LaneInfo{}
+	mi := &file_expertd_v1_expert_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ServerInfo_LaneInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ServerInfo_LaneInfo) ProtoMessage() {}
+
+func (x *ServerInfo_LaneInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_expertd_v1_expert_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ServerInfo_LaneInfo.ProtoReflect.Descriptor instead.
+func (*ServerInfo_LaneInfo) Descriptor() ([]byte, []int) {
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{14, 4}
+}
+
+func (x *ServerInfo_LaneInfo) GetEnabled() bool {
+	if x != nil {
+		return x.Enabled
+	}
+	return false
+}
+
+func (x *ServerInfo_LaneInfo) GetMaxLanes() int32 {
+	if x != nil {
+		return x.MaxLanes
+	}
+	return 0
+}
+
+func (x *ServerInfo_LaneInfo) GetMaxDepth() uint32 {
+	if x != nil {
+		return x.MaxDepth
+	}
+	return 0
+}
+
 // RingInfo is the call-ring service's settings.
 type ServerInfo_RingInfo struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3271,7 +3514,7 @@ type ServerInfo_RingInfo struct {
 
 func (x *ServerInfo_RingInfo) Reset() {
 	*x = ServerInfo_RingInfo{}
-	mi := &file_expertd_v1_expert_proto_msgTypes[31]
+	mi := &file_expertd_v1_expert_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3283,7 +3526,7 @@ func (x *ServerInfo_RingInfo) String() string {
 func (*ServerInfo_RingInfo) ProtoMessage() {}
 
 func (x *ServerInfo_RingInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_expertd_v1_expert_proto_msgTypes[31]
+	mi := &file_expertd_v1_expert_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3296,7 +3539,7 @@ func (x *ServerInfo_RingInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ServerInfo_RingInfo.ProtoReflect.Descriptor instead.
 func (*ServerInfo_RingInfo) Descriptor() ([]byte, []int) {
-	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{14, 4}
+	return file_expertd_v1_expert_proto_rawDescGZIP(), []int{14, 5}
 }
 
 func (x *ServerInfo_RingInfo) GetEnabled() bool {
@@ -3492,7 +3735,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x15UnloadExpertsResponse\x12\x1f\n" +
 	"\vfreed_bytes\x18\x01 \x01(\x03R\n" +
 	"freedBytes\"\x16\n" +
-	"\x14GetServerInfoRequest\"\xf3\f\n" +
+	"\x14GetServerInfoRequest\"\x88\x0e\n" +
 	"\n" +
 	"ServerInfo\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12>\n" +
@@ -3501,7 +3744,8 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x06limits\x18\x04 \x01(\v2\x1d.expertd.v1.ServerInfo.LimitsR\x06limits\x12>\n" +
 	"\ttransport\x18\x06 \x01(\v2 .expertd.v1.ServerInfo.TransportR\ttransport\x12@\n" +
 	"\bsettings\x18\a \x03(\v2$.expertd.v1.ServerInfo.SettingsEntryR\bsettings\x123\n" +
-	"\x04ring\x18\x05 \x01(\v2\x1f.expertd.v1.ServerInfo.RingInfoR\x04ring\x1a\xc1\x02\n" +
+	"\x04ring\x18\x05 \x01(\v2\x1f.expertd.v1.ServerInfo.RingInfoR\x04ring\x123\n" +
+	"\x04lane\x18\b \x01(\v2\x1f.expertd.v1.ServerInfo.LaneInfoR\x04lane\x1a\xc1\x02\n" +
 	"\vBackendInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x128\n" +
 	"\vactivations\x18\x02 \x03(\x0e2\x16.expertd.v1.ActivationR\vactivations\x12$\n" +
@@ -3534,7 +3778,11 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x1emax_connection_age_grace_nanos\x18\x06 \x01(\x03R\x1amaxConnectionAgeGraceNanos\x1a;\n" +
 	"\rSettingsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a\xc2\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a^\n" +
+	"\bLaneInfo\x12\x18\n" +
+	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x1b\n" +
+	"\tmax_lanes\x18\x02 \x01(\x05R\bmaxLanes\x12\x1b\n" +
+	"\tmax_depth\x18\x03 \x01(\rR\bmaxDepth\x1a\xc2\x01\n" +
 	"\bRingInfo\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x18\n" +
 	"\aversion\x18\x02 \x01(\rR\aversion\x12\x1d\n" +
@@ -3579,7 +3827,19 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x12AttachRingResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1d\n" +
 	"\n" +
-	"spin_nanos\x18\x02 \x01(\x03R\tspinNanos*\xb8\x01\n" +
+	"spin_nanos\x18\x02 \x01(\x03R\tspinNanos\"X\n" +
+	"\x0fOpenLaneRequest\x12/\n" +
+	"\x04call\x18\x01 \x01(\v2\x1b.expertd.v1.FusedMoERequestR\x04call\x12\x14\n" +
+	"\x05depth\x18\x02 \x01(\rR\x05depth\"\x85\x02\n" +
+	"\x10OpenLaneResponse\x121\n" +
+	"\x15flags_cuda_ipc_handle\x18\x01 \x01(\fR\x12flagsCudaIpcHandle\x12&\n" +
+	"\x0fflags_byte_size\x18\x02 \x01(\x03R\rflagsByteSize\x12'\n" +
+	"\x0fdoorbell_offset\x18\x03 \x01(\x03R\x0edoorbellOffset\x12\x1f\n" +
+	"\vdone_offset\x18\x04 \x01(\x03R\n" +
+	"doneOffset\x12\x14\n" +
+	"\x05depth\x18\x05 \x01(\rR\x05depth\x12\x10\n" +
+	"\x03mps\x18\x06 \x01(\bR\x03mps\x12$\n" +
+	"\x0eskips_on_close\x18\a \x01(\bR\fskipsOnClose*\xb8\x01\n" +
 	"\bDataType\x12\x19\n" +
 	"\x15DATA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11DATA_TYPE_FLOAT32\x10\x01\x12\x16\n" +
@@ -3617,7 +3877,7 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x10SharedMemoryKind\x12\"\n" +
 	"\x1eSHARED_MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18SHARED_MEMORY_KIND_POSIX\x10\x01\x12\x1f\n" +
-	"\x1bSHARED_MEMORY_KIND_CUDA_IPC\x10\x022\xee\x06\n" +
+	"\x1bSHARED_MEMORY_KIND_CUDA_IPC\x10\x022\xb7\a\n" +
 	"\rExpertService\x12J\n" +
 	"\vLoadExperts\x12\x1e.expertd.v1.LoadExpertsRequest\x1a\x19.expertd.v1.ExpertSetInfo(\x01\x12N\n" +
 	"\vListExperts\x12\x1e.expertd.v1.ListExpertsRequest\x1a\x1f.expertd.v1.ListExpertsResponse\x12T\n" +
@@ -3629,7 +3889,8 @@ const file_expertd_v1_expert_proto_rawDesc = "" +
 	"\x16UnregisterSharedMemory\x12).expertd.v1.UnregisterSharedMemoryRequest\x1a*.expertd.v1.UnregisterSharedMemoryResponse\x12]\n" +
 	"\x10ListSharedMemory\x12#.expertd.v1.ListSharedMemoryRequest\x1a$.expertd.v1.ListSharedMemoryResponse\x12M\n" +
 	"\n" +
-	"AttachRing\x12\x1d.expertd.v1.AttachRingRequest\x1a\x1e.expertd.v1.AttachRingResponse0\x01B7Z5github.com/expertd/expertd/proto/expertd/v1;expertdv1b\x06proto3"
+	"AttachRing\x12\x1d.expertd.v1.AttachRingRequest\x1a\x1e.expertd.v1.AttachRingResponse0\x01\x12G\n" +
+	"\bOpenLane\x12\x1b.expertd.v1.OpenLaneRequest\x1a\x1c.expertd.v1.OpenLaneResponse0\x01B7Z5github.com/expertd/expertd/proto/expertd/v1;expertdv1b\x06proto3"
 
 var (
 	file_expertd_v1_expert_proto_rawDescOnce sync.Once
@@ -3644,7 +3905,7 @@ func file_expertd_v1_expert_proto_rawDescGZIP() []byte {
 }
 
 var file_expertd_v1_expert_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_expertd_v1_expert_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
 var file_expertd_v1_expert_proto_goTypes = []any{
 	(DataType)(0),                                // 0: expertd.v1.DataType
 	(Activation)(0),                              // 1: expertd.v1.Activation
@@ -3676,16 +3937,19 @@ var file_expertd_v1_expert_proto_goTypes = []any{
 	(*ListSharedMemoryResponse)(nil),             // 27: expertd.v1.ListSharedMemoryResponse
 	(*AttachRingRequest)(nil),                    // 28: expertd.v1.AttachRingRequest
 	(*AttachRingResponse)(nil),                   // 29: expertd.v1.AttachRingResponse
-	(*LoadExpertsRequest_Header)(nil),            // 30: expertd.v1.LoadExpertsRequest.Header
-	(*LoadExpertsRequest_Chunk)(nil),             // 31: expertd.v1.LoadExpertsRequest.Chunk
-	(*LoadExpertsRequest_SafetensorsSource)(nil), // 32: expertd.v1.LoadExpertsRequest.SafetensorsSource
-	(*ServerInfo_BackendInfo)(nil),               // 33: expertd.v1.ServerInfo.BackendInfo
-	(*ServerInfo_Limits)(nil),                    // 34: expertd.v1.ServerInfo.Limits
-	(*ServerInfo_Transport)(nil),                 // 35: expertd.v1.ServerInfo.Transport
-	nil,                                          // 36: expertd.v1.ServerInfo.SettingsEntry
-	(*ServerInfo_RingInfo)(nil),                  // 37: expertd.v1.ServerInfo.RingInfo
-	nil,                                          // 38: expertd.v1.ServerInfo.BackendInfo.DetailsEntry
-	(*timestamppb.Timestamp)(nil),                // 39: google.protobuf.Timestamp
+	(*OpenLaneRequest)(nil),                      // 30: expertd.v1.OpenLaneRequest
+	(*OpenLaneResponse)(nil),                     // 31: expertd.v1.OpenLaneResponse
+	(*LoadExpertsRequest_Header)(nil),            // 32: expertd.v1.LoadExpertsRequest.Header
+	(*LoadExpertsRequest_Chunk)(nil),             // 33: expertd.v1.LoadExpertsRequest.Chunk
+	(*LoadExpertsRequest_SafetensorsSource)(nil), // 34: expertd.v1.LoadExpertsRequest.SafetensorsSource
+	(*ServerInfo_BackendInfo)(nil),               // 35: expertd.v1.ServerInfo.BackendInfo
+	(*ServerInfo_Limits)(nil),                    // 36: expertd.v1.ServerInfo.Limits
+	(*ServerInfo_Transport)(nil),                 // 37: expertd.v1.ServerInfo.Transport
+	nil,                                          // 38: expertd.v1.ServerInfo.SettingsEntry
+	(*ServerInfo_LaneInfo)(nil),                  // 39: expertd.v1.ServerInfo.LaneInfo
+	(*ServerInfo_RingInfo)(nil),                  // 40: expertd.v1.ServerInfo.RingInfo
+	nil,                                          // 41: expertd.v1.ServerInfo.BackendInfo.DetailsEntry
+	(*timestamppb.Timestamp)(nil),                // 42: google.protobuf.Timestamp
 }
 var file_expertd_v1_expert_proto_depIdxs = []int32{
 	0,  // 0: expertd.v1.Tensor.dtype:type_name -> expertd.v1.DataType
@@ -3714,54 +3978,58 @@ var file_expertd_v1_expert_proto_depIdxs = []int32{
 	6,  // 23: expertd.v1.FusedMoEResponse.topk_ids:type_name -> expertd.v1.Tensor
 	6,  // 24: expertd.v1.FusedMoEResponse.topk_weights:type_name -> expertd.v1.Tensor
 	12, // 25: expertd.v1.FusedMoEResponse.timings:type_name -> expertd.v1.Timings
-	30, // 26: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
-	31, // 27: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
-	32, // 28: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
+	32, // 26: expertd.v1.LoadExpertsRequest.header:type_name -> expertd.v1.LoadExpertsRequest.Header
+	33, // 27: expertd.v1.LoadExpertsRequest.chunk:type_name -> expertd.v1.LoadExpertsRequest.Chunk
+	34, // 28: expertd.v1.LoadExpertsRequest.safetensors:type_name -> expertd.v1.LoadExpertsRequest.SafetensorsSource
 	1,  // 29: expertd.v1.ExpertSetInfo.activation:type_name -> expertd.v1.Activation
-	39, // 30: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
+	42, // 30: expertd.v1.ExpertSetInfo.loaded_at:type_name -> google.protobuf.Timestamp
 	9,  // 31: expertd.v1.ExpertSetInfo.routing:type_name -> expertd.v1.Routing
 	14, // 32: expertd.v1.ListExpertsResponse.expert_sets:type_name -> expertd.v1.ExpertSetInfo
-	33, // 33: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
-	34, // 34: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
-	35, // 35: expertd.v1.ServerInfo.transport:type_name -> expertd.v1.ServerInfo.Transport
-	36, // 36: expertd.v1.ServerInfo.settings:type_name -> expertd.v1.ServerInfo.SettingsEntry
-	37, // 37: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
-	5,  // 38: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
-	23, // 39: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
-	5,  // 40: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
-	39, // 41: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
-	23, // 42: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
-	8,  // 43: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
-	3,  // 44: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
-	1,  // 45: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
-	4,  // 46: expertd.v1.LoadExpertsRequest.SafetensorsSource.weight_quantization:type_name -> expertd.v1.WeightQuantization
-	1,  // 47: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
-	38, // 48: expertd.v1.ServerInfo.BackendInfo.details:type_name -> expertd.v1.ServerInfo.BackendInfo.DetailsEntry
-	13, // 49: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
-	15, // 50: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
-	17, // 51: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
-	10, // 52: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
-	10, // 53: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
-	19, // 54: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
-	21, // 55: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
-	24, // 56: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
-	26, // 57: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
-	28, // 58: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
-	14, // 59: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
-	16, // 60: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
-	18, // 61: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
-	11, // 62: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
-	11, // 63: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
-	20, // 64: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
-	22, // 65: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
-	25, // 66: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
-	27, // 67: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
-	29, // 68: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
-	59, // [59:69] is the sub-list for method output_type
-	49, // [49:59] is the sub-list for method input_type
-	49, // [49:49] is the sub-list for extension type_name
-	49, // [49:49] is the sub-list for extension extendee
-	0,  // [0:49] is the sub-list for field type_name
+	35, // 33: expertd.v1.ServerInfo.backends:type_name -> expertd.v1.ServerInfo.BackendInfo
+	36, // 34: expertd.v1.ServerInfo.limits:type_name -> expertd.v1.ServerInfo.Limits
+	37, // 35: expertd.v1.ServerInfo.transport:type_name -> expertd.v1.ServerInfo.Transport
+	38, // 36: expertd.v1.ServerInfo.settings:type_name -> expertd.v1.ServerInfo.SettingsEntry
+	40, // 37: expertd.v1.ServerInfo.ring:type_name -> expertd.v1.ServerInfo.RingInfo
+	39, // 38: expertd.v1.ServerInfo.lane:type_name -> expertd.v1.ServerInfo.LaneInfo
+	5,  // 39: expertd.v1.RegisterSharedMemoryRequest.kind:type_name -> expertd.v1.SharedMemoryKind
+	23, // 40: expertd.v1.RegisterSharedMemoryResponse.region:type_name -> expertd.v1.SharedMemoryRegion
+	5,  // 41: expertd.v1.SharedMemoryRegion.kind:type_name -> expertd.v1.SharedMemoryKind
+	42, // 42: expertd.v1.SharedMemoryRegion.registered_at:type_name -> google.protobuf.Timestamp
+	23, // 43: expertd.v1.ListSharedMemoryResponse.regions:type_name -> expertd.v1.SharedMemoryRegion
+	10, // 44: expertd.v1.OpenLaneRequest.call:type_name -> expertd.v1.FusedMoERequest
+	8,  // 45: expertd.v1.LoadExpertsRequest.Header.weights:type_name -> expertd.v1.ExpertWeights
+	3,  // 46: expertd.v1.LoadExpertsRequest.SafetensorsSource.preset:type_name -> expertd.v1.NamingPreset
+	1,  // 47: expertd.v1.LoadExpertsRequest.SafetensorsSource.activation:type_name -> expertd.v1.Activation
+	4,  // 48: expertd.v1.LoadExpertsRequest.SafetensorsSource.weight_quantization:type_name -> expertd.v1.WeightQuantization
+	1,  // 49: expertd.v1.ServerInfo.BackendInfo.activations:type_name -> expertd.v1.Activation
+	41, // 50: expertd.v1.ServerInfo.BackendInfo.details:type_name -> expertd.v1.ServerInfo.BackendInfo.DetailsEntry
+	13, // 51: expertd.v1.ExpertService.LoadExperts:input_type -> expertd.v1.LoadExpertsRequest
+	15, // 52: expertd.v1.ExpertService.ListExperts:input_type -> expertd.v1.ListExpertsRequest
+	17, // 53: expertd.v1.ExpertService.UnloadExperts:input_type -> expertd.v1.UnloadExpertsRequest
+	10, // 54: expertd.v1.ExpertService.FusedMoE:input_type -> expertd.v1.FusedMoERequest
+	10, // 55: expertd.v1.ExpertService.FusedMoEStream:input_type -> expertd.v1.FusedMoERequest
+	19, // 56: expertd.v1.ExpertService.GetServerInfo:input_type -> expertd.v1.GetServerInfoRequest
+	21, // 57: expertd.v1.ExpertService.RegisterSharedMemory:input_type -> expertd.v1.RegisterSharedMemoryRequest
+	24, // 58: expertd.v1.ExpertService.UnregisterSharedMemory:input_type -> expertd.v1.UnregisterSharedMemoryRequest
+	26, // 59: expertd.v1.ExpertService.ListSharedMemory:input_type -> expertd.v1.ListSharedMemoryRequest
+	28, // 60: expertd.v1.ExpertService.AttachRing:input_type -> expertd.v1.AttachRingRequest
+	30, // 61: expertd.v1.ExpertService.OpenLane:input_type -> expertd.v1.OpenLaneRequest
+	14, // 62: expertd.v1.ExpertService.LoadExperts:output_type -> expertd.v1.ExpertSetInfo
+	16, // 63: expertd.v1.ExpertService.ListExperts:output_type -> expertd.v1.ListExpertsResponse
+	18, // 64: expertd.v1.ExpertService.UnloadExperts:output_type -> expertd.v1.UnloadExpertsResponse
+	11, // 65: expertd.v1.ExpertService.FusedMoE:output_type -> expertd.v1.FusedMoEResponse
+	11, // 66: expertd.v1.ExpertService.FusedMoEStream:output_type -> expertd.v1.FusedMoEResponse
+	20, // 67: expertd.v1.ExpertService.GetServerInfo:output_type -> expertd.v1.ServerInfo
+	22, // 68: expertd.v1.ExpertService.RegisterSharedMemory:output_type -> expertd.v1.RegisterSharedMemoryResponse
+	25, // 69: expertd.v1.ExpertService.UnregisterSharedMemory:output_type -> expertd.v1.UnregisterSharedMemoryResponse
+	27, // 70: expertd.v1.ExpertService.ListSharedMemory:output_type -> expertd.v1.ListSharedMemoryResponse
+	29, // 71: expertd.v1.ExpertService.AttachRing:output_type -> expertd.v1.AttachRingResponse
+	31, // 72: expertd.v1.ExpertService.OpenLane:output_type -> expertd.v1.OpenLaneResponse
+	62, // [62:73] is the sub-list for method output_type
+	51, // [51:62] is the sub-list for method input_type
+	51, // [51:51] is the sub-list for extension type_name
+	51, // [51:51] is the sub-list for extension extendee
+	0,  // [0:51] is the sub-list for field type_name
 }
 
 func init() { file_expertd_v1_expert_proto_init() }
@@ -3788,7 +4056,7 @@ func file_expertd_v1_expert_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_expertd_v1_expert_proto_rawDesc), len(file_expertd_v1_expert_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   33,
+			NumMessages:   36,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -47,6 +47,7 @@ const (
 	ExpertService_UnregisterSharedMemory_FullMethodName = "/expertd.v1.ExpertService/UnregisterSharedMemory"
 	ExpertService_ListSharedMemory_FullMethodName       = "/expertd.v1.ExpertService/ListSharedMemory"
 	ExpertService_AttachRing_FullMethodName             = "/expertd.v1.ExpertService/AttachRing"
+	ExpertService_OpenLane_FullMethodName               = "/expertd.v1.ExpertService/OpenLane"
 )
 
 // ExpertServiceClient is the client API for ExpertService service.
@@ -107,6 +108,22 @@ type ExpertServiceClient interface {
 	// RESOURCE_EXHAUSTED beyond -ring-max-per-conn or -ring-max rings, or
 	// for slots larger than -ring-max-slot-bytes.
 	AttachRing(ctx context.Context, in *AttachRingRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[AttachRingResponse], error)
+	// OpenLane opens a GPU-ordered lane (docs/gpu-ordered.md) for a caller
+	// whose tensors live on the server's GPU: one call shape on one expert
+	// set, its tensors and output in SHARED_MEMORY_KIND_CUDA_IPC regions
+	// registered on this connection. The server answers with one
+	// OpenLaneResponse naming the lane's two flags in device memory, which
+	// the caller maps through CUDA IPC; from then on each call is started
+	// from the caller's CUDA stream (done = 0, doorbell = 1, wait for done
+	// == 1: stream memory operations, capturable in a CUDA graph), with no
+	// message and no host thread on either side. The lane is served until
+	// the caller cancels this call or its connection closes (CANCELLED), or
+	// the server drains (UNAVAILABLE); the caller must not ring it after
+	// that, and keeps its regions registered and its buffers allocated
+	// until this call has ended. Served with -shared-memory by a backend
+	// with lanes (the cuda backend; FAILED_PRECONDITION otherwise);
+	// RESOURCE_EXHAUSTED beyond -lane-max lanes on the server.
+	OpenLane(ctx context.Context, in *OpenLaneRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[OpenLaneResponse], error)
 }
 
 type expertServiceClient struct {
@@ -232,6 +249,25 @@ func (c *expertServiceClient) AttachRing(ctx context.Context, in *AttachRingRequ
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type ExpertService_AttachRingClient = grpc.ServerStreamingClient[AttachRingResponse]
 
+func (c *expertServiceClient) OpenLane(ctx context.Context, in *OpenLaneRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[OpenLaneResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &ExpertService_ServiceDesc.Streams[3], ExpertService_OpenLane_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[OpenLaneRequest, OpenLaneResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ExpertService_OpenLaneClient = grpc.ServerStreamingClient[OpenLaneResponse]
+
 // ExpertServiceServer is the server API for ExpertService service.
 // All implementations must embed UnimplementedExpertServiceServer
 // for forward compatibility.
@@ -290,6 +326,22 @@ type ExpertServiceServer interface {
 	// RESOURCE_EXHAUSTED beyond -ring-max-per-conn or -ring-max rings, or
 	// for slots larger than -ring-max-slot-bytes.
 	AttachRing(*AttachRingRequest, grpc.ServerStreamingServer[AttachRingResponse]) error
+	// OpenLane opens a GPU-ordered lane (docs/gpu-ordered.md) for a caller
+	// whose tensors live on the server's GPU: one call shape on one expert
+	// set, its tensors and output in SHARED_MEMORY_KIND_CUDA_IPC regions
+	// registered on this connection. The server answers with one
+	// OpenLaneResponse naming the lane's two flags in device memory, which
+	// the caller maps through CUDA IPC; from then on each call is started
+	// from the caller's CUDA stream (done = 0, doorbell = 1, wait for done
+	// == 1: stream memory operations, capturable in a CUDA graph), with no
+	// message and no host thread on either side. The lane is served until
+	// the caller cancels this call or its connection closes (CANCELLED), or
+	// the server drains (UNAVAILABLE); the caller must not ring it after
+	// that, and keeps its regions registered and its buffers allocated
+	// until this call has ended. Served with -shared-memory by a backend
+	// with lanes (the cuda backend; FAILED_PRECONDITION otherwise);
+	// RESOURCE_EXHAUSTED beyond -lane-max lanes on the server.
+	OpenLane(*OpenLaneRequest, grpc.ServerStreamingServer[OpenLaneResponse]) error
 	mustEmbedUnimplementedExpertServiceServer()
 }
 
@@ -329,6 +381,9 @@ func (UnimplementedExpertServiceServer) ListSharedMemory(context.Context, *ListS
 }
 func (UnimplementedExpertServiceServer) AttachRing(*AttachRingRequest, grpc.ServerStreamingServer[AttachRingResponse]) error {
 	return status.Error(codes.Unimplemented, "method AttachRing not implemented")
+}
+func (UnimplementedExpertServiceServer) OpenLane(*OpenLaneRequest, grpc.ServerStreamingServer[OpenLaneResponse]) error {
+	return status.Error(codes.Unimplemented, "method OpenLane not implemented")
 }
 func (UnimplementedExpertServiceServer) mustEmbedUnimplementedExpertServiceServer() {}
 func (UnimplementedExpertServiceServer) testEmbeddedByValue()                       {}
@@ -502,6 +557,17 @@ func _ExpertService_AttachRing_Handler(srv interface{}, stream grpc.ServerStream
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type ExpertService_AttachRingServer = grpc.ServerStreamingServer[AttachRingResponse]
 
+func _ExpertService_OpenLane_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(OpenLaneRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(ExpertServiceServer).OpenLane(m, &grpc.GenericServerStream[OpenLaneRequest, OpenLaneResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ExpertService_OpenLaneServer = grpc.ServerStreamingServer[OpenLaneResponse]
+
 // ExpertService_ServiceDesc is the grpc.ServiceDesc for ExpertService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -553,6 +619,11 @@ var ExpertService_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "AttachRing",
 			Handler:       _ExpertService_AttachRing_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "OpenLane",
+			Handler:       _ExpertService_OpenLane_Handler,
 			ServerStreams: true,
 		},
 	},

@@ -358,7 +358,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "backends", "devices", "limits", "transport", "settings", "ring")
+    __slots__ = ("version", "backends", "devices", "limits", "transport", "settings", "ring", "lane")
     class BackendInfo(_message.Message):
         __slots__ = ("name", "activations", "granularities", "devices", "max_tokens", "details")
         class DetailsEntry(_message.Message):
@@ -424,6 +424,15 @@ class ServerInfo(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LaneInfo(_message.Message):
+        __slots__ = ("enabled", "max_lanes", "max_depth")
+        ENABLED_FIELD_NUMBER: _ClassVar[int]
+        MAX_LANES_FIELD_NUMBER: _ClassVar[int]
+        MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+        enabled: bool
+        max_lanes: int
+        max_depth: int
+        def __init__(self, enabled: _Optional[bool] = ..., max_lanes: _Optional[int] = ..., max_depth: _Optional[int] = ...) -> None: ...
     class RingInfo(_message.Message):
         __slots__ = ("enabled", "version", "spin_nanos", "max_per_conn", "max_rings", "max_slot_bytes")
         ENABLED_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +455,7 @@ class ServerInfo(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     version: str
     backends: _containers.RepeatedCompositeFieldContainer[ServerInfo.BackendInfo]
     devices: _containers.RepeatedScalarFieldContainer[str]
@@ -453,7 +463,8 @@ class ServerInfo(_message.Message):
     transport: ServerInfo.Transport
     settings: _containers.ScalarMap[str, str]
     ring: ServerInfo.RingInfo
-    def __init__(self, version: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[ServerInfo.BackendInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[ServerInfo.Limits, _Mapping]] = ..., transport: _Optional[_Union[ServerInfo.Transport, _Mapping]] = ..., settings: _Optional[_Mapping[str, str]] = ..., ring: _Optional[_Union[ServerInfo.RingInfo, _Mapping]] = ...) -> None: ...
+    lane: ServerInfo.LaneInfo
+    def __init__(self, version: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[ServerInfo.BackendInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[ServerInfo.Limits, _Mapping]] = ..., transport: _Optional[_Union[ServerInfo.Transport, _Mapping]] = ..., settings: _Optional[_Mapping[str, str]] = ..., ring: _Optional[_Union[ServerInfo.RingInfo, _Mapping]] = ..., lane: _Optional[_Union[ServerInfo.LaneInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterSharedMemoryRequest(_message.Message):
     __slots__ = ("name", "kind", "key", "offset", "byte_size", "cuda_ipc_handle")
@@ -538,3 +549,29 @@ class AttachRingResponse(_message.Message):
     version: int
     spin_nanos: int
     def __init__(self, version: _Optional[int] = ..., spin_nanos: _Optional[int] = ...) -> None: ...
+
+class OpenLaneRequest(_message.Message):
+    __slots__ = ("call", "depth")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    call: FusedMoERequest
+    depth: int
+    def __init__(self, call: _Optional[_Union[FusedMoERequest, _Mapping]] = ..., depth: _Optional[int] = ...) -> None: ...
+
+class OpenLaneResponse(_message.Message):
+    __slots__ = ("flags_cuda_ipc_handle", "flags_byte_size", "doorbell_offset", "done_offset", "depth", "mps", "skips_on_close")
+    FLAGS_CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DONE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MPS_FIELD_NUMBER: _ClassVar[int]
+    SKIPS_ON_CLOSE_FIELD_NUMBER: _ClassVar[int]
+    flags_cuda_ipc_handle: bytes
+    flags_byte_size: int
+    doorbell_offset: int
+    done_offset: int
+    depth: int
+    mps: bool
+    skips_on_close: bool
+    def __init__(self, flags_cuda_ipc_handle: _Optional[bytes] = ..., flags_byte_size: _Optional[int] = ..., doorbell_offset: _Optional[int] = ..., done_offset: _Optional[int] = ..., depth: _Optional[int] = ..., mps: _Optional[bool] = ..., skips_on_close: _Optional[bool] = ...) -> None: ...

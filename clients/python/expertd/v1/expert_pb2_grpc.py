@@ -85,6 +85,11 @@ class ExpertServiceStub:
                 request_serializer=expertd_dot_v1_dot_expert__pb2.AttachRingRequest.SerializeToString,
                 response_deserializer=expertd_dot_v1_dot_expert__pb2.AttachRingResponse.FromString,
                 _registered_method=True)
+        self.OpenLane = channel.unary_stream(
+                '/expertd.v1.ExpertService/OpenLane',
+                request_serializer=expertd_dot_v1_dot_expert__pb2.OpenLaneRequest.SerializeToString,
+                response_deserializer=expertd_dot_v1_dot_expert__pb2.OpenLaneResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -193,6 +198,27 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenLane(self, request, context):
+        """OpenLane opens a GPU-ordered lane (docs/gpu-ordered.md) for a caller
+        whose tensors live on the server's GPU: one call shape on one expert
+        set, its tensors and output in SHARED_MEMORY_KIND_CUDA_IPC regions
+        registered on this connection. The server answers with one
+        OpenLaneResponse naming the lane's two flags in device memory, which
+        the caller maps through CUDA IPC; from then on each call is started
+        from the caller's CUDA stream (done = 0, doorbell = 1, wait for done
+        == 1: stream memory operations, capturable in a CUDA graph), with no
+        message and no host thread on either side. The lane is served until
+        the caller cancels this call or its connection closes (CANCELLED), or
+        the server drains (UNAVAILABLE); the caller must not ring it after
+        that, and keeps its regions registered and its buffers allocated
+        until this call has ended. Served with -shared-memory by a backend
+        with lanes (the cuda backend; FAILED_PRECONDITION otherwise);
+        RESOURCE_EXHAUSTED beyond -lane-max lanes on the server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +271,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.AttachRing,
                     request_deserializer=expertd_dot_v1_dot_expert__pb2.AttachRingRequest.FromString,
                     response_serializer=expertd_dot_v1_dot_expert__pb2.AttachRingResponse.SerializeToString,
+            ),
+            'OpenLane': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenLane,
+                    request_deserializer=expertd_dot_v1_dot_expert__pb2.OpenLaneRequest.FromString,
+                    response_serializer=expertd_dot_v1_dot_expert__pb2.OpenLaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -518,6 +549,33 @@ class ExpertService:
             '/expertd.v1.ExpertService/AttachRing',
             expertd_dot_v1_dot_expert__pb2.AttachRingRequest.SerializeToString,
             expertd_dot_v1_dot_expert__pb2.AttachRingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/expertd.v1.ExpertService/OpenLane',
+            expertd_dot_v1_dot_expert__pb2.OpenLaneRequest.SerializeToString,
+            expertd_dot_v1_dot_expert__pb2.OpenLaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

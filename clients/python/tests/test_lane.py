@@ -1,0 +1,221 @@
+"""expertd.lane and RemoteMoE's "gpu" path without a GPU: the stream
+operations a lane call enqueues, in order, through a recording stand-in for
+libcuda; closing; the daemon's refusals typed; and RemoteMoE's choice of
+the path (MPS on both sides under "auto")."""
+
+import logging
+
+import grpc
+import pytest
+
+import needs
+
+import expertd
+from expertd import lane as el
+from expertd.v1 import expert_pb2 as pb
+
+
+class FakeDriver:
+    """Records what a caller's stream would be asked to do."""
+
+    def __init__(self, mps=True):
+        self.ops, self.mps, self.open = [], mps, {}
+
+    def write(self, stream, addr, value):
+        self.ops.append(("write", stream, addr, value))
+
+    def wait_eq(self, stream, addr, value):
+        self.ops.append(("wait==", stream, addr, value))
+
+    def ipc_open(self, handle):
+        assert len(handle) == 64
+        self.open[handle] = 0x7F0000001000
+        return 0x7F0000001000
+
+    def ipc_close(self, ptr):
+        self.ops.append(("ipc_close", ptr))
+
+    def mps_enabled(self, device):
+        return self.mps
+
+
+class FakeCall:
+    """The OpenLane call: its responses, then cancel."""
+
+    def __init__(self, responses):
+        self._it, self.cancelled = iter(responses), 0
+
+    def __next__(self):
+        r = next(self._it)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    def __iter__(self):
+        return self
+
+    def cancel(self):
+        self.cancelled += 1
+
+
+class Refused(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return None
+
+
+class FakeClient:
+    def __init__(self, call):
+        self.call, self.requests = call, []
+        outer = self
+
+        class Stub:
+            def OpenLane(self, req, metadata=None):
+                outer.requests.append(req)
+                return outer.call
+        self.stub = Stub()
+
+    def _md(self, metadata):
+        return metadata
+
+
+RESP = pb.OpenLaneResponse(flags_cuda_ipc_handle=b"h" * 64, flags_byte_size=256, doorbell_offset=0,
+                           done_offset=128, depth=2, mps=True, skips_on_close=True)
+
+
+def test_lane_call_is_three_stream_operations():
+    drv, call = FakeDriver(), FakeCall([RESP])
+    client = FakeClient(call)
+    lane = el.open_lane(client, pb.FusedMoERequest(expert_set="layer"), depth=3, drv=drv)
+    assert client.requests[0].depth == 3 and client.requests[0].call.expert_set == "layer"
+    assert (lane.mps, lane.skips_on_close, lane.depth) == (True, True, 2)
+    lane.enqueue(0x1234)
+    lane.enqueue(0x1234)
+    base = 0x7F0000001000
+    one = [("write", 0x1234, base + 128, 0), ("write", 0x1234, base, 1), ("wait==", 0x1234, base + 128, 1)]
+    assert drv.ops == one + one
+    lane.close()
+    lane.close()
+    assert drv.ops[-1] == ("ipc_close", base) and call.cancelled == 1
+
+
+def test_open_lane_refusals_are_typed():
+    call = FakeCall([Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server already serves 8 lanes (-lane-max 8)")])
+    with pytest.raises(expertd.ResourceExhaustedError, match="-lane-max"):
+        el.open_lane(FakeClient(call), pb.FusedMoERequest(), drv=FakeDriver())
+
+
+def test_open_lane_cancels_when_the_flags_do_not_map():
+    class NoIPC(FakeDriver):
+        def ipc_open(self, handle):
+            raise RuntimeError("cuIpcOpenMemHandle: CUresult 201")
+    call = FakeCall([RESP])
+    with pytest.raises(RuntimeError, match="cuIpcOpenMemHandle"):
+        el.open_lane(FakeClient(call), pb.FusedMoERequest(), drv=NoIPC())
+    assert call.cancelled == 1
+
+
+torch = needs.module("torch")
+import expertd.torch as et  # noqa: E402
+
+
+class FakeLink:
+    """RemoteMoE's _Link with lanes that answer with the given MPS."""
+
+    def __init__(self, mps):
+        self.mps, self.lanes, self.closed = mps, {}, []
+
+    def lane(self, device, m, k, e, expert_set, routing):
+        class L:
+            pass
+        gl = L()
+        gl.lane = L()
+        gl.lane.mps = self.mps
+        self.lanes[(str(device), m)] = gl
+        return gl
+
+    def close_lane(self, key):
+        self.closed.append(key)
+        self.lanes.pop(key)
+
+    def close(self):
+        pass
+
+
+def _module(path, daemon_mps, caller_mps=True, lane_enabled=True):
+    remote = et.RemoteMoE(None, "layer", torch.zeros(4, 8), expertd.routing(top_k=1), path=path)
+    info = pb.ServerInfo(backends=[pb.ServerInfo.BackendInfo(name="cuda")])
+    info.lane.enabled = lane_enabled
+    info.limits.max_shm_regions = 1
+    remote._info = info
+    remote._link = FakeLink(daemon_mps)
+    # The CUDA IPC region registers and no ring is served.
+    remote._why["cuda:cuda:0"] = None
+    remote._why["ring"] = "the daemon serves no call rings (-ring)"
+    return remote
+
+
+@pytest.fixture
+def caller_mps(monkeypatch):
+    state = {"mps": True}
+    monkeypatch.setattr(el, "mps_enabled", lambda device: state["mps"])
+    return state
+
+
+def test_auto_takes_gpu_under_mps(caller_mps, caplog):
+    remote = _module("auto", daemon_mps=True)
+    dev = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="expertd.torch"):
+        assert remote._choose(dev, 1) == "gpu"
+        assert remote._choose(dev, 4) == "gpu"
+        assert remote._choose(dev, 1) == "gpu"
+    assert sorted(remote._link.lanes) == [("cuda:0", 1), ("cuda:0", 4)]
+    assert remote.lane_mps is True
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "path gpu" in msgs[0], msgs
+
+
+def test_auto_skips_gpu_without_mps(caller_mps, caplog):
+    dev = torch.device("cuda", 0)
+    # The daemon is no MPS client: its lane is closed, and M's calls take
+    # the next path; no other lane is tried.
+    remote = _module("auto", daemon_mps=False)
+    with caplog.at_level(logging.INFO, logger="expertd.torch"):
+        assert remote._choose(dev, 1) == "cuda_ipc"
+        assert remote._choose(dev, 2) == "cuda_ipc"
+    assert remote._link.closed == [("cuda:0", 1)] and remote._link.lanes == {}
+    assert any("not shared through MPS" in r.getMessage() for r in caplog.records)
+    # This process is none: the lane is not even opened.
+    caller_mps["mps"] = False
+    remote = _module("auto", daemon_mps=True)
+    with caplog.at_level(logging.INFO, logger="expertd.torch"):
+        assert remote._choose(dev, 1) == "cuda_ipc"
+    assert remote._link.lanes == {}
+    # Asked for, the path serves without MPS, with a warning.
+    remote = _module("gpu", daemon_mps=False)
+    with caplog.at_level(logging.WARNING, logger="expertd.torch"):
+        assert remote._choose(dev, 1) == "gpu"
+    assert any("context switch" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_gpu_path_refusals(caller_mps):
+    dev = torch.device("cuda", 0)
+    remote = _module("gpu", daemon_mps=True, lane_enabled=False)
+    with pytest.raises(ValueError, match="path gpu is not available: the daemon serves no GPU-ordered lanes"):
+        remote._choose(dev, 1)
+    remote = _module("gpu", daemon_mps=True)
+    with pytest.raises(ValueError, match="path gpu is not available: the tensors are not on a CUDA device"):
+        remote._choose(torch.device("cpu"), 1)
+    # Past MAX_LANES token counts, auto takes the next path for new ones.
+    remote = _module("auto", daemon_mps=True)
+    for m in range(1, et.MAX_LANES + 1):
+        assert remote._choose(dev, m) == "gpu"
+    assert remote._choose(dev, et.MAX_LANES + 1) == "cuda_ipc"
