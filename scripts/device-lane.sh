@@ -207,7 +207,7 @@ EOF
 
 phase() { # phase NAME
 	say "== $1: $(nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader 2>&1)"
-	daemon_start "$listen" "daemon-$1.log" -shared-memory -log-level info
+	daemon_start "$listen" "daemon-$1.log" -shared-memory -lanes -log-level info
 	PYTHONPATH="$pypath" timeout 150 "$py" "$out/lane_bench.py" "$listen" "$lib" 2>&1 | tee -a "$S"
 	say "python exit ${PIPESTATUS[0]}"
 	curl -s "http://127.0.0.1:$admin/metrics" | grep -E '^expertd_lane' | tee -a "$S"

@@ -141,7 +141,7 @@ func (s *Server) initLaneMetrics(m metric.Meter) {
 func (s *Server) laneInfo() *pb.ServerInfo_LaneInfo {
 	info := &pb.ServerInfo_LaneInfo{MaxLanes: int32(s.cfg.laneMax())}
 	if lo, ok := s.backend.(LaneOpener); ok {
-		info.Enabled = s.cfg.SharedMemory
+		info.Enabled = s.cfg.SharedMemory && s.cfg.Lanes
 		info.MaxDepth = uint32(lo.MaxLaneDepth())
 	}
 	return info
@@ -168,6 +168,9 @@ func (s *Server) openLane(req *pb.OpenLaneRequest, stream grpc.ServerStreamingSe
 	ctx := stream.Context()
 	if !s.cfg.SharedMemory {
 		return errShmDisabled
+	}
+	if !s.cfg.Lanes {
+		return codedf(codes.FailedPrecondition, "", "GPU-ordered lanes are off: run expertd with -lanes (experimental, docs/gpu-ordered.md), or use a call ring or FusedMoE")
 	}
 	lo, ok := s.backend.(LaneOpener)
 	if !ok {

@@ -28,6 +28,7 @@ const laneHOff, laneLOff, laneOOff, laneM = 256, 4096, 8192, 3
 // laneServer is ipcServer with a region "dev" over the whole allocation.
 func laneServer(t *testing.T, rng *rand.Rand, cfg service.Config, b kernels.Backend) (pb.ExpertServiceClient, *service.Server, *servicetest.FakeDevice, *servicetest.Allocation) {
 	t.Helper()
+	cfg.Lanes = true
 	c, srv, d, a := ipcServer(t, rng, cfg, b)
 	if _, err := c.RegisterSharedMemory(testContext(t), ipcRegister("dev", a, 0, ipcAllocBytes)); err != nil {
 		t.Fatalf("RegisterSharedMemory: %v", err)
@@ -228,14 +229,18 @@ func TestLaneRefusedServers(t *testing.T) {
 	ctx := testContext(t)
 	off, _, _ := servicetest.StartServerConfig(t, service.Config{}, servicetest.NewFakeDevice(&fakeBackend{}))
 	wantCode(t, openLaneErr(ctx, off, laneRequest(rng)), codes.FailedPrecondition, "-shared-memory")
-	host, _, _ := servicetest.StartServerConfig(t, service.Config{SharedMemory: true}, cpu.New(kernels.Config{Threads: 1}))
+	host, _, _ := servicetest.StartServerConfig(t, service.Config{SharedMemory: true, Lanes: true}, cpu.New(kernels.Config{Threads: 1}))
 	wantCode(t, openLaneErr(ctx, host, laneRequest(rng)), codes.FailedPrecondition, "the cpu backend serves no GPU-ordered lanes")
+	// Lanes are opt-in: shared memory and a lane backend alone do not serve them.
+	optIn, _, _ := servicetest.StartServerConfig(t, service.Config{SharedMemory: true}, servicetest.NewFakeDevice(&fakeBackend{}))
+	wantCode(t, openLaneErr(ctx, optIn, laneRequest(rng)), codes.FailedPrecondition, "-lanes")
 	for _, tt := range []struct {
 		c    pb.ExpertServiceClient
 		want *pb.ServerInfo_LaneInfo
 	}{
 		{off, &pb.ServerInfo_LaneInfo{MaxLanes: service.DefaultLaneMax, MaxDepth: servicetest.FakeMaxLaneDepth}},
 		{host, &pb.ServerInfo_LaneInfo{MaxLanes: service.DefaultLaneMax}},
+		{optIn, &pb.ServerInfo_LaneInfo{MaxLanes: service.DefaultLaneMax, MaxDepth: servicetest.FakeMaxLaneDepth}},
 	} {
 		info, err := tt.c.GetServerInfo(ctx, &pb.GetServerInfoRequest{})
 		if err != nil || !proto.Equal(info.GetLane(), tt.want) {
@@ -296,7 +301,7 @@ func TestLaneShutdown(t *testing.T) {
 
 	// A caller that goes away: its connection closes.
 	d2 := servicetest.NewFakeDevice(&fakeBackend{})
-	c2, _, stop := servicetest.StartServerConfig(t, service.Config{SharedMemory: true}, d2)
+	c2, _, stop := servicetest.StartServerConfig(t, service.Config{SharedMemory: true, Lanes: true}, d2)
 	w := randomWeights(rng, pb.Activation_ACTIVATION_SILU_GATED, testE, testK, testN)
 	if _, err := servicetest.Upload(ctx, c2, servicetest.Header("layer", w, false), servicetest.Chunks(w, 1000)); err != nil {
 		t.Fatal(err)

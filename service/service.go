@@ -95,6 +95,13 @@ type Config struct {
 	// DefaultRingMaxPerConn, DefaultRingMax and DefaultRingMaxSlotBytes.
 	RingMaxPerConn, RingMax int
 	RingMaxSlotBytes        int64
+	// Lanes serves OpenLane (with SharedMemory and a backend that opens
+	// lanes). Off by default: a lane keeps stream memory waits pending on
+	// the GPU between calls, and the daemon's device-wide synchronizations
+	// (a workspace growing for a new shape, a set or region freed) wait
+	// for them, so such an operation stalls until every lane is rung or
+	// closed (docs/gpu-ordered.md, "Known limits").
+	Lanes bool
 	// MaxLanes bounds the GPU-ordered lanes (OpenLane, lane.go) open at
 	// once on the server; 0 means DefaultLaneMax.
 	MaxLanes int

@@ -264,6 +264,9 @@ func (c Config) validate() error {
 	if c.RingMaxPerConn < 1 || c.RingMax < 1 || c.RingMaxSlotBytes < 128 || c.RingMaxSlotBytes > 1<<30 {
 		errs = append(errs, fmt.Errorf("-ring-max-per-conn %d, -ring-max %d, -ring-max-slot-bytes %d: want >= 1, >= 1 and 128 B to 1 GiB", c.RingMaxPerConn, c.RingMax, c.RingMaxSlotBytes))
 	}
+	if c.Lanes && !c.SharedMemory {
+		errs = append(errs, errors.New("-lanes: needs -shared-memory (a lane's tensors are CUDA IPC regions)"))
+	}
 	if c.MaxLanes < 1 {
 		errs = append(errs, fmt.Errorf("-lane-max %d: want >= 1", c.MaxLanes))
 	}

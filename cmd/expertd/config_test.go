@@ -104,6 +104,7 @@ func TestParseConfig(t *testing.T) {
 				c.MaxConnectionAge, c.MaxConnectionAgeGrace, c.KeepaliveMinTime = time.Hour, 30*time.Second, 5*time.Second
 			}},
 		{"lane cap", []string{"-lane-max", "2"}, nil, func(c *Config) { c.MaxLanes = 2 }},
+		{"lanes", []string{"-shared-memory", "-lanes"}, nil, func(c *Config) { c.SharedMemory, c.Lanes, c.MaxConnectionAge = true, true, 0 }},
 		{"shared memory caps", []string{"-max-shm-regions", "100", "-max-shm-bytes", "1GiB", "-idle-free-memory", "0"}, nil,
 			func(c *Config) { c.MaxShmRegions, c.MaxShmBytes, c.IdleFreeMemory = 100, 1<<30, 0 }},
 		{"shared memory caps env", nil, map[string]string{"EXPERTD_MAX_SHM_REGIONS": "7", "EXPERTD_MAX_SHM_BYTES": "1MiB", "EXPERTD_IDLE_FREE_MEMORY": "2m"},
@@ -157,6 +158,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{"ping interval too short", []string{"-keepalive-time", "100ms"}, nil, "-keepalive-time 100ms: want >= 1s"},
 		{"zero ping timeout", []string{"-keepalive-timeout", "0"}, nil, "-keepalive-timeout 0s: want > 0"},
 		{"ring without shared memory", []string{"-ring"}, nil, "-ring: needs -shared-memory"},
+		{"lanes without shared memory", []string{"-lanes"}, nil, "-lanes: needs -shared-memory"},
 		{"bad env ring", nil, map[string]string{"EXPERTD_RING": "on"}, `$EXPERTD_RING: "on" is not true or false`},
 		{"ring spin too long", []string{"-ring-spin", "1s"}, nil, "-ring-spin 1s"},
 		{"no rings", []string{"-ring-max", "0"}, nil, "-ring-max 0"},

@@ -34,7 +34,15 @@ _CU_DEVICE_ATTRIBUTE_MPS_ENABLED = 133
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    # Bytes, not c_char: a c_char array stops at the handle's first NUL.
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def _ipc_handle(handle: bytes) -> _IpcHandle:
+    """The driver's handle struct holding all of handle's 64 bytes."""
+    if len(handle) != 64:
+        raise ValueError(f"CUDA IPC handle of {len(handle)} bytes, want 64")
+    return _IpcHandle.from_buffer_copy(handle)
 
 
 class Driver:
@@ -74,10 +82,8 @@ class Driver:
         self._check(self._wait(stream, addr, value, _CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32")
 
     def ipc_open(self, handle: bytes) -> int:
-        if len(handle) != 64:
-            raise ValueError(f"CUDA IPC handle of {len(handle)} bytes, want 64")
         ptr = ctypes.c_uint64(0)
-        self._check(self._open(ctypes.byref(ptr), _IpcHandle(handle), _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+        self._check(self._open(ctypes.byref(ptr), _ipc_handle(handle), _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                     "cuIpcOpenMemHandle")
         return ptr.value
 

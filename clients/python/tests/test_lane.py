@@ -219,3 +219,11 @@ def test_gpu_path_refusals(caller_mps):
     for m in range(1, et.MAX_LANES + 1):
         assert remote._choose(dev, m) == "gpu"
     assert remote._choose(dev, et.MAX_LANES + 1) == "cuda_ipc"
+
+
+def test_ipc_handle_keeps_every_byte():
+    # A handle is binary: zeros inside it must reach the driver too.
+    h = bytes([7, 0, 0, 3] + [0] * 58 + [5, 0])
+    assert bytes(el._ipc_handle(h)) == h
+    with pytest.raises(ValueError):
+        el._ipc_handle(h[:63])
