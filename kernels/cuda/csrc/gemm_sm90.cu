@@ -66,6 +66,12 @@
 namespace expertd {
 namespace {
 
+// Act1: how a GEMM1 kernel knows its activation. kPlain: the constant
+// SiLU-gated (gated kernels) or ReLU² (the others), no bias; kSwiglu: the
+// constant SwiGLU-OAI, bias read at run time (gpt-oss); kAny: the set's
+// activation and bias read at run time (the rarer activations).
+enum class Act1 { kPlain, kSwiglu, kAny };
+
 constexpr int kBK = 128;           // K bytes per pipeline stage: one 128B swizzle row
 constexpr int kWGRows = 64;        // weight rows (wgmma M) per consumer warpgroup
 constexpr int kSmemBudget = 227 * 1024;
@@ -354,7 +360,7 @@ __device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int*
 // a ring slot more than one fill ahead, which the barriers' phase parity
 // could not tell apart. Each warpgroup has its own staging tile and row
 // tables.
-template <int BN, int kNWG, int kStages, bool kGated, bool kAny, GemmEpilogue kEpi, bool kPC, bool kBlk,
+template <int BN, int kNWG, int kStages, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk,
           bool kTokA, bool kPair, bool kPP>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
@@ -585,19 +591,19 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       // GEMM1's output for staging column oc (gate g, up u); 0 past the
       // last channel, whose outputs are never stored (nor its bias read).
       const float* bias = p.bias ? p.bias + size_t(expert) * p.w_rows : nullptr;
-      // Without kAny the activation is a constant (SiLU-gated or ReLU²,
-      // no bias): one activation's math in the unrolled epilogue, as the
-      // common layers need; with kAny the set's activation and bias are
-      // read at run time, and every activation's code sits in the loop.
+      // Act1::kPlain and kSwiglu make the activation a constant, so the
+      // unrolled epilogue holds one activation's math, as the common
+      // layers need; with Act1::kAny the set's activation is read at run time,
+      // and every activation's code sits in the loop.
       auto act1 = [&](int oc, float g, float u) {
         constexpr GemmAct kConst = kGated ? GemmAct::kSiluGated : GemmAct::kRelu2;
-        if constexpr (!kAny) {
+        if constexpr (kAct == Act1::kPlain) {
           return gemm1_act(kConst, nullptr, 0, 0, g, u, 0.f, 0.f);
         } else {
           const int ch = oc0 + oc;
           // kRelu2, the one non-gated activation, as a constant: the gated
           // ones' math would cost the non-gated kernels registers.
-          const GemmAct act = kGated ? p.act : GemmAct::kRelu2;
+          const GemmAct act = kAct == Act1::kSwiglu ? GemmAct::kSwigluOAI : kGated ? p.act : GemmAct::kRelu2;
           return ch < p.n_out ? gemm1_act(act, bias, p.n_out, ch, g, u, p.swiglu_limit, p.swiglu_alpha) : 0.f;
         }
       };
@@ -874,10 +880,10 @@ cudaError_t encode(CUtensorMap* map, const void* base, int rank, const cuuint64_
 
 bool persistent_grid() { return switches().sm90_persistent.load(std::memory_order_relaxed); }
 
-// plain_act1 says whether GEMM1 runs one of the two constant epilogues:
-// SiLU-gated or ReLU², without a bias.
-bool plain_act1(const MoeGemmArgs& a) {
-  return !a.bias && (a.act == GemmAct::kSiluGated || a.act == GemmAct::kRelu2);
+// act1_of picks GEMM1's epilogue kernel for the set's activation and bias.
+Act1 act1_of(const MoeGemmArgs& a, bool gated) {
+  if (!a.bias && (a.act == GemmAct::kSiluGated || a.act == GemmAct::kRelu2)) return Act1::kPlain;
+  return gated && a.act == GemmAct::kSwigluOAI ? Act1::kSwiglu : Act1::kAny;
 }
 
 // SmemPlan is a kernel's shared memory: its fixed part (staging tiles, row
@@ -900,7 +906,7 @@ struct SmemPlan {
   static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
 };
 
-template <int BN, int kNWG, bool kGated, bool kAny, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
+template <int BN, int kNWG, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
           bool kPair, bool kPP>
 cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP>;
@@ -933,7 +939,7 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kAny, kEpi, kPC, kBlk, kTokA, kPair, kPP>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kAct, kEpi, kPC, kBlk, kTokA, kPair, kPP>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
@@ -994,7 +1000,7 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int BN, int kNWG, bool kGated, bool kAny, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
+template <int BN, int kNWG, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
           bool kPair = false, bool kPP = false>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   // Ping-pong's second staging tile must leave four stages: one is held by
@@ -1002,21 +1008,23 @@ cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   // warpgroup runs its epilogue. Tiles where it does not (FP32 staging of
   // 128 tokens) run cooperatively.
   constexpr bool kRunPP = kPP && SmemPlan<BN, kNWG, kGated, kEpi, kBlk, true>::kStages >= 4;
-  return launch_plan<BN, kNWG, kGated, kAny, kEpi, kPC, kBlk, kTokA, kPair, kRunPP>(a, stream);
+  return launch_plan<BN, kNWG, kGated, kAct, kEpi, kPC, kBlk, kTokA, kPair, kRunPP>(a, stream);
 }
 
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
-// GEMM1's activation: gated or not, and any (kAny: read at run time, with
-// the bias) or the constant SiLU-gated / ReLU² of plain_act1.
+// GEMM1's activation: gated or not, and which Act1 (act1_of).
 template <int BN, int kNWG, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA, bool kPair, bool kPP>
 cudaError_t launch_act(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
-  const bool any = !plain_act1(a);
-  if (gated) {
-    return any ? launch_cfg<BN, kNWG, true, true, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s)
-               : launch_cfg<BN, kNWG, true, false, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+  switch (act1_of(a, gated)) {
+    case Act1::kPlain:
+      return gated ? launch_cfg<BN, kNWG, true, Act1::kPlain, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s)
+                   : launch_cfg<BN, kNWG, false, Act1::kPlain, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+    case Act1::kSwiglu:
+      return launch_cfg<BN, kNWG, true, Act1::kSwiglu, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+    default:
+      return gated ? launch_cfg<BN, kNWG, true, Act1::kAny, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s)
+                   : launch_cfg<BN, kNWG, false, Act1::kAny, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
   }
-  return any ? launch_cfg<BN, kNWG, false, true, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s)
-             : launch_cfg<BN, kNWG, false, false, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
 }
 
 template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false, bool kPP = false>
@@ -1027,7 +1035,7 @@ cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
     case GemmEpilogue::kAct1F32:
       return launch_act<BN, kNWG, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPP>(a, gated, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, false, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+      return launch_cfg<BN, kNWG, false, Act1::kPlain, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair, kPP>(a, s);
   }
   return cudaErrorInvalidValue;
 }
