@@ -156,12 +156,19 @@ def capture(fn, mode: str):
     return g
 
 
+# LONE: time each replay alone (--lone).
+LONE = False
+
+
 def time_replays(fns, iters: int, warmup: int, graph: bool = True,
                  mode: str = "thread_local") -> tuple[float, str, list[float]]:
     """Median ms of one call, rotating through fns (one per input set).
 
     Each fn is captured in its own graph and replayed; if capture fails the fns
-    run eagerly and the returned mode says so.
+    run eagerly and the returned mode says so. With LONE set (--lone) the
+    host waits for each replay before timing the next, as a service's single
+    call runs: the launch is then inside the timed span instead of queued
+    behind the previous replay.
     """
     runs, how = fns, "eager"
     if graph:
@@ -182,6 +189,8 @@ def time_replays(fns, iters: int, warmup: int, graph: bool = True,
         starts[i].record()
         runs[i % n]()
         ends[i].record()
+        if LONE:
+            ends[i].synchronize()
     torch.cuda.synchronize()
     ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     return statistics.median(ms), how, ms
@@ -553,6 +562,8 @@ def main(argv=None) -> int:
                     help=f"M values checked against the reference (default {CHECK_M}; {MODEL_CHECK_M})")
     ap.add_argument("--iters", type=int, default=100, help="timed replays per measurement (>= 50)")
     ap.add_argument("--warmup", type=int, default=20, help="untimed replays first")
+    ap.add_argument("--lone", action="store_true",
+                    help="time each replay alone, the host waiting for the one before (a service's single call)")
     ap.add_argument("--sets", type=int, default=8, help="input sets rotated (>= 4)")
     ap.add_argument("--lib", default=expertd_ctypes.DEFAULT_LIB, help="path to libexpertd_cuda.so")
     ap.add_argument("--device", type=int, default=0)
@@ -562,6 +573,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="skip FlashInfer's cutlass_fused_moe even where it imports")
     args = ap.parse_args(argv)
+    global LONE
+    LONE = args.lone
     if args.check_m is not None:
         args.check_m = [int(m) for m in args.check_m.split(",") if m]
     names = list(peer.MODELS) if args.models == "all" else [m for m in args.models.split(",") if m]
