@@ -60,6 +60,7 @@
 
 #include "launch.cuh"
 #include "route.cuh"
+#include "sm90_ptx.cuh"
 #include "sm90_tiles.h"
 #include "wgmma_fp8.cuh"
 
@@ -79,82 +80,6 @@ constexpr int kRouteTabBytes = 1280;  // block count, experts, sorted rows of 8-
 // Device helpers exist only in the sm_90a pass: the other targets compile
 // the kernels to empty bodies (the library never launches them there).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nLAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                            int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, "
-      "%4}], [%2];" ::"r"(smem_addr(dst)),
-      "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                            int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, "
-      "%4, %5}], [%2];" ::"r"(smem_addr(dst)),
-      "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                            int c1, int c2, int c3, int c4) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, "
-      "%4, %5, %6, %7}], [%2];" ::"r"(smem_addr(dst)),
-      "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-      : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait0() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait1() {
-  asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-}
-template <int kRegs>
-__device__ __forceinline__ void fence_acc(float* acc) {
-#pragma unroll
-  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-}
-
-// Shared-memory matrix descriptor for a K-major tile whose rows are 128
-// bytes, stored with the 128-byte swizzle TMA writes: 8-row core groups
-// 1024 bytes apart. Stepping K by 32 bytes inside the row adds 2 to the
-// start-address field; the hardware applies the swizzle to the sum.
-__device__ __forceinline__ uint64_t smem_desc(const void* tile) {
-  uint64_t addr = smem_addr(tile);
-  uint64_t d = (addr & 0x3FFFF) >> 4;
-  d |= uint64_t(1) << 16;           // leading byte offset (unused with swizzle)
-  d |= uint64_t(1024 >> 4) << 32;   // stride byte offset: 8 rows x 128 B
-  d |= uint64_t(1) << 62;           // 128-byte swizzle
-  return d;
-}
-
 // stage_store writes output channel oc of one staging row in the epilogue's
 // element type.
 template <GemmEpilogue kEpi>
@@ -278,6 +203,7 @@ constexpr bool can_route() {
   return BN == 8 && kNWG == 1 && !kBlk && !kTokA && !kPair && kEpi != GemmEpilogue::kWeightedBF16;
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // decode_route (every thread of the CTA) routes the call's one token with
 // warp 0, or reads its precomputed ids, and lays its valid pairs out one
 // block each in slot order: expert[b] is block b's expert, sorted[b * BN]
@@ -332,11 +258,13 @@ __device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int*
     }
     if (lane == 0) *blocks = nb;
     // The scratch is ring memory, which TMA (the async proxy) writes next.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_proxy_async_smem();
   }
   __syncthreads();
   return *blocks;
 }
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // Persistent: each CTA walks tiles t = blockIdx.x, +gridDim.x, ... of the
 // (token block, weight tile) grid; a tile is kNWG*64 weight rows x BN tokens
@@ -447,13 +375,13 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     }
     mbar_init(&order[0], 1);
     mbar_init(&order[1], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbar_init();
   }
   __syncthreads();
 
   if (wg == kNWG) {
     // Producer.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    setmaxnreg_dec<40>();
     if (threadIdx.x == kNWG * 128) {
       int it = 0;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
@@ -509,23 +437,21 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             for (int r = lane; r < BN; r += 32) {
               const float* src = p.a_scale_rows + size_t(blk * p.block_rows + r) * p.a_scale_ld + kt;
               float* dst = a_sc + s * kAsStage + as_slot<BN>(r);
-              asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src)
-                           : "memory");
+              cp_async_4(dst, src);
             }
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(&full[s]))
-                         : "memory");
+            cp_async_mbar_arrive_noinc(&full[s]);
           } else {
             mbar_arrive(&full[s]);
           }
         }
       }
-      asm volatile("cp.async.wait_all;" ::: "memory");  // no copies in flight at exit
+      cp_async_wait_all();  // no copies in flight at exit
     }
     return;
   }
 
   // Consumers.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  setmaxnreg_inc<232>();
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
   const int tl = kPP ? threadIdx.x % 128 : threadIdx.x;  // thread among the tile's consumers
@@ -537,9 +463,9 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   // The consumers of one tile meet at named barrier 1 (kPP: 1 + warpgroup).
   auto tile_sync = [&] {
     if constexpr (kPP) {
-      asm volatile("bar.sync %0, 128;" ::"r"(1 + wg));
+      bar_sync<128>(1 + wg);
     } else {
-      asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+      bar_sync_n<1, kNWG * 128>();
     }
   };
   int it = 0;
@@ -686,7 +612,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
-          wgmma_wait0();
+          wgmma_wait<0>();
           fence_acc<kRegs>(part);
           __syncwarp();
           if (lane == 0) mbar_arrive(&empty[s]);
@@ -744,12 +670,12 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             }
             wgmma_commit();
             if (kPP && kt == p.num_k_iters - 1 && tl == 0) mbar_arrive(&order[wg]);
-            wgmma_wait1();
+            wgmma_wait<1>();
             fence_acc<kHalves * kRegs>(acc);
             if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
             prev = s;
           }
-          wgmma_wait0();
+          wgmma_wait<0>();
           fence_acc<kHalves * kRegs>(acc);
           if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
         };
