@@ -165,36 +165,97 @@ struct Params {
   float swiglu_limit, swiglu_alpha;
 };
 
-// TileRef is one tile's token rows: nblk alignment blocks from blk on, all
-// of one expert.
-struct TileRef {
-  int blk, nblk, expert;
+// Tile is one tile of a CTA's walk: nblk alignment blocks from blk on, all
+// of one expert, against weight tile wtile (output channels from wtile x
+// the kernel's channels per tile); nth counts the CTA's tiles before it.
+struct Tile {
+  int blk, nblk, expert, wtile, nth;
 };
 
-// tile_of names sub-tile sub of tile unit `unit`, or returns false where
-// there is none. Without kPair a unit is one block. With kPair (BN-token
-// tiles over BN/2-row alignment blocks) unit u covers blocks 2u and 2u+1:
-// one tile of both where they belong to the same expert, else one
-// half-width tile each. An expert's last block is then the only one that
-// can leave a tile half empty, so an expert with 384 tokens fills three
-// 128-token halves instead of two 256-token tiles with 128 slots idle,
-// while most tiles still read the weights once per 256 tokens.
+// TileScheduler is the walk over tiles that every role of a CTA follows:
+// the producer loads the tiles' stages in its order, the scale warp stages
+// their activation scales in it, and the consumers take the tiles in it
+// (kPP: every other one), so the roles agree on what each ring slot holds
+// without telling each other. It is built once per CTA from the call's
+// layout.
+//
+// Persistent: each CTA walks units u = blockIdx.x, +gridDim.x, ... of the
+// (tile unit, weight tile) grid, weight tiles fastest, so neighbouring
+// CTAs read one expert's tokens against its successive weight tiles.
+// Without kPair a unit is one block. With kPair (BN-token tiles over
+// BN/2-row alignment blocks) unit u covers blocks 2u and 2u+1: one tile of
+// both where they belong to the same expert, else one half-width tile
+// each. An expert's last block is then the only one that can leave a tile
+// half empty, so an expert with 384 tokens fills three 128-token halves
+// instead of two 256-token tiles with 128 slots idle, while most tiles
+// still read the weights once per 256 tokens. Blocks of no expert (-1)
+// have no tile.
+//
+// for_each runs the walk with a role's body. The walk's steps are public
+// for the consumers, whose body the kernel keeps inline (see
+// moe_gemm_kernel): for (u = first(); u < num_tiles; u = next(u)) for
+// (sub < kSubs) tile(u, sub, t), as for_each does.
 template <bool kPair>
-__device__ __forceinline__ bool tile_of(const int32_t* block_expert, int num_blocks, int unit, int sub, TileRef& t) {
-  if (!kPair) {
-    t = {unit, 1, block_expert[unit]};
-    return sub == 0 && t.expert >= 0;
+struct TileScheduler {
+  static constexpr int kSubs = kPair ? 2 : 1;  // tiles per unit
+
+  const int32_t* block_expert;
+  int num_blocks;
+  int n_wtiles;
+  int num_tiles;  // units x weight tiles
+
+  __device__ __forceinline__ TileScheduler(const int32_t* block_expert, int num_blocks, int n_wtiles)
+      : block_expert(block_expert),
+        num_blocks(num_blocks),
+        n_wtiles(n_wtiles),
+        num_tiles((kPair ? (num_blocks + 1) / 2 : num_blocks) * n_wtiles) {}
+
+  // idle says whether the walk gives this CTA no tile at all.
+  __device__ __forceinline__ bool idle() const { return static_cast<int>(blockIdx.x) >= num_tiles; }
+
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int next(int u) const { return u + gridDim.x; }
+
+  // tile names tile sub of the walk's unit u (its blocks, expert and
+  // weight tile; not nth), or returns false where there is none.
+  __device__ __forceinline__ bool tile(int u, int sub, Tile& t) const {
+    t.wtile = u % n_wtiles;
+    const int unit = u / n_wtiles;
+    if (!kPair) {
+      t.blk = unit;
+      t.nblk = 1;
+      t.expert = block_expert[unit];
+      return sub == 0 && t.expert >= 0;
+    }
+    const int b0 = 2 * unit, b1 = 2 * unit + 1;
+    const int e0 = block_expert[b0];
+    const int e1 = b1 < num_blocks ? block_expert[b1] : -1;
+    if (e0 >= 0 && e0 == e1) {
+      t.blk = b0;
+      t.nblk = 2;
+      t.expert = e0;
+      return sub == 0;
+    }
+    t.blk = sub == 0 ? b0 : b1;
+    t.nblk = 1;
+    t.expert = sub == 0 ? e0 : e1;
+    return t.expert >= 0;
   }
-  const int b0 = 2 * unit, b1 = 2 * unit + 1;
-  const int e0 = block_expert[b0];
-  const int e1 = b1 < num_blocks ? block_expert[b1] : -1;
-  if (e0 >= 0 && e0 == e1) {
-    t = {b0, 2, e0};
-    return sub == 0;
+
+  // for_each calls f(tile) for each of this CTA's tiles, in walk order.
+  template <typename F>
+  __device__ __forceinline__ void for_each(F&& f) const {
+    int nth = 0;
+    for (int u = first(); u < num_tiles; u = next(u)) {
+      for (int sub = 0; sub < kSubs; ++sub) {
+        Tile t;
+        if (!tile(u, sub, t)) continue;
+        t.nth = nth++;
+        f(t);
+      }
+    }
   }
-  t = sub == 0 ? TileRef{b0, 1, e0} : TileRef{b1, 1, e1};
-  return t.expert >= 0;
-}
+};
 
 // can_route says whether a kernel can take DecodeRoute: GEMM1's 8-token
 // tiles of one consumer warpgroup, per-expert or per-channel scales.
@@ -266,12 +327,12 @@ __device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int*
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// Persistent: each CTA walks tiles t = blockIdx.x, +gridDim.x, ... of the
-// (token block, weight tile) grid; a tile is kNWG*64 weight rows x BN tokens
-// of one expert. Warpgroups 0..kNWG-1 consume (wgmma + epilogue); warpgroup
-// kNWG produces (one thread issues the TMA loads). The producer's ring runs
-// on across tiles, so while the consumers run a tile's epilogue the next
-// tile's operands are already streaming in.
+// Persistent: each CTA walks its tiles in TileScheduler's order; a tile is
+// kNWG*64 weight rows x BN tokens of one expert. Warpgroups 0..kNWG-1
+// consume (wgmma + epilogue); warpgroup kNWG produces (one thread issues
+// the TMA loads). The producer's ring runs on across tiles, so while the
+// consumers run a tile's epilogue the next tile's operands are already
+// streaming in.
 //
 // kPP (ping-pong): each consumer warpgroup takes every other tile of the
 // CTA whole (both 64-row halves, two accumulator sets), and the two take
@@ -356,10 +417,8 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   } else {
     num_blocks = *p.num_blocks;
   }
-  const int n_wtiles = (p.n_out + kOC - 1) / kOC;
-  constexpr int kSubs = kPair ? 2 : 1;  // sub-tiles per tile unit (tile_of)
-  const int num_tiles = (kPair ? (num_blocks + 1) / 2 : num_blocks) * n_wtiles;
-  if (static_cast<int>(blockIdx.x) >= num_tiles) return;
+  const TileScheduler<kPair> sched(block_expert, num_blocks, (p.n_out + kOC - 1) / kOC);
+  if (sched.idle()) return;
   static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
   static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
   static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
@@ -384,41 +443,37 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     setmaxnreg_dec<40>();
     if (threadIdx.x == kNWG * 128) {
       int it = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const int wtile = t % n_wtiles;
-        for (int sub = 0; sub < kSubs; ++sub) {
-          TileRef tr;
-          if (!tile_of<kPair>(block_expert, num_blocks, t / n_wtiles, sub, tr)) continue;
-          const int expert = tr.expert;
-          // DecodeRoute: the token's row (rows past the token's come in
-          // zero-filled or belong to rows whose outputs are dropped).
-          const int row0 = routed ? sorted_pairs[tr.blk * p.block_rows] / p.route.rp.top_k : tr.blk * p.block_rows;
-          for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-            const int s = it % kStages;
-            mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-            mbar_expect_tx(&full[s], kWTile + (kPair ? tr.nblk * (BN / 2) * kBK : kATile));
-            const int kb = kt * kBK;
-            if (kGated) {
-              // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
-              // group holds 8 gate channels then the same 8 up channels, so a
-              // thread's accumulator rows r and r+8 are a gate/up pair.
-              tma_load_5d(w_smem + s * kWTile, &tm_w, &full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
-            } else {
-              tma_load_3d(w_smem + s * kWTile, &tm_w, &full[s], kb, wtile * kNWG * kWGRows, expert);
+      sched.for_each([&](const Tile& tr) {
+        const int wtile = tr.wtile;
+        const int expert = tr.expert;
+        // DecodeRoute: the token's row (rows past the token's come in
+        // zero-filled or belong to rows whose outputs are dropped).
+        const int row0 = routed ? sorted_pairs[tr.blk * p.block_rows] / p.route.rp.top_k : tr.blk * p.block_rows;
+        for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          mbar_expect_tx(&full[s], kWTile + (kPair ? tr.nblk * (BN / 2) * kBK : kATile));
+          const int kb = kt * kBK;
+          if (kGated) {
+            // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
+            // group holds 8 gate channels then the same 8 up channels, so a
+            // thread's accumulator rows r and r+8 are a gate/up pair.
+            tma_load_5d(w_smem + s * kWTile, &tm_w, &full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
+          } else {
+            tma_load_3d(w_smem + s * kWTile, &tm_w, &full[s], kb, wtile * kNWG * kWGRows, expert);
+          }
+          if (kPair) {
+            // Box of BN/2 rows: one load per block of the tile.
+            for (int h = 0; h < tr.nblk; ++h) {
+              tma_load_2d(a_smem + s * kATile + h * (BN / 2) * kBK, &tm_a, &full[s], kb, row0 + h * (BN / 2));
             }
-            if (kPair) {
-              // Box of BN/2 rows: one load per block of the tile.
-              for (int h = 0; h < tr.nblk; ++h) {
-                tma_load_2d(a_smem + s * kATile + h * (BN / 2) * kBK, &tm_a, &full[s], kb, row0 + h * (BN / 2));
-              }
-            } else {
-              tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, row0);
-            }
+          } else {
+            tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, row0);
           }
         }
-      }
+      });
     } else if (kBlk && (threadIdx.x % 128) / 32 == 1) {
-      // Scale warp: the same walk as the TMA thread; for each stage, the
+      // Scale warp: the TMA thread's walk; for each stage, the
       // activation scales of the tile's tokens for K block kt, gathered
       // with 4-byte cp.async, each lane's arrival on full deferred until
       // its copies land. Lanes without copies (BN < 32, or no per-row
@@ -426,9 +481,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       // just arrive.
       const int lane = threadIdx.x % 32;
       int it = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        TileRef tr;
-        if (!tile_of<kPair>(block_expert, num_blocks, t / n_wtiles, 0, tr)) continue;
+      sched.for_each([&](const Tile& tr) {
         const int blk = tr.blk;
         for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
           const int s = it % kStages;
@@ -444,7 +497,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             mbar_arrive(&full[s]);
           }
         }
-      }
+      });
       cp_async_wait_all();  // no copies in flight at exit
     }
     return;
@@ -468,13 +521,18 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       bar_sync_n<1, kNWG * 128>();
     }
   };
+  // The consumers take the scheduler's steps here rather than through
+  // for_each: cicc canonicalizes a function's body (a lambda's too) before
+  // inlining it, which reorders the consumers' address arithmetic and
+  // registers (scripts/sass-diff.sh shows it), so their mainloop and
+  // epilogue stay in the kernel's own body.
   int it = 0;
-  int nth = 0;  // kPP: the CTA's tiles so far
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const int wtile = t % n_wtiles;
-    for (int sub = 0; sub < kSubs; ++sub) {
-      TileRef tr;
-      if (!tile_of<kPair>(block_expert, num_blocks, t / n_wtiles, sub, tr)) continue;
+  int nth = 0;  // the CTA's tiles so far
+  for (int u = sched.first(); u < sched.num_tiles; u = sched.next(u)) {
+    for (int sub = 0; sub < sched.kSubs; ++sub) {
+      Tile tr;
+      if (!sched.tile(u, sub, tr)) continue;
+      const int wtile = tr.wtile;
       const int nt = nth++;
       if (kPP && nt % 2 != wg) {
         it += p.num_k_iters;  // the other warpgroup's tile: its stages
