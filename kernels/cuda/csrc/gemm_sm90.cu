@@ -77,6 +77,11 @@ constexpr int kRoutePairs = 32;
 constexpr int kRouteScratch = 16 * 1024;
 constexpr int kRouteTabBytes = 1280;  // block count, experts, sorted rows of 8-token blocks
 
+// as_pitch is the floats from one column pair's run of a stage's
+// activation scales to the next (see as_slot).
+template <int BN>
+constexpr int as_pitch() { return BN / 4 + 4; }
+
 // Device helpers exist only in the sm_90a pass: the other targets compile
 // the kernels to empty bodies (the library never launches them there).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -99,8 +104,6 @@ __device__ __forceinline__ void stage_store(uint8_t* row, int oc, float v, float
 // column pairs' runs in different banks, so a warp's 16-byte reads, 8
 // lanes a run, take one shared-memory wavefront each: BN/16 load
 // instructions per thread and stage instead of BN/8.
-template <int BN>
-constexpr int as_pitch() { return BN / 4 + 4; }
 template <int BN>
 __device__ __forceinline__ int as_slot(int col) {
   return (col % 8) / 2 * as_pitch<BN>() + 2 * (col / 8) + col % 2;
@@ -327,6 +330,169 @@ __device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int*
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+// SmemPlan is a kernel's shared memory: its fixed part (staging tiles, row
+// tables, barriers) and as many pipeline stages as fit beside it, at most
+// eight: eight keep enough bytes in flight, more do not pay for their
+// shared memory (docs/perf-notes.md). The launch sizes the kernel's
+// dynamic shared memory by it and the kernel carves it up by it
+// (MoeGemm::Smem).
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kBlk, bool kPP>
+struct SmemPlan {
+  static constexpr int kWTile = kNWG * kWGRows * kBK;  // bytes of a stage's weight tile
+  static constexpr int kATile = BN * kBK;              // bytes of a stage's token tile
+  // kBlk: each stage also has BN activation scales, 4 x as_pitch floats.
+  static constexpr int kAsStage = 4 * as_pitch<BN>();
+  static constexpr int kStageBytes = kWTile + kATile + (kBlk ? kAsStage * 4 : 0);
+  static constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;  // output channels per tile
+  static constexpr int kSets = kPP ? kNWG : 1;  // staging tiles and row tables
+  static constexpr int kStageRows = BN < 128 ? BN : 128;  // tokens staged at a time
+  static constexpr int kPitch = kOC * out_size(kEpi) + 16;  // staging row, padded against bank conflicts
+  static constexpr int kStaging = kSets * kStageRows * kPitch;
+  static constexpr int kRouteTab = can_route<BN, kNWG, kEpi, kBlk, false, false>() ? kRouteTabBytes : 0;
+  // The alignment slack, staging, barriers, row tables and routing tables.
+  static constexpr int kFixed = 1024 + kStaging + 256 + kSets * BN * 8 + kRouteTab;
+  static constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
+  static constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
+  static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// MoeGemm is one kernel's traits (its constants, shared-memory plan and
+// carve-up, Smem) and the roles of its producer warpgroup, each a function
+// the kernel dispatches a thread or warp to: barrier setup, the TMA thread
+// (produce) and the scale warp (stage_scales), over the CTA's tile walk
+// (TileScheduler). The consumers' mainloop and epilogue are the kernel's
+// own body (moe_gemm_kernel says why).
+template <int BN, int kNWG, int kStages, bool kGated, bool kAny, GemmEpilogue kEpi, bool kPC, bool kBlk,
+          bool kTokA, bool kPair, bool kPP>
+struct MoeGemm {
+  using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP>;
+  using Sched = TileScheduler<kPair>;
+  static constexpr int kWTile = Plan::kWTile;
+  static constexpr int kATile = Plan::kATile;
+  static constexpr int kRegs = BN / 2;      // accumulators a thread holds per 64 weight rows
+  static constexpr int kHalves = kPP ? 2 : 1;  // 64-row halves of the tile a warpgroup computes
+  static constexpr int kSets = Plan::kSets;
+  static constexpr int kTileThreads = kPP ? 128 : kNWG * 128;  // consumer threads sharing a tile
+  static constexpr int kOC = Plan::kOC;
+  static constexpr int kESize = out_size(kEpi);
+  static constexpr int kPitch = Plan::kPitch;
+  static constexpr int kStageRows = Plan::kStageRows;
+  static constexpr int kAsStage = Plan::kAsStage;
+
+  static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
+  static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
+  static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
+  static_assert(!kPP || (!kBlk && !kPair && kNWG == 2 && BN <= 128), "ping-pong: per-expert/channel, two sets");
+
+  // Smem is the CTA's shared memory carved up in the plan's order from a
+  // 1024-byte aligned start (TMA's 128-byte swizzle needs it): the kernel
+  // lays it out, the roles take it.
+  struct Smem {
+    uint8_t* w;      // kStages weight tiles
+    uint8_t* a;      // kStages token tiles
+    uint8_t* stage;  // epilogue staging, kSets x kStageRows x kPitch
+    uint64_t* full;   // kStages: a stage's operands (and kBlk: scales) have landed
+    uint64_t* empty;  // kStages: a stage's consumers are done with it
+    uint64_t* order;  // 2, kPP: warpgroup w has issued a tile's last stage
+    // Per token row of the current tile: its dequantization factor
+    // (activation scale x weight scale, x router weight in GEMM2) and its
+    // output row or -1. Gathered while the tile's operands stream in, so
+    // the epilogue does no dependent global loads, which would otherwise
+    // outlast GEMM2's mainloop (docs/perf-notes.md, "Hopper grouped GEMM").
+    float* row_scale;  // kSets x BN
+    int* row_dst;      // kSets x BN
+    // kBlk: per stage, the activation scales of the tile's BN tokens for
+    // the stage's K block (kAsStage floats, see as_slot).
+    float* a_sc;
+  };
+
+  // init_barriers (one thread) sets up the ring's barriers and ping-pong's
+  // order barriers; a __syncthreads follows.
+  __device__ __forceinline__ static void init_barriers(const Smem& sm) {
+    for (int s = 0; s < kStages; ++s) {
+      // kBlk: the TMA thread and the 32 lanes of the scale warp arrive on
+      // full; every consumer warp on empty (see the mainloop).
+      mbar_init(&sm.full[s], kBlk ? 1 + 32 : 1);
+      mbar_init(&sm.empty[s], kBlk ? kNWG * 4 : kPP ? 1 : kNWG);
+    }
+    mbar_init(&sm.order[0], 1);
+    mbar_init(&sm.order[1], 1);
+    fence_mbar_init();
+  }
+
+  // produce (the producer warpgroup's first thread) loads every stage of
+  // the CTA's tiles with TMA: the weight tile and the tile's token rows.
+  // With DecodeRoute (routed) the rows are the token's row of the hidden
+  // states. routed and sorted_pairs are the kernel's variables, taken by
+  // reference: by value, cicc reorders the routing's address arithmetic
+  // ahead of the call (scripts/sass-diff.sh shows it).
+  __device__ __forceinline__ static void produce(const CUtensorMap& tm_w, const CUtensorMap& tm_a, const Params& p,
+                                                 const Smem& sm, const Sched& sched, const bool& routed,
+                                                 const int32_t* const& sorted_pairs) {
+    int it = 0;
+    sched.for_each([&](const Tile& tr) {
+      const int wtile = tr.wtile;
+      const int expert = tr.expert;
+      // DecodeRoute: the token's row (rows past the token's come in
+      // zero-filled or belong to rows whose outputs are dropped).
+      const int row0 = routed ? sorted_pairs[tr.blk * p.block_rows] / p.route.rp.top_k : tr.blk * p.block_rows;
+      for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&sm.empty[s], ((it / kStages) & 1) ^ 1);
+        mbar_expect_tx(&sm.full[s], kWTile + (kPair ? tr.nblk * (BN / 2) * kBK : kATile));
+        const int kb = kt * kBK;
+        if (kGated) {
+          // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
+          // group holds 8 gate channels then the same 8 up channels, so a
+          // thread's accumulator rows r and r+8 are a gate/up pair.
+          tma_load_5d(sm.w + s * kWTile, &tm_w, &sm.full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
+        } else {
+          tma_load_3d(sm.w + s * kWTile, &tm_w, &sm.full[s], kb, wtile * kNWG * kWGRows, expert);
+        }
+        if (kPair) {
+          // Box of BN/2 rows: one load per block of the tile.
+          for (int h = 0; h < tr.nblk; ++h) {
+            tma_load_2d(sm.a + s * kATile + h * (BN / 2) * kBK, &tm_a, &sm.full[s], kb, row0 + h * (BN / 2));
+          }
+        } else {
+          tma_load_2d(sm.a + s * kATile, &tm_a, &sm.full[s], kb, row0);
+        }
+      }
+    });
+  }
+
+  // stage_scales (kBlk: the producer warpgroup's second warp) follows the
+  // TMA thread's walk; for each stage, the activation scales of the tile's
+  // tokens for K block kt, gathered with 4-byte cp.async, each lane's
+  // arrival on full deferred until its copies land. Lanes without copies
+  // (BN < 32, or no per-row scales: a static activation scale, where the
+  // consumers use 1) just arrive. No copies are in flight when it returns.
+  __device__ __forceinline__ static void stage_scales(const Params& p, const Smem& sm, const Sched& sched) {
+    const int lane = threadIdx.x % 32;
+    int it = 0;
+    sched.for_each([&](const Tile& tr) {
+      const int blk = tr.blk;
+      for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&sm.empty[s], ((it / kStages) & 1) ^ 1);
+        if (p.a_scale_rows != nullptr && lane < BN) {
+          for (int r = lane; r < BN; r += 32) {
+            const float* src = p.a_scale_rows + size_t(blk * p.block_rows + r) * p.a_scale_ld + kt;
+            float* dst = sm.a_sc + s * kAsStage + as_slot<BN>(r);
+            cp_async_4(dst, src);
+          }
+          cp_async_mbar_arrive_noinc(&sm.full[s]);
+        } else {
+          mbar_arrive(&sm.full[s]);
+        }
+      }
+    });
+    cp_async_wait_all();
+  }
+};
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
 // Persistent: each CTA walks its tiles in TileScheduler's order; a tile is
 // kNWG*64 weight rows x BN tokens of one expert. Warpgroups 0..kNWG-1
 // consume (wgmma + epilogue); warpgroup kNWG produces (one thread issues
@@ -343,26 +509,25 @@ __device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int*
 // a ring slot more than one fill ahead, which the barriers' phase parity
 // could not tell apart. Each warpgroup has its own staging tile and row
 // tables.
+//
+// The kernel is setup (shared memory, the call's layout, the tile walk,
+// the barriers), the producer warpgroup's roles (MoeGemm), and the
+// consumers' mainloop and epilogue written out here: cicc canonicalizes a
+// function's body (a lambda's too) before inlining it, which reorders the
+// consumers' address arithmetic and registers (scripts/sass-diff.sh shows
+// it), so their code stays in the kernel's own body.
 template <int BN, int kNWG, int kStages, bool kGated, bool kAny, GemmEpilogue kEpi, bool kPC, bool kBlk,
           bool kTokA, bool kPair, bool kPP>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kWTile = kNWG * kWGRows * kBK;  // bytes
-  constexpr int kATile = BN * kBK;
-  constexpr int kRegs = BN / 2;      // accumulators a thread holds per 64 weight rows
-  constexpr int kHalves = kPP ? 2 : 1;  // 64-row halves of the tile a warpgroup computes
-  constexpr int kSets = kPP ? kNWG : 1;  // staging tiles and row tables
-  constexpr int kTileThreads = kPP ? 128 : kNWG * 128;  // consumer threads sharing a tile
-  constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;  // output channels per tile
-  constexpr int kESize = out_size(kEpi);
-  constexpr int kPitch = kOC * kESize + 16;  // staging row, padded against bank conflicts
-  constexpr int kStageRows = BN < 128 ? BN : 128;  // tokens staged at a time
-  constexpr int kAsStage = 4 * as_pitch<BN>();  // kBlk: floats of activation scales per stage
+  using K = MoeGemm<BN, kNWG, kStages, kGated, kAny, kEpi, kPC, kBlk, kTokA, kPair, kPP>;
+  constexpr int kWTile = K::kWTile, kATile = K::kATile, kRegs = K::kRegs, kHalves = K::kHalves;
+  constexpr int kTileThreads = K::kTileThreads, kOC = K::kOC, kESize = K::kESize, kPitch = K::kPitch;
+  constexpr int kStageRows = K::kStageRows, kAsStage = K::kAsStage;
   using Mma = WgmmaE4M3<BN>;
   using MmaHalf = WgmmaE4M3<kPair ? BN / 2 : BN>;  // kPair: a tile of one block
-
   constexpr bool kRoute = can_route<BN, kNWG, kEpi, kBlk, kTokA, kPair>();
 
   pdl_wait();
@@ -374,22 +539,17 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   // compiler emits ld.shared for the scale and staging reads instead of
   // generic loads (which wait on the long scoreboard).
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  // The plan's carve-up (K::Smem), as the consumers' own pointers too.
   uint8_t* w_smem = smem;
   uint8_t* a_smem = smem + kStages * kWTile;
-  uint8_t* stage = a_smem + kStages * kATile;  // epilogue staging, kSets x kStageRows x kPitch
-  uint64_t* full = reinterpret_cast<uint64_t*>(stage + kSets * kStageRows * kPitch);
+  uint8_t* stage = a_smem + kStages * kATile;
+  uint64_t* full = reinterpret_cast<uint64_t*>(stage + K::Plan::kStaging);
   uint64_t* empty = full + kStages;
-  uint64_t* order = empty + kStages;  // kPP: warpgroup w has issued a tile's last stage
-  // Per token row of the current tile: its dequantization factor (activation
-  // scale x weight scale, x router weight in GEMM2) and its output row or -1.
-  // Gathered while the tile's operands stream in, so the epilogue does no
-  // dependent global loads, which would otherwise outlast GEMM2's
-  // mainloop (docs/perf-notes.md, "Hopper grouped GEMM").
+  uint64_t* order = empty + kStages;
   float* row_scale = reinterpret_cast<float*>(order + 2);
-  int* row_dst = reinterpret_cast<int*>(row_scale + kSets * BN);
-  // kBlk: per stage, the activation scales of the tile's BN tokens for the
-  // stage's K block.
-  float* a_sc = reinterpret_cast<float*>(row_dst + kSets * BN);
+  int* row_dst = reinterpret_cast<int*>(row_scale + K::kSets * BN);
+  float* a_sc = reinterpret_cast<float*>(row_dst + K::kSets * BN);
+  const typename K::Smem sm{w_smem, a_smem, stage, full, empty, order, row_scale, row_dst, a_sc};
 
   // The call's layout: the align step's, or with DecodeRoute this CTA's
   // own (tables where a_sc would be, which these kernels do not use), and
@@ -419,91 +579,23 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   }
   const TileScheduler<kPair> sched(block_expert, num_blocks, (p.n_out + kOC - 1) / kOC);
   if (sched.idle()) return;
-  static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
-  static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
-  static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
-  static_assert(!kPP || (!kBlk && !kPair && kNWG == 2 && BN <= 128), "ping-pong: per-expert/channel, two sets");
 
   const int wg = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      // kBlk: the TMA thread and the 32 lanes of the scale warp arrive on
-      // full; every consumer warp on empty (see the mainloop).
-      mbar_init(&full[s], kBlk ? 1 + 32 : 1);
-      mbar_init(&empty[s], kBlk ? kNWG * 4 : kPP ? 1 : kNWG);
-    }
-    mbar_init(&order[0], 1);
-    mbar_init(&order[1], 1);
-    fence_mbar_init();
-  }
+  if (threadIdx.x == 0) K::init_barriers(sm);
   __syncthreads();
 
   if (wg == kNWG) {
-    // Producer.
     setmaxnreg_dec<40>();
     if (threadIdx.x == kNWG * 128) {
-      int it = 0;
-      sched.for_each([&](const Tile& tr) {
-        const int wtile = tr.wtile;
-        const int expert = tr.expert;
-        // DecodeRoute: the token's row (rows past the token's come in
-        // zero-filled or belong to rows whose outputs are dropped).
-        const int row0 = routed ? sorted_pairs[tr.blk * p.block_rows] / p.route.rp.top_k : tr.blk * p.block_rows;
-        for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-          const int s = it % kStages;
-          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-          mbar_expect_tx(&full[s], kWTile + (kPair ? tr.nblk * (BN / 2) * kBK : kATile));
-          const int kb = kt * kBK;
-          if (kGated) {
-            // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
-            // group holds 8 gate channels then the same 8 up channels, so a
-            // thread's accumulator rows r and r+8 are a gate/up pair.
-            tma_load_5d(w_smem + s * kWTile, &tm_w, &full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
-          } else {
-            tma_load_3d(w_smem + s * kWTile, &tm_w, &full[s], kb, wtile * kNWG * kWGRows, expert);
-          }
-          if (kPair) {
-            // Box of BN/2 rows: one load per block of the tile.
-            for (int h = 0; h < tr.nblk; ++h) {
-              tma_load_2d(a_smem + s * kATile + h * (BN / 2) * kBK, &tm_a, &full[s], kb, row0 + h * (BN / 2));
-            }
-          } else {
-            tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, row0);
-          }
-        }
-      });
+      K::produce(tm_w, tm_a, p, sm, sched, routed, sorted_pairs);
     } else if (kBlk && (threadIdx.x % 128) / 32 == 1) {
-      // Scale warp: the TMA thread's walk; for each stage, the
-      // activation scales of the tile's tokens for K block kt, gathered
-      // with 4-byte cp.async, each lane's arrival on full deferred until
-      // its copies land. Lanes without copies (BN < 32, or no per-row
-      // scales: a static activation scale, where the consumers use 1)
-      // just arrive.
-      const int lane = threadIdx.x % 32;
-      int it = 0;
-      sched.for_each([&](const Tile& tr) {
-        const int blk = tr.blk;
-        for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-          const int s = it % kStages;
-          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-          if (p.a_scale_rows != nullptr && lane < BN) {
-            for (int r = lane; r < BN; r += 32) {
-              const float* src = p.a_scale_rows + size_t(blk * p.block_rows + r) * p.a_scale_ld + kt;
-              float* dst = a_sc + s * kAsStage + as_slot<BN>(r);
-              cp_async_4(dst, src);
-            }
-            cp_async_mbar_arrive_noinc(&full[s]);
-          } else {
-            mbar_arrive(&full[s]);
-          }
-        }
-      });
-      cp_async_wait_all();  // no copies in flight at exit
+      K::stage_scales(p, sm, sched);
     }
     return;
   }
 
-  // Consumers.
+  // Consumers: each of the CTA's tiles (kPP: every other one), its row
+  // tables, weight scales, mainloop and epilogue.
   setmaxnreg_inc<232>();
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
@@ -521,11 +613,8 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
       bar_sync_n<1, kNWG * 128>();
     }
   };
-  // The consumers take the scheduler's steps here rather than through
-  // for_each: cicc canonicalizes a function's body (a lambda's too) before
-  // inlining it, which reorders the consumers' address arithmetic and
-  // registers (scripts/sass-diff.sh shows it), so their mainloop and
-  // epilogue stay in the kernel's own body.
+  // The scheduler's steps, as for_each takes them (see the kernel's
+  // comment for why not for_each).
   int it = 0;
   int nth = 0;  // the CTA's tiles so far
   for (int u = sched.first(); u < sched.num_tiles; u = sched.next(u)) {
@@ -863,26 +952,6 @@ bool persistent_grid() { return switches().sm90_persistent.load(std::memory_orde
 bool plain_act1(const MoeGemmArgs& a) {
   return !a.bias && (a.act == GemmAct::kSiluGated || a.act == GemmAct::kRelu2);
 }
-
-// SmemPlan is a kernel's shared memory: its fixed part (staging tiles, row
-// tables, barriers) and as many pipeline stages as fit beside it, at most
-// eight: eight keep enough bytes in flight, more do not pay for their
-// shared memory (docs/perf-notes.md).
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kBlk, bool kPP>
-struct SmemPlan {
-  static constexpr int kWTile = kNWG * kWGRows * kBK;
-  static constexpr int kATile = BN * kBK;
-  // kBlk: each stage also has BN activation scales.
-  static constexpr int kStageBytes = kWTile + kATile + (kBlk ? (BN + 16) * 4 : 0);
-  static constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
-  static constexpr int kSets = kPP ? kNWG : 1;
-  static constexpr int kStaging = kSets * (BN < 128 ? BN : 128) * (kOC * out_size(kEpi) + 16);
-  static constexpr int kRouteTab = can_route<BN, kNWG, kEpi, kBlk, false, false>() ? kRouteTabBytes : 0;
-  static constexpr int kFixed = 1024 + kStaging + 256 + kSets * BN * 8 + kRouteTab;
-  static constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
-  static constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
-  static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
-};
 
 template <int BN, int kNWG, bool kGated, bool kAny, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
           bool kPair, bool kPP>
