@@ -42,7 +42,7 @@
 // (wait_group 1), and their two-warpgroup tiles of up to 128 tokens run
 // ping-pong (kPP: each warpgroup a whole tile, one's epilogue under the
 // other's mainloop). With the sm90_pair option, 128-row alignment blocks run as
-// 256-token tiles of two blocks of one expert (kPair, see tile_of). The
+// 256-token tiles of two blocks of one expert (kPair, see TileScheduler). The
 // token tile per layer shape comes from the measured table in sm90_tiles.h.
 //
 // It implements the sm90 half of moe_gemm.h.
