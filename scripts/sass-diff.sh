@@ -113,6 +113,16 @@ def ptxas(path):
             out[key].append(re.sub(r'^ptxas info\s*:\s*', '', line.strip()))
     return out
 
+def shape(lines):
+    """A kernel's instructions as a multiset, registers and branch targets left out."""
+    out = []
+    for ins in lines:
+        ins = re.sub(r'\bU?[RPB]\d+\b', 'R', ins).replace('.reuse', '')
+        if re.match(r'(@!?U?P\w* )?(BRA|BSSY|CALL|JMP|BRX)\b', ins):
+            ins = re.sub(r'0x[0-9a-f]+', 'ADDR', ins)
+        out.append(ins)
+    return sorted(out)
+
 bad = 0
 for what, fn in (('sass', sass), ('ptxas', ptxas)):
     src = {'sass': '%s.sass', 'ptxas': '%s/build/ptxas.txt'}[what]
@@ -124,7 +134,11 @@ for what, fn in (('sass', sass), ('ptxas', ptxas)):
             bad += 1
         elif a[k] != b[k]:
             n = sum(1 for x, y in zip(a[k], b[k]) if x != y) + abs(len(a[k]) - len(b[k]))
-            print('%s: %s %s: %d of %d lines differ' % (what, k[0], k[1], n, max(len(a[k]), len(b[k]))))
+            note = ''
+            if what == 'sass':
+                note = '; same instructions, other order or registers' if shape(a[k]) == shape(b[k]) else \
+                    '; %d and %d instructions' % (len(a[k]), len(b[k]))
+            print('%s: %s %s: %d of %d lines differ%s' % (what, k[0], k[1], n, max(len(a[k]), len(b[k])), note))
             bad += 1
         else:
             same += 1
