@@ -1,7 +1,7 @@
 """ctypes mirror of kernels/cuda/csrc/expertd_cuda.h, for the device benchmark.
 
-Only what the benchmark needs: version check, init, expert-set create/free,
-expertd_set_epilogue and the device-pointer entry point expertd_moe_device.
+Only what the benchmark needs: version check, init, expert-set create/free
+and the device-pointer entry point expertd_moe_device.
 The constants below must equal the header's #defines. Five ABI versions load: v1; v2, whose
 expertd_set_create also takes the weight block shape (block_n, block_k; 0, 0:
 no block mode); v3, whose expertd_init also takes the streams per set
@@ -9,8 +9,9 @@ no block mode); v3, whose expertd_init also takes the streams per set
 expertd_init takes a struct expertd_options and whose expertd_moe_device takes
 a struct expertd_call (Options and Call below mirror them; the library checks
 their size and version fields); and v5, which adds the gated activations
-(SWIGLU_OAI among them) and expertd_set_epilogue (per-expert biases and
-SWIGLU_OAI's limit and alpha). A v1 library refuses block-scaled layers here
+(SWIGLU_OAI among them) and whose expertd_set_create takes a struct
+expertd_set_params (SetParams below) with per-expert biases and SWIGLU_OAI's
+limit and alpha. A v1 library refuses block-scaled layers here
 with EXPERTD_ERR_UNSUPPORTED, before any call, and one older than v5 layers
 with biases or SWIGLU_OAI. Every
 call's return code is checked; a failure raises ExpertdError with
@@ -119,7 +120,21 @@ class Options(ctypes.Structure):
                 ("sync_spin_us", ctypes.c_int32), ("sm90_pair", ctypes.c_int32)]
 
 
-assert ctypes.sizeof(Call) == 208 and ctypes.sizeof(Options) == 44, "expertd_cuda.h layouts"
+class SetParams(ctypes.Structure):
+    """struct expertd_set_params (ABI 5; EXPERTD_SET_PARAMS_BYTES = 104), filled in
+    by expertd_set_params_init."""
+    _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32),
+                ("num_experts", ctypes.c_int32), ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32),
+                ("activation", ctypes.c_int32), ("n_w13_scale", ctypes.c_int32),
+                ("n_w2_scale", ctypes.c_int32), ("block_n", ctypes.c_int32), ("block_k", ctypes.c_int32),
+                ("a13_scale", ctypes.c_float), ("a2_scale", ctypes.c_float),
+                ("swiglu_limit", ctypes.c_float), ("swiglu_alpha", ctypes.c_float),
+                ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("w13_scale", ctypes.c_void_p),
+                ("w2_scale", ctypes.c_void_p), ("w13_bias", ctypes.c_void_p), ("w2_bias", ctypes.c_void_p)]
+
+
+assert (ctypes.sizeof(Call), ctypes.sizeof(Options), ctypes.sizeof(SetParams)) == (208, 44, 104), \
+    "expertd_cuda.h layouts"
 
 
 # expertd_set_create's argtypes per ABI version: v2 adds block_n, block_k
@@ -138,9 +153,9 @@ _SET_CREATE[3] = _SET_CREATE[2]
 _INIT = {1: [ctypes.c_int], 2: [ctypes.c_int], 3: [ctypes.c_int, ctypes.c_int],
          4: [ctypes.c_int, ctypes.POINTER(Options)]}
 _SET_CREATE[4] = _SET_CREATE[2]
-# v5 adds activations and expertd_set_epilogue (Library binds it); the rest
+# v5 adds activations and takes the set's parameters as a struct; the rest
 # is v4's.
-_SET_CREATE[5] = _SET_CREATE[4]
+_SET_CREATE[5] = [ctypes.c_int, ctypes.POINTER(SetParams), ctypes.POINTER(ctypes.c_uint64)]
 _INIT[5] = _INIT[4]
 _MOE_DEVICE_V1 = [ctypes.c_uint64, _i64p, ctypes.c_int, _f32p, ctypes.c_int,
                   _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.c_size_t]
@@ -196,9 +211,8 @@ class Library:
             self.lib.expertd_options_default.restype = None
             self.lib.expertd_options_default.argtypes = [ctypes.POINTER(Options)]
         if got >= 5:
-            self.lib.expertd_set_epilogue.restype = ctypes.c_int
-            self.lib.expertd_set_epilogue.argtypes = [ctypes.c_uint64, _p, _p, ctypes.c_float,
-                                                      ctypes.c_float]
+            self.lib.expertd_set_params_init.restype = None
+            self.lib.expertd_set_params_init.argtypes = [ctypes.POINTER(SetParams)]
 
     @property
     def block_scales(self) -> bool:
@@ -242,7 +256,8 @@ class ExpertSet:
         Block-scaled weights (shape.block = [Bn, Bk]) need ABI 2, SWIGLU_OAI
         and biases ABI 5; an older library raises
         ExpertdError(EXPERTD_ERR_UNSUPPORTED) before any call. Biases and
-        SWIGLU_OAI's limit and alpha go through expertd_set_epilogue.
+        SWIGLU_OAI's limit and alpha go in expertd_set_params (w13_bias in w13's
+        row order: gate rows, then up rows, as the library takes w13).
         """
         s = weights.shape
         self.lib, self.shape, self.weights = lib, s, weights
@@ -257,7 +272,7 @@ class ExpertSet:
         biases = [b for b in (weights.w13_bias, weights.w2_bias) if b is not None]
         epilogue = bool(biases) or act == ACT_SWIGLU_OAI
         if epilogue and not lib.epilogue:
-            raise ExpertdError("expertd_set_epilogue", ERR_UNSUPPORTED,
+            raise ExpertdError("expertd_set_create", ERR_UNSUPPORTED,
                                f"library ABI {lib.abi} has no expert biases or SWIGLU_OAI "
                                f"({s.name}: activation {s.activation}, "
                                f"{'with' if biases else 'no'} biases; needs ABI 5)")
@@ -269,42 +284,37 @@ class ExpertSet:
         handle = ctypes.c_uint64(0)
         # Block layers: activation scales 0, dynamic per token group of Bk.
         a13, a2 = float(weights.a13_scale), float(weights.a2_scale)
-        block = [] if lib.abi < 2 else list(s.block or (0, 0))
-        lib.check("expertd_set_create", lib.lib.expertd_set_create(
-            device, s.E, s.K, s.N, act, w13.data_ptr(), w2.data_ptr(),
-            s13.data_ptr(), s13.numel(), s2.data_ptr(), s2.numel(), *block,
-            a13, a2, ctypes.byref(handle)))
+        if lib.abi >= 5:
+            b13 = None if weights.w13_bias is None else weights.w13_bias.float().cpu().contiguous()
+            b2 = None if weights.w2_bias is None else weights.w2_bias.float().cpu().contiguous()
+            for name, b, want in (("w13_bias", b13, (s.E, s.rows1)), ("w2_bias", b2, (s.E, s.K))):
+                if b is not None and tuple(b.shape) != want:
+                    raise ValueError(f"{s.name}: {name} is {list(b.shape)}, want {list(want)}")
+            p = SetParams()
+            lib.lib.expertd_set_params_init(ctypes.byref(p))
+            p.num_experts, p.hidden, p.inter, p.activation = s.E, s.K, s.N, act
+            p.n_w13_scale, p.n_w2_scale = s13.numel(), s2.numel()
+            p.block_n, p.block_k = s.block or (0, 0)
+            p.a13_scale, p.a2_scale = a13, a2
+            if act == ACT_SWIGLU_OAI:
+                p.swiglu_limit, p.swiglu_alpha = s.swiglu_limit, s.swiglu_alpha
+            p.w13, p.w2, p.w13_scale, p.w2_scale = (_ptr(t) for t in (w13, w2, s13, s2))
+            p.w13_bias, p.w2_bias = _ptr(b13), _ptr(b2)
+            args = (device, ctypes.byref(p), ctypes.byref(handle))
+        else:
+            block = [] if lib.abi < 2 else list(s.block or (0, 0))
+            args = (device, s.E, s.K, s.N, act, w13.data_ptr(), w2.data_ptr(),
+                    s13.data_ptr(), s13.numel(), s2.data_ptr(), s2.numel(), *block,
+                    a13, a2, ctypes.byref(handle))
+        lib.check("expertd_set_create", lib.lib.expertd_set_create(*args))
         self.handle = handle.value
         del w13, w2
-        if epilogue:
-            self._set_epilogue(weights)
         # The static per-tensor hidden scale; block layers pass each call's
         # per-token-group scales instead.
         self.hidden_scale = weights.a13_scale.float().reshape(1).contiguous()
         self.bias = None
         if weights.correction_bias is not None:
             self.bias = weights.correction_bias.float().contiguous()
-
-    def _set_epilogue(self, weights) -> None:
-        """expertd_set_epilogue with host copies of the biases (w13's row order:
-        gate rows, then up rows, as the library takes w13) and the shape's
-        SWIGLU_OAI limit and alpha (1, 1 for other activations, which ignore
-        them); frees the set if the call fails."""
-        s = weights.shape
-        b13 = None if weights.w13_bias is None else weights.w13_bias.float().cpu().contiguous()
-        b2 = None if weights.w2_bias is None else weights.w2_bias.float().cpu().contiguous()
-        for name, b, want in (("w13_bias", b13, (s.E, s.rows1)), ("w2_bias", b2, (s.E, s.K))):
-            if b is not None and tuple(b.shape) != want:
-                self.free()
-                raise ValueError(f"{s.name}: {name} is {list(b.shape)}, want {list(want)}")
-        oai = s.activation == "swiglu_oai"
-        limit, alpha = (s.swiglu_limit, s.swiglu_alpha) if oai else (1.0, 1.0)
-        try:
-            self.lib.check("expertd_set_epilogue", self.lib.lib.expertd_set_epilogue(
-                self.handle, _ptr(b13), _ptr(b2), limit, alpha))
-        except ExpertdError:
-            self.free()
-            raise
 
     def params(self, M: int, gemm: int = GEMM_AUTO):
         """The call's parameters for M tokens of FP8 hidden, FP32 logits, BF16 out:

@@ -31,7 +31,7 @@ so); its GEMMs alone are graph-captured. A v1 library (no block scales) runs the
 peer alone for it and the tables say "unsupported".
 
 gpt-oss-120b runs gpt-oss's clamped SwiGLU (SWIGLU_OAI) with per-expert biases
-on both GEMMs, which expertd takes from ABI 5 on (expertd_set_epilogue): an
+on both GEMMs, which expertd takes from ABI 5 on (expertd_set_params): an
 older library runs the peers alone for it and the tables say "unsupported".
 
 Without build/libexpertd_cuda.so it runs the peer alone and says so.

@@ -37,10 +37,11 @@ const (
 	memPinned   = 2
 	memDevice   = 3
 
-	callBytes    = 208
-	bufBytes     = 16
-	optionsBytes = 44
-	maxSpinUS    = 10000
+	callBytes      = 208
+	bufBytes       = 16
+	optionsBytes   = 44
+	setParamsBytes = 104
+	maxSpinUS      = 10000
 
 	maxExperts = 1024
 	maxTopK    = 32
@@ -104,6 +105,32 @@ type cOptions struct {
 	hostTrace      int32
 	syncSpinUS     int32
 	sm90Pair       int32
+}
+
+// cSetParams mirrors struct expertd_set_params (abi_test.go checks the
+// layout). The pointers are addresses of Go memory, which the library
+// reads during expertd_set_create only.
+type cSetParams struct {
+	size        uint32
+	version     uint32
+	numExperts  int32
+	hidden      int32
+	inter       int32
+	activation  int32
+	nW13Scale   int32
+	nW2Scale    int32
+	blockN      int32
+	blockK      int32
+	a13Scale    float32
+	a2Scale     float32
+	swigluLimit float32
+	swigluAlpha float32
+	w13         uintptr
+	w2          uintptr
+	w13Scale    uintptr
+	w2Scale     uintptr
+	w13Bias     uintptr
+	w2Bias      uintptr
 }
 
 // codeName is the header's name for a return code, for error messages.

@@ -51,10 +51,11 @@ func TestHeaderMatchesGo(t *testing.T) {
 		"EXPERTD_MEM_PINNED":   memPinned,
 		"EXPERTD_MEM_DEVICE":   memDevice,
 
-		"EXPERTD_CALL_BYTES":    callBytes,
-		"EXPERTD_BUF_BYTES":     bufBytes,
-		"EXPERTD_OPTIONS_BYTES": optionsBytes,
-		"EXPERTD_MAX_SPIN_US":   maxSpinUS,
+		"EXPERTD_CALL_BYTES":       callBytes,
+		"EXPERTD_BUF_BYTES":        bufBytes,
+		"EXPERTD_OPTIONS_BYTES":    optionsBytes,
+		"EXPERTD_SET_PARAMS_BYTES": setParamsBytes,
+		"EXPERTD_MAX_SPIN_US":      maxSpinUS,
 
 		"EXPERTD_MAX_EXPERTS":      maxExperts,
 		"EXPERTD_MAX_TOP_K":        maxTopK,
@@ -125,7 +126,7 @@ func cStructLayout(t *testing.T, src []byte, name string) ([]cField, uintptr) {
 		t.Fatalf("header has no typedef struct %s", name)
 	}
 	sizes := map[string]uintptr{"uint32_t": 4, "int32_t": 4, "float": 4, "uint64_t": 8, "void*": 8, "float*": 8,
-		"expertd_buf": bufBytes}
+		"uint8_t*": 8, "expertd_buf": bufBytes}
 	body := regexp.MustCompile(`(?s)/\*.*?\*/`).ReplaceAllString(string(m[1]), "")
 	field := regexp.MustCompile(`^\s*(\w+\s*\*?)\s*(\*?\w+);\s*$`)
 	var fields []cField
@@ -134,7 +135,8 @@ func cStructLayout(t *testing.T, src []byte, name string) ([]cField, uintptr) {
 		if strings.TrimSpace(line) == "" {
 			continue
 		}
-		f := field.FindStringSubmatch(line)
+		// const changes no layout.
+		f := field.FindStringSubmatch(strings.Replace(line, "const ", "", 1))
 		if f == nil {
 			t.Fatalf("struct %s: cannot parse field line %q", name, line)
 		}
@@ -168,6 +170,7 @@ func TestStructsMatchGo(t *testing.T) {
 		{"expertd_buf", reflect.TypeOf(cBuf{}), bufBytes},
 		{"expertd_call", reflect.TypeOf(cCall{}), callBytes},
 		{"expertd_options", reflect.TypeOf(cOptions{}), optionsBytes},
+		{"expertd_set_params", reflect.TypeOf(cSetParams{}), setParamsBytes},
 	} {
 		fields, size := cStructLayout(t, src, tc.c)
 		if size != tc.size || tc.goT.Size() != tc.size {
@@ -248,6 +251,21 @@ func TestLibraryChecksStructs(t *testing.T) {
 		rc, msg := call(func() int32 { return lib.init(0, &tc.o) })
 		if rc != codeInvalid || !strings.Contains(msg, tc.want) {
 			t.Errorf("init with %s options: rc %s, %q; want ERR_INVALID naming %q", tc.name, codeName(rc), msg, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		p    *cSetParams
+		want string
+	}{
+		{"nil", nil, "NULL params"},
+		{"short", &cSetParams{size: 8, version: abiVersion}, "params of 8 bytes"},
+		{"old version", &cSetParams{size: setParamsBytes, version: abiVersion - 1}, "ABI " + strconv.Itoa(abiVersion-1)},
+	} {
+		var h uint64
+		rc, msg := call(func() int32 { return lib.setCreate(0, tc.p, &h) })
+		if rc != codeInvalid || !strings.Contains(msg, tc.want) || h != 0 {
+			t.Errorf("set_create with %s params: rc %s, %q, handle %d; want ERR_INVALID naming %q", tc.name, codeName(rc), msg, h, tc.want)
 		}
 	}
 }

@@ -272,35 +272,28 @@ func (b *Backend) Load(ctx context.Context, set *moe.ExpertSet) (kernels.Loaded,
 	if set.A2Scale != nil {
 		a2 = max(*set.A2Scale, 1e-10)
 	}
+	params := &cSetParams{
+		size: setParamsBytes, version: abiVersion,
+		numExperts: int32(set.E), hidden: int32(set.K), inter: int32(set.N), activation: act,
+		nW13Scale: int32(len(s13)), nW2Scale: int32(len(s2)), blockN: int32(block[0]), blockK: int32(block[1]),
+		a13Scale: a13, a2Scale: a2,
+		w13: goBuf(w13).data, w2: goBuf(set.W2).data, w13Scale: goBuf(s13).data, w2Scale: goBuf(s2).data,
+		w13Bias: goBuf(b13).data, w2Bias: goBuf(set.W2Bias).data,
+	}
+	if set.Activation == moe.SwigluOAI {
+		params.swigluLimit, params.swigluAlpha = set.SwigluLimit, set.SwigluAlpha
+	}
 	var h uint64
-	err := b.call("set_create", func() int32 {
-		return b.lib.setCreate(int32(b.device), int32(set.E), int32(set.K), int32(set.N), act,
-			&w13[0], &set.W2[0], &s13[0], int32(len(s13)), &s2[0], int32(len(s2)),
-			int32(block[0]), int32(block[1]), a13, a2, &h)
-	})
+	err := b.call("set_create", func() int32 { return b.lib.setCreate(int32(b.device), params, &h) })
+	// The params hold the slices' addresses as integers, which keep
+	// nothing alive.
 	runtime.KeepAlive(set)
 	runtime.KeepAlive(w13)
 	runtime.KeepAlive(s13)
 	runtime.KeepAlive(s2)
+	runtime.KeepAlive(b13)
 	if err != nil {
 		return nil, err
-	}
-	if b13 != nil || set.W2Bias != nil || set.Activation == moe.SwigluOAI {
-		limit, alpha := set.SwigluLimit, set.SwigluAlpha
-		if set.Activation != moe.SwigluOAI {
-			limit, alpha = 1, 1 // ignored by the other activations
-		}
-		err = b.call("set_epilogue", func() int32 {
-			return b.lib.setEpilogue(h, first(b13), first(set.W2Bias), limit, alpha)
-		})
-		runtime.KeepAlive(b13)
-		runtime.KeepAlive(set)
-		if err != nil {
-			if ferr := b.call("set_free", func() int32 { return b.lib.setFree(h) }); ferr != nil {
-				err = errors.Join(err, ferr)
-			}
-			return nil, err
-		}
 	}
 	meta := *set
 	meta.W13, meta.W2 = nil, nil
@@ -326,14 +319,6 @@ func gateFirst[T any](set *moe.ExpertSet, v []T, width int) []T {
 		}
 	}
 	return out
-}
-
-// first is a pointer to v's first element, nil for an empty v.
-func first(v []float32) *float32 {
-	if len(v) == 0 {
-		return nil
-	}
-	return &v[0]
 }
 
 // blockScales returns the set's weight scales in the library's block layout,

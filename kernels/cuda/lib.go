@@ -98,7 +98,6 @@ func openLibrary(configured string) (*library, error) {
 		{&l.init, "expertd_init"},
 		{&l.deviceInfo, "expertd_device_info"},
 		{&l.setCreate, "expertd_set_create"},
-		{&l.setEpilogue, "expertd_set_epilogue"},
 		{&l.setFree, "expertd_set_free"},
 		{&l.moe, "expertd_moe"},
 		{&l.hostRegister, "expertd_host_register"},

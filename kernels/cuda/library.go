@@ -17,10 +17,8 @@ type library struct {
 	abiVersion func() int32
 	init       func(device int32, opts *cOptions) int32
 	deviceInfo func(device int32, buf *byte, n int32) int32
-	setCreate  func(device, e, k, n, act int32, w13, w2 *byte, s13 *float32, n13 int32,
-		s2 *float32, n2, blockN, blockK int32, a13, a2 float32, out *uint64) int32
-	setEpilogue func(h uint64, b13, b2 *float32, limit, alpha float32) int32
-	setFree     func(h uint64) int32
+	setCreate  func(device int32, params *cSetParams, out *uint64) int32
+	setFree    func(h uint64) int32
 	// moe's buffers are addresses: of Go memory, of a host mapping, or of
 	// device memory (each says which, or the library asks the driver).
 	moe            func(h uint64, c *cCall) int32

@@ -70,19 +70,21 @@ int expertd_device_info(int device, char* buf, int buflen) {
   return EXPERTD_OK;
 }
 
-int expertd_set_create(int device, int num_experts, int hidden, int inter, int activation, const uint8_t* w13,
-                       const uint8_t* w2, const float* w13_scale, int n_w13_scale, const float* w2_scale,
-                       int n_w2_scale, int block_n, int block_k, float a13_scale, float a2_scale,
-                       uint64_t* out_handle) {
-  g_last_error.clear();
-  return set_create(device, num_experts, hidden, inter, activation, w13, w2, w13_scale, n_w13_scale, w2_scale,
-                    n_w2_scale, block_n, block_k, a13_scale, a2_scale, out_handle);
+void expertd_set_params_init(expertd_set_params* p) {
+  if (!p) return;
+  std::memset(p, 0, sizeof *p);
+  p->size = sizeof *p;
+  p->version = EXPERTD_ABI_VERSION;
+  p->a13_scale = -1.f;
+  p->a2_scale = -1.f;
+  // gpt-oss's SwiGLU clamp limit and sigmoid slope.
+  p->swiglu_limit = 7.f;
+  p->swiglu_alpha = 1.702f;
 }
 
-int expertd_set_epilogue(uint64_t handle, const float* w13_bias, const float* w2_bias, float swiglu_limit,
-                         float swiglu_alpha) {
+int expertd_set_create(int device, const expertd_set_params* params, uint64_t* out_handle) {
   g_last_error.clear();
-  return set_epilogue(handle, w13_bias, w2_bias, swiglu_limit, swiglu_alpha);
+  return set_create(device, params, out_handle);
 }
 
 int expertd_set_free(uint64_t handle) {

@@ -1,10 +1,10 @@
 /* expertd_cuda.h: the C ABI of libexpertd_cuda.so, expertd's fused-MoE GPU
  * kernels.
  *
- * The ABI is plain C: ints, floats, uint64 handles, pointers and two
- * structs passed by pointer (expertd_options, expertd_call), each starting
- * with its size and the ABI version so that a caller built against another
- * header is refused instead of misread. No callbacks. Host pointers passed
+ * The ABI is plain C: ints, floats, uint64 handles, pointers and three
+ * structs passed by pointer (expertd_options, expertd_set_params,
+ * expertd_call), each starting with its size and the ABI version so that a
+ * caller built against another header is refused instead of misread. No callbacks. Host pointers passed
  * in are read (or written) only during the call and never retained. Every
  * function returns an EXPERTD_* code; on failure expertd_last_error()
  * describes the failure for the calling thread. Nothing here exits or
@@ -52,7 +52,7 @@ extern "C" {
  * kernels.Scoring's. */
 #define EXPERTD_ACT_SILU_GATED 1
 #define EXPERTD_ACT_RELU2 2
-#define EXPERTD_ACT_SWIGLU_OAI 3      /* gpt-oss's clamped SwiGLU; gate rows first here (see set_create) */
+#define EXPERTD_ACT_SWIGLU_OAI 3      /* gpt-oss's clamped SwiGLU; gate rows first here (see set_params) */
 #define EXPERTD_ACT_GELU_TANH_GATED 4 /* gelu_tanh(gate) * up */
 #define EXPERTD_ACT_GELU_GATED 5      /* erf gelu(gate) * up */
 #define EXPERTD_SCORING_SOFTMAX 1
@@ -75,7 +75,7 @@ extern "C" {
 #define EXPERTD_MEM_PINNED 2   /* page-locked host memory (expertd_host_register) */
 #define EXPERTD_MEM_DEVICE 3   /* device memory (expertd_ipc_open, expertd_dev_alloc) */
 
-/* Limits of this build. *//* Limits of this build. */
+/* Limits of this build. */
 #define EXPERTD_MAX_EXPERTS 1024
 #define EXPERTD_MAX_TOP_K 32
 #define EXPERTD_MAX_STREAMS 16 /* expertd_init's streams per set */
@@ -152,41 +152,11 @@ typedef struct expertd_options {
 #define EXPERTD_OPTIONS_BYTES 44
 #define EXPERTD_MAX_SPIN_US 10000
 
-#ifdef __cplusplus
-static_assert(sizeof(expertd_buf) == EXPERTD_BUF_BYTES, "expertd_buf layout");
-static_assert(sizeof(expertd_call) == EXPERTD_CALL_BYTES, "expertd_call layout");
-static_assert(sizeof(expertd_options) == EXPERTD_OPTIONS_BYTES, "expertd_options layout");
-#else
-_Static_assert(sizeof(expertd_buf) == EXPERTD_BUF_BYTES, "expertd_buf layout");
-_Static_assert(sizeof(expertd_call) == EXPERTD_CALL_BYTES, "expertd_call layout");
-_Static_assert(sizeof(expertd_options) == EXPERTD_OPTIONS_BYTES, "expertd_options layout");
-#endif
-
-/* expertd_abi_version returns EXPERTD_ABI_VERSION of the built library. */
-EXPERTD_API int expertd_abi_version(void);
-
-/* expertd_options_default and expertd_call_init fill in a struct's size,
- * version and defaults. */
-EXPERTD_API void expertd_options_default(expertd_options* opts);
-EXPERTD_API void expertd_call_init(expertd_call* call);
-
-/* expertd_init makes device current for the calling thread, creates its
- * context and sets the library's options (NULL: the defaults). streams is
- * how many expertd_moe calls on one set run at once, each with its own
- * stream, workspace and pinned staging, so one call's copies overlap
- * another's kernels. The options apply to the whole process (the last init
- * wins; sets created before keep their poison switch). Any thread may call
- * the library. Unless the environment sets CUDA_DEVICE_MAX_CONNECTIONS,
- * the first init sets it to 32 (for the lanes below: a stream blocked on
- * its doorbell must not share a hardware queue with other streams). */
-EXPERTD_API int expertd_init(int device, const expertd_options* opts);
-
-/* expertd_device_info writes a NUL-terminated description of device into buf
- * (at most buflen bytes, truncated), e.g.
- * "NVIDIA H200 (sm_90, 132 SMs, 139 GiB, gemm=sm90)". */
-EXPERTD_API int expertd_device_info(int device, char* buf, int buflen);
-
-/* expertd_set_create uploads one MoE layer's experts to device memory.
+/* expertd_set_params describes one MoE layer for expertd_set_create.
+ * expertd_set_params_init fills in size, version and the defaults (noted
+ * below) and zeroes the rest. Every pointer is host memory, read during
+ * expertd_set_create only.
+ *
  * w13 is FP8 [E, rows1, K] with rows1 = 2N (the gated activations: gate
  * rows [0, N), up rows [N, 2N), for SWIGLU_OAI too, whose interleaved
  * checkpoint rows the caller reorders) or N (RELU2); w2 is FP8 [E, K, N].
@@ -212,22 +182,79 @@ EXPERTD_API int expertd_device_info(int device, char* buf, int buflen);
  *
  * a13_scale and a2_scale are static activation scales, used for every token
  * (and every group in block mode); <= 0 means dynamic quantization (amax /
- * 448 per token, or per token and group of block_k). On success *out_handle
- * names the set. */
-EXPERTD_API int expertd_set_create(int device, int num_experts, int hidden, int inter, int activation,
-                       const uint8_t* w13, const uint8_t* w2, const float* w13_scale,
-                       int n_w13_scale, const float* w2_scale, int n_w2_scale, int block_n,
-                       int block_k, float a13_scale, float a2_scale, uint64_t* out_handle);
-
-/* expertd_set_epilogue gives a set made by expertd_set_create, before its
- * first call, the optional per-expert biases and SWIGLU_OAI's parameters:
+ * 448 per token, or per token and group of block_k).
+ *
  * w13_bias [E, rows1] floats (in w13's row order) is added to GEMM1's
  * dequantized output before the activation, w2_bias [E, K] floats to
  * GEMM2's before the router weight; NULL means none. swiglu_limit and
- * swiglu_alpha (> 0) are SWIGLU_OAI's clamp limit and sigmoid slope and
- * are ignored by the other activations. */
-EXPERTD_API int expertd_set_epilogue(uint64_t handle, const float* w13_bias, const float* w2_bias,
-                                     float swiglu_limit, float swiglu_alpha);
+ * swiglu_alpha (finite, > 0) are SWIGLU_OAI's clamp limit and sigmoid
+ * slope; the other activations ignore them. */
+typedef struct expertd_set_params {
+  uint32_t size;    /* sizeof(expertd_set_params) */
+  uint32_t version; /* EXPERTD_ABI_VERSION */
+  int32_t num_experts; /* E, 1..EXPERTD_MAX_EXPERTS */
+  int32_t hidden;      /* K */
+  int32_t inter;       /* N */
+  int32_t activation;  /* EXPERTD_ACT_* */
+  int32_t n_w13_scale;
+  int32_t n_w2_scale;
+  int32_t block_n;
+  int32_t block_k;
+  float a13_scale;    /* (-1: dynamic) */
+  float a2_scale;     /* (-1: dynamic) */
+  float swiglu_limit; /* (7) */
+  float swiglu_alpha; /* (1.702) */
+  const uint8_t* w13;
+  const uint8_t* w2;
+  const float* w13_scale;
+  const float* w2_scale;
+  const float* w13_bias;
+  const float* w2_bias;
+} expertd_set_params;
+
+#define EXPERTD_SET_PARAMS_BYTES 104
+
+#ifdef __cplusplus
+static_assert(sizeof(expertd_buf) == EXPERTD_BUF_BYTES, "expertd_buf layout");
+static_assert(sizeof(expertd_call) == EXPERTD_CALL_BYTES, "expertd_call layout");
+static_assert(sizeof(expertd_options) == EXPERTD_OPTIONS_BYTES, "expertd_options layout");
+static_assert(sizeof(expertd_set_params) == EXPERTD_SET_PARAMS_BYTES, "expertd_set_params layout");
+#else
+_Static_assert(sizeof(expertd_buf) == EXPERTD_BUF_BYTES, "expertd_buf layout");
+_Static_assert(sizeof(expertd_call) == EXPERTD_CALL_BYTES, "expertd_call layout");
+_Static_assert(sizeof(expertd_options) == EXPERTD_OPTIONS_BYTES, "expertd_options layout");
+_Static_assert(sizeof(expertd_set_params) == EXPERTD_SET_PARAMS_BYTES, "expertd_set_params layout");
+#endif
+
+/* expertd_abi_version returns EXPERTD_ABI_VERSION of the built library. */
+EXPERTD_API int expertd_abi_version(void);
+
+/* expertd_options_default, expertd_set_params_init and expertd_call_init
+ * fill in a struct's size, version and defaults. */
+EXPERTD_API void expertd_options_default(expertd_options* opts);
+EXPERTD_API void expertd_set_params_init(expertd_set_params* params);
+EXPERTD_API void expertd_call_init(expertd_call* call);
+
+/* expertd_init makes device current for the calling thread, creates its
+ * context and sets the library's options (NULL: the defaults). streams is
+ * how many expertd_moe calls on one set run at once, each with its own
+ * stream, workspace and pinned staging, so one call's copies overlap
+ * another's kernels. The options apply to the whole process (the last init
+ * wins; sets created before keep their poison switch). Any thread may call
+ * the library. Unless the environment sets CUDA_DEVICE_MAX_CONNECTIONS,
+ * the first init sets it to 32 (for the lanes below: a stream blocked on
+ * its doorbell must not share a hardware queue with other streams). */
+EXPERTD_API int expertd_init(int device, const expertd_options* opts);
+
+/* expertd_device_info writes a NUL-terminated description of device into buf
+ * (at most buflen bytes, truncated), e.g.
+ * "NVIDIA H200 (sm_90, 132 SMs, 139 GiB, gemm=sm90)". */
+EXPERTD_API int expertd_device_info(int device, char* buf, int buflen);
+
+/* expertd_set_create uploads the MoE layer params describes (see
+ * expertd_set_params) to device memory; on success *out_handle names the
+ * set. */
+EXPERTD_API int expertd_set_create(int device, const expertd_set_params* params, uint64_t* out_handle);
 
 /* expertd_set_free releases a set's device memory and cached graphs. */
 EXPERTD_API int expertd_set_free(uint64_t handle);

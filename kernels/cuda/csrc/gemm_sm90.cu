@@ -42,7 +42,7 @@
 // (wait_group 1), and their two-warpgroup tiles of up to 128 tokens run
 // ping-pong (kPP: each warpgroup a whole tile, one's epilogue under the
 // other's mainloop). With the sm90_pair option, 128-row alignment blocks run as
-// 256-token tiles of two blocks of one expert (kPair, see tile_of). The
+// 256-token tiles of two blocks of one expert (kPair, see TileScheduler). The
 // token tile per layer shape comes from the measured table in sm90_tiles.h.
 //
 // It implements the sm90 half of moe_gemm.h.
@@ -60,6 +60,7 @@
 
 #include "launch.cuh"
 #include "route.cuh"
+#include "sm90_ptx.cuh"
 #include "sm90_tiles.h"
 #include "wgmma_fp8.cuh"
 
@@ -82,85 +83,14 @@ constexpr int kRoutePairs = 32;
 constexpr int kRouteScratch = 16 * 1024;
 constexpr int kRouteTabBytes = 1280;  // block count, experts, sorted rows of 8-token blocks
 
+// as_pitch is the floats from one column pair's run of a stage's
+// activation scales to the next (see as_slot).
+template <int BN>
+constexpr int as_pitch() { return BN / 4 + 4; }
+
 // Device helpers exist only in the sm_90a pass: the other targets compile
 // the kernels to empty bodies (the library never launches them there).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nLAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                            int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, "
-      "%4}], [%2];" ::"r"(smem_addr(dst)),
-      "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                            int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, "
-      "%4, %5}], [%2];" ::"r"(smem_addr(dst)),
-      "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                            int c1, int c2, int c3, int c4) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, "
-      "%4, %5, %6, %7}], [%2];" ::"r"(smem_addr(dst)),
-      "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-      : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait0() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait1() {
-  asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-}
-template <int kRegs>
-__device__ __forceinline__ void fence_acc(float* acc) {
-#pragma unroll
-  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-}
-
-// Shared-memory matrix descriptor for a K-major tile whose rows are 128
-// bytes, stored with the 128-byte swizzle TMA writes: 8-row core groups
-// 1024 bytes apart. Stepping K by 32 bytes inside the row adds 2 to the
-// start-address field; the hardware applies the swizzle to the sum.
-__device__ __forceinline__ uint64_t smem_desc(const void* tile) {
-  uint64_t addr = smem_addr(tile);
-  uint64_t d = (addr & 0x3FFFF) >> 4;
-  d |= uint64_t(1) << 16;           // leading byte offset (unused with swizzle)
-  d |= uint64_t(1024 >> 4) << 32;   // stride byte offset: 8 rows x 128 B
-  d |= uint64_t(1) << 62;           // 128-byte swizzle
-  return d;
-}
-
 // stage_store writes output channel oc of one staging row in the epilogue's
 // element type.
 template <GemmEpilogue kEpi>
@@ -180,8 +110,6 @@ __device__ __forceinline__ void stage_store(uint8_t* row, int oc, float v, float
 // column pairs' runs in different banks, so a warp's 16-byte reads, 8
 // lanes a run, take one shared-memory wavefront each: BN/16 load
 // instructions per thread and stage instead of BN/8.
-template <int BN>
-constexpr int as_pitch() { return BN / 4 + 4; }
 template <int BN>
 __device__ __forceinline__ int as_slot(int col) {
   return (col % 8) / 2 * as_pitch<BN>() + 2 * (col / 8) + col % 2;
@@ -246,36 +174,97 @@ struct Params {
   float swiglu_limit, swiglu_alpha;
 };
 
-// TileRef is one tile's token rows: nblk alignment blocks from blk on, all
-// of one expert.
-struct TileRef {
-  int blk, nblk, expert;
+// Tile is one tile of a CTA's walk: nblk alignment blocks from blk on, all
+// of one expert, against weight tile wtile (output channels from wtile x
+// the kernel's channels per tile); nth counts the CTA's tiles before it.
+struct Tile {
+  int blk, nblk, expert, wtile, nth;
 };
 
-// tile_of names sub-tile sub of tile unit `unit`, or returns false where
-// there is none. Without kPair a unit is one block. With kPair (BN-token
-// tiles over BN/2-row alignment blocks) unit u covers blocks 2u and 2u+1:
-// one tile of both where they belong to the same expert, else one
-// half-width tile each. An expert's last block is then the only one that
-// can leave a tile half empty, so an expert with 384 tokens fills three
-// 128-token halves instead of two 256-token tiles with 128 slots idle,
-// while most tiles still read the weights once per 256 tokens.
+// TileScheduler is the walk over tiles that every role of a CTA follows:
+// the producer loads the tiles' stages in its order, the scale warp stages
+// their activation scales in it, and the consumers take the tiles in it
+// (kPP: every other one), so the roles agree on what each ring slot holds
+// without telling each other. It is built once per CTA from the call's
+// layout.
+//
+// Persistent: each CTA walks units u = blockIdx.x, +gridDim.x, ... of the
+// (tile unit, weight tile) grid, weight tiles fastest, so neighbouring
+// CTAs read one expert's tokens against its successive weight tiles.
+// Without kPair a unit is one block. With kPair (BN-token tiles over
+// BN/2-row alignment blocks) unit u covers blocks 2u and 2u+1: one tile of
+// both where they belong to the same expert, else one half-width tile
+// each. An expert's last block is then the only one that can leave a tile
+// half empty, so an expert with 384 tokens fills three 128-token halves
+// instead of two 256-token tiles with 128 slots idle, while most tiles
+// still read the weights once per 256 tokens. Blocks of no expert (-1)
+// have no tile.
+//
+// for_each runs the walk with a role's body. The walk's steps are public
+// for the consumers, whose body the kernel keeps inline (see
+// moe_gemm_kernel): for (u = first(); u < num_tiles; u = next(u)) for
+// (sub < kSubs) tile(u, sub, t), as for_each does.
 template <bool kPair>
-__device__ __forceinline__ bool tile_of(const int32_t* block_expert, int num_blocks, int unit, int sub, TileRef& t) {
-  if (!kPair) {
-    t = {unit, 1, block_expert[unit]};
-    return sub == 0 && t.expert >= 0;
+struct TileScheduler {
+  static constexpr int kSubs = kPair ? 2 : 1;  // tiles per unit
+
+  const int32_t* block_expert;
+  int num_blocks;
+  int n_wtiles;
+  int num_tiles;  // units x weight tiles
+
+  __device__ __forceinline__ TileScheduler(const int32_t* block_expert, int num_blocks, int n_wtiles)
+      : block_expert(block_expert),
+        num_blocks(num_blocks),
+        n_wtiles(n_wtiles),
+        num_tiles((kPair ? (num_blocks + 1) / 2 : num_blocks) * n_wtiles) {}
+
+  // idle says whether the walk gives this CTA no tile at all.
+  __device__ __forceinline__ bool idle() const { return static_cast<int>(blockIdx.x) >= num_tiles; }
+
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int next(int u) const { return u + gridDim.x; }
+
+  // tile names tile sub of the walk's unit u (its blocks, expert and
+  // weight tile; not nth), or returns false where there is none.
+  __device__ __forceinline__ bool tile(int u, int sub, Tile& t) const {
+    t.wtile = u % n_wtiles;
+    const int unit = u / n_wtiles;
+    if (!kPair) {
+      t.blk = unit;
+      t.nblk = 1;
+      t.expert = block_expert[unit];
+      return sub == 0 && t.expert >= 0;
+    }
+    const int b0 = 2 * unit, b1 = 2 * unit + 1;
+    const int e0 = block_expert[b0];
+    const int e1 = b1 < num_blocks ? block_expert[b1] : -1;
+    if (e0 >= 0 && e0 == e1) {
+      t.blk = b0;
+      t.nblk = 2;
+      t.expert = e0;
+      return sub == 0;
+    }
+    t.blk = sub == 0 ? b0 : b1;
+    t.nblk = 1;
+    t.expert = sub == 0 ? e0 : e1;
+    return t.expert >= 0;
   }
-  const int b0 = 2 * unit, b1 = 2 * unit + 1;
-  const int e0 = block_expert[b0];
-  const int e1 = b1 < num_blocks ? block_expert[b1] : -1;
-  if (e0 >= 0 && e0 == e1) {
-    t = {b0, 2, e0};
-    return sub == 0;
+
+  // for_each calls f(tile) for each of this CTA's tiles, in walk order.
+  template <typename F>
+  __device__ __forceinline__ void for_each(F&& f) const {
+    int nth = 0;
+    for (int u = first(); u < num_tiles; u = next(u)) {
+      for (int sub = 0; sub < kSubs; ++sub) {
+        Tile t;
+        if (!tile(u, sub, t)) continue;
+        t.nth = nth++;
+        f(t);
+      }
+    }
   }
-  t = sub == 0 ? TileRef{b0, 1, e0} : TileRef{b1, 1, e1};
-  return t.expert >= 0;
-}
+};
 
 // can_route says whether a kernel can take DecodeRoute: GEMM1's 8-token
 // tiles of one consumer warpgroup, per-expert or per-channel scales.
@@ -284,6 +273,7 @@ constexpr bool can_route() {
   return BN == 8 && kNWG == 1 && !kBlk && !kTokA && !kPair && kEpi != GemmEpilogue::kWeightedBF16;
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // decode_route (every thread of the CTA) routes the call's one token with
 // warp 0, or reads its precomputed ids, and lays its valid pairs out one
 // block each in slot order: expert[b] is block b's expert, sorted[b * BN]
@@ -338,18 +328,183 @@ __device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int*
     }
     if (lane == 0) *blocks = nb;
     // The scratch is ring memory, which TMA (the async proxy) writes next.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_proxy_async_smem();
   }
   __syncthreads();
   return *blocks;
 }
 
-// Persistent: each CTA walks tiles t = blockIdx.x, +gridDim.x, ... of the
-// (token block, weight tile) grid; a tile is kNWG*64 weight rows x BN tokens
-// of one expert. Warpgroups 0..kNWG-1 consume (wgmma + epilogue); warpgroup
-// kNWG produces (one thread issues the TMA loads). The producer's ring runs
-// on across tiles, so while the consumers run a tile's epilogue the next
-// tile's operands are already streaming in.
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// SmemPlan is a kernel's shared memory: its fixed part (staging tiles, row
+// tables, barriers) and as many pipeline stages as fit beside it, at most
+// eight: eight keep enough bytes in flight, more do not pay for their
+// shared memory (docs/perf-notes.md). The launch sizes the kernel's
+// dynamic shared memory by it and the kernel carves it up by it
+// (MoeGemm::Smem).
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kBlk, bool kPP>
+struct SmemPlan {
+  static constexpr int kWTile = kNWG * kWGRows * kBK;  // bytes of a stage's weight tile
+  static constexpr int kATile = BN * kBK;              // bytes of a stage's token tile
+  // kBlk: each stage also has BN activation scales, 4 x as_pitch floats.
+  static constexpr int kAsStage = 4 * as_pitch<BN>();
+  static constexpr int kStageBytes = kWTile + kATile + (kBlk ? kAsStage * 4 : 0);
+  static constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;  // output channels per tile
+  static constexpr int kSets = kPP ? kNWG : 1;  // staging tiles and row tables
+  static constexpr int kStageRows = BN < 128 ? BN : 128;  // tokens staged at a time
+  static constexpr int kPitch = kOC * out_size(kEpi) + 16;  // staging row, padded against bank conflicts
+  static constexpr int kStaging = kSets * kStageRows * kPitch;
+  static constexpr int kRouteTab = can_route<BN, kNWG, kEpi, kBlk, false, false>() ? kRouteTabBytes : 0;
+  // The alignment slack, staging, barriers, row tables and routing tables.
+  static constexpr int kFixed = 1024 + kStaging + 256 + kSets * BN * 8 + kRouteTab;
+  static constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
+  static constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
+  static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// MoeGemm is one kernel's traits (its constants, shared-memory plan and
+// carve-up, Smem) and the roles of its producer warpgroup, each a function
+// the kernel dispatches a thread or warp to: barrier setup, the TMA thread
+// (produce) and the scale warp (stage_scales), over the CTA's tile walk
+// (TileScheduler). The consumers' mainloop and epilogue are the kernel's
+// own body (moe_gemm_kernel says why).
+template <int BN, int kNWG, int kStages, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk,
+          bool kTokA, bool kPair, bool kPP>
+struct MoeGemm {
+  using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP>;
+  using Sched = TileScheduler<kPair>;
+  static constexpr int kWTile = Plan::kWTile;
+  static constexpr int kATile = Plan::kATile;
+  static constexpr int kRegs = BN / 2;      // accumulators a thread holds per 64 weight rows
+  static constexpr int kHalves = kPP ? 2 : 1;  // 64-row halves of the tile a warpgroup computes
+  static constexpr int kSets = Plan::kSets;
+  static constexpr int kTileThreads = kPP ? 128 : kNWG * 128;  // consumer threads sharing a tile
+  static constexpr int kOC = Plan::kOC;
+  static constexpr int kESize = out_size(kEpi);
+  static constexpr int kPitch = Plan::kPitch;
+  static constexpr int kStageRows = Plan::kStageRows;
+  static constexpr int kAsStage = Plan::kAsStage;
+
+  static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
+  static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
+  static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
+  static_assert(!kPP || (!kBlk && !kPair && kNWG == 2 && BN <= 128), "ping-pong: per-expert/channel, two sets");
+
+  // Smem is the CTA's shared memory carved up in the plan's order from a
+  // 1024-byte aligned start (TMA's 128-byte swizzle needs it): the kernel
+  // lays it out, the roles take it.
+  struct Smem {
+    uint8_t* w;      // kStages weight tiles
+    uint8_t* a;      // kStages token tiles
+    uint8_t* stage;  // epilogue staging, kSets x kStageRows x kPitch
+    uint64_t* full;   // kStages: a stage's operands (and kBlk: scales) have landed
+    uint64_t* empty;  // kStages: a stage's consumers are done with it
+    uint64_t* order;  // 2, kPP: warpgroup w has issued a tile's last stage
+    // Per token row of the current tile: its dequantization factor
+    // (activation scale x weight scale, x router weight in GEMM2) and its
+    // output row or -1. Gathered while the tile's operands stream in, so
+    // the epilogue does no dependent global loads, which would otherwise
+    // outlast GEMM2's mainloop (docs/perf-notes.md, "Hopper grouped GEMM").
+    float* row_scale;  // kSets x BN
+    int* row_dst;      // kSets x BN
+    // kBlk: per stage, the activation scales of the tile's BN tokens for
+    // the stage's K block (kAsStage floats, see as_slot).
+    float* a_sc;
+  };
+
+  // init_barriers (one thread) sets up the ring's barriers and ping-pong's
+  // order barriers; a __syncthreads follows.
+  __device__ __forceinline__ static void init_barriers(const Smem& sm) {
+    for (int s = 0; s < kStages; ++s) {
+      // kBlk: the TMA thread and the 32 lanes of the scale warp arrive on
+      // full; every consumer warp on empty (see the mainloop).
+      mbar_init(&sm.full[s], kBlk ? 1 + 32 : 1);
+      mbar_init(&sm.empty[s], kBlk ? kNWG * 4 : kPP ? 1 : kNWG);
+    }
+    mbar_init(&sm.order[0], 1);
+    mbar_init(&sm.order[1], 1);
+    fence_mbar_init();
+  }
+
+  // produce (the producer warpgroup's first thread) loads every stage of
+  // the CTA's tiles with TMA: the weight tile and the tile's token rows.
+  // With DecodeRoute (routed) the rows are the token's row of the hidden
+  // states. routed and sorted_pairs are the kernel's variables, taken by
+  // reference: by value, cicc reorders the routing's address arithmetic
+  // ahead of the call (scripts/sass-diff.sh shows it).
+  __device__ __forceinline__ static void produce(const CUtensorMap& tm_w, const CUtensorMap& tm_a, const Params& p,
+                                                 const Smem& sm, const Sched& sched, const bool& routed,
+                                                 const int32_t* const& sorted_pairs) {
+    int it = 0;
+    sched.for_each([&](const Tile& tr) {
+      const int wtile = tr.wtile;
+      const int expert = tr.expert;
+      // DecodeRoute: the token's row (rows past the token's come in
+      // zero-filled or belong to rows whose outputs are dropped).
+      const int row0 = routed ? sorted_pairs[tr.blk * p.block_rows] / p.route.rp.top_k : tr.blk * p.block_rows;
+      for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&sm.empty[s], ((it / kStages) & 1) ^ 1);
+        mbar_expect_tx(&sm.full[s], kWTile + (kPair ? tr.nblk * (BN / 2) * kBK : kATile));
+        const int kb = kt * kBK;
+        if (kGated) {
+          // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
+          // group holds 8 gate channels then the same 8 up channels, so a
+          // thread's accumulator rows r and r+8 are a gate/up pair.
+          tma_load_5d(sm.w + s * kWTile, &tm_w, &sm.full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
+        } else {
+          tma_load_3d(sm.w + s * kWTile, &tm_w, &sm.full[s], kb, wtile * kNWG * kWGRows, expert);
+        }
+        if (kPair) {
+          // Box of BN/2 rows: one load per block of the tile.
+          for (int h = 0; h < tr.nblk; ++h) {
+            tma_load_2d(sm.a + s * kATile + h * (BN / 2) * kBK, &tm_a, &sm.full[s], kb, row0 + h * (BN / 2));
+          }
+        } else {
+          tma_load_2d(sm.a + s * kATile, &tm_a, &sm.full[s], kb, row0);
+        }
+      }
+    });
+  }
+
+  // stage_scales (kBlk: the producer warpgroup's second warp) follows the
+  // TMA thread's walk; for each stage, the activation scales of the tile's
+  // tokens for K block kt, gathered with 4-byte cp.async, each lane's
+  // arrival on full deferred until its copies land. Lanes without copies
+  // (BN < 32, or no per-row scales: a static activation scale, where the
+  // consumers use 1) just arrive. No copies are in flight when it returns.
+  __device__ __forceinline__ static void stage_scales(const Params& p, const Smem& sm, const Sched& sched) {
+    const int lane = threadIdx.x % 32;
+    int it = 0;
+    sched.for_each([&](const Tile& tr) {
+      const int blk = tr.blk;
+      for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&sm.empty[s], ((it / kStages) & 1) ^ 1);
+        if (p.a_scale_rows != nullptr && lane < BN) {
+          for (int r = lane; r < BN; r += 32) {
+            const float* src = p.a_scale_rows + size_t(blk * p.block_rows + r) * p.a_scale_ld + kt;
+            float* dst = sm.a_sc + s * kAsStage + as_slot<BN>(r);
+            cp_async_4(dst, src);
+          }
+          cp_async_mbar_arrive_noinc(&sm.full[s]);
+        } else {
+          mbar_arrive(&sm.full[s]);
+        }
+      }
+    });
+    cp_async_wait_all();
+  }
+};
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// Persistent: each CTA walks its tiles in TileScheduler's order; a tile is
+// kNWG*64 weight rows x BN tokens of one expert. Warpgroups 0..kNWG-1
+// consume (wgmma + epilogue); warpgroup kNWG produces (one thread issues
+// the TMA loads). The producer's ring runs on across tiles, so while the
+// consumers run a tile's epilogue the next tile's operands are already
+// streaming in.
 //
 // kPP (ping-pong): each consumer warpgroup takes every other tile of the
 // CTA whole (both 64-row halves, two accumulator sets), and the two take
@@ -360,26 +515,25 @@ __device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int*
 // a ring slot more than one fill ahead, which the barriers' phase parity
 // could not tell apart. Each warpgroup has its own staging tile and row
 // tables.
+//
+// The kernel is setup (shared memory, the call's layout, the tile walk,
+// the barriers), the producer warpgroup's roles (MoeGemm), and the
+// consumers' mainloop and epilogue written out here: cicc canonicalizes a
+// function's body (a lambda's too) before inlining it, which reorders the
+// consumers' address arithmetic and registers (scripts/sass-diff.sh shows
+// it), so their code stays in the kernel's own body.
 template <int BN, int kNWG, int kStages, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk,
           bool kTokA, bool kPair, bool kPP>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kWTile = kNWG * kWGRows * kBK;  // bytes
-  constexpr int kATile = BN * kBK;
-  constexpr int kRegs = BN / 2;      // accumulators a thread holds per 64 weight rows
-  constexpr int kHalves = kPP ? 2 : 1;  // 64-row halves of the tile a warpgroup computes
-  constexpr int kSets = kPP ? kNWG : 1;  // staging tiles and row tables
-  constexpr int kTileThreads = kPP ? 128 : kNWG * 128;  // consumer threads sharing a tile
-  constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;  // output channels per tile
-  constexpr int kESize = out_size(kEpi);
-  constexpr int kPitch = kOC * kESize + 16;  // staging row, padded against bank conflicts
-  constexpr int kStageRows = BN < 128 ? BN : 128;  // tokens staged at a time
-  constexpr int kAsStage = 4 * as_pitch<BN>();  // kBlk: floats of activation scales per stage
+  using K = MoeGemm<BN, kNWG, kStages, kGated, kAct, kEpi, kPC, kBlk, kTokA, kPair, kPP>;
+  constexpr int kWTile = K::kWTile, kATile = K::kATile, kRegs = K::kRegs, kHalves = K::kHalves;
+  constexpr int kTileThreads = K::kTileThreads, kOC = K::kOC, kESize = K::kESize, kPitch = K::kPitch;
+  constexpr int kStageRows = K::kStageRows, kAsStage = K::kAsStage;
   using Mma = WgmmaE4M3<BN>;
   using MmaHalf = WgmmaE4M3<kPair ? BN / 2 : BN>;  // kPair: a tile of one block
-
   constexpr bool kRoute = can_route<BN, kNWG, kEpi, kBlk, kTokA, kPair>();
 
   pdl_wait();
@@ -391,22 +545,17 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   // compiler emits ld.shared for the scale and staging reads instead of
   // generic loads (which wait on the long scoreboard).
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  // The plan's carve-up (K::Smem), as the consumers' own pointers too.
   uint8_t* w_smem = smem;
   uint8_t* a_smem = smem + kStages * kWTile;
-  uint8_t* stage = a_smem + kStages * kATile;  // epilogue staging, kSets x kStageRows x kPitch
-  uint64_t* full = reinterpret_cast<uint64_t*>(stage + kSets * kStageRows * kPitch);
+  uint8_t* stage = a_smem + kStages * kATile;
+  uint64_t* full = reinterpret_cast<uint64_t*>(stage + K::Plan::kStaging);
   uint64_t* empty = full + kStages;
-  uint64_t* order = empty + kStages;  // kPP: warpgroup w has issued a tile's last stage
-  // Per token row of the current tile: its dequantization factor (activation
-  // scale x weight scale, x router weight in GEMM2) and its output row or -1.
-  // Gathered while the tile's operands stream in, so the epilogue does no
-  // dependent global loads, which would otherwise outlast GEMM2's
-  // mainloop (docs/perf-notes.md, "Hopper grouped GEMM").
+  uint64_t* order = empty + kStages;
   float* row_scale = reinterpret_cast<float*>(order + 2);
-  int* row_dst = reinterpret_cast<int*>(row_scale + kSets * BN);
-  // kBlk: per stage, the activation scales of the tile's BN tokens for the
-  // stage's K block.
-  float* a_sc = reinterpret_cast<float*>(row_dst + kSets * BN);
+  int* row_dst = reinterpret_cast<int*>(row_scale + K::kSets * BN);
+  float* a_sc = reinterpret_cast<float*>(row_dst + K::kSets * BN);
+  const typename K::Smem sm{w_smem, a_smem, stage, full, empty, order, row_scale, row_dst, a_sc};
 
   // The call's layout: the align step's, or with DecodeRoute this CTA's
   // own (tables where a_sc would be, which these kernels do not use), and
@@ -434,104 +583,26 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   } else {
     num_blocks = *p.num_blocks;
   }
-  const int n_wtiles = (p.n_out + kOC - 1) / kOC;
-  constexpr int kSubs = kPair ? 2 : 1;  // sub-tiles per tile unit (tile_of)
-  const int num_tiles = (kPair ? (num_blocks + 1) / 2 : num_blocks) * n_wtiles;
-  if (static_cast<int>(blockIdx.x) >= num_tiles) return;
-  static_assert(!kBlk || BN <= 128, "block mode holds two accumulator sets");
-  static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
-  static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
-  static_assert(!kPP || (!kBlk && !kPair && kNWG == 2 && BN <= 128), "ping-pong: per-expert/channel, two sets");
+  const TileScheduler<kPair> sched(block_expert, num_blocks, (p.n_out + kOC - 1) / kOC);
+  if (sched.idle()) return;
 
   const int wg = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      // kBlk: the TMA thread and the 32 lanes of the scale warp arrive on
-      // full; every consumer warp on empty (see the mainloop).
-      mbar_init(&full[s], kBlk ? 1 + 32 : 1);
-      mbar_init(&empty[s], kBlk ? kNWG * 4 : kPP ? 1 : kNWG);
-    }
-    mbar_init(&order[0], 1);
-    mbar_init(&order[1], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) K::init_barriers(sm);
   __syncthreads();
 
   if (wg == kNWG) {
-    // Producer.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    setmaxnreg_dec<40>();
     if (threadIdx.x == kNWG * 128) {
-      int it = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const int wtile = t % n_wtiles;
-        for (int sub = 0; sub < kSubs; ++sub) {
-          TileRef tr;
-          if (!tile_of<kPair>(block_expert, num_blocks, t / n_wtiles, sub, tr)) continue;
-          const int expert = tr.expert;
-          // DecodeRoute: the token's row (rows past the token's come in
-          // zero-filled or belong to rows whose outputs are dropped).
-          const int row0 = routed ? sorted_pairs[tr.blk * p.block_rows] / p.route.rp.top_k : tr.blk * p.block_rows;
-          for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-            const int s = it % kStages;
-            mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-            mbar_expect_tx(&full[s], kWTile + (kPair ? tr.nblk * (BN / 2) * kBK : kATile));
-            const int kb = kt * kBK;
-            if (kGated) {
-              // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
-              // group holds 8 gate channels then the same 8 up channels, so a
-              // thread's accumulator rows r and r+8 are a gate/up pair.
-              tma_load_5d(w_smem + s * kWTile, &tm_w, &full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
-            } else {
-              tma_load_3d(w_smem + s * kWTile, &tm_w, &full[s], kb, wtile * kNWG * kWGRows, expert);
-            }
-            if (kPair) {
-              // Box of BN/2 rows: one load per block of the tile.
-              for (int h = 0; h < tr.nblk; ++h) {
-                tma_load_2d(a_smem + s * kATile + h * (BN / 2) * kBK, &tm_a, &full[s], kb, row0 + h * (BN / 2));
-              }
-            } else {
-              tma_load_2d(a_smem + s * kATile, &tm_a, &full[s], kb, row0);
-            }
-          }
-        }
-      }
+      K::produce(tm_w, tm_a, p, sm, sched, routed, sorted_pairs);
     } else if (kBlk && (threadIdx.x % 128) / 32 == 1) {
-      // Scale warp: the same walk as the TMA thread; for each stage, the
-      // activation scales of the tile's tokens for K block kt, gathered
-      // with 4-byte cp.async, each lane's arrival on full deferred until
-      // its copies land. Lanes without copies (BN < 32, or no per-row
-      // scales: a static activation scale, where the consumers use 1)
-      // just arrive.
-      const int lane = threadIdx.x % 32;
-      int it = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        TileRef tr;
-        if (!tile_of<kPair>(block_expert, num_blocks, t / n_wtiles, 0, tr)) continue;
-        const int blk = tr.blk;
-        for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
-          const int s = it % kStages;
-          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-          if (p.a_scale_rows != nullptr && lane < BN) {
-            for (int r = lane; r < BN; r += 32) {
-              const float* src = p.a_scale_rows + size_t(blk * p.block_rows + r) * p.a_scale_ld + kt;
-              float* dst = a_sc + s * kAsStage + as_slot<BN>(r);
-              asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src)
-                           : "memory");
-            }
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(&full[s]))
-                         : "memory");
-          } else {
-            mbar_arrive(&full[s]);
-          }
-        }
-      }
-      asm volatile("cp.async.wait_all;" ::: "memory");  // no copies in flight at exit
+      K::stage_scales(p, sm, sched);
     }
     return;
   }
 
-  // Consumers.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  // Consumers: each of the CTA's tiles (kPP: every other one), its row
+  // tables, weight scales, mainloop and epilogue.
+  setmaxnreg_inc<232>();
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
   const int tl = kPP ? threadIdx.x % 128 : threadIdx.x;  // thread among the tile's consumers
@@ -543,18 +614,20 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   // The consumers of one tile meet at named barrier 1 (kPP: 1 + warpgroup).
   auto tile_sync = [&] {
     if constexpr (kPP) {
-      asm volatile("bar.sync %0, 128;" ::"r"(1 + wg));
+      bar_sync<128>(1 + wg);
     } else {
-      asm volatile("bar.sync 1, %0;" ::"n"(kNWG * 128));
+      bar_sync_n<1, kNWG * 128>();
     }
   };
+  // The scheduler's steps, as for_each takes them (see the kernel's
+  // comment for why not for_each).
   int it = 0;
-  int nth = 0;  // kPP: the CTA's tiles so far
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const int wtile = t % n_wtiles;
-    for (int sub = 0; sub < kSubs; ++sub) {
-      TileRef tr;
-      if (!tile_of<kPair>(block_expert, num_blocks, t / n_wtiles, sub, tr)) continue;
+  int nth = 0;  // the CTA's tiles so far
+  for (int u = sched.first(); u < sched.num_tiles; u = sched.next(u)) {
+    for (int sub = 0; sub < sched.kSubs; ++sub) {
+      Tile tr;
+      if (!sched.tile(u, sub, tr)) continue;
+      const int wtile = tr.wtile;
       const int nt = nth++;
       if (kPP && nt % 2 != wg) {
         it += p.num_k_iters;  // the other warpgroup's tile: its stages
@@ -692,7 +765,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
-          wgmma_wait0();
+          wgmma_wait<0>();
           fence_acc<kRegs>(part);
           __syncwarp();
           if (lane == 0) mbar_arrive(&empty[s]);
@@ -750,12 +823,12 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
             }
             wgmma_commit();
             if (kPP && kt == p.num_k_iters - 1 && tl == 0) mbar_arrive(&order[wg]);
-            wgmma_wait1();
+            wgmma_wait<1>();
             fence_acc<kHalves * kRegs>(acc);
             if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
             prev = s;
           }
-          wgmma_wait0();
+          wgmma_wait<0>();
           fence_acc<kHalves * kRegs>(acc);
           if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
         };
@@ -885,26 +958,6 @@ Act1 act1_of(const MoeGemmArgs& a, bool gated) {
   if (!a.bias && (a.act == GemmAct::kSiluGated || a.act == GemmAct::kRelu2)) return Act1::kPlain;
   return gated && a.act == GemmAct::kSwigluOAI ? Act1::kSwiglu : Act1::kAny;
 }
-
-// SmemPlan is a kernel's shared memory: its fixed part (staging tiles, row
-// tables, barriers) and as many pipeline stages as fit beside it, at most
-// eight: eight keep enough bytes in flight, more do not pay for their
-// shared memory (docs/perf-notes.md).
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kBlk, bool kPP>
-struct SmemPlan {
-  static constexpr int kWTile = kNWG * kWGRows * kBK;
-  static constexpr int kATile = BN * kBK;
-  // kBlk: each stage also has BN activation scales.
-  static constexpr int kStageBytes = kWTile + kATile + (kBlk ? (BN + 16) * 4 : 0);
-  static constexpr int kOC = kGated ? kNWG * 32 : kNWG * kWGRows;
-  static constexpr int kSets = kPP ? kNWG : 1;
-  static constexpr int kStaging = kSets * (BN < 128 ? BN : 128) * (kOC * out_size(kEpi) + 16);
-  static constexpr int kRouteTab = can_route<BN, kNWG, kEpi, kBlk, false, false>() ? kRouteTabBytes : 0;
-  static constexpr int kFixed = 1024 + kStaging + 256 + kSets * BN * 8 + kRouteTab;
-  static constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
-  static constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
-  static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
-};
 
 template <int BN, int kNWG, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
           bool kPair, bool kPP>

@@ -232,19 +232,28 @@ int block_rows_for(const Set& s, const Call& c, bool sm90) {
   return portable_block_rows(c.m, c.top_k, s.E);
 }
 
-int set_create(int device, int num_experts, int hidden, int inter, int activation, const uint8_t* w13,
-                       const uint8_t* w2, const float* w13_scale, int n_w13_scale, const float* w2_scale,
-                       int n_w2_scale, int block_n, int block_k, float a13_scale, float a2_scale,
-                       uint64_t* out_handle) {
+int set_create(int device, const expertd_set_params* params, uint64_t* out_handle) {
   if (!out_handle) return fail(EXPERTD_ERR_INVALID, "set_create: out_handle is NULL");
   *out_handle = 0;
+  if (!params) return fail(EXPERTD_ERR_INVALID, "set_create: NULL params");
+  if (params->size < sizeof(expertd_set_params) || params->version != EXPERTD_ABI_VERSION)
+    return fail(EXPERTD_ERR_INVALID, "set_create: params of %u bytes, ABI %u; this library takes %zu bytes, ABI %d",
+                params->size, params->version, sizeof(expertd_set_params), EXPERTD_ABI_VERSION);
+  const expertd_set_params& q = *params;
+  const int num_experts = q.num_experts, hidden = q.hidden, inter = q.inter, activation = q.activation;
+  const int n_w13_scale = q.n_w13_scale, n_w2_scale = q.n_w2_scale, block_n = q.block_n, block_k = q.block_k;
   if (num_experts < 1 || num_experts > EXPERTD_MAX_EXPERTS)
     return fail(EXPERTD_ERR_UNSUPPORTED, "num_experts=%d (1..%d)", num_experts, EXPERTD_MAX_EXPERTS);
   if (hidden < 1 || inter < 1 || hidden > (1 << 20) || inter > (1 << 20))
     return fail(EXPERTD_ERR_INVALID, "hidden=%d inter=%d", hidden, inter);
   if (activation < EXPERTD_ACT_SILU_GATED || activation > EXPERTD_ACT_GELU_GATED)
     return fail(EXPERTD_ERR_UNSUPPORTED, "activation %d", activation);
-  if (!w13 || !w2 || !w13_scale || !w2_scale) return fail(EXPERTD_ERR_INVALID, "set_create: NULL weights or scales");
+  if (!q.w13 || !q.w2 || !q.w13_scale || !q.w2_scale)
+    return fail(EXPERTD_ERR_INVALID, "set_create: NULL weights or scales");
+  if (activation == EXPERTD_ACT_SWIGLU_OAI &&
+      (!(q.swiglu_limit > 0) || !(q.swiglu_alpha > 0) || std::isinf(q.swiglu_limit) || std::isinf(q.swiglu_alpha)))
+    return fail(EXPERTD_ERR_INVALID, "set_create: swiglu_limit %g, swiglu_alpha %g: want finite and > 0",
+                double(q.swiglu_limit), double(q.swiglu_alpha));
   const int64_t E = num_experts, rows1 = act_gated(activation) ? 2 * int64_t(inter) : inter;
   WScale m13, m2;
   if (block_n < 0 || block_k < 0 || (block_n > 0) != (block_k > 0))
@@ -295,16 +304,25 @@ int set_create(int device, int num_experts, int hidden, int inter, int activatio
   s->w2_mode = m2;
   s->block_n = block_n;
   s->block_k = block_k;
-  s->a13_scale = a13_scale;
-  s->a2_scale = a2_scale;
+  s->a13_scale = q.a13_scale;
+  s->a2_scale = q.a2_scale;
+  s->swiglu_limit = q.swiglu_limit;
+  s->swiglu_alpha = q.swiglu_alpha;
   s->poison = switches().poison.load();
   const size_t n13 = size_t(num_experts) * rows1 * hidden, n2 = size_t(num_experts) * hidden * inter;
   CK(cudaMalloc(&s->w13, n13));
   CK(cudaMalloc(&s->w2, n2));
-  CK(cudaMemcpy(s->w13, w13, n13, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(s->w2, w2, n2, cudaMemcpyHostToDevice));
-  // upload_scale copies a scale to the device, a per-tensor one expanded to
-  // one per expert so the kernels index per-expert scales alike.
+  CK(cudaMemcpy(s->w13, q.w13, n13, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(s->w2, q.w2, n2, cudaMemcpyHostToDevice));
+  // upload copies n floats to the device (none where src is null: an
+  // absent bias); upload_scale a scale, a per-tensor one expanded to one
+  // per expert so the kernels index per-expert scales alike.
+  auto upload = [&](float** dst, const float* src, size_t n) -> int {
+    if (!src) return EXPERTD_OK;
+    CK(cudaMalloc(dst, n * sizeof(float)));
+    CK(cudaMemcpy(*dst, src, n * sizeof(float), cudaMemcpyHostToDevice));
+    return EXPERTD_OK;
+  };
   auto upload_scale = [&](float** dst, const float* src, int n, WScale m) -> int {
     std::vector<float> sc;
     if (m == WScale::kPerExpert && n == 1) {
@@ -312,36 +330,14 @@ int set_create(int device, int num_experts, int hidden, int inter, int activatio
     } else {
       sc.assign(src, src + n);
     }
-    CK(cudaMalloc(dst, sc.size() * sizeof(float)));
-    CK(cudaMemcpy(*dst, sc.data(), sc.size() * sizeof(float), cudaMemcpyHostToDevice));
-    return EXPERTD_OK;
+    return upload(dst, sc.data(), sc.size());
   };
-  if (int rc = upload_scale(&s->w13_scale, w13_scale, n_w13_scale, m13)) return rc;
-  if (int rc = upload_scale(&s->w2_scale, w2_scale, n_w2_scale, m2)) return rc;
+  if (int rc = upload_scale(&s->w13_scale, q.w13_scale, n_w13_scale, m13)) return rc;
+  if (int rc = upload_scale(&s->w2_scale, q.w2_scale, n_w2_scale, m2)) return rc;
+  if (int rc = upload(&s->w13_bias, q.w13_bias, size_t(E) * rows1)) return rc;
+  if (int rc = upload(&s->w2_bias, q.w2_bias, size_t(E) * hidden)) return rc;
 
   *out_handle = add_set(std::move(s));
-  return EXPERTD_OK;
-}
-
-int set_epilogue(uint64_t handle, const float* w13_bias, const float* w2_bias, float swiglu_limit,
-                 float swiglu_alpha) {
-  std::shared_ptr<Set> s = find_set(handle);
-  if (!s) return fail(EXPERTD_ERR_NOT_FOUND, "set_epilogue: unknown handle %llu", (unsigned long long)handle);
-  if (!(swiglu_limit > 0) || !(swiglu_alpha > 0) || std::isinf(swiglu_limit) || std::isinf(swiglu_alpha))
-    return fail(EXPERTD_ERR_INVALID, "set_epilogue: swiglu limit %g, alpha %g: want finite and > 0",
-                double(swiglu_limit), double(swiglu_alpha));
-  if (s->w13_bias || s->w2_bias) return fail(EXPERTD_ERR_INVALID, "set_epilogue: the set has its biases already");
-  CK(cudaSetDevice(s->device));
-  auto upload = [&](float** dst, const float* src, size_t n) -> int {
-    if (!src) return EXPERTD_OK;
-    CK(cudaMalloc(dst, n * sizeof(float)));
-    CK(cudaMemcpy(*dst, src, n * sizeof(float), cudaMemcpyHostToDevice));
-    return EXPERTD_OK;
-  };
-  if (int rc = upload(&s->w13_bias, w13_bias, size_t(s->E) * rows1(*s))) return rc;
-  if (int rc = upload(&s->w2_bias, w2_bias, size_t(s->E) * s->K)) return rc;
-  s->swiglu_limit = swiglu_limit;
-  s->swiglu_alpha = swiglu_alpha;
   return EXPERTD_OK;
 }
 

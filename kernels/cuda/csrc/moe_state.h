@@ -123,10 +123,10 @@ struct Set {
   int block_n = 0, block_k = 0;  // block mode when > 0 (then both modes are kBlock)
   float a13_scale, a2_scale;   // <= 0: dynamic
   // Optional biases, [E, rows1] and [E, K] (null: none), and SWIGLU_OAI's
-  // parameters (expertd_set_epilogue).
+  // parameters (expertd_set_params).
   float* w13_bias = nullptr;
   float* w2_bias = nullptr;
-  float swiglu_limit = 7.f, swiglu_alpha = 1.702f;
+  float swiglu_limit, swiglu_alpha;
   bool poison = false;  // the poison option when the set was made: NaN-fill before each run
 
   // Lanes, created on first need; idle holds those no call holds.
@@ -221,11 +221,7 @@ int block_rows_for(const Set& s, const Call& c, bool sm90);
 
 // The bodies of the C entry points of the same names (expertd_cuda.h
 // documents them); the entry points clear the thread's error first.
-int set_create(int device, int num_experts, int hidden, int inter, int activation, const uint8_t* w13,
-               const uint8_t* w2, const float* w13_scale, int n_w13_scale, const float* w2_scale, int n_w2_scale,
-               int block_n, int block_k, float a13_scale, float a2_scale, uint64_t* out_handle);
-int set_epilogue(uint64_t handle, const float* w13_bias, const float* w2_bias, float swiglu_limit,
-                 float swiglu_alpha);
+int set_create(int device, const expertd_set_params* params, uint64_t* out_handle);
 int set_free(uint64_t handle);
 int ipc_map(int device, const uint8_t* handle, int handle_len, uint64_t* dev_ptr, uint64_t* bytes);
 int ipc_unmap(uint64_t dev_ptr);

@@ -39,6 +39,9 @@ namespace {
 using MoeV3 = int (*)(uint64_t, const int64_t*, int, const float*, int, const void*, const float*, const void*,
                       const float*, const int32_t*, const float*, void*, int32_t*, float*, float*);
 using InitV3 = int (*)(int, int);
+// expertd_set_create of ABIs 3 and 4: positional arguments.
+using SetCreateV4 = int (*)(int, int, int, int, int, const uint8_t*, const uint8_t*, const float*, int, const float*,
+                            int, int, int, float, float, uint64_t*);
 
 // The entry points of this header's ABI.
 using InitCur = int (*)(int, const expertd_options*);
@@ -46,9 +49,10 @@ using MoeCur = int (*)(uint64_t, const expertd_call*);
 using OptionsDefault = void (*)(expertd_options*);
 using CallInit = void (*)(expertd_call*);
 
+using SetParamsInit = void (*)(expertd_set_params*);
+using SetCreate = int (*)(int, const expertd_set_params*, uint64_t*);
+
 using AbiVersion = int (*)();
-using SetCreate = int (*)(int, int, int, int, int, const uint8_t*, const uint8_t*, const float*, int, const float*,
-                          int, int, int, float, float, uint64_t*);
 using HostRegister = int (*)(int, void*, uint64_t);
 using DevAlloc = int (*)(int, uint64_t, uint64_t*);
 using Copy = int (*)(int, uint64_t, uint64_t, uint64_t);
@@ -112,7 +116,8 @@ int main(int argc, char** argv) {
   }
   g_last_error = reinterpret_cast<LastError>(sym(h, "expertd_last_error"));
   const int abi = reinterpret_cast<AbiVersion>(sym(h, "expertd_abi_version"))();
-  // ABI 4 differs from 5 only in what this tool does not call.
+  // ABI 4 differs from 5 in expertd_set_create (and in what this tool does
+  // not call).
   if (abi != 3 && abi != 4 && abi != EXPERTD_ABI_VERSION) {
     fprintf(stderr, "host_path: library speaks ABI %d; this tool knows 3, 4 and %d\n", abi, EXPERTD_ABI_VERSION);
     return 2;
@@ -128,7 +133,6 @@ int main(int argc, char** argv) {
     if (const char* v = getenv("HOST_PATH_SPIN_US")) o.sync_spin_us = atoi(v);
     check(reinterpret_cast<InitCur>(sym(h, "expertd_init"))(0, &o), "init");
   }
-  auto set_create = reinterpret_cast<SetCreate>(sym(h, "expertd_set_create"));
   auto host_register = reinterpret_cast<HostRegister>(sym(h, "expertd_host_register"));
   auto dev_alloc = reinterpret_cast<DevAlloc>(sym(h, "expertd_dev_alloc"));
   auto copy = reinterpret_cast<Copy>(sym(h, "expertd_copy"));
@@ -143,9 +147,26 @@ int main(int argc, char** argv) {
   for (auto& b : w2) b = uint8_t(rng()) & 0xBF;
   const float scale = 0.05f;
   uint64_t set = 0;
-  check(set_create(0, kE, kK, kN, EXPERTD_ACT_RELU2, w13.data(), w2.data(), &scale, 1, &scale, 1, 0, 0, -1.f, -1.f,
-                   &set),
-        "set_create");
+  if (abi < EXPERTD_ABI_VERSION) {
+    check(reinterpret_cast<SetCreateV4>(sym(h, "expertd_set_create"))(0, kE, kK, kN, EXPERTD_ACT_RELU2, w13.data(),
+                                                                       w2.data(), &scale, 1, &scale, 1, 0, 0, -1.f,
+                                                                       -1.f, &set),
+          "set_create");
+  } else {
+    expertd_set_params sp;
+    reinterpret_cast<SetParamsInit>(sym(h, "expertd_set_params_init"))(&sp);
+    sp.num_experts = kE;
+    sp.hidden = kK;
+    sp.inter = kN;
+    sp.activation = EXPERTD_ACT_RELU2;
+    sp.w13 = w13.data();
+    sp.w2 = w2.data();
+    sp.w13_scale = &scale;
+    sp.n_w13_scale = 1;
+    sp.w2_scale = &scale;
+    sp.n_w2_scale = 1;
+    check(reinterpret_cast<SetCreate>(sym(h, "expertd_set_create"))(0, &sp, &set), "set_create");
+  }
   std::normal_distribution<float> nd(0.f, 0.1f);
 
   printf("%-8s %5s %10s %10s %10s %10s %10s\n", "mode", "M", "wall p50", "wall p90", "kernel p50", "host p50",
