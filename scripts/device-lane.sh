@@ -55,9 +55,8 @@ addr, lib_path = sys.argv[1], sys.argv[2]
 LAYERS, WARM, REPS, CALLS = 48, 3, 20, 200
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)
-if not hasattr(ctypes.CDLL(lib_path), "expertd_set_epilogue"):
-    sys.exit("this library lacks expertd_set_epilogue, which bench/expertd_ctypes.py binds at ABI 5: "
-             "build the branch with both ABI 5 changes merged")
+if not hasattr(ctypes.CDLL(lib_path), "expertd_lane_open"):
+    sys.exit("this library has no lanes (expertd_lane_open): build main's kernels/cuda/csrc")
 shape = peer.NEMOTRON
 gen = torch.Generator(device=dev).manual_seed(1)
 w = peer.make_weights(shape, dev, gen)
