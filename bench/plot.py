@@ -75,9 +75,9 @@ def write(doc: dict, path: str) -> None:
         row[0].plot(Ms, [floor_ms(r, ceil) for r in recs], color="black", linestyle="-.",
                     linewidth=1, label="floor set by the ceilings")
         row[1].axhline(ceil["fp8_tflops"], color="black", linestyle="-.", linewidth=1,
-                       label=f"FP8 dense {ceil['fp8_tflops']:g} TFLOP/s")
+                       label=f"FP8 dense {ceil['fp8_tflops']:.0f} TFLOP/s")
         row[2].axhline(ceil["copy_tbps"], color="black", linestyle="-.", linewidth=1,
-                       label=f"copy {ceil['copy_tbps']:g} TB/s")
+                       label=f"copy {ceil['copy_tbps']:.2f} TB/s")
         for ax, what in zip(row, ("time per call (ms)", "TFLOP/s", "weight TB/s")):
             ax.set_xscale("log", base=2)
             ax.set_xticks(Ms, [str(m) for m in Ms])

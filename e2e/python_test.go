@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/expertd/expertd/kernels/kerneltest"
 	"github.com/expertd/expertd/moe"
@@ -23,6 +24,13 @@ func pythonPath(t *testing.T) string {
 		_, err := run(t, nil, p, "-c", "import expertd, expertd.v1.expert_pb2_grpc, pytest")
 		return err
 	})
+}
+
+// torchRequired says whether the Python tests that import torch must run
+// rather than skip: under EXPERTD_E2E_REQUIRE=1 (CI) unless
+// EXPERTD_E2E_TORCH=0 told scripts/e2e-setup.sh to leave torch out.
+func torchRequired() bool {
+	return os.Getenv(requireEnv) == "1" && os.Getenv("EXPERTD_E2E_TORCH") != "0"
 }
 
 // pyArray is one input array of the Python case: a raw little-endian
@@ -179,22 +187,32 @@ func TestPythonPackage(t *testing.T) {
 	tests := filepath.Join(repoRoot(t), "clients/python/tests")
 	// The transformers comparisons import torch and build a dozen blocks:
 	// tens of seconds on two busy cores.
-	ctx, cancel := context.WithTimeout(context.Background(), 12*defaultTimeout)
+	t.Logf("$ EXPERTD_ADDR=localhost:PORT EXPERTD_SHM=1 EXPERTD_RING_ADDR=localhost:PORT2 EXPERTD_PLAIN_ADDR=localhost:PORT3 python -m pytest -q clients/python/tests")
+	if !pytest(t, python, 12*defaultTimeout, tests, "EXPERTD_ADDR="+d.Addr, "EXPERTD_SHM=1", "EXPERTD_WEIGHTS_DIR="+weights,
+		"EXPERTD_CUDA=", "EXPERTD_RING_ADDR="+ring.Addr, "EXPERTD_PLAIN_ADDR="+plain.Addr) {
+		t.Fatalf("pytest ran no tests")
+	}
+}
+
+// pytest runs python -m pytest on path (a file or a folder) from a
+// temporary directory, so that the installed expertd package is what the
+// tests import, with env added to this process's and EXPERTD_REQUIRE_TORCH=1
+// where torchRequired. A failing run fails the test; it says whether any
+// test passed (a run that only skipped did not).
+func pytest(t *testing.T, python string, timeout time.Duration, path string, env ...string) bool {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", tests)
+	cmd := exec.CommandContext(ctx, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", path)
 	cmd.Dir = t.TempDir()
-	cmd.Env = append(os.Environ(), "EXPERTD_ADDR="+d.Addr, "EXPERTD_SHM=1", "EXPERTD_WEIGHTS_DIR="+weights, "EXPERTD_CUDA=",
-		"EXPERTD_RING_ADDR="+ring.Addr, "EXPERTD_PLAIN_ADDR="+plain.Addr)
-	if os.Getenv(requireEnv) == "1" && os.Getenv("EXPERTD_E2E_TORCH") != "0" {
+	cmd.Env = append(os.Environ(), env...)
+	if torchRequired() {
 		cmd.Env = append(cmd.Env, "EXPERTD_REQUIRE_TORCH=1")
 	}
-	t.Logf("$ EXPERTD_ADDR=localhost:PORT EXPERTD_SHM=1 EXPERTD_RING_ADDR=localhost:PORT2 EXPERTD_PLAIN_ADDR=localhost:PORT3 python -m pytest -q clients/python/tests")
 	out, err := cmd.CombinedOutput()
 	t.Logf("pytest:\n%s", out)
 	if err != nil {
 		t.Fatalf("pytest: %v", err)
 	}
-	if !strings.Contains(string(out), " passed") {
-		t.Fatalf("pytest ran no tests")
-	}
+	return strings.Contains(string(out), " passed")
 }
