@@ -6,7 +6,7 @@
 # One daemon on TCP loopback (-shared-memory -ring, log level warn) serves
 # M=1 and M=256 unary and stream calls with tensors inline (BF16, and FP8
 # hidden states at M=256), through POSIX shared memory and CUDA IPC, and
-# through the call ring; then 4 callers over shm, ring and CUDA IPC, 8
+# through the call ring (over CUDA IPC also with FP8 hidden states); then 4 callers over shm, ring and CUDA IPC, 8
 # callers inline on one connection and on 8; then the Python client
 # (bench/python_latency.py, when grpcio and numpy import); then the same
 # daemon on a Unix socket; then the ring with the library's completion spin
@@ -59,6 +59,10 @@ for m in 1 256; do
 	row "$A" -no-rtt -c 1 -m "$m" -ring -shm
 	# shellcheck disable=SC2086
 	row "$A" -no-rtt -c 1 -m "$m" -ring $ipc
+	# The bench's input dtype: one-token FP8 calls take GEMM1's fused
+	# routing, BF16 ones the separate prologue kernel.
+	# shellcheck disable=SC2086
+	row "$A" -no-rtt -c 1 -m "$m" -ring $ipc -hidden fp8
 done
 row "$A" -no-rtt -c 4 -m 256 -shm
 row "$A" -no-rtt -c 4 -m 256 -ring -shm
