@@ -415,7 +415,7 @@ class RemoteMoE(nn.Module):
         if key not in self._why:
             why = None
             if not self._server().lane.enabled:
-                why = "the daemon serves no GPU-ordered lanes (-shared-memory, cuda backend)"
+                why = "the daemon serves no GPU-ordered lanes (-lanes with -shared-memory, cuda backend)"
             else:
                 try:
                     mps = _lane.mps_enabled(device.index if device.index is not None else torch.cuda.current_device())
