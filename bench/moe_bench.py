@@ -205,16 +205,12 @@ def capture(fn, mode: str):
     return g
 
 
-# LONE: time each replay alone (--lone).
-LONE = False
-
-
 def time_replays(fns, iters: int, warmup: int, graph: bool = True,
-                 mode: str = "thread_local") -> tuple[float, str, list[float]]:
+                 mode: str = "thread_local", lone: bool = False) -> tuple[float, str, list[float]]:
     """Median ms of one call, rotating through fns (one per input set).
 
     Each fn is captured in its own graph and replayed; if capture fails the fns
-    run eagerly and the returned mode says so. With LONE set (--lone) the
+    run eagerly and the returned mode says so. With lone (--lone) the
     host waits for each replay before timing the next, as a service's single
     call runs: the launch is then inside the timed span instead of queued
     behind the previous replay.
@@ -238,7 +234,7 @@ def time_replays(fns, iters: int, warmup: int, graph: bool = True,
         starts[i].record()
         runs[i % n]()
         ends[i].record()
-        if LONE:
+        if lone:
             ends[i].synchronize()
     torch.cuda.synchronize()
     ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
@@ -384,10 +380,10 @@ def time_flashinfer(fi_peer, sets, M, K, args) -> dict:
     try:
         rec["flashinfer_ms"], rec["flashinfer_mode"], _ = time_replays(
             [lambda i=i: fi_peer(sets[i][0], sets[i][1], fo[i]) for i in range(len(sets))],
-            args.iters, args.warmup)
+            args.iters, args.warmup, lone=args.lone)
         rec["flashinfer_moe_ms"], rec["flashinfer_moe_mode"], _ = time_replays(
             [lambda i=i: fi_peer.moe_only(sets[i][0], *routed[i], fo[i]) for i in range(len(sets))],
-            args.iters, args.warmup)
+            args.iters, args.warmup, lone=args.lone)
     except Exception as e:  # FlashInfer's errors have no common type: report, keep going
         log(f"  flashinfer failed at M={M}: {type(e).__name__}: {str(e)[:300]}")
         rec = {"flashinfer_note": f"failed at M={M}: {type(e).__name__}"}
@@ -472,23 +468,23 @@ def bench_model(shape, Ms, lib, args, gen, fi=None, vllm=None) -> tuple[list[dic
         # BlockPeer's per-expert calls sync with the host: no graph, and the
         # mode column says "eager (host sync per call)".
         rec["peer_ms"], rec["peer_mode"], _ = time_replays(
-            [peer_fn(i) for i in range(len(sets))], args.iters, args.warmup, graph=p.capturable)
+            [peer_fn(i) for i in range(len(sets))], args.iters, args.warmup, graph=p.capturable, lone=args.lone)
         if not p.capturable:
             rec["peer_mode"] = "eager (host sync per call)"
 
         # GEMM-only inputs: permuted FP8 rows and the requantized intermediate.
         pre = [p.gemm_args(*inp) for inp in sets]
         rec["peer_gemm_ms"], rec["peer_gemm_mode"], _ = time_replays(
-            [lambda a=a: p.gemm_only(*a) for a in pre], args.iters, args.warmup)
+            [lambda a=a: p.gemm_only(*a) for a in pre], args.iters, args.warmup, lone=args.lone)
 
         if args.fast_accum and gmm is peer.grouped_mm_torch:
             pf = peer.TorchPeer(w, M, peer.grouped_mm_torch_fast)
             try:
                 pf.gemm_only(*pre[0])
                 rec["peer_fast_ms"], rec["peer_fast_mode"], _ = time_replays(
-                    [lambda i=i: pf(*sets[i]) for i in range(len(sets))], args.iters, args.warmup)
+                    [lambda i=i: pf(*sets[i]) for i in range(len(sets))], args.iters, args.warmup, lone=args.lone)
                 rec["peer_fast_gemm_ms"], rec["peer_fast_gemm_mode"], _ = time_replays(
-                    [lambda a=a: pf.gemm_only(*a) for a in pre], args.iters, args.warmup)
+                    [lambda a=a: pf.gemm_only(*a) for a in pre], args.iters, args.warmup, lone=args.lone)
             except (RuntimeError, ValueError) as e:
                 log(f"  peer with use_fast_accum=True not timed: {str(e)[:200]}")
                 rec.pop("peer_fast_ms", None)
@@ -501,7 +497,7 @@ def bench_model(shape, Ms, lib, args, gen, fi=None, vllm=None) -> tuple[list[dic
             try:
                 rec["expertd_ms"], rec["expertd_mode"], _ = time_replays(
                     [lambda i=i: run_expertd(lib_set, sets[i], xo[i], params) for i in range(len(sets))],
-                    args.iters, args.warmup)
+                    args.iters, args.warmup, lone=args.lone)
             except expertd_ctypes.ExpertdError as e:
                 log(f"  expertd failed at M={M}: {e}")
                 rec["expertd_ms"], rec["expertd_mode"] = None, f"failed: {e}"[:120]
@@ -689,8 +685,6 @@ def main(argv=None) -> int:
     ap.add_argument("--ceilings", type=parse_ceilings, default=None, metavar="COPY_TBPS,FP8_TFLOPS",
                     help="the card's copy TB/s and dense FP8 TFLOP/s instead of measuring them first")
     args = ap.parse_args(argv)
-    global LONE
-    LONE = args.lone
     if args.check_m is not None:
         args.check_m = [int(m) for m in args.check_m.split(",") if m]
     names = list(peer.MODELS) if args.models == "all" else [m for m in args.models.split(",") if m]
