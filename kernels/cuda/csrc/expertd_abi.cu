@@ -114,19 +114,12 @@ int expertd_ipc_close(uint64_t dev_ptr) {
 
 int expertd_host_register(int device, void* ptr, uint64_t bytes) {
   g_last_error.clear();
-  if (!ptr || bytes == 0) return fail(EXPERTD_ERR_INVALID, "host_register: NULL or empty range");
-  if (int rc = check_device(device)) return rc;
-  CK(cudaSetDevice(device));
-  CK(cudaHostRegister(ptr, size_t(bytes), cudaHostRegisterPortable));
-  return EXPERTD_OK;
+  return host_register(device, ptr, size_t(bytes));
 }
 
 int expertd_host_unregister(int device, void* ptr) {
   g_last_error.clear();
-  if (int rc = check_device(device)) return rc;
-  CK(cudaSetDevice(device));
-  CK(cudaHostUnregister(ptr));
-  return EXPERTD_OK;
+  return host_unregister(device, ptr);
 }
 
 int expertd_dev_alloc(int device, uint64_t bytes, uint64_t* dev_ptr) {
@@ -144,9 +137,7 @@ int expertd_dev_alloc(int device, uint64_t bytes, uint64_t* dev_ptr) {
 int expertd_dev_free(int device, uint64_t dev_ptr) {
   g_last_error.clear();
   if (int rc = check_device(device)) return rc;
-  CK(cudaSetDevice(device));
-  CK(cudaFree(reinterpret_cast<void*>(dev_ptr)));
-  return EXPERTD_OK;
+  return release_device(device, reinterpret_cast<void*>(dev_ptr));
 }
 
 int expertd_ipc_export(int device, uint64_t dev_ptr, uint8_t* handle, int handle_len) {
