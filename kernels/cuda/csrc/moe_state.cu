@@ -102,23 +102,23 @@ int release(std::function<int()> fn) {
   return EXPERTD_OK;
 }
 
-int release_device(int device, void* p) {
+namespace {
+
+// release_with releases p with free on device's context.
+int release_with(int device, void* p, cudaError_t (*free)(void*), const char* what) {
   if (!p) return EXPERTD_OK;
-  return release([device, p] {
+  return release([device, p, free, what] {
     CK(cudaSetDevice(device));
-    CK(cudaFree(p));
+    if (const cudaError_t err = free(p)) return cuda_fail(err, what);
     return EXPERTD_OK;
   });
 }
 
-int release_pinned(int device, void* p) {
-  if (!p) return EXPERTD_OK;
-  return release([device, p] {
-    CK(cudaSetDevice(device));
-    CK(cudaFreeHost(p));
-    return EXPERTD_OK;
-  });
-}
+}  // namespace
+
+int release_device(int device, void* p) { return release_with(device, p, cudaFree, "cudaFree"); }
+
+int release_pinned(int device, void* p) { return release_with(device, p, cudaFreeHost, "cudaFreeHost"); }
 
 namespace {
 
