@@ -47,6 +47,13 @@ int expertd_init(int device, const expertd_options* opts) {
   // set's, the stop write that closes a lane). The most queues the driver
   // gives, unless the process asked for a number, before the context exists.
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  // Loading a kernel on its first launch (the driver's lazy loading) may
+  // wait for the whole context to go idle, and a waiting lane keeps it
+  // busy until its caller rings: a call that launches a kernel for the
+  // first time (a new token tile at a new M) would wait on a lane whose
+  // caller waits on that call. Every kernel is loaded with the context,
+  // unless the process chose a loading mode itself.
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   if (int rc = check_device(device)) return rc;
   CK(cudaSetDevice(device));
   CK(cudaFree(nullptr));  // creates the primary context now, not in the first call
