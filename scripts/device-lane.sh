@@ -5,12 +5,21 @@
 # against the library in-process, on the Nemotron layer, without MPS and
 # then under MPS when the machine has nvidia-cuda-mps-control.
 #   run: bash scripts/device-lane.sh      (carry: ["build"])
-# First, when build/cuda.test is there (make cuda-test-bin), the Go test of
-# the library's lane (TestLaneOnDevice). Then each phase starts a daemon (-backend cuda -shared-memory), then one Python
+# First, when build/cuda.test is there (make cuda-test-bin), the Go tests of
+# the library's lane (TestLaneOnDevice) and of the backend's other paths
+# with a lane waiting (TestLaneWaitingBlocksNothing: a hang names its step). Then each phase starts a daemon (-backend cuda -shared-memory), then one Python
 # process (torch, and the expertd package from clients/python; PY_WHEELS as
 # in device-latency.sh where grpcio or protobuf are missing) that:
 #   - uploads the layer to the daemon and creates the same layer in-process
 #     through bench/expertd_ctypes.py (the library of build/);
+#   - opens a lane (M = 1) and leaves it waiting, then, each step under a
+#     60 s limit that names the step that hung ("FAIL: HUNG: ..."): cuda_ipc
+#     calls of new shapes (M = 8, then 256: the workspace grows) and the
+#     CUDA IPC regions' unregistration, host-memory calls of the same
+#     shapes (the pinned staging grows), a POSIX region registered and
+#     unregistered, a second set loaded and unloaded, a second lane opened,
+#     rung and closed; then rings the waiting lane and checks its output
+#     against the cuda_ipc path's bytes;
 #   - checks a lane call's output against the cuda_ipc path's (FusedMoE on
 #     CUDA IPC regions) bytes for bytes, at M = 1, 16 and 64, three inputs
 #     each, and reports whether the in-process call's bytes agree too;
@@ -19,7 +28,7 @@
 #     next input) in-process and over the lane, from a stream and from a
 #     captured CUDA graph, printing p50 per layer and the ratio.
 # Expected: under MPS the chain within ~1.10x; without MPS ~9x (a context
-# switch per call). Wall time about 2 minutes. Logs land under $OUT.
+# switch per call). Wall time about 3 minutes. Logs land under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build="${EXPERTD_BUILD:-build}"
@@ -40,10 +49,13 @@ pypath=$(python_path "$PWD/bench")
 cat > "$out/lane_bench.py" << 'EOF'
 import ctypes
 import dataclasses
+import os
 import statistics
 import sys
+import threading
 import time
 
+import numpy as np
 import torch
 
 import expertd
@@ -119,6 +131,86 @@ def p50_us(f, reps):
             ts.append(e0.elapsed_time(e1) * 1e3)
     return statistics.median(ts)
 
+
+def step(name, fn, timeout=60):
+    """Runs fn with the hold lane open and waiting; a step that does not
+    return within timeout names itself and ends the process (a thread
+    stuck in a CUDA call cannot be stopped)."""
+    got = {}
+
+    def run():
+        try:
+            got["v"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            got["e"] = e
+
+    t0 = time.time()
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(timeout)
+    if th.is_alive():
+        print(f"FAIL: HUNG: {name} did not return in {timeout} s with a lane open and waiting", flush=True)
+        os._exit(3)
+    if "e" in got:
+        print(f"FAIL: {name}: {got['e']!r}", flush=True)
+        os._exit(4)
+    print(f"with a lane waiting: {name}: ok in {time.time() - t0:.2f} s", flush=True)
+    return got.get("v")
+
+
+# With a lane open and waiting (its stream holds stream memory waits on a
+# doorbell nobody rings yet), every other path of the daemon completes: a
+# synchronizing CUDA call in the daemon would wait for that lane forever.
+hold = buffers("hold", 1)
+hold_lane = el.open_lane(c, hold[4], depth=2)
+hold[1].copy_((torch.randn(1, K, generator=gen, device=dev) / 10).bfloat16())
+hold[2].copy_(torch.randn(1, E, generator=gen, device=dev))
+torch.cuda.synchronize()
+for m in (8, 256):  # new shapes, the second growing the workspace (a free)
+    kept = step(f"register the M={m} CUDA IPC region (cudaIpcOpenMemHandle)", lambda: buffers(f"grow{m}", m))
+    kept[1].copy_((torch.randn(m, K, generator=gen, device=dev) / 10).bfloat16())
+    kept[2].copy_(torch.randn(m, E, generator=gen, device=dev))
+    torch.cuda.synchronize()
+    step(f"cuda_ipc FusedMoE at new M={m}", lambda: c.stub.FusedMoE(kept[4], timeout=120))
+    step(f"unregister the M={m} CUDA IPC region (cudaIpcCloseMemHandle)", lambda: c.unregister_shared_memory(f"grow{m}"))
+for m in (8, 256):  # host memory: the pinned staging grows too (cudaFreeHost)
+    xh = (torch.randn(m, K, generator=gen) / 10).numpy()
+    lh = torch.randn(m, E, generator=gen).numpy()
+    step(f"host-memory FusedMoE at new M={m}",
+         lambda: c.fused_moe(xh, expert_set="lane", router_logits=lh, routing_message=routing, timeout=120))
+shm = expertd.SharedMemory.create(1 << 20)
+step("register a POSIX region (cudaHostRegister)", lambda: c.register_shared_memory("posix", shm))
+step("unregister it (cudaHostUnregister)", lambda: c.unregister_shared_memory("posix"))
+shm.close()
+tiny = 8, 256, 128  # E, K, N: a set of its own, loaded and unloaded
+step("load a second set",
+     lambda: c.load_experts("lane-tmp", np.zeros((tiny[0], tiny[2], tiny[1]), np.uint8),
+                            np.zeros((tiny[0], tiny[1], tiny[2]), np.uint8), np.ones(tiny[0], np.float32),
+                            np.ones(tiny[0], np.float32), activation="relu2", overwrite=True, timeout=120))
+step("unload it (its weights freed)", lambda: c.unload_experts("lane-tmp", timeout=120))
+second = step("register the second lane's CUDA IPC region", lambda: buffers("second", 4))
+second[1].copy_((torch.randn(4, K, generator=gen, device=dev) / 10).bfloat16())
+second[2].copy_(torch.randn(4, E, generator=gen, device=dev))
+torch.cuda.synchronize()
+lane2 = step("open a second lane (M=4)", lambda: el.open_lane(c, second[4], depth=2))
+
+
+def ring_and_wait(lane):
+    lane.enqueue(torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+
+
+step("ring the second lane once", lambda: ring_and_wait(lane2))
+step("close the second lane", lane2.close)
+step("unregister the second lane's region", lambda: c.unregister_shared_memory("second"))
+step("ring the waiting lane at last", lambda: ring_and_wait(hold_lane))
+lane_out = hold[3].clone()
+hold_req = hold[4]
+step("the cuda_ipc call of the waiting lane's request", lambda: c.stub.FusedMoE(hold_req, timeout=120))
+same = torch.equal(lane_out.view(torch.int16), hold[3].view(torch.int16))
+print(f"the waiting lane's output == the cuda_ipc call's bytes: {same}")
+if not same:
+    sys.exit("FAIL: the waiting lane's output differs from the cuda_ipc path's")
 
 lanes = {}
 for m in (1, 16, 64):
@@ -200,6 +292,7 @@ for how, (t_in, t_lane) in rows.items():
           f"lane {t_lane / LAYERS:.1f} us/layer, ratio {t_lane / t_in:.3f}x")
 for lane, _, _ in lanes.values():
     lane.close()
+hold_lane.close()
 es.free()
 print("done")
 EOF
@@ -207,7 +300,7 @@ EOF
 phase() { # phase NAME
 	say "== $1: $(nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader 2>&1)"
 	daemon_start "$listen" "daemon-$1.log" -shared-memory -lanes -log-level info
-	PYTHONPATH="$pypath" timeout 150 "$py" "$out/lane_bench.py" "$listen" "$lib" 2>&1 | tee -a "$S"
+	PYTHONPATH="$pypath" timeout 300 "$py" "$out/lane_bench.py" "$listen" "$lib" 2>&1 | tee -a "$S"
 	say "python exit ${PIPESTATUS[0]}"
 	curl -s "http://127.0.0.1:$admin/metrics" | grep -E '^expertd_lane' | tee -a "$S"
 	daemon_stop
@@ -217,9 +310,9 @@ phase() { # phase NAME
 # The library's side alone: a lane rung from a second process with copies
 # (kernels/cuda/lane_gpu_test.go), when the Go test binary was carried.
 if [[ -x $build/cuda.test ]]; then
-	say "== TestLaneOnDevice"
-	EXPERTD_LIBRARY_PATH="$lib" EXPERTD_CUDA_REQUIRE=1 timeout 120 "$build/cuda.test" -test.run '^TestLaneOnDevice$' -test.v 2>&1 |
-		tail -8 | tee -a "$S"
+	say "== TestLaneOnDevice, TestLaneWaitingBlocksNothing"
+	EXPERTD_LIBRARY_PATH="$lib" EXPERTD_CUDA_REQUIRE=1 timeout 240 "$build/cuda.test" \
+		-test.run '^TestLane(OnDevice|WaitingBlocksNothing)$' -test.v 2>&1 | tail -20 | tee -a "$S"
 fi
 phase "without MPS"
 if command -v nvidia-cuda-mps-control > /dev/null; then

@@ -7,15 +7,21 @@ import (
 	"bytes"
 	"encoding/binary"
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
 
+	"github.com/expertd/expertd/kernels"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 )
 
 // A lane on the GPU, rung from another process as a caller's stream would
@@ -76,26 +82,12 @@ func TestLaneHelperProcess(t *testing.T) {
 // enqueued.
 func TestLaneOnDevice(t *testing.T) {
 	b, l, req, want := sharedCall(t)
-	if len(req.HiddenScale) > 0 {
-		t.Fatal("sharedCase has hidden scales, which a lane refuses")
-	}
 	hb, lb, ob := int64(len(req.Hidden.Data)), int64(len(req.Logits.Data)), int64(len(want.Output))
-	d, err := b.AllocDevice(hb + lb + ob)
+	d, lane, err := laneOnDevice(b, l, req, ob, 4)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer d.Free()
-	if err := d.CopyIn(hb, req.Logits.Data); err != nil {
-		t.Fatal(err)
-	}
-	dreq := *req
-	dreq.Hidden.Data, dreq.Hidden.Dev = nil, d.Ptr()
-	dreq.Logits.Data, dreq.Logits.Dev = nil, d.Ptr()+uintptr(hb)
-	dreq.OutDev = d.Ptr() + uintptr(hb+lb)
-	lane, err := b.OpenLane(l, &dreq, 4)
-	if err != nil {
-		t.Fatalf("OpenLane: %v", err)
-	}
 	closed := false
 	defer func() {
 		if !closed {
@@ -191,4 +183,115 @@ func TestLaneOnDevice(t *testing.T) {
 			t.Error("closing the lane changed the output: the released calls ran")
 		}
 	}
+}
+
+// laneOnDevice puts req's hidden states, logits and an output of outBytes
+// in one device buffer ([hidden | logits | out], the caller's to free once
+// the lane is closed), the logits copied in, and opens a lane of depth on
+// them.
+func laneOnDevice(b *Backend, l kernels.Loaded, req *moe.Request, outBytes int64, depth int) (*DeviceBuffer, kernels.Lane, error) {
+	if len(req.HiddenScale) > 0 {
+		return nil, nil, errors.New("the request has hidden scales, which a lane refuses")
+	}
+	hb, lb := int64(len(req.Hidden.Data)), int64(len(req.Logits.Data))
+	d, err := b.AllocDevice(hb + lb + outBytes)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := d.CopyIn(hb, req.Logits.Data); err != nil {
+		d.Free()
+		return nil, nil, err
+	}
+	dreq := *req
+	dreq.Hidden.Data, dreq.Hidden.Dev = nil, d.Ptr()
+	dreq.Logits.Data, dreq.Logits.Dev = nil, d.Ptr()+uintptr(hb)
+	dreq.OutDev = d.Ptr() + uintptr(hb+lb)
+	lane, err := b.OpenLane(l, &dreq, depth)
+	if err != nil {
+		d.Free()
+		return nil, nil, fmt.Errorf("OpenLane: %w", err)
+	}
+	return d, lane, nil
+}
+
+// TestLaneWaitingBlocksNothing opens a lane and leaves it waiting (nobody
+// rings it: its stream holds stream memory waits), then takes every other
+// path of the backend that allocates or frees, each under a limit that
+// names the step that hangs: a CUDA call that synchronizes the device
+// would wait for the lane's stream forever.
+func TestLaneWaitingBlocksNothing(t *testing.T) {
+	b, l, req, want := sharedCall(t)
+	ctx := t.Context()
+	d, lane, err := laneOnDevice(b, l, req, int64(len(want.Output)), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Free() })
+	// Runs before the set's cleanup and the buffer's: a step that hung
+	// resumes once the lane closes.
+	var once sync.Once
+	closeLane := func() (err error) {
+		once.Do(func() { err = lane.Close() })
+		return err
+	}
+	t.Cleanup(func() { closeLane() })
+	within := func(step string, f func() error) {
+		t.Helper()
+		done := make(chan error, 1)
+		go func() { done <- f() }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("%s: %v", step, err)
+			}
+		case <-time.After(60 * time.Second):
+			t.Fatalf("HUNG: %s did not return in 60 s with a lane open and waiting", step)
+		}
+	}
+
+	// The same set at eight times the tokens: its stream's workspace and
+	// pinned staging grow, freeing the old ones.
+	big := *req
+	big.Hidden.Shape = []int{8 * req.M(), req.Hidden.Shape[1]}
+	big.Hidden.Data = bytes.Repeat(req.Hidden.Data, 8)
+	big.Logits.Shape = []int{8 * req.M(), req.Logits.Shape[1]}
+	big.Logits.Data = bytes.Repeat(req.Logits.Data, 8)
+	within("a call of a new, larger M", func() error {
+		_, err := b.FusedMoE(ctx, l, &big)
+		return err
+	})
+
+	set2, req2 := sharedCase(rand.Uint64())
+	var l2 kernels.Loaded
+	within("loading a second set", func() (err error) {
+		l2, err = b.Load(ctx, set2)
+		return err
+	})
+	within("a call on the second set", func() error {
+		_, err := b.FusedMoE(ctx, l2, req2)
+		return err
+	})
+	within("unloading the second set", func() error { return l2.Close() })
+
+	mem, err := syscall.Mmap(-1, 0, 1<<20, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Munmap(mem)
+	var unpin func() error
+	within("pinning host memory", func() (err error) {
+		unpin, err = b.PinHost(mem)
+		return err
+	})
+	within("unpinning it", func() error { return unpin() })
+
+	var d2 *DeviceBuffer
+	var lane2 kernels.Lane
+	within("opening a second lane", func() (err error) {
+		d2, lane2, err = laneOnDevice(b, l, req, int64(len(want.Output)), 2)
+		return err
+	})
+	within("closing the second lane", func() error { return lane2.Close() })
+	within("freeing the second lane's device buffer", func() error { return d2.Free() })
+	within("closing the waiting lane", closeLane)
 }

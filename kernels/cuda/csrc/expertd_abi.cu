@@ -47,6 +47,13 @@ int expertd_init(int device, const expertd_options* opts) {
   // set's, the stop write that closes a lane). The most queues the driver
   // gives, unless the process asked for a number, before the context exists.
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  // Loading a kernel on its first launch (the driver's lazy loading) may
+  // wait for the whole context to go idle, and a waiting lane keeps it
+  // busy until its caller rings: a call that launches a kernel for the
+  // first time (a new token tile at a new M) would wait on a lane whose
+  // caller waits on that call. Every kernel is loaded with the context,
+  // unless the process chose a loading mode itself.
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   if (int rc = check_device(device)) return rc;
   CK(cudaSetDevice(device));
   CK(cudaFree(nullptr));  // creates the primary context now, not in the first call
@@ -114,19 +121,12 @@ int expertd_ipc_close(uint64_t dev_ptr) {
 
 int expertd_host_register(int device, void* ptr, uint64_t bytes) {
   g_last_error.clear();
-  if (!ptr || bytes == 0) return fail(EXPERTD_ERR_INVALID, "host_register: NULL or empty range");
-  if (int rc = check_device(device)) return rc;
-  CK(cudaSetDevice(device));
-  CK(cudaHostRegister(ptr, size_t(bytes), cudaHostRegisterPortable));
-  return EXPERTD_OK;
+  return host_register(device, ptr, size_t(bytes));
 }
 
 int expertd_host_unregister(int device, void* ptr) {
   g_last_error.clear();
-  if (int rc = check_device(device)) return rc;
-  CK(cudaSetDevice(device));
-  CK(cudaHostUnregister(ptr));
-  return EXPERTD_OK;
+  return host_unregister(device, ptr);
 }
 
 int expertd_dev_alloc(int device, uint64_t bytes, uint64_t* dev_ptr) {
@@ -144,9 +144,7 @@ int expertd_dev_alloc(int device, uint64_t bytes, uint64_t* dev_ptr) {
 int expertd_dev_free(int device, uint64_t dev_ptr) {
   g_last_error.clear();
   if (int rc = check_device(device)) return rc;
-  CK(cudaSetDevice(device));
-  CK(cudaFree(reinterpret_cast<void*>(dev_ptr)));
-  return EXPERTD_OK;
+  return release_device(device, reinterpret_cast<void*>(dev_ptr));
 }
 
 int expertd_ipc_export(int device, uint64_t dev_ptr, uint8_t* handle, int handle_len) {

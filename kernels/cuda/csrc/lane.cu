@@ -101,6 +101,9 @@ int side_stream(int device, cudaStream_t* out) {
 }
 
 struct GpuLane {
+  // First, so it goes last: what the lane's and its set's frees left to
+  // release() runs once no lane is open.
+  LaneHold hold;
   std::shared_ptr<Set> set;
   Lane ws;  // the lane's stream and workspace (~Lane synchronizes and frees them)
   cudaStream_t side = nullptr;  // side_stream's, not the lane's to destroy
@@ -176,13 +179,14 @@ struct GpuLane {
   }
 
   ~GpuLane() {
+    if (!set) return;  // the call named no set: nothing was made
     if (launcher.joinable()) release();
     cudaSetDevice(set->device);
     if (ws.stream) cudaStreamSynchronize(ws.stream);
     if (exec) cudaGraphExecDestroy(exec);
     for (cudaEvent_t e : ev) cudaEventDestroy(e);
-    cudaFree(flags);
-    cudaFree(bias);
+    release_device(set->device, flags);
+    release_device(set->device, bias);
   }
 };
 

@@ -116,11 +116,9 @@ int ensure_workspace(Lane& l, const Layout& L) {
   if (L.total <= l.ws_bytes) return EXPERTD_OK;
   CK(cudaStreamSynchronize(l.stream));
   l.drop_graphs();
-  cudaFree(l.ws);
-  l.ws = nullptr;
-  l.ws_bytes = 0;
+  free_workspace(l);
   const size_t want = L.total + L.total / 4;
-  CK(cudaMalloc(&l.ws, want));
+  if (int rc = alloc_workspace(l, want)) return rc;
   // Padding rows of the GEMM inputs are read but never used; start them finite.
   CK(cudaMemsetAsync(l.ws, 0, want, l.stream));
   l.ws_bytes = want;
@@ -129,9 +127,9 @@ int ensure_workspace(Lane& l, const Layout& L) {
 
 namespace {
 
-int ensure_pinned(uint8_t** p, size_t* have, size_t want) {
+int ensure_pinned(int device, uint8_t** p, size_t* have, size_t want) {
   if (want <= *have) return EXPERTD_OK;
-  if (*p) cudaFreeHost(*p);
+  release_pinned(device, *p);
   *p = nullptr;
   *have = 0;
   want = want + want / 4;
@@ -594,8 +592,8 @@ int run_host(uint64_t handle, const expertd_call* call) {
   const size_t osz = c.out_dtype == EXPERTD_DTYPE_FLOAT32 ? 4 : 2;
   const size_t m = c.m, K = s.K, P = L.p;
   const size_t lsz = c.logits_dtype == EXPERTD_DTYPE_BFLOAT16 ? 2 : 4;
-  if (int rc = ensure_pinned(&ln.pin_in, &ln.pin_in_bytes, L.in_end)) return rc;
-  if (int rc = ensure_pinned(&ln.pin_out, &ln.pin_out_bytes, L.out_end - L.ids)) return rc;
+  if (int rc = ensure_pinned(ln.device, &ln.pin_in, &ln.pin_in_bytes, L.in_end)) return rc;
+  if (int rc = ensure_pinned(ln.device, &ln.pin_out, &ln.pin_out_bytes, L.out_end - L.ids)) return rc;
   cudaStream_t st = ln.stream;
 
   // Inputs. Device memory (a CUDA IPC region) is read where it is: its
@@ -777,6 +775,7 @@ int run_device(uint64_t handle, const expertd_call* call) {
   if (!s.dev_lane) {
     s.dev_lane = std::make_unique<Lane>();
     s.dev_lane->device = s.device;
+    s.dev_lane->foreign = true;
     CK(cudaStreamCreateWithFlags(&s.dev_lane->stream, cudaStreamNonBlocking));
   }
   Lane& ln = *s.dev_lane;

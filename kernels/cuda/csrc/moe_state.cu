@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdarg>
 #include <cmath>
 #include <cstdio>
@@ -32,6 +33,242 @@ int cuda_fail(cudaError_t err, const char* what) {
                        ? EXPERTD_ERR_NO_DEVICE
                        : EXPERTD_ERR_CUDA;
   return fail(code, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+
+namespace {
+
+// Quiet is the state of release(): the lanes open, the releases waiting
+// for them to close, and the host ranges whose unregistration is among
+// those. Its mutex is held while a release runs, so no lane opens (and
+// enqueues waits) while a synchronizing call is in progress.
+struct Quiet {
+  std::mutex mu;
+  int lanes = 0;
+  std::vector<std::function<int()>> later;
+  std::map<uintptr_t, size_t> unpinning;  // base -> bytes
+};
+Quiet& quiet() {
+  static Quiet q;
+  return q;
+}
+// g_unpinning says whether quiet().unpinning has ranges, so mem_kind asks
+// only then.
+std::atomic<bool> g_unpinning{false};
+
+// Registered host ranges (base -> bytes), for the range an unregistration
+// leaves unusable until it runs.
+std::mutex g_pinned_mu;
+std::map<uintptr_t, size_t> g_pinned;
+
+// overlaps says whether [p, p+n) meets a range of m.
+bool overlaps(const std::map<uintptr_t, size_t>& m, uintptr_t p, size_t n) {
+  auto it = m.upper_bound(p);
+  if (it != m.end() && it->first < p + n) return true;
+  if (it == m.begin()) return false;
+  --it;
+  return p < it->first + it->second;
+}
+
+// unpinning says whether ptr lies in a range whose unregistration waits.
+bool unpinning(const void* ptr) {
+  if (!g_unpinning.load()) return false;
+  std::lock_guard<std::mutex> lk(quiet().mu);
+  return overlaps(quiet().unpinning, reinterpret_cast<uintptr_t>(ptr), 1);
+}
+
+}  // namespace
+
+LaneHold::LaneHold() {
+  std::lock_guard<std::mutex> lk(quiet().mu);
+  quiet().lanes++;
+}
+
+LaneHold::~LaneHold() {
+  Quiet& q = quiet();
+  std::lock_guard<std::mutex> lk(q.mu);
+  if (--q.lanes > 0) return;
+  // Errors here have no caller left to report to.
+  for (auto& fn : q.later) fn();
+  q.later.clear();
+  q.unpinning.clear();
+  g_unpinning.store(false);
+}
+
+int release(std::function<int()> fn) {
+  Quiet& q = quiet();
+  std::lock_guard<std::mutex> lk(q.mu);
+  if (q.lanes == 0) return fn();
+  q.later.push_back(std::move(fn));
+  return EXPERTD_OK;
+}
+
+namespace {
+
+// release_with releases p with free on device's context.
+int release_with(int device, void* p, cudaError_t (*free)(void*), const char* what) {
+  if (!p) return EXPERTD_OK;
+  return release([device, p, free, what] {
+    CK(cudaSetDevice(device));
+    if (const cudaError_t err = free(p)) return cuda_fail(err, what);
+    return EXPERTD_OK;
+  });
+}
+
+}  // namespace
+
+int release_device(int device, void* p) { return release_with(device, p, cudaFree, "cudaFree"); }
+
+int release_pinned(int device, void* p) { return release_with(device, p, cudaFreeHost, "cudaFreeHost"); }
+
+namespace {
+
+// pool is the device's stream-ordered pool. It keeps what is freed (no
+// release threshold): trimming it is device-wide work a waiting lane could
+// hold up, and what a set or a workspace gave back is what the next one
+// takes.
+int pool(int device, cudaMemPool_t* out) {
+  static std::mutex mu;
+  static std::map<int, cudaMemPool_t> pools;
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = pools.find(device);
+  if (it == pools.end()) {
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t p = nullptr;
+    CK(cudaMemPoolCreate(&p, &props));
+    uint64_t keep = UINT64_MAX;
+    if (const cudaError_t err = cudaMemPoolSetAttribute(p, cudaMemPoolAttrReleaseThreshold, &keep)) {
+      cudaMemPoolDestroy(p);
+      return cuda_fail(err, "cudaMemPoolSetAttribute(release threshold)");
+    }
+    it = pools.emplace(device, p).first;
+  }
+  *out = it->second;
+  return EXPERTD_OK;
+}
+
+}  // namespace
+
+bool lanes_open() {
+  std::lock_guard<std::mutex> lk(quiet().mu);
+  return quiet().lanes > 0;
+}
+
+int alloc_pooled(int device, size_t bytes, cudaStream_t st, void** p) {
+  cudaMemPool_t mp;
+  if (int rc = pool(device, &mp)) return rc;
+  CK(cudaMallocFromPoolAsync(p, bytes, mp, st));
+  return EXPERTD_OK;
+}
+
+int alloc_workspace(Lane& l, size_t bytes) {
+  Quiet& q = quiet();
+  // Held while allocating, so no lane opens during a cudaMalloc.
+  std::lock_guard<std::mutex> lk(q.mu);
+  void* p = nullptr;
+  const bool pooled = q.lanes > 0 && !l.foreign;
+  if (pooled) {
+    if (int rc = alloc_pooled(l.device, bytes, l.stream, &p)) return rc;
+  } else {
+    CK(cudaMalloc(&p, bytes));
+  }
+  l.ws = static_cast<uint8_t*>(p);
+  l.ws_pooled = pooled;
+  return EXPERTD_OK;
+}
+
+void free_workspace(Lane& l) {
+  if (!l.ws) return;
+  if (l.ws_pooled) {
+    // After the stream's work that uses it, on the stream that made it.
+    if (cudaFreeAsync(l.ws, l.stream) != cudaSuccess) cudaGetLastError();
+  } else {
+    release_device(l.device, l.ws);
+  }
+  l.ws = nullptr;
+  l.ws_bytes = 0;
+  l.ws_pooled = false;
+}
+
+void free_weights(Set& s, bool foreign) {
+  void* ps[] = {s.w13, s.w2, s.w13_scale, s.w2_scale, s.w13_bias, s.w2_bias};
+  if (!s.pooled) {
+    for (void* p : ps) release_device(s.device, p);
+    return;
+  }
+  if (foreign) {
+    // Ordered after callers' streams only by synchronizing the device,
+    // which waits for the lanes to close.
+    const int device = s.device;
+    release([device, ps] {
+      CK(cudaSetDevice(device));
+      CK(cudaDeviceSynchronize());
+      for (void* p : ps) {
+        if (p) CK(cudaFreeAsync(p, nullptr));
+      }
+      return EXPERTD_OK;
+    });
+    return;
+  }
+  // The set's lanes have finished with them (~Lane synchronizes its
+  // stream); a stream of their own, destroyed once its frees are queued.
+  cudaSetDevice(s.device);
+  cudaStream_t st = nullptr;
+  if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  for (void* p : ps) {
+    if (p && cudaFreeAsync(p, st) != cudaSuccess) cudaGetLastError();
+  }
+  cudaStreamDestroy(st);
+}
+
+int host_register(int device, void* ptr, size_t bytes) {
+  if (!ptr || bytes == 0) return fail(EXPERTD_ERR_INVALID, "host_register: NULL or empty range");
+  if (int rc = check_device(device)) return rc;
+  CK(cudaSetDevice(device));
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+  {
+    // The driver still holds the old pages of a range whose unregistration
+    // waits; registering over it would read those.
+    std::lock_guard<std::mutex> lk(quiet().mu);
+    if (overlaps(quiet().unpinning, p, bytes))
+      return fail(EXPERTD_ERR_UNSUPPORTED,
+                  "host_register: the range overlaps memory whose unregistration waits for the open lanes to close");
+  }
+  CK(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable));
+  std::lock_guard<std::mutex> lk(g_pinned_mu);
+  g_pinned[p] = bytes;
+  return EXPERTD_OK;
+}
+
+int host_unregister(int device, void* ptr) {
+  if (int rc = check_device(device)) return rc;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+  size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lk(g_pinned_mu);
+    auto it = g_pinned.find(p);
+    if (it == g_pinned.end())
+      return fail(EXPERTD_ERR_NOT_FOUND, "host_unregister: %p is not a registered range", ptr);
+    bytes = it->second;
+    g_pinned.erase(it);
+  }
+  Quiet& q = quiet();
+  std::lock_guard<std::mutex> lk(q.mu);
+  auto unpin = [device, ptr] {
+    CK(cudaSetDevice(device));
+    CK(cudaHostUnregister(ptr));
+    return EXPERTD_OK;
+  };
+  if (q.lanes == 0) return unpin();
+  q.later.push_back(unpin);
+  q.unpinning[p] = bytes;
+  g_unpinning.store(true);
+  return EXPERTD_OK;
 }
 
 int set_options(const expertd_options* o) {
@@ -115,7 +352,8 @@ Mem mem_kind(const void* p) {
     case cudaMemoryTypeManaged:
       return Mem::kDevice;
     case cudaMemoryTypeHost:
-      return Mem::kPinned;
+      // A range whose unregistration waits is the caller's pageable memory.
+      return unpinning(p) ? Mem::kPageable : Mem::kPinned;
     default:
       return Mem::kPageable;
   }
@@ -310,18 +548,38 @@ int set_create(int device, const expertd_set_params* params, uint64_t* out_handl
   s->swiglu_alpha = q.swiglu_alpha;
   s->poison = switches().poison.load();
   const size_t n13 = size_t(num_experts) * rows1 * hidden, n2 = size_t(num_experts) * hidden * inter;
-  CK(cudaMalloc(&s->w13, n13));
-  CK(cudaMalloc(&s->w2, n2));
-  CK(cudaMemcpy(s->w13, q.w13, n13, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(s->w2, q.w2, n2, cudaMemcpyHostToDevice));
-  // upload copies n floats to the device (none where src is null: an
-  // absent bias); upload_scale a scale, a per-tensor one expanded to one
-  // per expert so the kernels index per-expert scales alike.
-  auto upload = [&](float** dst, const float* src, size_t n) -> int {
+  // While a lane is open the weights come from the pool, copied on a stream
+  // of the set-up's own, so that freeing them later does not synchronize.
+  s->pooled = lanes_open();
+  struct Up {
+    cudaStream_t st = nullptr;
+    ~Up() {
+      if (!st) return;
+      cudaStreamSynchronize(st);  // a failed set's ~Set frees what it copies to
+      cudaStreamDestroy(st);
+    }
+  } up;
+  if (s->pooled) CK(cudaStreamCreateWithFlags(&up.st, cudaStreamNonBlocking));
+  // put copies n bytes to new device memory (none where src is null: an
+  // absent bias).
+  auto put = [&](void** dst, const void* src, size_t n) -> int {
     if (!src) return EXPERTD_OK;
-    CK(cudaMalloc(dst, n * sizeof(float)));
-    CK(cudaMemcpy(*dst, src, n * sizeof(float), cudaMemcpyHostToDevice));
+    if (!s->pooled) {
+      CK(cudaMalloc(dst, n));
+      CK(cudaMemcpy(*dst, src, n, cudaMemcpyHostToDevice));
+      return EXPERTD_OK;
+    }
+    if (int rc = alloc_pooled(device, n, up.st, dst)) return rc;
+    // From pageable memory: it returns once src is staged.
+    CK(cudaMemcpyAsync(*dst, src, n, cudaMemcpyHostToDevice, up.st));
     return EXPERTD_OK;
+  };
+  if (int rc = put(reinterpret_cast<void**>(&s->w13), q.w13, n13)) return rc;
+  if (int rc = put(reinterpret_cast<void**>(&s->w2), q.w2, n2)) return rc;
+  // upload copies n floats; upload_scale a scale, a per-tensor one
+  // expanded to one per expert so the kernels index per-expert scales alike.
+  auto upload = [&](float** dst, const float* src, size_t n) -> int {
+    return put(reinterpret_cast<void**>(dst), src, n * sizeof(float));
   };
   auto upload_scale = [&](float** dst, const float* src, int n, WScale m) -> int {
     std::vector<float> sc;
@@ -336,6 +594,7 @@ int set_create(int device, const expertd_set_params* params, uint64_t* out_handl
   if (int rc = upload_scale(&s->w2_scale, q.w2_scale, n_w2_scale, m2)) return rc;
   if (int rc = upload(&s->w13_bias, q.w13_bias, size_t(E) * rows1)) return rc;
   if (int rc = upload(&s->w2_bias, q.w2_bias, size_t(E) * hidden)) return rc;
+  if (up.st) CK(cudaStreamSynchronize(up.st));
 
   *out_handle = add_set(std::move(s));
   return EXPERTD_OK;
@@ -354,7 +613,7 @@ int ipc_map(int device, const uint8_t* handle, int handle_len, uint64_t* dev_ptr
   if (int rc = check_device(device)) return rc;
   CK(cudaSetDevice(device));
   const std::string key(reinterpret_cast<const char*>(handle), size_t(handle_len));
-  std::lock_guard<std::mutex> lk(g_ipc_mu);
+  std::unique_lock<std::mutex> lk(g_ipc_mu);
   auto it = g_ipc.find(key);
   if (it == g_ipc.end()) {
     // One mapping per handle per process (CUDA refuses to map a handle
@@ -365,7 +624,11 @@ int ipc_map(int device, const uint8_t* handle, int handle_len, uint64_t* dev_ptr
     CK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
     size_t size = 0;
     if (int rc = allocation_size(p, &size)) {
-      cudaIpcCloseMemHandle(p);
+      lk.unlock();  // release() may wait on a close that takes g_ipc_mu
+      release([p] {
+        CK(cudaIpcCloseMemHandle(p));
+        return EXPERTD_OK;
+      });
       return rc;
     }
     it = g_ipc.emplace(key, IpcMapping{p, size, device, 0}).first;
@@ -377,17 +640,29 @@ int ipc_map(int device, const uint8_t* handle, int handle_len, uint64_t* dev_ptr
 }
 
 int ipc_unmap(uint64_t dev_ptr) {
-  std::lock_guard<std::mutex> lk(g_ipc_mu);
-  for (auto it = g_ipc.begin(); it != g_ipc.end(); ++it) {
-    if (reinterpret_cast<uint64_t>(it->second.ptr) != dev_ptr) continue;
+  std::string key;
+  {
+    std::lock_guard<std::mutex> lk(g_ipc_mu);
+    auto it = g_ipc.begin();
+    // A mapping of no refs waits for its close; it is no longer open.
+    while (it != g_ipc.end() && (reinterpret_cast<uint64_t>(it->second.ptr) != dev_ptr || it->second.refs == 0)) ++it;
+    if (it == g_ipc.end())
+      return fail(EXPERTD_ERR_NOT_FOUND, "ipc_close: 0x%llx is not an opened handle", (unsigned long long)dev_ptr);
     if (--it->second.refs > 0) return EXPERTD_OK;
-    CK(cudaSetDevice(it->second.device));
-    const cudaError_t err = cudaIpcCloseMemHandle(it->second.ptr);
-    g_ipc.erase(it);
-    if (err != cudaSuccess) return cuda_fail(err, "cudaIpcCloseMemHandle");
-    return EXPERTD_OK;
+    key = it->first;
   }
-  return fail(EXPERTD_ERR_NOT_FOUND, "ipc_close: 0x%llx is not an opened handle", (unsigned long long)dev_ptr);
+  // Outside g_ipc_mu, which the release takes after release()'s own lock;
+  // an open of the same handle meanwhile keeps the mapping.
+  return release([key] {
+    std::lock_guard<std::mutex> lk(g_ipc_mu);
+    auto it = g_ipc.find(key);
+    if (it == g_ipc.end() || it->second.refs > 0) return int(EXPERTD_OK);
+    const IpcMapping m = it->second;
+    g_ipc.erase(it);
+    CK(cudaSetDevice(m.device));
+    CK(cudaIpcCloseMemHandle(m.ptr));
+    return int(EXPERTD_OK);
+  });
 }
 
 }  // namespace expertd

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,6 +36,61 @@ int cuda_fail(cudaError_t err, const char* what);
     const cudaError_t err_ = (call);               \
     if (err_ != cudaSuccess) return cuda_fail(err_, #call); \
   } while (0)
+
+// Releases while lanes are open (docs/gpu-ordered.md, "Lanes and
+// synchronizing calls"). An open lane's stream holds stream memory waits
+// that only its caller's next ring completes, and a CUDA call that
+// synchronizes the device (cudaFree, cudaFreeHost, cudaHostUnregister,
+// cudaIpcCloseMemHandle) waits for them: called from the daemon while the
+// caller waits for the daemon, it never returns. So every such release in
+// the library goes through release(): it runs at once while no lane is
+// open, and otherwise waits, with the memory it holds, until the last lane
+// closes.
+
+// LaneHold counts an open lane for as long as it lives; the last one to go
+// runs the releases that waited for it.
+struct LaneHold {
+  LaneHold();
+  ~LaneHold();
+  LaneHold(const LaneHold&) = delete;
+  LaneHold& operator=(const LaneHold&) = delete;
+};
+
+// release runs fn and returns its code while no lane is open; otherwise it
+// keeps fn for the last lane's close and returns EXPERTD_OK (an error then
+// has no caller to go to and is dropped).
+int release(std::function<int()> fn);
+
+// release_device and release_pinned free a cudaMalloc or cudaHostAlloc
+// allocation (null: nothing) through release.
+int release_device(int device, void* p);
+int release_pinned(int device, void* p);
+
+// host_register and host_unregister are the page-locking entry points:
+// unregistering goes through release, and until it runs, the range reads
+// as pageable memory (mem_kind) and cannot be registered again.
+int host_register(int device, void* ptr, size_t bytes);
+int host_unregister(int device, void* ptr);
+
+// Memory made while a lane is open comes from the device's stream-ordered
+// pool, which frees without synchronizing and keeps what is freed for the
+// next allocation (memory made before goes through release). lanes_open
+// says whether one is; alloc_pooled allocates on st.
+bool lanes_open();
+int alloc_pooled(int device, size_t bytes, cudaStream_t st, void** p);
+
+// alloc_workspace gives l (which has none) a workspace of bytes, from the
+// pool while a lane is open (unless l is foreign), else from cudaMalloc;
+// free_workspace frees it the way it was made.
+struct Lane;
+int alloc_workspace(Lane& l, size_t bytes);
+void free_workspace(Lane& l);
+
+// free_weights frees a set's device memory (~Set) the way it was made;
+// foreign says whether its calls ran on callers' streams too
+// (expertd_moe_device), which no stream of the library's is ordered after.
+struct Set;
+void free_weights(Set& s, bool foreign);
 
 // Call is the shape of one expertd_moe call: everything that changes kernel
 // arguments other than the buffer addresses.
@@ -84,6 +140,10 @@ struct Lane {
   cudaEvent_t ev_done = nullptr;             // the call's last copy, untimed
   uint8_t* ws = nullptr;
   size_t ws_bytes = 0;
+  bool ws_pooled = false;  // ws came from the stream-ordered pool
+  // foreign: the lane's calls run on callers' streams (expertd_moe_device),
+  // so only a synchronizing free is sure to come after them.
+  bool foreign = false;
   uint8_t* pin_in = nullptr;
   size_t pin_in_bytes = 0;
   uint8_t* pin_out = nullptr;
@@ -100,9 +160,9 @@ struct Lane {
     cudaSetDevice(device);
     if (stream) cudaStreamSynchronize(stream);
     drop_graphs();
-    cudaFree(ws);
-    if (pin_in) cudaFreeHost(pin_in);
-    if (pin_out) cudaFreeHost(pin_out);
+    free_workspace(*this);
+    release_pinned(device, pin_in);
+    release_pinned(device, pin_out);
     if (ev0) cudaEventDestroy(ev0);
     if (ev1) cudaEventDestroy(ev1);
     if (ev_done) cudaEventDestroy(ev_done);
@@ -127,6 +187,7 @@ struct Set {
   float* w13_bias = nullptr;
   float* w2_bias = nullptr;
   float swiglu_limit, swiglu_alpha;
+  bool pooled = false;  // the weights came from the pool (alloc_pooled)
   bool poison = false;  // the poison option when the set was made: NaN-fill before each run
 
   // Lanes, created on first need; idle holds those no call holds.
@@ -140,14 +201,9 @@ struct Set {
 
   ~Set() {
     lanes.clear();  // each waits for its stream
+    const bool foreign = dev_lane != nullptr;
     dev_lane.reset();
-    cudaSetDevice(device);
-    cudaFree(w13);
-    cudaFree(w2);
-    cudaFree(w13_scale);
-    cudaFree(w2_scale);
-    cudaFree(w13_bias);
-    cudaFree(w2_bias);
+    free_weights(*this, foreign);
   }
 };
 
