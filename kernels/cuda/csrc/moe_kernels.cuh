@@ -559,7 +559,7 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
   // Eight columns per thread with 16-byte loads and stores where rows allow
   // them; the sum runs over slots in the same order either way, so both
   // paths give the same bits.
-  if (k % 8 == 0 && aligned16(y) && aligned16(out)) {
+  if (k % 8 == 0 && aligned16(y) && aligned16(out) && (!bias2 || aligned16(bias2))) {
     const int c8 = col0 / 8 + threadIdx.x;
     if (c8 >= k / 8) return;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -584,8 +584,21 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
       }
     }
     if (bias2) {
+      // bias_at's sum for the thread's eight columns, each slot's bias row
+      // read as two 16-byte loads (rows are 16-byte aligned: k % 8 == 0 on
+      // this path) instead of one float a column and slot.
+      float b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int j = 0; j < top_k; ++j) {
+        if (!valid[j]) continue;
+        const float wj = w[size_t(tok) * top_k + j];
+        const float4* row = reinterpret_cast<const float4*>(bias2 + size_t(expert[j]) * k) + 2 * c8;
+        const float4 lo = row[0], hi = row[1];
+        const float bv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] += bias_at(8 * c8 + q);
+        for (int q = 0; q < 8; ++q) b[q] += wj * bv[q];
+      }
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] += b[q];
     }
     if (out_dtype == 1) {
       float4* o = reinterpret_cast<float4*>(static_cast<float*>(out) + size_t(tok) * k) + 2 * c8;
