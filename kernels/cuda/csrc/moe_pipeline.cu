@@ -296,9 +296,21 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
     }
   }
 
+  const bool fp8_in = c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN;
+  const bool sm90 = use_sm90(s, c);
+  const bool f16 = c.gemm == EXPERTD_GEMM_PORTABLE_F16 || !e4m3_mma(s);
+  // A one-token call may leave routing, align and gather to the Hopper
+  // GEMM1 (DecodeRoute in moe_gemm.h); it reads the token's FP8 row, the
+  // caller's or quant_tokens_kernel's.
+  bool decode_route = false;
+#ifdef EXPERTD_HAVE_SM90
+  decode_route = sm90 && sm90_decode_route(c.m, c.top_k, s.E, BM, s.w13_mode, fp8_in ? p.hidden : ws + L.hq);
+#endif
   // Large calls quantize each token's row once and gather FP8 copies of
-  // it; small ones quantize in the gather, one launch fewer on the chain.
-  const bool quant_once = c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && quantize_once(c);
+  // it; small ones quantize in the gather, one launch fewer on the chain,
+  // unless GEMM1 routes: then one small launch replaces the prologue's
+  // routing block and the quantizing gather.
+  const bool quant_once = !fp8_in && (quantize_once(c) || decode_route);
   const int group1 = s.block_k > 0 ? s.block_k : s.K;
   const void* hidden = p.hidden;
   const float* hidden_scale = p.hidden_scale;
@@ -329,15 +341,6 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
 
   const RouteParams rp{c.m, s.E, c.top_k, c.renormalize, c.scoring, c.num_groups, c.topk_groups, c.scaling,
                        c.logits_dtype};
-  const bool sm90 = use_sm90(s, c);
-  const bool f16 = c.gemm == EXPERTD_GEMM_PORTABLE_F16 || !e4m3_mma(s);
-  // A one-token call with FP8 hidden states may leave routing, align and
-  // gather to the Hopper GEMM1 (DecodeRoute in moe_gemm.h).
-  bool decode_route = false;
-#ifdef EXPERTD_HAVE_SM90
-  decode_route = sm90 && c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN &&
-                 sm90_decode_route(c.m, c.top_k, s.E, BM, s.w13_mode, p.hidden);
-#endif
   const size_t align_smem = 2 * size_t(s.E) * sizeof(int);
   const Prologue pro = prologue(c, s.E, L.p);
   if (decode_route) {
@@ -416,7 +419,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   if (decode_route) {
     // The token's row and scale as the gather would have made them: the
     // scale clamped, the fallback where the call has none.
-    g1.a = static_cast<const uint8_t*>(p.hidden);
+    g1.a = static_cast<const uint8_t*>(hidden);
     g1.a_rows = 1;
     g1.a_scale_rows = nullptr;
     g1.a_scale = clamp_scale(gp.fallback_scale);
@@ -426,7 +429,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
     g1.route.bias = p.bias;
     g1.route.ids = p.ids;
     g1.route.weights = p.w;
-    g1.route.a_scale = c.n_hidden_scale > 0 ? hidden_scale : nullptr;
+    g1.route.a_scale = gp.n_hidden_scale > 0 ? hidden_scale : nullptr;
   }
 
   if (int rc = launch_gemm(1, g1, sm90, f16, st)) return rc;
