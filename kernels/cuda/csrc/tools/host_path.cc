@@ -16,6 +16,8 @@
 // scripts/cuda-host-path.sh summarises them. HOST_PATH_NO_ROUTING=1 asks
 // for no routing results (as the daemon does for calls without
 // return_routing), so the two can be timed against each other.
+// HOST_PATH_FP8=1 sends the hidden states as FP8 E4M3 (no scale: the
+// layer's fallback), the input the bench times, instead of BF16.
 //
 // Needs only the library and the driver: no CUDA toolkit at run time.
 #include <dlfcn.h>
@@ -109,6 +111,9 @@ int main(int argc, char** argv) {
   }
   const int iters = argc > 2 ? atoi(argv[2]) : 200;
   const bool routing_out = getenv("HOST_PATH_NO_ROUTING") == nullptr;
+  const bool fp8 = getenv("HOST_PATH_FP8") != nullptr;
+  const int hdtype = fp8 ? EXPERTD_DTYPE_FLOAT8_E4M3FN : EXPERTD_DTYPE_BFLOAT16;
+  const size_t hsize = fp8 ? 1 : 2;
   void* h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
   if (!h) {
     fprintf(stderr, "host_path: dlopen %s: %s\n", argv[1], dlerror());
@@ -172,9 +177,13 @@ int main(int argc, char** argv) {
   printf("%-8s %5s %10s %10s %10s %10s %10s\n", "mode", "M", "wall p50", "wall p90", "kernel p50", "host p50",
          "host p90");
   for (int m : {1, 256}) {
-    const size_t hb = size_t(m) * kK * 2, lb = size_t(m) * kE * 4, bb = size_t(kE) * 4, ob = size_t(m) * kK * 2;
+    const size_t hb = size_t(m) * kK * hsize, lb = size_t(m) * kE * 4, bb = size_t(kE) * 4, ob = size_t(m) * kK * 2;
     std::vector<uint8_t> hidden(hb), logits(lb), bias(bb);
-    for (size_t i = 0; i < hb / 2; ++i) {
+    for (size_t i = 0; i < hb / hsize; ++i) {
+      if (fp8) {
+        hidden[i] = uint8_t(rng()) & 0xBF;  // as the weights: |v| < 2, never NaN
+        continue;
+      }
       const uint16_t v = bf16(nd(rng));
       std::memcpy(&hidden[2 * i], &v, 2);
     }
@@ -240,7 +249,7 @@ int main(int argc, char** argv) {
         const auto t0 = std::chrono::steady_clock::now();
         int rc;
         if (abi == 3) {
-          int64_t ip[12] = {m, EXPERTD_DTYPE_BFLOAT16, 0, EXPERTD_DTYPE_FLOAT32, EXPERTD_DTYPE_BFLOAT16, kTopK, 1,
+          int64_t ip[12] = {m, hdtype, 0, EXPERTD_DTYPE_FLOAT32, EXPERTD_DTYPE_BFLOAT16, kTopK, 1,
                             EXPERTD_SCORING_SIGMOID, 0, 0, EXPERTD_GEMM_AUTO, 1};
           const float fp[1] = {2.5f};
           rc = reinterpret_cast<MoeV3>(moe)(set, ip, 12, fp, 1, t.hidden, nullptr, t.logits,
@@ -251,7 +260,7 @@ int main(int argc, char** argv) {
           call_init(&c);
           c.m = m;
           c.hidden.data = t.hidden;
-          c.hidden.dtype = EXPERTD_DTYPE_BFLOAT16;
+          c.hidden.dtype = hdtype;
           c.logits.data = t.logits;
           c.logits.dtype = EXPERTD_DTYPE_FLOAT32;
           c.correction_bias.data = t.bias;
