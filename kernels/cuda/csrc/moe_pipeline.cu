@@ -675,52 +675,41 @@ int run_host(uint64_t handle, const expertd_call* call) {
   tr.mark("stage_in");
 
   const bool use_graph = k.use_graph != 0;
+  if (kernel_ms) CK(cudaEventRecord(ln.ev0, st));
   Graph* g = nullptr;
   if (use_graph) {
     if (ln.graphs.size() >= kMaxGraphs && !ln.graphs.count(key)) ln.drop_graphs();
     g = &ln.graphs[key];
     g->seen++;
   }
-  // A graph records ev0 and ev1 as its first and last nodes, so kernel_ms
-  // is the graph's own device time: ev0 recorded on the stream ahead of
-  // cudaGraphLaunch would also count the stream's idle wait for the host
-  // to launch it, which the host's time already holds. Uncaptured calls
-  // record them around their launches.
-  bool timed = false;  // ev0 and ev1 are in the work just enqueued
   if (g && g->exec) {
     CK(cudaGraphLaunch(g->exec, st));
-    timed = true;
   } else if (g && g->seen >= 2 && !g->failed) {
     // Second call of this shape: capture it. The first ran uncaptured, so
     // one-time setup (function attributes, driver entry points) is done.
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    cudaError_t err = cudaEventRecordWithFlags(ln.ev0, st, cudaEventRecordExternal);
-    const int rc = err == cudaSuccess ? enqueue(s, ln.ws, c, L, p, st) : EXPERTD_OK;
-    if (err == cudaSuccess && rc == EXPERTD_OK) err = cudaEventRecordWithFlags(ln.ev1, st, cudaEventRecordExternal);
+    const int rc = enqueue(s, ln.ws, c, L, p, st);
     cudaGraph_t graph = nullptr;
     const cudaError_t end = cudaStreamEndCapture(st, &graph);
     if (rc != EXPERTD_OK) {
       if (graph) cudaGraphDestroy(graph);
       return rc;
     }
-    if (err == cudaSuccess) err = end;
+    cudaError_t err = end;
     if (err == cudaSuccess) err = cudaGraphInstantiate(&g->exec, graph, 0);
     if (graph) cudaGraphDestroy(graph);
     if (err != cudaSuccess) {
       cudaGetLastError();
       g->failed = true;
       g->exec = nullptr;
-      if (kernel_ms) CK(cudaEventRecord(ln.ev0, st));
       if (int rc2 = enqueue(s, ln.ws, c, L, p, st)) return rc2;
     } else {
       CK(cudaGraphLaunch(g->exec, st));
-      timed = true;
     }
   } else {
-    if (kernel_ms) CK(cudaEventRecord(ln.ev0, st));
     if (int rc = enqueue(s, ln.ws, c, L, p, st)) return rc;
   }
-  if (kernel_ms && !timed) CK(cudaEventRecord(ln.ev1, st));
+  if (kernel_ms) CK(cudaEventRecord(ln.ev1, st));
 
   // Outputs. Routing results and a host output lie next to each other in
   // the workspace ([ids | w | out]); those bound for pageable or small
