@@ -53,7 +53,9 @@ if [[ " ${srcs[*]} " == *" gemm_cutlass.cu "* ]]; then
   cutlass="${CUTLASS_TOOLS:-$root/.tools/cutlass}"
   # NDEBUG: a device assert is a call, and a call inside the mainloop makes
   # ptxas serialize the wgmma pipeline (warning C7510, checked below).
-  cutlass_flags=(-DNDEBUG -I"$cutlass/include" -I"$cutlass/util/include")
+  # Hidden inline functions: CUTLASS's host code pulls in libstdc++'s
+  # inline members, which would otherwise be exported from the library.
+  cutlass_flags=(-DNDEBUG -Xcompiler -fvisibility-inlines-hidden -I"$cutlass/include" -I"$cutlass/util/include")
 fi
 # unit_args prints the gencode and extra flags of one source file.
 unit_args() {
