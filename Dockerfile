@@ -34,7 +34,7 @@ RUN CGO_ENABLED=0 go build -trimpath \
 FROM ${GO_IMAGE} AS cuda-build
 RUN apt-get update && apt-get install -y --no-install-recommends g++ python3-pip && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY scripts/cuda-install.sh scripts/cuda-build.sh scripts/
+COPY scripts/cuda-install.sh scripts/cuda-build.sh scripts/cutlass-install.sh scripts/wheels.sh scripts/nvcc-env.sh scripts/
 COPY kernels/cuda/csrc kernels/cuda/csrc
 RUN scripts/cuda-install.sh && scripts/cuda-build.sh && rm -rf .tools
 

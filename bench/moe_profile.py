@@ -14,6 +14,11 @@ input set.
   python3 bench/moe_profile.py --lib build/libexpertd_cuda.so --lib other.so \\
       --model qwen3-30b-a3b --tokens 1,256,8192
 
+--lib-env sets environment variables while the --lib at the same position
+initializes, for the library's environment switches (EXPERTD_SM90_CUTLASS):
+give the two --lib two copies of one file, since a path loaded twice is one
+library.
+
 Prints one table per model; with OUT set also writes $OUT/moe_profile.json.
 """
 
@@ -47,6 +52,8 @@ def kernel_label(name: str) -> str:
         return "gemm2" if m.group(1) == "2" else "gemm1"
     if "moe_gemm" in name:
         return "gemm?"
+    if "cutlass::device_kernel" in name:
+        return "gemm2 (cutlass)"
     base = name.split("(")[0].split("<")[0]
     return base.replace("void ", "").split("::")[-1]
 
@@ -75,6 +82,9 @@ def exclusive_us(prof, calls: int) -> dict[str, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lib", action="append", required=True, help="a libexpertd_cuda.so (repeat for A/B)")
+    ap.add_argument("--lib-env", action="append", default=[],
+                    help="KEY=VALUE[,KEY=VALUE] in the environment while the --lib at the same position "
+                         "initializes ('' for none)")
     ap.add_argument("--models", "--model", default="nemotron-3-nano,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,16,64,256,1024,4096,8192")
     ap.add_argument("--iters", type=int, default=100)
@@ -88,11 +98,22 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed)
     libs = []
-    for path in args.lib:
-        lib = expertd_ctypes.load(path)
-        lib.init(0)
+    for li, path in enumerate(args.lib):
+        spec = args.lib_env[li] if li < len(args.lib_env) else ""
+        env = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            lib = expertd_ctypes.load(path)
+            lib.init(0)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         libs.append(lib)
-        log(f"lib {path}: {lib.device_info(0)}")
+        log(f"lib {path}{' ' + spec if spec else ''}: {lib.device_info(0)}")
     card, vllm_label, vllm_ms = vllm_table(torch.cuda.get_device_name(0))
     log(f"vLLM GEMMs-only table: {vllm_label if card else 'n/a'}")
     records = []

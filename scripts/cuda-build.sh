@@ -7,6 +7,12 @@
 # and libstdc++/libgcc too, so the library needs only libc and the driver on
 # the device machine. The ptxas resource report goes to build/ptxas.txt.
 #
+# gemm_cutlass.cu (GEMM2 on CUTLASS's grouped GEMM) is sm_90a code only,
+# compiled with NDEBUG and CUTLASS's headers (scripts/cutlass-install.sh
+# installs the pinned ones into .tools/cutlass, or CUTLASS_TOOLS, when
+# absent); EXPERTD_CUTLASS=0 leaves it out, and the library then runs GEMM2
+# on its own kernels everywhere.
+#
 # Needs no GPU. NVCC (default: .tools/cuda/bin/nvcc from cuda-install.sh,
 # then nvcc on PATH) and JOBS can be overridden.
 set -euo pipefail
@@ -30,18 +36,42 @@ flags=(-O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -Xptxas -v
        --expt-relaxed-constexpr -I"$src")
 
 # Every .cu in the source folder is part of the library; gemm_sm90.cu's
-# presence turns on the Hopper path in the others.
+# presence turns on the Hopper path in the others, gemm_cutlass.cu's the
+# CUTLASS GEMM2.
 srcs=()
-for f in "$src"/*.cu; do srcs+=("$(basename "$f")"); done
+for f in "$src"/*.cu; do
+  [[ "$(basename "$f")" == gemm_cutlass.cu && "${EXPERTD_CUTLASS:-1}" == 0 ]] && continue
+  srcs+=("$(basename "$f")")
+done
 if [[ -f "$src/gemm_sm90.cu" ]]; then
   flags+=(-DEXPERTD_HAVE_SM90)
 fi
+cutlass_flags=()
+if [[ " ${srcs[*]} " == *" gemm_cutlass.cu "* ]]; then
+  flags+=(-DEXPERTD_HAVE_CUTLASS)
+  "$root/scripts/cutlass-install.sh" >/dev/null
+  cutlass="${CUTLASS_TOOLS:-$root/.tools/cutlass}"
+  # NDEBUG: a device assert is a call, and a call inside the mainloop makes
+  # ptxas serialize the wgmma pipeline (warning C7510, checked below).
+  # Hidden inline functions: CUTLASS's host code pulls in libstdc++'s
+  # inline members, which would otherwise be exported from the library.
+  cutlass_flags=(-DNDEBUG -Xcompiler -fvisibility-inlines-hidden -I"$cutlass/include" -I"$cutlass/util/include")
+fi
+# unit_args prints the gencode and extra flags of one source file.
+unit_args() {
+  if [[ "$1" == gemm_cutlass.cu ]]; then
+    printf '%s\n' -gencode arch=compute_90a,code=sm_90a "${cutlass_flags[@]}"
+  else
+    printf '%s\n' "${gencode[@]}"
+  fi
+}
 
 : > "$out/ptxas.txt"
 pids=()
 for f in "${srcs[@]}"; do
   (
-    "$nvcc" "${flags[@]}" "${gencode[@]}" -c "$src/$f" -o "$obj/${f%.cu}.o" 2> "$obj/${f%.cu}.log" \
+    mapfile -t unit < <(unit_args "$f")
+    "$nvcc" "${flags[@]}" "${unit[@]}" -c "$src/$f" -o "$obj/${f%.cu}.o" 2> "$obj/${f%.cu}.log" \
       || { cat "$obj/${f%.cu}.log" >&2; exit 1; }
   ) &
   pids+=($!)
@@ -51,6 +81,11 @@ for f in "${srcs[@]}"; do
   fi
 done
 for p in "${pids[@]}"; do wait "$p"; done
+if [[ -f "$obj/gemm_cutlass.log" && " ${srcs[*]} " == *" gemm_cutlass.cu "* ]] && grep -q C7510 "$obj/gemm_cutlass.log"; then
+  grep C7510 "$obj/gemm_cutlass.log" >&2
+  echo "cuda-build: gemm_cutlass.cu: ptxas serialized the wgmma pipeline (C7510)" >&2
+  exit 1
+fi
 for f in "${srcs[@]}"; do
   log="$obj/${f%.cu}.log"
   grep -v '^ptxas info\|bytes stack frame\|^ptxas\s*$' "$log" | grep -i 'warning\|error' >&2 || true

@@ -405,9 +405,28 @@ func checkCase(t *testing.T, b *Backend, ref kernels.Backend, name string, set *
 	if err != nil {
 		t.Fatalf("%s: cpu backend: %v", name, err)
 	}
-	cpuOut := decode64(req.OutDType, cres.Output)
-	w64 := make([]float64, len(wantW))
-	for i, x := range wantW {
+	checkPaths(t, b, l, name, set, req, expected{out: want, cpu: decode64(req.OutDType, cres.Output), ids: wantIDs,
+		weights: wantW, tol: tol})
+}
+
+// expected is what a call must return: its output within tol of the
+// float64 reference's out and of the CPU backend's cpu (rel-L2), and its
+// routing results.
+type expected struct {
+	out, cpu []float64
+	ids      []int32
+	weights  []float32
+	tol      float64
+}
+
+// checkPaths is checkCase's comparison of req's calls on l, on every GEMM
+// path, against want.
+func checkPaths(t *testing.T, b *Backend, l kernels.Loaded, name string, set *moe.ExpertSet, req *moe.Request, want expected) {
+	t.Helper()
+	ctx := context.Background()
+	tol := want.tol
+	w64 := make([]float64, len(want.weights))
+	for i, x := range want.weights {
 		w64[i] = float64(x)
 	}
 	for _, p := range paths(b, set) {
@@ -434,14 +453,14 @@ func checkCase(t *testing.T, b *Backend, ref kernels.Backend, name string, set *
 			if i := slices.IndexFunc(got, func(v float32) bool { return math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) }); i >= 0 {
 				t.Errorf("%s: output[%d] = %v", name, i, got[i])
 			}
-			eRef := kerneltest.RelL2(got, want)
-			eCPU := kerneltest.RelL2(got, cpuOut)
+			eRef := kerneltest.RelL2(got, want.out)
+			eCPU := kerneltest.RelL2(got, want.cpu)
 			if !(eRef <= tol) || !(eCPU <= tol) {
 				t.Errorf("%s: rel-L2 %.3g vs reference, %.3g vs cpu; want <= %.3g", name, eRef, eCPU, tol)
 			} else if call == 0 {
 				t.Logf("%s: rel-L2 %.3g vs reference, %.3g vs cpu, %.3f ms", name, eRef, eCPU, float64(res.KernelNanos)/1e6)
 			}
-			if !slices.Equal(res.TopKIDs, wantIDs) {
+			if !slices.Equal(res.TopKIDs, want.ids) {
 				t.Errorf("%s: topk ids differ from the reference's", name)
 			}
 			if e := kerneltest.RelL2(res.TopKWeights, w64); !(e <= 1e-5) {
@@ -480,6 +499,10 @@ func TestSmall(t *testing.T) {
 			Scoring: moe.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
 		{Name: "per-channel/x16", Shape: kerneltest.Shape{Name: "pc16", Activation: moe.SiluGated, E: 4, TopK: 2, K: 96, N: 48,
 			Scoring: moe.Softmax, ScalingFactor: 1}, M: 5, Opts: []kerneltest.Option{kerneltest.WithGranularity(scaling.PerChannel)}},
+		// 150 rows per expert with static scales: GEMM2 on CUTLASS on the
+		// Hopper path (cutlass_test.go).
+		{Name: "cutlass", Shape: kerneltest.Shape{Name: "cutlass", Activation: moe.Relu2, E: 4, TopK: 2, K: 256, N: 144,
+			Scoring: moe.Softmax, ScalingFactor: 1, ExpertBias: true}, M: 300, Opts: []kerneltest.Option{kerneltest.WithStaticScales()}},
 	} {
 		if !wantCase(c.Name) {
 			continue

@@ -72,8 +72,15 @@ int expertd_device_info(int device, char* buf, int buflen) {
 #else
   const char* gemm = hopper ? "portable-e4m3" : "portable-f16";
 #endif
-  snprintf(buf, size_t(buflen), "%s (sm_%d%d, %d SMs, %.0f GiB, gemm=%s)", prop.name, prop.major, prop.minor,
-           prop.multiProcessorCount, double(prop.totalGlobalMem) / double(1ull << 30), gemm);
+  // Whether prefill GEMM2 may run on CUTLASS (gemm_cutlass.h), which the
+  // GPU tests read to know which kernels their large calls checked.
+#if defined(EXPERTD_HAVE_SM90) && defined(EXPERTD_HAVE_CUTLASS)
+  const char* gemm2 = hopper ? ", gemm2=cutlass" : "";
+#else
+  const char* gemm2 = "";
+#endif
+  snprintf(buf, size_t(buflen), "%s (sm_%d%d, %d SMs, %.0f GiB, gemm=%s%s)", prop.name, prop.major, prop.minor,
+           prop.multiProcessorCount, double(prop.totalGlobalMem) / double(1ull << 30), gemm, gemm2);
   return EXPERTD_OK;
 }
 

@@ -49,6 +49,11 @@ struct Switches {
   // GEMM check tool (EXPERTD_SM90_PINGPONG=0), to time both schedules in
   // one process.
   std::atomic<bool> sm90_pingpong{true};
+  // GEMM2 on CUTLASS (use_cutlass2 in moe_state.cu): -1 by the rule, 0
+  // never, 1 wherever the set and call allow it. The environment's
+  // EXPERTD_SM90_CUTLASS (0 or 1) sets it at each expertd_init, so one
+  // process can time both with two copies of the library.
+  std::atomic<int> sm90_cutlass{-1};
   std::atomic<bool> poison{false};
   std::atomic<bool> host_trace{false};
   std::atomic<int> sync_spin_us{0};

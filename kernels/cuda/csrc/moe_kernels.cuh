@@ -523,27 +523,40 @@ __global__ void requant_kernel(const float* act, int n, int group, const int32_t
 constexpr int kCombineThreads = 128;
 constexpr int kCombineCols = 8 * kCombineThreads;
 
-// combine_kernel: out[t] = sum over slots of y[t*top_k + j] (weights already
-// applied by GEMM2), in slot order, then, with a GEMM2 bias (bias2 [E, k],
-// else null), the sum over slots of w[t*top_k + j] * bias2[id of j]: the
-// bias a pair's GEMM2 output gets before its router weight, added here where
-// the weight is at hand. Pairs with an out-of-range id add 0.
+// combine_kernel: out[t] = sum over slots j of the pair's GEMM2 row, in
+// slot order, then, with a GEMM2 bias (bias2 [E, k], else null), the sum
+// over slots of w[t*top_k + j] * bias2[id of j]: the bias a pair's GEMM2
+// output gets before its router weight, added here where the weight is at
+// hand. Pairs with an out-of-range id add 0.
+// kSortedRows says where the rows are and whether they are weighted:
+// false, y[t*top_k + j] with the router weight applied (the hand-written
+// GEMM2's kWeightedBF16); true, y[pair_row[t*top_k + j]], unweighted in
+// sorted order (the CUTLASS GEMM2, gemm_cutlass.h), times w[t*top_k + j]
+// here.
 // Grid: (m, ceil(k / kCombineCols)). A thread loads its columns of up to
 // eight slots before it adds any (one round trip, not one a slot), and the
 // grid spreads a token over several blocks, which small calls need to keep
 // more than a handful of SMs busy.
-__global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m, int top_k, int k, int E,
-                               int out_dtype, void* out, const float* w, const float* bias2) {
+template <bool kSortedRows>
+__global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* pair_row, const int32_t* ids, int m, int top_k,
+                               int k, int E, int out_dtype, void* out, const float* w, const float* bias2) {
   pdl_wait();
   pdl_trigger();
   const int tok = blockIdx.x;
   if (tok >= m) return;
   __shared__ int valid[64];
   __shared__ int expert[64];
+  __shared__ const __nv_bfloat16* yrow[64];
+  __shared__ float ywt[64];
   if (threadIdx.x < top_k) {
-    const int e = ids[size_t(tok) * top_k + threadIdx.x];
-    valid[threadIdx.x] = e >= 0 && e < E;
+    const size_t pair = size_t(tok) * top_k + threadIdx.x;
+    const int e = ids[pair];
+    const bool ok = e >= 0 && e < E;
+    valid[threadIdx.x] = ok;
     expert[threadIdx.x] = e;
+    // A dropped pair has no sorted row; its row is never read.
+    yrow[threadIdx.x] = y + (kSortedRows ? (ok ? size_t(pair_row[pair]) : 0) : pair) * k;
+    ywt[threadIdx.x] = kSortedRows ? w[pair] : 1.f;
   }
   __syncthreads();
   // bias_at is column c's GEMM2 bias term of the token.
@@ -554,7 +567,15 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
     }
     return b;
   };
-  const __nv_bfloat16* yt = y + size_t(tok) * top_k * k;
+  // add_row adds slot j's value f to acc: weighted here for sorted rows,
+  // plain otherwise (GEMM2 weighted it), so that path keeps its bits.
+  auto add_row = [&](float& acc, int j, float f) {
+    if (kSortedRows) {
+      acc = fmaf(ywt[j], f, acc);
+    } else {
+      acc += f;
+    }
+  };
   const int col0 = blockIdx.y * kCombineCols;
   // Eight columns per thread with 16-byte loads and stores where rows allow
   // them; the sum runs over slots in the same order either way, so both
@@ -568,7 +589,7 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int j = j0 + jj;
-        if (j < top_k && valid[j]) v[jj] = reinterpret_cast<const uint4*>(yt + size_t(j) * k)[c8];
+        if (j < top_k && valid[j]) v[jj] = reinterpret_cast<const uint4*>(yrow[j])[c8];
       }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
@@ -578,8 +599,8 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const float2 f = __bfloat1622float2(h[q]);
-          acc[2 * q] += f.x;
-          acc[2 * q + 1] += f.y;
+          add_row(acc[2 * q], j, f.x);
+          add_row(acc[2 * q + 1], j, f.y);
         }
       }
     }
@@ -617,7 +638,7 @@ __global__ void combine_kernel(const __nv_bfloat16* y, const int32_t* ids, int m
   for (int c = col0 + threadIdx.x; c < col_end; c += blockDim.x) {
     float acc = 0.f;
     for (int j = 0; j < top_k; ++j) {
-      if (valid[j]) acc += __bfloat162float(yt[size_t(j) * k + c]);
+      if (valid[j]) add_row(acc, j, __bfloat162float(yrow[j][c]));
     }
     if (bias2) acc += bias_at(c);
     if (out_dtype == 1) {

@@ -35,6 +35,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "gemm_cutlass.h"
 #include "moe_kernels.cuh"
 #include "moe_state.h"
 
@@ -105,7 +106,16 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.act = take(R * N * 4);  // FP32 GEMM1 output, dynamic a2 only
   L.a2q = take(R * N);
   L.a2s = take(R * g2 * 4);
-  L.y = take(P * K * 2);
+  // GEMM2's rows: one per pair (the hand-written kernel's), or one per
+  // sorted row (CUTLASS's) with the pairs' rows and the GEMM's scratch.
+  L.cutlass2 = use_cutlass2(s, c);
+  L.y = take((L.cutlass2 ? R : P) * K * 2);
+  L.pair_row = take(L.cutlass2 ? P * 4 : 0);
+  size_t cutlass2_ws = 0;
+#ifdef EXPERTD_HAVE_CUTLASS
+  if (L.cutlass2) cutlass2_ws = gemm2_cutlass_workspace(s.device, s.E);
+#endif
+  L.cutlass2_ws = take(cutlass2_ws);
   L.total = off;
   return L;
 }
@@ -289,7 +299,9 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
     // shows up in the output (padding rows stay NaN and must not leak).
     const size_t m = c.m;
     CK(cudaMemsetAsync(p.out, 0xFF, m * s.K * (c.out_dtype == EXPERTD_DTYPE_FLOAT32 ? 4 : 2), st));
-    CK(cudaMemsetAsync(ws + L.a1q, 0xFF, L.y + size_t(L.p) * s.K * 2 - L.a1q, st));
+    // From a1q through y and pair_row: a pair_row entry left unwritten is
+    // -1, which points the combine at the NaN just before y.
+    CK(cudaMemsetAsync(ws + L.a1q, 0xFF, L.cutlass2_ws - L.a1q, st));
     if (c.have_logits) {
       CK(cudaMemsetAsync(p.ids, 0xFF, size_t(L.p) * 4, st));
       CK(cudaMemsetAsync(p.w, 0xFF, size_t(L.p) * 4, st));
@@ -304,7 +316,10 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   // caller's or quant_tokens_kernel's.
   bool decode_route = false;
 #ifdef EXPERTD_HAVE_SM90
-  decode_route = sm90 && sm90_decode_route(c.m, c.top_k, s.E, BM, s.w13_mode, fp8_in ? p.hidden : ws + L.hq);
+  // Not under CUTLASS's GEMM2, which reads the align step's layout: each
+  // expert's rows in one run, experts in order.
+  decode_route = sm90 && !L.cutlass2 &&
+                 sm90_decode_route(c.m, c.top_k, s.E, BM, s.w13_mode, fp8_in ? p.hidden : ws + L.hq);
 #endif
   // Large calls quantize each token's row once and gather FP8 copies of
   // it; small ones quantize in the gather, one launch fewer on the chain,
@@ -460,10 +475,19 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g2.out = y;
   g2.ld_out = s.K;
   g2.out_inv_scale = 1.f;
-  if (int rc = launch_gemm(2, g2, sm90, f16, st)) return rc;
+  int32_t* pair_row = reinterpret_cast<int32_t*>(ws + L.pair_row);
+  if (L.cutlass2) {
+#ifdef EXPERTD_HAVE_CUTLASS
+    const cudaError_t err = launch_gemm2_cutlass(g2, s.device, pair_row, ws + L.cutlass2_ws, st);
+    if (err != cudaSuccess) return cuda_fail(err, "gemm2 (cutlass)");
+#endif
+  } else if (int rc = launch_gemm(2, g2, sm90, f16, st)) {
+    return rc;
+  }
 
   const dim3 combine_grid(c.m, (s.K + kCombineCols - 1) / kCombineCols);
-  CK(launch_kernel(pdl, combine_kernel, combine_grid, kCombineThreads, 0, st, y, p.ids, c.m, c.top_k, s.K, s.E,
+  auto* combine = L.cutlass2 ? combine_kernel<true> : combine_kernel<false>;
+  CK(launch_kernel(pdl, combine, combine_grid, kCombineThreads, 0, st, y, pair_row, p.ids, c.m, c.top_k, s.K, s.E,
                    c.out_dtype, p.out, p.w, s.w2_bias));
   return EXPERTD_OK;
 }

@@ -7,8 +7,11 @@
 #include <cstdarg>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
+#include "gemm_cutlass.h"
 #include "moe_state.h"
 
 namespace expertd {
@@ -294,6 +297,11 @@ int set_options(const expertd_options* o) {
   s.poison = o->poison != 0;
   s.host_trace = o->host_trace != 0;
   s.sync_spin_us = o->sync_spin_us;
+  // A development switch rather than an option: it picks between two
+  // kernels that compute the same thing, for timing them against each
+  // other (docs/perf-notes.md).
+  const char* cutlass = std::getenv("EXPERTD_SM90_CUTLASS");
+  s.sm90_cutlass = !cutlass ? -1 : std::strcmp(cutlass, "0") == 0 ? 0 : std::strcmp(cutlass, "1") == 0 ? 1 : -1;
   return EXPERTD_OK;
 }
 
@@ -460,6 +468,28 @@ bool use_pdl(const Set& s) {
 bool use_sm90(const Set& s, const Call& c) {
   return c.gemm == EXPERTD_GEMM_SM90 ||
          (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s) && (s.block_k == 0 || sm90_block_default()));
+}
+
+// use_cutlass2 says whether a call's GEMM2 runs on CUTLASS's grouped GEMM
+// (gemm_cutlass.h): on the Hopper path, with one weight scale per expert and
+// a static a2 scale, whose product is the expert's epilogue alpha, and from
+// kMinRows mean rows per expert (M * top_k / E) on, unless the sm90_cutlass
+// switch says never or always.
+bool use_cutlass2(const Set& s, const Call& c) {
+#ifdef EXPERTD_HAVE_CUTLASS
+  // Below kMinRows an expert's rows fill less than one of CUTLASS's
+  // 128-token tiles, while the hand-written kernel's token tile follows the
+  // call's size (docs/perf-notes.md, "CUTLASS 4.2 grouped FP8 GEMMs against
+  // expertd's, prefill shapes").
+  constexpr int64_t kMinRows = 128;
+  const int sw = switches().sm90_cutlass.load(std::memory_order_relaxed);
+  if (sw == 0 || !use_sm90(s, c) || !(s.a2_scale > 0) || !gemm2_cutlass_supported(s.K, s.N, s.w2_mode)) return false;
+  return sw == 1 || int64_t(c.m) * c.top_k >= kMinRows * s.E;
+#else
+  (void)s;
+  (void)c;
+  return false;
+#endif
 }
 
 int block_rows_for(const Set& s, const Call& c, bool sm90) {
