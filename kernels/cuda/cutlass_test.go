@@ -18,7 +18,7 @@ import (
 // The CUTLASS GEMM2 (csrc/gemm_cutlass.h) runs a call's GEMM2 on the Hopper
 // path by the library's default rule when the set has static activation
 // scales and one weight scale per expert (per-tensor or per-expert), K and
-// N are multiples of 16, and the call routes at least 128 rows per expert
+// N are multiples of 16, and the call routes at least 192 rows per expert
 // on average; EXPERTD_SM90_CUTLASS=1 takes it wherever the set allows,
 // =0 never. The cases here meet the default rule with small E, so the
 // float64 reference stays cheap; every GEMM path runs them, the portable
@@ -40,7 +40,7 @@ func logCutlass2(t *testing.T, b *Backend) {
 	}
 }
 
-// cutlassCases: SiLU-gated and ReLU² layers at 128 rows per expert or more
+// cutlassCases: SiLU-gated and ReLU² layers at 192 rows per expert or more
 // with static scales; BF16 and FP32 outputs, per-expert weight scales, FP8
 // hidden states, all tokens to one expert first, and expert biases (GEMM2's
 // added in the combine). K = 400 and N = 208 leave CUTLASS's last 256-wide
@@ -54,13 +54,13 @@ func cutlassCases() []kerneltest.Case {
 	static := kerneltest.WithStaticScales()
 	type opts = []kerneltest.Option
 	return []kerneltest.Case{
-		{Name: "cutlass/silu/K=512,N=256/M=600/static", Shape: silu, M: 600, Opts: opts{static}},
-		{Name: "cutlass/silu/K=512,N=256/M=520/static/per-expert/fp32-out", Shape: silu, M: 520,
+		{Name: "cutlass/silu/K=512,N=256/M=800/static", Shape: silu, M: 800, Opts: opts{static}},
+		{Name: "cutlass/silu/K=512,N=256/M=780/static/per-expert/fp32-out", Shape: silu, M: 780,
 			Opts: opts{static, kerneltest.WithGranularity(scaling.PerExpert), kerneltest.WithOutput(moe.Float32)}},
-		{Name: "cutlass/silu/K=512,N=256/M=700/static/all-to-one", Shape: silu, M: 700,
+		{Name: "cutlass/silu/K=512,N=256/M=900/static/all-to-one", Shape: silu, M: 900,
 			Opts: opts{static, kerneltest.WithAllTokensTo(3)}},
-		{Name: "cutlass/relu2-bias/K=400,N=208/M=600/static", Shape: relu, M: 600, Opts: opts{static}},
-		{Name: "cutlass/relu2-bias/K=400,N=208/M=640/static/fp8-in/fp32-out", Shape: relu, M: 640,
+		{Name: "cutlass/relu2-bias/K=400,N=208/M=800/static", Shape: relu, M: 800, Opts: opts{static}},
+		{Name: "cutlass/relu2-bias/K=400,N=208/M=840/static/fp8-in/fp32-out", Shape: relu, M: 840,
 			Opts: opts{static, kerneltest.WithHidden(moe.Float8E4M3FN), kerneltest.WithOutput(moe.Float32)}},
 	}
 }
@@ -83,7 +83,7 @@ func TestCutlassGemm2Dropped(t *testing.T) {
 	ref := cpu.New(kernels.Config{})
 	shape := kerneltest.Shape{Name: "cutlass-dropped", Activation: moe.SiluGated, E: 16, TopK: 2, K: 512, N: 256,
 		Scoring: moe.Softmax, ScalingFactor: 1, ExpertBias: true}
-	const m, used = 1100, 10
+	const m, used = 1600, 10
 	for _, out := range []moe.DType{moe.BFloat16, moe.Float32} {
 		seed := caseSeed(t)
 		rng := rand.New(rand.NewPCG(seed, 3))

@@ -247,7 +247,7 @@ EXPERTD_API void expertd_call_init(expertd_call* call);
  * init also reads EXPERTD_SM90_CUTLASS from the environment, a development
  * switch for timing GEMM2 on CUTLASS's grouped GEMM against the library's
  * own: 0 never, 1 wherever the set allows it (Hopper path, static a2
- * scale, one weight scale per expert); unset, from 128 rows per expert. */
+ * scale, one weight scale per expert); unset, from 192 rows per expert. */
 EXPERTD_API int expertd_init(int device, const expertd_options* opts);
 
 /* expertd_device_info writes a NUL-terminated description of device into buf

@@ -477,11 +477,12 @@ bool use_sm90(const Set& s, const Call& c) {
 // switch says never or always.
 bool use_cutlass2(const Set& s, const Call& c) {
 #ifdef EXPERTD_HAVE_CUTLASS
-  // Below kMinRows an expert's rows fill less than one of CUTLASS's
-  // 128-token tiles, while the hand-written kernel's token tile follows the
-  // call's size (docs/perf-notes.md, "CUTLASS 4.2 grouped FP8 GEMMs against
-  // expertd's, prefill shapes").
-  constexpr int64_t kMinRows = 128;
+  // Below 128 an expert's rows fill less than one of CUTLASS's 128-token
+  // tiles, while the hand-written kernel's token tile follows the call's
+  // size; kMinRows is the least mean the library's whole call has been
+  // timed faster at with CUTLASS (docs/perf-notes.md, "CUTLASS GEMM2 in the
+  // library"), so no unmeasured size changes kernel.
+  constexpr int64_t kMinRows = 192;
   const int sw = switches().sm90_cutlass.load(std::memory_order_relaxed);
   if (sw == 0 || !use_sm90(s, c) || !(s.a2_scale > 0) || !gemm2_cutlass_supported(s.K, s.N, s.w2_mode)) return false;
   return sw == 1 || int64_t(c.m) * c.top_k >= kMinRows * s.E;
