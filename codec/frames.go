@@ -27,10 +27,17 @@ import (
 // out, so a lone caller's messages are received into the same warm
 // memory call after call. Frames of different messages that interleave
 // (concurrent calls) are not back to back, and their messages are
-// gathered by copying, as are messages that straddle two arenas.
+// gathered by copying, as are messages that straddle two arenas. Once
+// that happens the pool hands out recycled frame buffers instead, for
+// plainFrames frames, and then tries arenas again: under concurrent load
+// an arena cannot restart while other calls' frames are out, so carving
+// walks through cold memory, which costs the copy out of the read buffer
+// more than the gathering it was meant to save.
 type framePool struct {
-	// sizes serves what is not a frame.
+	// sizes serves what is not carved from an arena.
 	sizes Pool
+	// plain counts the frames still to come from sizes.
+	plain atomic.Int64
 	// regions recycles the handles of carved frames.
 	regions sync.Pool
 
@@ -59,6 +66,12 @@ const (
 	maxFrameBytes = 16 << 10
 	// recentArenas bounds the arenas a lookup searches.
 	recentArenas = 4
+	// plainFrames is how many frames come from recycled buffers after a
+	// carved message was not back to back: 512 MiB of frames, so that
+	// under sustained concurrent load a few hundred messages pass between
+	// tries, each of which carves the frames of every message in flight
+	// until one is complete.
+	plainFrames = 1 << 15
 	// freeArenas bounds the idle arenas kept for reuse (beyond it a
 	// retired arena goes to the garbage collector): enough for the
 	// arenas that concurrent calls' held messages keep out of use to
@@ -81,10 +94,12 @@ type arena struct {
 
 // region is a buffer handed to grpc-go: the *[]byte that Get returns
 // points at b, the first field, so Put finds the region from it. Buffers
-// that are not frames are regions too, with no arena.
+// not carved from an arena are regions too, with no arena and the
+// pointer sizes keeps them by.
 type region struct {
 	b []byte
 	a *arena
+	h *[]byte
 }
 
 // frames backs BufferPool.
@@ -96,8 +111,9 @@ func (p *framePool) Get(n int) *[]byte {
 	if r == nil {
 		r = new(region)
 	}
-	if n > maxFrameBytes {
-		r.b = *p.sizes.get(n)
+	if n > maxFrameBytes || p.plain.Load() > 0 && p.plain.Add(-1) >= 0 {
+		r.h = p.sizes.get(n)
+		r.b = *r.h
 		return &r.b
 	}
 	p.mu.Lock()
@@ -174,13 +190,16 @@ func (p *framePool) reuse(a *arena) {
 func (p *framePool) Put(b *[]byte) {
 	r := (*region)(unsafe.Pointer(b))
 	if a := r.a; a == nil {
-		p.sizes.Put(r.b) // the pool keeps a pointer of its own, not &r.b
+		// Back by the pointer sizes handed out, not &r.b, which the
+		// region's reuse overwrites.
+		*r.h = r.b
+		p.sizes.put(r.h)
 	} else if a.out.Add(-1) == 0 {
 		p.mu.Lock()
 		p.reuse(a)
 		p.mu.Unlock()
 	}
-	r.b, r.a = nil, nil
+	*r = region{}
 	p.regions.Put(r)
 }
 
@@ -188,10 +207,14 @@ func (p *framePool) Put(b *[]byte) {
 // that slice: the buffers it lies in, referenced (Ref) for the caller to
 // Free, and the region a tail was copied into (nil when none), for the
 // caller to Put, once it no longer uses the slice. The slice is nil when
-// data is not back to back in one recent arena. A message's last frame is often small (what
-// follows its last large field), and grpc-go allocates frames below 1 KiB
-// without a pool; such a tail, up to one frame, is copied into the arena
-// right after the rest when nothing has been carved there yet.
+// data is not back to back in one recent arena; when data was carved
+// from one nonetheless, frames come from recycled buffers for a while
+// (plainFrames).
+//
+// A message's last frame is often small (what follows its last large
+// field), and grpc-go allocates frames below 1 KiB without a pool; such a
+// tail, up to one frame, is copied into the arena right after the rest
+// when nothing has been carved there yet.
 func (p *framePool) inPlace(data mem.BufferSlice) ([]byte, mem.BufferSlice, *[]byte) {
 	if len(data) == 0 || data[0].Len() == 0 {
 		return nil, nil, nil
@@ -208,9 +231,6 @@ func (p *framePool) inPlace(data mem.BufferSlice) ([]byte, mem.BufferSlice, *[]b
 		n++
 	}
 	tail := data[n:].Len()
-	if tail > maxFrameBytes {
-		return nil, nil, nil
-	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, a := range p.recent {
@@ -218,15 +238,16 @@ func (p *framePool) inPlace(data mem.BufferSlice) ([]byte, mem.BufferSlice, *[]b
 			break
 		}
 		base := uintptr(unsafe.Pointer(unsafe.SliceData(a.buf)))
-		if start < base || end > base+uintptr(len(a.buf)) {
+		if start < base || start >= base+uintptr(len(a.buf)) {
 			continue
 		}
 		lo, hi := int(start-base), int(end-base)
+		if hi > len(a.buf) || tail > 0 && (tail > maxFrameBytes || a != p.cur || a.next != hi || hi+tail > len(a.buf)) {
+			p.plain.Store(plainFrames)
+			return nil, nil, nil
+		}
 		var copied *[]byte
 		if tail > 0 {
-			if a != p.cur || a.next != hi || hi+tail > len(a.buf) {
-				return nil, nil, nil
-			}
 			r := p.carve(a, tail)
 			data[n:].CopyTo(r.b)
 			copied = &r.b

@@ -117,6 +117,7 @@ func TestFramesNotInPlace(t *testing.T) {
 	for _, h := range others {
 		p.Put(h)
 	}
+	p.plain.Store(0) // each case below on arenas
 
 	// Back to back in memory, but one plain allocation, not an arena:
 	// a slice over them would keep only part of the memory alive.
@@ -138,6 +139,7 @@ func TestFramesNotInPlace(t *testing.T) {
 	}
 	data.Free()
 	p.Put(after)
+	p.plain.Store(0)
 
 	// Straddling two arenas: fill the current arena to just before its end.
 	var fill []*[]byte
@@ -155,6 +157,62 @@ func TestFramesNotInPlace(t *testing.T) {
 	for _, h := range fill {
 		p.Put(h)
 	}
+}
+
+// inArena reports whether b was carved from an arena of p.
+func inArena(p *framePool, b []byte) bool {
+	at := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	for _, a := range p.recent {
+		if a == nil {
+			continue
+		}
+		base := uintptr(unsafe.Pointer(unsafe.SliceData(a.buf)))
+		if at >= base && at < base+uintptr(len(a.buf)) {
+			return true
+		}
+	}
+	return false
+}
+
+// TestFramesPlainAfterMiss: once a carved message is found not back to
+// back (concurrent calls' frames interleaving), the next plainFrames
+// frames are recycled buffers rather than cold arena memory, and then
+// arenas are tried again; a message received meanwhile is gathered, and
+// does not prolong the pause.
+func TestFramesPlainAfterMiss(t *testing.T) {
+	var p framePool
+	msg := pattern(8, 10*maxFrameBytes)
+	data, others := receive(&p, msg, map[int]bool{3: true})
+	if b, _, _ := p.inPlace(data); b != nil {
+		t.Fatal("interleaved frames found in place")
+	}
+	data.Free()
+	for _, h := range others {
+		p.Put(h)
+	}
+	data, _ = receive(&p, msg, nil)
+	if inArena(&p, data[1].ReadOnlyData()) {
+		t.Error("a frame right after the miss was carved from an arena")
+	}
+	if b, _, _ := p.inPlace(data); b != nil {
+		t.Error("recycled frames found in place")
+	}
+	data.Free()
+	for i := 0; p.plain.Load() > 0; i++ {
+		if i >= plainFrames {
+			t.Fatal("the pause after the miss does not end")
+		}
+		h := p.Get(maxFrameBytes)
+		if inArena(&p, *h) {
+			t.Fatal("a frame during the pause was carved from an arena")
+		}
+		p.Put(h)
+	}
+	h := p.Get(maxFrameBytes)
+	if !inArena(&p, *h) {
+		t.Error("after the pause frames are not carved from arenas again")
+	}
+	p.Put(h)
 }
 
 // TestFramesArenaReuse: an arena that fills while a frame of it is held
@@ -240,6 +298,7 @@ func TestParsedInPlace(t *testing.T) {
 		t.Fatal(err)
 	}
 	server := Codec{Recycle: func(m proto.Message) bool { _, ok := m.(*pb.FusedMoERequest); return ok }}
+	frames.plain.Store(0)
 	for _, v := range []struct {
 		name      string
 		unmarshal func(mem.BufferSlice, proto.Message) (Held, error)
