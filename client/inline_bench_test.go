@@ -21,6 +21,17 @@ import (
 	"github.com/expertd/expertd/service/servicetest"
 )
 
+// serveNull starts an in-process daemon with cfg on a backend that
+// computes nothing, stopped when b ends.
+func serveNull(b *testing.B, cfg service.Config) *testdaemon.Server {
+	srv, err := testdaemon.ServeBackend(cfg, servicetest.NullBackend{Backend: cpu.New(kernels.Config{})})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(srv.Stop)
+	return srv
+}
+
 // BenchmarkInlinePath times unary FusedMoE calls with inline tensors over
 // loopback TCP on a backend that computes nothing, at the Nemotron
 // layer's M = 256 call (K = 2688, E = 128, top_k 6; BF16 hidden states
@@ -39,12 +50,7 @@ func BenchmarkInlinePath(b *testing.B) {
 	rng := rand.New(rand.NewPCG(5, 6))
 	const m = 256
 	shape := kerneltest.Nemotron.Scaled(kerneltest.Nemotron.K, 16)
-	cfg := service.Config{MaxConcurrent: 8, BatchWindow: service.SuggestedBatchWindow}
-	srv, err := testdaemon.ServeBackend(cfg, servicetest.NullBackend{Backend: cpu.New(kernels.Config{})})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(srv.Stop)
+	srv := serveNull(b, service.Config{MaxConcurrent: 8, BatchWindow: service.SuggestedBatchWindow})
 	set, kreq := kerneltest.NewCase(rng, shape, m, kerneltest.WithOutput(moe.BFloat16))
 	req := clienttest.Request("inline", set, kreq)
 	var conns [8]*client.Client

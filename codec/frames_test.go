@@ -101,15 +101,11 @@ func TestFramesInPlace(t *testing.T) {
 	}
 }
 
-// TestFramesNotInPlace: messages whose frames are not back to back in
-// one arena are not found in place, so the codec gathers them; above
-// all bytes that are adjacent in memory but not an arena's.
-func TestFramesNotInPlace(t *testing.T) {
-	var p framePool
-	msg := pattern(3, 20*maxFrameBytes+43)
-
-	// Another stream's frame between two of this message's.
-	data, others := receive(&p, msg, map[int]bool{7: true})
+// interleaved receives msg with another stream's frame before its frame
+// at, checks that it is not found in place, and returns every frame.
+func interleaved(t *testing.T, p *framePool, msg []byte, at int) {
+	t.Helper()
+	data, others := receive(p, msg, map[int]bool{at: true})
 	if b, _, _ := p.inPlace(data); b != nil {
 		t.Error("interleaved frames found in place")
 	}
@@ -117,6 +113,16 @@ func TestFramesNotInPlace(t *testing.T) {
 	for _, h := range others {
 		p.Put(h)
 	}
+}
+
+// TestFramesNotInPlace: messages whose frames are not back to back in
+// one arena are not found in place, so the codec gathers them; above
+// all bytes that are adjacent in memory but not an arena's.
+func TestFramesNotInPlace(t *testing.T) {
+	var p framePool
+	msg := pattern(3, 20*maxFrameBytes+43)
+
+	interleaved(t, &p, msg, 7)
 	p.plain.Store(0) // each case below on arenas
 
 	// Back to back in memory, but one plain allocation, not an arena:
@@ -132,7 +138,7 @@ func TestFramesNotInPlace(t *testing.T) {
 
 	// A small last frame when frames have been carved after the rest:
 	// there is no room to copy it to.
-	data, _ = receive(&p, msg, nil)
+	data, _ := receive(&p, msg, nil)
 	after := p.Get(maxFrameBytes)
 	if b, _, _ := p.inPlace(data); b != nil {
 		t.Error("a tail found in place with the arena's next bytes taken")
@@ -182,15 +188,8 @@ func inArena(p *framePool, b []byte) bool {
 func TestFramesPlainAfterMiss(t *testing.T) {
 	var p framePool
 	msg := pattern(8, 10*maxFrameBytes)
-	data, others := receive(&p, msg, map[int]bool{3: true})
-	if b, _, _ := p.inPlace(data); b != nil {
-		t.Fatal("interleaved frames found in place")
-	}
-	data.Free()
-	for _, h := range others {
-		p.Put(h)
-	}
-	data, _ = receive(&p, msg, nil)
+	interleaved(t, &p, msg, 3)
+	data, _ := receive(&p, msg, nil)
 	if inArena(&p, data[1].ReadOnlyData()) {
 		t.Error("a frame right after the miss was carved from an arena")
 	}
