@@ -6,19 +6,21 @@
 // of that buffer into a fresh slice), and copies each bytes field of a
 // sent message into the marshal buffer. For expertd's messages those
 // fields are the tensors, hundreds of kilobytes to gigabytes. This codec
-// keeps the first receive copy (a message must be contiguous to parse, and
-// gRPC hands it over in HTTP/2 frames of 16 KiB), parses with the bytes
-// fields aliasing that buffer, and sends large bytes fields as buffers of
+// parses with the bytes fields aliasing the received message: where the
+// message's HTTP/2 frames lie back to back (BufferPool places them so), in
+// those frames; else in one buffer they are gathered into, since a message
+// must be contiguous to parse. It sends large bytes fields as buffers of
 // their own instead of copying them.
 //
 // Lifetimes: a received message's buffer is ordinary Go memory that lives
 // exactly as long as something refers to it (the request, a view of it in
 // a batch, the response), unless Codec.Recycle picks the message: then the
-// buffer comes from a Pool and goes back when its handler calls Release,
-// which it must do only when nothing refers to the message any more. The
-// server recycles FusedMoE requests only (service.ServerOptions), because
-// fresh multi-megabyte buffers cost a page fault per 4 KiB on first write.
-// A Receiver does the same for one call's large responses and hands the
+// message is parsed in its frames or gathered into a buffer from a Pool,
+// and either goes back when its handler calls Release, which it must do
+// only when nothing refers to the message any more. The server recycles
+// FusedMoE requests only (service.ServerOptions), because fresh
+// multi-megabyte buffers cost a page fault per 4 KiB on first write. A
+// Receiver does the same for one call's large responses and hands the
 // buffer to the caller (the SDK's FusedMoEResult.Release returns it).
 // A sent message must not change until gRPC is done with it, which
 // grpc-go already requires of every message passed to SendMsg; a buffer
