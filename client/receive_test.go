@@ -1,11 +1,14 @@
 package client_test
 
 import (
+	"context"
+	"strconv"
 	"testing"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
@@ -77,4 +80,50 @@ func TestReleaseReceiveBuffer(t *testing.T) {
 	checkOutput(t, res, small, sreq) // nothing pooled: the output stays
 	var nilRes *client.FusedMoEResult
 	nilRes.Release()
+}
+
+// TestHeldResultsStayIntact: results kept unreleased while later calls'
+// responses arrive (into the same transport memory as far as it is free)
+// keep their own outputs; each is checked against its reference only
+// after every call has returned.
+func TestHeldResultsStayIntact(t *testing.T) {
+	rng := newRand(t)
+	ctx := testContext(t)
+	c := startServer(t, service.Config{})
+	p, err := c.Pipeline(ctx, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	shape := kerneltest.Nemotron.Scaled(1024, 16) // BF16 output 16 x 1024: above the aliasing size
+	shape.E, shape.TopK = 8, 2
+	type kept struct {
+		res  *client.FusedMoEResult
+		set  *moe.ExpertSet
+		kreq *moe.Request
+	}
+	var all []kept
+	for i := range 6 {
+		set, kreq := kerneltest.NewCase(rng, shape, 16)
+		name := "held" + strconv.Itoa(i)
+		if _, err := c.LoadExperts(ctx, name, clienttest.Weights(set)); err != nil {
+			t.Fatal(err)
+		}
+		call := c.FusedMoE
+		if i%2 == 1 {
+			call = func(_ context.Context, r *client.FusedMoERequest) (*client.FusedMoEResult, error) { return p.Call(r) }
+		}
+		res, err := call(ctx, clienttest.Request(name, set, kreq))
+		if err != nil {
+			t.Fatalf("call %d: %v", i, err)
+		}
+		if !client.ReceiveBuffer(res).Holds() {
+			t.Fatalf("call %d: no receive buffer held", i)
+		}
+		all = append(all, kept{res, set, kreq})
+	}
+	for _, k := range all {
+		checkOutput(t, k.res, k.set, k.kreq)
+		k.res.Release()
+	}
 }
