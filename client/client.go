@@ -293,7 +293,7 @@ func (c *Client) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoER
 	}
 	res, err := resultFromProto(resp)
 	if err != nil {
-		codec.PutReceived(recv.Take())
+		recv.Take().Release()
 		return nil, wrap("FusedMoE", fmt.Errorf("malformed response: %w", err))
 	}
 	res.recv = recv.Take()

@@ -13,15 +13,15 @@ import "github.com/expertd/expertd/codec"
 // it is fresh; an engine calling a layer in a loop reuses warm buffers
 // instead. Results of shared-memory outputs hold no receive buffer.
 func (r *FusedMoEResult) Release() {
-	if r == nil || r.recv == nil {
+	if r == nil || !r.recv.Holds() {
 		return
 	}
-	buf := r.recv
-	r.recv = nil
+	h := r.recv
+	r.recv = codec.Held{}
 	for _, t := range []*Tensor{&r.Output, &r.TopKIDs, &r.TopKWeights} {
 		if t.Shm == nil {
 			t.Data = nil
 		}
 	}
-	codec.PutReceived(buf)
+	h.Release()
 }

@@ -1,23 +1,19 @@
 package client_test
 
 import (
+	"context"
+	"strconv"
 	"testing"
-	"unsafe"
 
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/kernels/kerneltest"
+	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
 )
 
-// within reports whether b lies inside buf.
-func within(b, buf []byte) bool {
-	lo, p := uintptr(unsafe.Pointer(unsafe.SliceData(buf))), uintptr(unsafe.Pointer(unsafe.SliceData(b)))
-	return len(b) > 0 && p >= lo && p+uintptr(len(b)) <= lo+uintptr(len(buf))
-}
-
 // TestReleaseReceiveBuffer: a large inline result, unary or streamed,
-// holds the pooled buffer its output aliases until Release, which clears
+// holds the receive buffer its output aliases until Release, which clears
 // the tensors; a small result holds none.
 func TestReleaseReceiveBuffer(t *testing.T) {
 	rng := newRand(t)
@@ -52,14 +48,14 @@ func TestReleaseReceiveBuffer(t *testing.T) {
 				}
 				checkOutput(t, res, set, req)
 				buf := client.ReceiveBuffer(res)
-				if buf == nil {
+				if !buf.Holds() {
 					t.Fatalf("call %d: no receive buffer held", i)
 				}
-				if !within(res.Output.Data, buf) || !within(res.TopKIDs.Data, buf) {
+				if !buf.Contains(res.Output.Data) || !buf.Contains(res.TopKIDs.Data) {
 					t.Errorf("call %d: output or routing does not alias the receive buffer", i)
 				}
 				res.Release()
-				if client.ReceiveBuffer(res) != nil || res.Output.Data != nil || res.TopKIDs.Data != nil {
+				if client.ReceiveBuffer(res).Holds() || res.Output.Data != nil || res.TopKIDs.Data != nil {
 					t.Errorf("call %d: after Release the result still refers to the buffer", i)
 				}
 				res.Release() // a second Release does nothing
@@ -77,11 +73,57 @@ func TestReleaseReceiveBuffer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if client.ReceiveBuffer(res) != nil {
-		t.Error("a small result holds a pooled buffer")
+	if client.ReceiveBuffer(res).Holds() {
+		t.Error("a small result holds a receive buffer")
 	}
 	res.Release()
 	checkOutput(t, res, small, sreq) // nothing pooled: the output stays
 	var nilRes *client.FusedMoEResult
 	nilRes.Release()
+}
+
+// TestHeldResultsStayIntact: results kept unreleased while later calls'
+// responses arrive (into the same transport memory as far as it is free)
+// keep their own outputs; each is checked against its reference only
+// after every call has returned.
+func TestHeldResultsStayIntact(t *testing.T) {
+	rng := newRand(t)
+	ctx := testContext(t)
+	c := startServer(t, service.Config{})
+	p, err := c.Pipeline(ctx, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	shape := kerneltest.Nemotron.Scaled(1024, 16) // BF16 output 16 x 1024: above the aliasing size
+	shape.E, shape.TopK = 8, 2
+	type kept struct {
+		res  *client.FusedMoEResult
+		set  *moe.ExpertSet
+		kreq *moe.Request
+	}
+	var all []kept
+	for i := range 6 {
+		set, kreq := kerneltest.NewCase(rng, shape, 16)
+		name := "held" + strconv.Itoa(i)
+		if _, err := c.LoadExperts(ctx, name, clienttest.Weights(set)); err != nil {
+			t.Fatal(err)
+		}
+		call := c.FusedMoE
+		if i%2 == 1 {
+			call = func(_ context.Context, r *client.FusedMoERequest) (*client.FusedMoEResult, error) { return p.Call(r) }
+		}
+		res, err := call(ctx, clienttest.Request(name, set, kreq))
+		if err != nil {
+			t.Fatalf("call %d: %v", i, err)
+		}
+		if !client.ReceiveBuffer(res).Holds() {
+			t.Fatalf("call %d: no receive buffer held", i)
+		}
+		all = append(all, kept{res, set, kreq})
+	}
+	for _, k := range all {
+		checkOutput(t, k.res, k.set, k.kreq)
+		k.res.Release()
+	}
 }

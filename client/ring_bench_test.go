@@ -10,13 +10,9 @@ import (
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/internal/durstat"
-	"github.com/expertd/expertd/internal/testdaemon"
-	"github.com/expertd/expertd/kernels"
-	"github.com/expertd/expertd/kernels/cpu"
 	"github.com/expertd/expertd/kernels/kerneltest"
 	"github.com/expertd/expertd/moe"
 	"github.com/expertd/expertd/service"
-	"github.com/expertd/expertd/service/servicetest"
 )
 
 // BenchmarkRingPath times one caller's FusedMoE calls through a call ring
@@ -36,12 +32,7 @@ func BenchmarkRingPath(b *testing.B) {
 	ctx := context.Background()
 	rng := rand.New(rand.NewPCG(3, 4))
 	shape := kerneltest.Nemotron.Scaled(kerneltest.Nemotron.K, 16)
-	cfg := service.Config{SharedMemory: true, Ring: true, RingSpin: time.Second, MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow}
-	srv, err := testdaemon.ServeBackend(cfg, servicetest.NullBackend{Backend: cpu.New(kernels.Config{})})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(srv.Stop)
+	srv := serveNull(b, service.Config{SharedMemory: true, Ring: true, RingSpin: time.Second, MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow})
 	c, err := client.Dial(ctx, srv.Addr)
 	if err != nil {
 		b.Fatal(err)

@@ -76,7 +76,7 @@ func (s *Stream) Recv() (*FusedMoEResult, error) {
 	}
 	res, err := resultFromProto(resp)
 	if err != nil {
-		codec.PutReceived(s.recv.Take())
+		s.recv.Take().Release()
 		return nil, wrap("FusedMoEStream", fmt.Errorf("malformed response: %w", err))
 	}
 	res.recv = s.recv.Take()

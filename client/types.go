@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/expertd/expertd/codec"
 	"github.com/expertd/expertd/moe"
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
@@ -259,7 +260,7 @@ type FusedMoEResult struct {
 	// Backend names what ran the call ("cpu", "cuda").
 	Backend string
 
-	recv []byte // the pooled receive buffer the tensors alias; see Release
+	recv codec.Held // the receive buffer the tensors alias; see Release
 }
 
 func resultFromProto(p *pb.FusedMoEResponse) (*FusedMoEResult, error) {

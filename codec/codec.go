@@ -6,19 +6,21 @@
 // of that buffer into a fresh slice), and copies each bytes field of a
 // sent message into the marshal buffer. For expertd's messages those
 // fields are the tensors, hundreds of kilobytes to gigabytes. This codec
-// keeps the first receive copy (a message must be contiguous to parse, and
-// gRPC hands it over in HTTP/2 frames of 16 KiB), parses with the bytes
-// fields aliasing that buffer, and sends large bytes fields as buffers of
+// parses with the bytes fields aliasing the received message: where the
+// message's HTTP/2 frames lie back to back (BufferPool places them so), in
+// those frames; else in one buffer they are gathered into, since a message
+// must be contiguous to parse. It sends large bytes fields as buffers of
 // their own instead of copying them.
 //
 // Lifetimes: a received message's buffer is ordinary Go memory that lives
 // exactly as long as something refers to it (the request, a view of it in
 // a batch, the response), unless Codec.Recycle picks the message: then the
-// buffer comes from a Pool and goes back when its handler calls Release,
-// which it must do only when nothing refers to the message any more. The
-// server recycles FusedMoE requests only (service.ServerOptions), because
-// fresh multi-megabyte buffers cost a page fault per 4 KiB on first write.
-// A Receiver does the same for one call's large responses and hands the
+// message is parsed in its frames or gathered into a buffer from a Pool,
+// and either goes back when its handler calls Release, which it must do
+// only when nothing refers to the message any more. The server recycles
+// FusedMoE requests only (service.ServerOptions), because fresh
+// multi-megabyte buffers cost a page fault per 4 KiB on first write. A
+// Receiver does the same for one call's large responses and hands the
 // buffer to the caller (the SDK's FusedMoEResult.Release returns it).
 // A sent message must not change until gRPC is done with it, which
 // grpc-go already requires of every message passed to SendMsg; a buffer
@@ -32,6 +34,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"unsafe"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
@@ -131,11 +134,11 @@ func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
 
 func (c Codec) unmarshal(data mem.BufferSlice, m proto.Message) error {
 	if data.Len() >= AliasBytes && c.Recycle != nil && c.Recycle(m) {
-		buf, err := unmarshalPooled(data, m)
+		h, err := unmarshalHeld(data, m)
 		if err != nil {
 			return err
 		}
-		held.Store(m, buf)
+		held.Store(m, h)
 		return nil
 	}
 	// bytes.Join allocates without zeroing, which for a large message
@@ -148,25 +151,79 @@ func (c Codec) unmarshal(data mem.BufferSlice, m proto.Message) error {
 	return Unmarshal(bytes.Join(pieces, nil), m)
 }
 
-// unmarshalPooled parses data into m from a buffer of the received pool,
-// which it returns (to nothing when it fails).
-func unmarshalPooled(data mem.BufferSlice, m proto.Message) ([]byte, error) {
+// Held is the receive buffer of a message that its owner releases once
+// nothing refers to the message or its bytes fields: the transport's
+// frames the message was parsed from in place, or a pooled copy of them.
+// The zero Held holds nothing.
+type Held struct {
+	frames mem.BufferSlice
+	tail   *[]byte // the frame region a small last frame was copied into
+	buf    []byte
+}
+
+// Holds reports whether h holds a buffer.
+func (h Held) Holds() bool { return h.frames != nil || h.buf != nil }
+
+// Contains reports whether b lies within the buffer h holds: whether a
+// bytes field aliases it rather than holding a copy.
+func (h Held) Contains(b []byte) bool {
+	lo, n := unsafe.Pointer(unsafe.SliceData(h.buf)), len(h.buf)
+	if h.frames != nil {
+		// The frames and the tail copied after them are back to back.
+		lo, n = unsafe.Pointer(unsafe.SliceData(h.frames[0].ReadOnlyData())), h.frames.Len()
+		if h.tail != nil {
+			n += len(*h.tail)
+		}
+	}
+	p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	return len(b) > 0 && lo != nil && p >= uintptr(lo) && p+uintptr(len(b)) <= uintptr(lo)+uintptr(n)
+}
+
+// Release hands the buffer back for reuse; call it once, and use nothing
+// taken from the message afterwards. Never releasing it is safe: the
+// garbage collector frees it.
+func (h Held) Release() {
+	if h.frames != nil {
+		h.frames.Free()
+		if h.tail != nil {
+			frames.Put(h.tail)
+		}
+	} else if h.buf != nil {
+		received.Put(h.buf)
+	}
+}
+
+// unmarshalHeld parses data into m from a buffer that stays valid until
+// the returned Held is released: in place when data's frames lie back to
+// back in the transport's memory (BufferPool), else from a copy in a
+// buffer of the received pool. It holds nothing when it fails.
+func unmarshalHeld(data mem.BufferSlice, m proto.Message) (Held, error) {
+	// gRPC frees data when Unmarshal returns; the message keeps its own
+	// references to the frames it aliases.
+	if b, refs, tail := frames.inPlace(data); b != nil {
+		h := Held{frames: refs, tail: tail}
+		if err := Unmarshal(b, m); err != nil {
+			h.Release()
+			return Held{}, err
+		}
+		return h, nil
+	}
 	buf := received.Get(data.Len())
 	data.CopyTo(buf)
 	if err := Unmarshal(buf, m); err != nil {
 		received.Put(buf)
-		return nil, err
+		return Held{}, err
 	}
-	return buf, nil
+	return Held{buf: buf}, nil
 }
 
 // received recycles the buffers of messages Codec.Recycle or a Receiver
-// picked.
+// picked whose frames were not back to back.
 var received Pool
 
 // Receiver is the codec of one call (grpc.ForceCodecV2 as a call
-// option) whose large received message is parsed from a pooled buffer
-// instead of a fresh allocation, which the caller takes afterwards: a
+// option) whose large received message is parsed from a buffer that the
+// caller takes afterwards, rather than one the garbage collector frees: a
 // client's response buffer belongs to whatever the caller keeps of the
 // response, so only the caller can say when it is free. Take the buffer
 // after each received message (a stream's RecvMsg returns in one
@@ -174,7 +231,7 @@ var received Pool
 // parsed as Codec does.
 type Receiver struct {
 	Codec
-	buf []byte
+	held Held
 }
 
 var _ encoding.CodecV2 = (*Receiver)(nil)
@@ -182,39 +239,35 @@ var _ encoding.CodecV2 = (*Receiver)(nil)
 // Unmarshal implements encoding.CodecV2.
 func (r *Receiver) Unmarshal(data mem.BufferSlice, v any) error {
 	m, ok := v.(proto.Message)
-	if !ok || data.Len() < AliasBytes || r.buf != nil {
+	if !ok || data.Len() < AliasBytes || r.held.Holds() {
 		return r.Codec.Unmarshal(data, v)
 	}
-	buf, err := unmarshalPooled(data, m)
+	h, err := unmarshalHeld(data, m)
 	if err != nil {
 		return err
 	}
-	r.buf = buf
+	r.held = h
 	return nil
 }
 
-// Take returns the pooled buffer the last message was parsed from, nil
-// when there is none, and forgets it. The caller owns it: PutReceived
-// returns it once nothing refers to the message or its bytes fields, and
-// dropping it instead is safe.
-func (r *Receiver) Take() []byte {
-	b := r.buf
-	r.buf = nil
-	return b
+// Take returns the buffer the last message was parsed from (one that
+// holds nothing when there is none) and forgets it. The caller owns it:
+// it releases it once nothing refers to the message or its bytes fields.
+func (r *Receiver) Take() Held {
+	h := r.held
+	r.held = Held{}
+	return h
 }
-
-// PutReceived returns a buffer from Receiver.Take to the pool.
-func PutReceived(b []byte) { received.Put(b) }
 
 // held maps each such message to its buffer until Release.
 var held sync.Map
 
 // Release returns the receive buffer of m, a message unmarshalled by a
-// Codec whose Recycle picked it, to the pool; m and every bytes field
+// Codec whose Recycle picked it, for reuse; m and every bytes field
 // taken from it must not be used afterwards. Other messages are ignored.
 func Release(m proto.Message) {
-	if b, ok := held.LoadAndDelete(m); ok {
-		received.Put(b.([]byte))
+	if h, ok := held.LoadAndDelete(m); ok {
+		h.(Held).Release()
 	}
 }
 

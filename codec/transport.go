@@ -24,16 +24,14 @@ const (
 	IOBufferBytes = 256 << 10
 )
 
-// transport backs BufferPool.
-var transport Pool
-
 // BufferPool is the pool grpc-go's transport takes its buffers from on
 // the server (experimental.BufferPool) and the SDK
-// (experimental.WithBufferPool): every HTTP/2 data frame read, every read
-// of the socket and every small message marshalled. Unlike grpc-go's
+// (experimental.WithBufferPool): every HTTP/2 data frame read. Unlike grpc-go's
 // default pool it does not zero a buffer it hands out again: each user
 // writes a buffer whole before reading it (a frame is read into exactly
-// its length, a message marshalled into exactly its size), and zeroing
+// its length), and zeroing
 // is a third pass over every received byte, besides the socket read and
-// the copy out of the read buffer.
-func BufferPool() mem.BufferPool { return returner{&transport} }
+// the copy out of the read buffer. It places the frames of a message
+// back to back where it can, so that Codec and Receiver parse a
+// recycled message where it lies (framePool).
+func BufferPool() mem.BufferPool { return &frames }
