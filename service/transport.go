@@ -106,7 +106,10 @@ func isFusedMoERequest(m proto.Message) bool {
 }
 
 // releaseRequest returns a unary FusedMoE call's receive buffer to the
-// codec's pool when the call is over, whatever its outcome.
+// codec's pool when the call is over, whatever its outcome. Not deferred:
+// a handler that panics may leave work (a batch on another goroutine)
+// still reading the request's tensors, so its buffer is left to the
+// garbage collector rather than handed to the next call.
 func releaseRequest(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 	resp, err := handler(ctx, req)
 	if m, ok := req.(*pb.FusedMoERequest); ok {
