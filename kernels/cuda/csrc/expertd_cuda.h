@@ -243,8 +243,11 @@ EXPERTD_API void expertd_call_init(expertd_call* call);
  * wins; sets created before keep their poison switch). Any thread may call
  * the library. Unless the environment sets CUDA_DEVICE_MAX_CONNECTIONS,
  * the first init sets it to 32 (for the lanes below: a stream blocked on
- * its doorbell must not share a hardware queue with other streams). Each
- * init also reads EXPERTD_SM90_CUTLASS from the environment, a development
+ * its doorbell must not share a hardware queue with other streams), and,
+ * unless it sets CUDA_MODULE_LOADING, sets that to EAGER: a kernel loaded on
+ * its first launch may wait for the whole context, which a waiting lane
+ * keeps busy (both take effect only if that init creates the process's
+ * CUDA context). Each init also reads EXPERTD_SM90_CUTLASS from the environment, a development
  * switch for timing GEMM2 on CUTLASS's grouped GEMM against the library's
  * own: 0 never, 1 wherever the set allows it (Hopper path, static a2
  * scale, one weight scale per expert); unset, from 192 rows per expert. */
