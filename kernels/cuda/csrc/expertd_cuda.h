@@ -243,7 +243,11 @@ EXPERTD_API void expertd_call_init(expertd_call* call);
  * wins; sets created before keep their poison switch). Any thread may call
  * the library. Unless the environment sets CUDA_DEVICE_MAX_CONNECTIONS,
  * the first init sets it to 32 (for the lanes below: a stream blocked on
- * its doorbell must not share a hardware queue with other streams). */
+ * its doorbell must not share a hardware queue with other streams).
+ * EXPERTD_SM90_GATHER, read by each init, sets whether the Hopper GEMM1
+ * reads FP8 hidden rows by token instead of after a gather pass: "0" never,
+ * "1" wherever its kernels can, unset at prefill sizes; any other value
+ * fails the init. */
 EXPERTD_API int expertd_init(int device, const expertd_options* opts);
 
 /* expertd_device_info writes a NUL-terminated description of device into buf
