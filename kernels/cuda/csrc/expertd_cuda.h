@@ -243,8 +243,12 @@ EXPERTD_API void expertd_call_init(expertd_call* call);
  * wins; sets created before keep their poison switch). Any thread may call
  * the library. Unless the environment sets CUDA_DEVICE_MAX_CONNECTIONS,
  * the first init sets it to 32 (for the lanes below: a stream blocked on
- * its doorbell must not share a hardware queue with other streams). Each
- * init also reads EXPERTD_SM90_CUTLASS from the environment, a development
+ * its doorbell must not share a hardware queue with other streams).
+ * EXPERTD_SM90_GATHER, read by each init, sets whether the Hopper GEMM1
+ * reads FP8 hidden rows by token instead of after a gather pass: "0" never,
+ * "1" wherever its kernels can, unset at prefill sizes; any other value
+ * fails the init.
+ * Each init also reads EXPERTD_SM90_CUTLASS from the environment, a development
  * switch for timing GEMM2 on CUTLASS's grouped GEMM against the library's
  * own: 0 never, 1 wherever the set allows it (Hopper path, static a2
  * scale, one weight scale per expert); unset, from 192 rows per expert. */
