@@ -379,7 +379,7 @@ func gatherFoldCases() []kerneltest.Case {
 	relu := kerneltest.Shape{Name: "fold-relu2", Activation: moe.Relu2, E: 8, TopK: 2, K: 400, N: 208,
 		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, NumGroups: 1, TopKGroups: 1, ScalingFactor: 2.5}
 	// 4096 routed pairs and more at 128-token tiles, small enough for the
-	// references: where the fold is on without the variable.
+	// references: prefill-shaped calls.
 	wide := kerneltest.Shape{Name: "fold-wide-relu2", Activation: moe.Relu2, E: 32, TopK: 4, K: 256, N: 128,
 		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
 	wideG := kerneltest.Shape{Name: "fold-wide-gated", Activation: moe.SiluGated, E: 32, TopK: 4, K: 272, N: 96,

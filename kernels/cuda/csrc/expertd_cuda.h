@@ -245,9 +245,9 @@ EXPERTD_API void expertd_call_init(expertd_call* call);
  * the first init sets it to 32 (for the lanes below: a stream blocked on
  * its doorbell must not share a hardware queue with other streams).
  * EXPERTD_SM90_GATHER, read by each init, sets whether the Hopper GEMM1
- * reads FP8 hidden rows by token instead of after a gather pass: "0" never,
- * "1" wherever its kernels can, unset at prefill sizes; any other value
- * fails the init.
+ * reads FP8 hidden rows by token instead of after a gather pass: "1"
+ * wherever its kernels can; unset or "0" never (the default until a device
+ * run times it faster); any other value fails the init.
  * Each init also reads EXPERTD_SM90_CUTLASS from the environment, a development
  * switch for timing GEMM2 on CUTLASS's grouped GEMM against the library's
  * own: 0 never, 1 wherever the set allows it (Hopper path, static a2

@@ -1304,15 +1304,11 @@ bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale
          route_smem_per_warp(num_experts) + 256 <= kRouteScratch && (reinterpret_cast<uintptr_t>(hidden) & 15) == 0;
 }
 
-// kGatherFoldPairs is where sm90_gather_fold turns on by default: prefill
-// sizes, where the gather pass writes and reads back a row per routed pair
-// (docs/perf-notes.md, "gatherfold branch", has the A/B that sets it).
-constexpr int kGatherFoldPairs = 4096;
-
-bool sm90_gather_fold(int pairs, int block_rows, WScale w_mode, int k, const void* rows) {
-  const int mode = switches().sm90_gather.load(std::memory_order_relaxed);
-  if (mode == 0 || (mode < 0 && pairs < kGatherFoldPairs)) return false;
-  return gather_tiles(block_rows, w_mode, k, rows);
+// sm90_gather_fold is off unless EXPERTD_SM90_GATHER=1: the by-token
+// GEMM1 has yet to time faster than the gather pass and TMA-fed GEMM1 on
+// a device (docs/perf-notes.md, "gatherfold2").
+bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows) {
+  return switches().sm90_gather.load(std::memory_order_relaxed) && gather_tiles(block_rows, w_mode, k, rows);
 }
 
 int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden, int inter, bool gated) {

@@ -7,8 +7,9 @@
 // one expert (block_expert[block]). Sorted row r holds pair sorted_pairs[r],
 // or -1 for padding. The activations are gathered into sorted order before
 // GEMM1 (a1q[r] = quantized hidden[token of sorted_pairs[r]]), so both GEMMs
-// read A rows contiguously, which TMA and cp.async want; at prefill sizes the
-// Hopper GEMM1 may read the hidden rows by token instead (MoeGemmArgs::gather).
+// read A rows contiguously, which TMA and cp.async want; with
+// EXPERTD_SM90_GATHER=1 the Hopper GEMM1 may read the hidden rows by token
+// instead (MoeGemmArgs::gather).
 //
 // GEMM1: act[r, :] = epilogue((a1q[r] . W13[e]^T) * a_scale(r) * w_scale[e])
 //   written in sorted order, FP8 (static a2) or FP32 (dynamic a2 runs a
@@ -55,10 +56,9 @@ struct Switches {
   // EXPERTD_SM90_CUTLASS (0 or 1) sets it at each expertd_init, so one
   // process can time both with two copies of the library.
   std::atomic<int> sm90_cutlass{-1};
-  // GEMM1 reading FP8 hidden rows by token (sm90_gather_fold): -1 by the
-  // call's size, 0 never, 1 wherever the kernels can (EXPERTD_SM90_GATHER,
-  // see parse_sm90_gather).
-  std::atomic<int> sm90_gather{-1};
+  // GEMM1 reading FP8 hidden rows by token wherever the kernels can
+  // (sm90_gather_fold; EXPERTD_SM90_GATHER=1, see parse_sm90_gather).
+  std::atomic<bool> sm90_gather{false};
   std::atomic<bool> poison{false};
   std::atomic<bool> host_trace{false};
   std::atomic<int> sync_spin_us{0};
@@ -73,16 +73,14 @@ inline Switches& switches() {
 }
 
 // parse_sm90_gather reads EXPERTD_SM90_GATHER's value v (null where unset)
-// into *mode for Switches::sm90_gather: unset -1, "0" 0, "1" 1; any other
+// into *on for Switches::sm90_gather: "1" on; unset or "0" off; any other
 // value is refused (false). The variable rather than an option, so one
 // library is timed both ways (a device A/B) without a new ABI field.
-inline bool parse_sm90_gather(const char* v, int* mode) {
-  if (v == nullptr) {
-    *mode = -1;
-  } else if (v[0] == '0' && v[1] == 0) {
-    *mode = 0;
+inline bool parse_sm90_gather(const char* v, bool* on) {
+  if (v == nullptr || (v[0] == '0' && v[1] == 0)) {
+    *on = false;
   } else if (v[0] == '1' && v[1] == 0) {
-    *mode = 1;
+    *on = true;
   } else {
     return false;
   }
@@ -308,11 +306,11 @@ int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hi
 bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale w_mode, const void* hidden);
 // sm90_gather_fold says whether a call's GEMM1 reads its FP8 hidden rows
 // (rows, [tokens, k]) by token (MoeGemmArgs::gather) instead of from rows a
-// gather pass has copied into sorted order: where the kernels can (token
-// tiles of 64 or 128 without block scales or paired blocks, k % 16 == 0,
-// 16-byte aligned rows) and Switches::sm90_gather allows, which by default
-// is from kGatherFoldPairs (gemm_sm90.cu) routed pairs on.
-bool sm90_gather_fold(int pairs, int block_rows, WScale w_mode, int k, const void* rows);
+// gather pass has copied into sorted order: where Switches::sm90_gather is
+// on (off by default) and the kernels can (token tiles of 64 or 128
+// without block scales or paired blocks, k % 16 == 0, 16-byte aligned
+// rows).
+bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows);
 #endif
 
 }  // namespace expertd

@@ -4,11 +4,11 @@
 //
 // One call runs, all on the GPU and on the set's own stream:
 //   route (or take precomputed ids) -> align (expert-sorted, block-padded
-//   rows) -> gather + quantize hidden into sorted FP8 rows (at prefill on the
-//   Hopper path, the rows' scales alone: GEMM1 reads the FP8 rows by token,
-//   fold_gather) -> GEMM1 with the activation epilogue -> [dynamic a2 only:
-//   per-row FP8 requant] -> GEMM2 with the router weight -> combine into
-//   BF16/FP32.
+//   rows) -> gather + quantize hidden into sorted FP8 rows (on the Hopper
+//   path with EXPERTD_SM90_GATHER=1, the rows' scales alone: GEMM1 reads the
+//   FP8 rows by token, fold_gather) -> GEMM1 with the activation epilogue
+//   -> [dynamic a2 only: per-row FP8 requant] -> GEMM2 with the router
+//   weight -> combine into BF16/FP32.
 // The steps before GEMM1 take a shape per call size (enqueue): a one-token
 // call with FP8 hidden states on the Hopper path leaves them to GEMM1
 // (DecodeRoute), other small calls run them as one launch
@@ -277,7 +277,7 @@ bool fold_gather(const Set& s, const Call& c, const Layout& L, bool sm90, const 
 #ifdef EXPERTD_HAVE_SM90
   if (!sm90 || (pro.one_launch && pro.gather)) return false;
   const void* rows = c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN ? hidden : hq;
-  return sm90_gather_fold(L.p, L.block_rows, s.w13_mode, s.K, rows);
+  return sm90_gather_fold(L.block_rows, s.w13_mode, s.K, rows);
 #else
   (void)s, (void)c, (void)L, (void)sm90, (void)pro, (void)hidden, (void)hq;
   return false;
