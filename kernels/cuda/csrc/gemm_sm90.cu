@@ -47,11 +47,12 @@
 //
 // Prefill GEMM1 tiles may read the FP8 hidden rows by token instead of
 // sorted rows a gather pass wrote (kGather, MoeGemmArgs::gather): Hopper's
-// TMA has no row gather, so the producer warp's lanes load each stage's
-// token tile with 16-byte cp.async from the rows sorted_pairs names, into
-// the layout TMA's 128-byte swizzle writes, and the consumers run as they
-// do on TMA tiles. The hidden rows fit in L2, which serves the repeated
-// reads; the gather's write and read back of a row per pair go away.
+// TMA has no row gather, so the producer warpgroup's four warps load each
+// stage's token tile (a quarter of its rows each) with 16-byte cp.async
+// from the rows sorted_pairs names, into the layout TMA's 128-byte swizzle
+// writes, and the consumers run as they do on TMA tiles. The hidden rows
+// fit in L2, which serves the repeated reads; the gather's write and read
+// back of a row per pair go away.
 //
 // It implements the sm90 half of moe_gemm.h.
 #include "moe_gemm.h"
@@ -380,9 +381,10 @@ struct SmemPlan {
 // MoeGemm is one kernel's traits (its constants, shared-memory plan and
 // carve-up, Smem) and the roles of its producer warpgroup, each a function
 // the kernel dispatches a thread or warp to: barrier setup, the TMA thread
-// or kGather's producer warp (produce) and the scale warp (stage_scales),
-// over the CTA's tile walk (TileScheduler). The consumers' mainloop and
-// epilogue are the kernel's own body (moe_gemm_kernel says why).
+// or kGather's producer warpgroup (produce) and the scale warp
+// (stage_scales), over the CTA's tile walk (TileScheduler). The consumers'
+// mainloop and epilogue are the kernel's own body (moe_gemm_kernel says
+// why).
 template <int BN, int kNWG, int kStages, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk,
           bool kTokA, bool kPair, bool kPP, bool kGather = false>
 struct MoeGemm {
@@ -406,6 +408,12 @@ struct MoeGemm {
   static_assert(!kPP || (!kBlk && !kPair && kNWG == 2 && BN <= 128), "ping-pong: per-expert/channel, two sets");
   static_assert(!kGather || (!kBlk && !kPair && !kTokA && kEpi != GemmEpilogue::kWeightedBF16),
                 "token rows by index: GEMM1 without block scales or paired blocks");
+  // kGather: the producer warpgroup's warps all copy token rows (the scale
+  // warp of kBlk is why the two do not mix), a quarter of the tile each.
+  static constexpr int kGatherWarps = 4;
+  static constexpr int kWarpRows = BN / kGatherWarps;
+  static_assert(!kGather || (kWarpRows % 8 == 0 && kWarpRows <= 32),
+                "token rows by index: whole 8-row swizzle groups, at most a row per lane");
 
   // Smem is the CTA's shared memory carved up in the plan's order from a
   // 1024-byte aligned start (TMA's 128-byte swizzle needs it): the kernel
@@ -428,7 +436,8 @@ struct MoeGemm {
     // the stage's K block (kAsStage floats, see as_slot).
     float* a_sc;
     // kGather (where a_sc would be): the current tile's BN token rows'
-    // addresses, null for padding; the producer warp's own.
+    // addresses, null for padding; each producer warp writes and reads its
+    // own quarter (kWarpRows).
     const uint8_t** tok_rows;
   };
 
@@ -437,9 +446,9 @@ struct MoeGemm {
   __device__ __forceinline__ static void init_barriers(const Smem& sm) {
     for (int s = 0; s < kStages; ++s) {
       // kBlk: the TMA thread and the 32 lanes of the scale warp arrive on
-      // full; kGather: the TMA lane and the producer warp's 32 lanes;
-      // every consumer warp on empty (see the mainloop).
-      mbar_init(&sm.full[s], kBlk || kGather ? 1 + 32 : 1);
+      // full; kGather: the TMA thread and the producer warpgroup's 128
+      // threads; every consumer warp on empty (see the mainloop).
+      mbar_init(&sm.full[s], kBlk ? 1 + 32 : kGather ? 1 + 32 * kGatherWarps : 1);
       mbar_init(&sm.empty[s], kBlk ? kNWG * 4 : kPP ? 1 : kNWG);
     }
     mbar_init(&sm.order[0], 1);
@@ -447,14 +456,16 @@ struct MoeGemm {
     fence_mbar_init();
   }
 
-  // produce (the producer warpgroup's first thread; kGather: its first
-  // warp) loads every stage of the CTA's tiles: the weight tile with TMA,
-  // and the tile's token rows with TMA or, kGather, with the warp's
-  // cp.async copies (gather_tokens). With DecodeRoute (routed) the rows are
-  // the token's row of the hidden states. routed and sorted_pairs are the
-  // kernel's variables, taken by reference: by value, cicc reorders the
-  // routing's address arithmetic ahead of the call (scripts/sass-diff.sh
-  // shows it).
+  // produce (the producer warpgroup's first thread; kGather: all of its
+  // threads) loads every stage of the CTA's tiles: the weight tile with
+  // TMA, and the tile's token rows with TMA or, kGather, with each warp's
+  // cp.async copies (gather_tokens). kGather's warps wait on nothing but
+  // the ring's empty barriers, so a warp that has issued its quarter of a
+  // stage moves on to the next free stage without waiting for the others.
+  // With DecodeRoute (routed) the rows are the token's row of the hidden
+  // states. routed and sorted_pairs are the kernel's variables, taken by
+  // reference: by value, cicc reorders the routing's address arithmetic
+  // ahead of the call (scripts/sass-diff.sh shows it).
   __device__ __forceinline__ static void produce(const CUtensorMap& tm_w, const CUtensorMap& tm_a, const Params& p,
                                                  const Smem& sm, const Sched& sched, const bool& routed,
                                                  const int32_t* const& sorted_pairs) {
@@ -470,8 +481,9 @@ struct MoeGemm {
         const int s = it % kStages;
         mbar_wait(&sm.empty[s], ((it / kStages) & 1) ^ 1);
         const int kb = kt * kBK;
-        if (!kGather || threadIdx.x % 32 == 0) {
-          // kGather: TMA brings the weights' bytes alone.
+        if (!kGather || threadIdx.x % 128 == 0) {
+          // kGather: TMA brings the weights' bytes alone, issued before the
+          // thread's token copies so the larger load starts first.
           mbar_expect_tx(&sm.full[s], kWTile + (kGather ? 0 : kPair ? tr.nblk * (BN / 2) * kBK : kATile));
           if (kGated) {
             // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
@@ -498,44 +510,57 @@ struct MoeGemm {
     if constexpr (kGather) cp_async_wait_all();
   }
 
-  // token_rows (kGather, the producer warp, at each tile's start) writes
-  // the tile's row addresses to sm.tok_rows: sorted row row0 + r is token
-  // sorted_pairs[row0 + r] / top_k's hidden row, or null for padding (-1).
-  // A copy reads its source address when it is issued, so the table is
-  // free to rewrite once every lane has issued the previous tile's.
+  // token_rows (kGather, each producer warp, at each tile's start) writes
+  // the warp's kWarpRows row addresses to sm.tok_rows, a lane a row: sorted
+  // row row0 + r is token sorted_pairs[row0 + r] / top_k's hidden row, or
+  // null for padding (-1). A warp reads back only its own rows, so the
+  // table needs no barrier wider than the warp; a copy reads its source
+  // address when it is issued, so the rows are free to rewrite once every
+  // lane of the warp has issued the previous tile's.
   __device__ __forceinline__ static void token_rows(const Params& p, const Smem& sm, const int32_t* sorted_pairs,
                                                     int row0) {
+    const int lane = threadIdx.x % 32;
+    const int r = (threadIdx.x % 128) / 32 * kWarpRows + lane;
     __syncwarp();
-    for (int r = threadIdx.x % 32; r < BN; r += 32) {
+    if (lane < kWarpRows) {
       const int pair = sorted_pairs[row0 + r];
       sm.tok_rows[r] = pair >= 0 ? p.a_tokens + size_t(pair / p.top_k) * p.k : nullptr;
     }
     __syncwarp();
   }
 
-  // gather_tokens (kGather, the producer warp) loads stage s's token tile,
-  // K bytes [kb, kb + 128) of the rows in sm.tok_rows, with 16-byte
-  // cp.async into the layout TMA's 128-byte swizzle writes (16-byte chunk c
-  // of row r at r * 128 + (c ^ r % 8) * 16 of the 1024-byte aligned tile),
-  // which the consumers' wgmma descriptors (smem_desc) read. Eight lanes
-  // take a row's eight chunks, so each copy instruction reads four rows'
-  // 128 contiguous bytes, whole L2 sectors. Padding rows and chunks past k
-  // are zero-filled: TMA zero-fills the weights past k, and stale bytes
-  // there could be FP8 NaNs, which times zero is still NaN. Each lane
-  // arrives on full once its copies have landed (the barrier counts the
-  // 32 lanes), as CUTLASS's cp.async warp-specialized mainloop does, and
-  // the wgmmas then read the stage as they read a TMA-loaded one.
+  // gather_tokens (kGather, each producer warp) loads its kWarpRows rows
+  // of stage s's token tile, K bytes [kb, kb + 128) of the rows in
+  // sm.tok_rows, with 16-byte cp.async into the layout TMA's 128-byte
+  // swizzle writes (16-byte chunk c of row r at r * 128 + (c ^ r % 8) * 16
+  // of the 1024-byte aligned tile), which the consumers' wgmma descriptors
+  // (smem_desc) read. Eight lanes take a row's eight chunks, so each copy
+  // instruction reads four rows' 128 contiguous bytes, whole L2 sectors;
+  // a lane issues kWarpRows / 4 copies a stage (8 at 128-token tiles).
+  // Padding rows and chunks past k are zero-filled: TMA zero-fills the
+  // weights past k, and stale bytes there could be FP8 NaNs, which times
+  // zero is still NaN. Each thread arrives on full once its copies have
+  // landed (the barrier counts the warpgroup's 128), as CUTLASS's cp.async
+  // warp-specialized mainloop does, and the wgmmas then read the stage as
+  // they read a TMA-loaded one.
   __device__ __forceinline__ static void gather_tokens(const Params& p, const Smem& sm, int s, int kb) {
     const int lane = threadIdx.x % 32;
     const int c = lane % 8;
     const int col = kb + 16 * c;
     const bool in_k = col < p.k;  // k % 16 == 0: a chunk is all in or all out
     uint8_t* tile = sm.a + s * kATile;
-#pragma unroll 4
-    for (int r = lane / 8; r < BN; r += 4) {
-      const uint8_t* src = sm.tok_rows[r];
-      const bool load = in_k && src != nullptr;
-      cp_async_16_zfill(tile + r * kBK + (c ^ (r % 8)) * 16, load ? src + col : p.a_tokens, load ? 16 : 0);
+    const int r0 = (threadIdx.x % 128) / 32 * kWarpRows + lane / 8;
+    // Every row address first: the copies' memory clobber would otherwise
+    // hold each table read behind the copy before it, one shared-memory
+    // latency per copy.
+    const uint8_t* src[kWarpRows / 4];
+#pragma unroll
+    for (int i = 0; i < kWarpRows / 4; ++i) src[i] = sm.tok_rows[r0 + 4 * i];
+#pragma unroll
+    for (int i = 0; i < kWarpRows / 4; ++i) {
+      const int r = r0 + 4 * i;
+      const bool load = in_k && src[i] != nullptr;
+      cp_async_16_zfill(tile + r * kBK + (c ^ (r % 8)) * 16, load ? src[i] + col : p.a_tokens, load ? 16 : 0);
     }
     cp_async_mbar_arrive_noinc(&sm.full[s]);
   }
@@ -574,9 +599,9 @@ struct MoeGemm {
 // Persistent: each CTA walks its tiles in TileScheduler's order; a tile is
 // kNWG*64 weight rows x BN tokens of one expert. Warpgroups 0..kNWG-1
 // consume (wgmma + epilogue); warpgroup kNWG produces (one thread issues
-// the TMA loads). The producer's ring runs on across tiles, so while the
-// consumers run a tile's epilogue the next tile's operands are already
-// streaming in.
+// the TMA loads; kGather: its four warps also copy the token rows). The
+// producer's ring runs on across tiles, so while the consumers run a
+// tile's epilogue the next tile's operands are already streaming in.
 //
 // kPP (ping-pong): each consumer warpgroup takes every other tile of the
 // CTA whole (both 64-row halves, two accumulator sets), and the two take
@@ -665,7 +690,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
 
   if (wg == kNWG) {
     setmaxnreg_dec<40>();
-    if (kGather ? threadIdx.x / 32 == kNWG * 4 : threadIdx.x == kNWG * 128) {
+    if (kGather || threadIdx.x == kNWG * 128) {
       K::produce(tm_w, tm_a, p, sm, sched, routed, sorted_pairs);
     } else if (kBlk && (threadIdx.x % 128) / 32 == 1) {
       K::stage_scales(p, sm, sched);
