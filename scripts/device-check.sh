@@ -6,7 +6,9 @@
 # EXPERTD_BUILD=dir uses another carried folder (scripts/cuda-build.sh takes
 # the same variable); DEVICE_CHECK_BENCH=0 skips bench/run.sh.
 # It prints the GPU, runs the Go test binary of kernels/cuda against the
-# library (correctness on every GEMM path, then the Nemotron timings), runs
+# library (correctness on every GEMM path, again with GEMM1 reading the
+# hidden rows by token wherever it can, then the Nemotron timings), runs
+# gemm_sm90_check's quick check in that mode too when it was built, runs
 # compute-sanitizer memcheck on a small case, counts the tensor-core
 # instructions in the library's SASS, and runs bench/run.sh if present.
 # Everything that matters is also written under $OUT.
@@ -30,19 +32,41 @@ say "== correctness (go test, every GEMM path, poisoned outputs)"
 # TestDeepSeekV3Full needs ~12 GB of GPU memory and ~50 s (the CPU backend
 # checks it); it skips on smaller cards.
 EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 300 "$build/cuda.test" -test.v \
-  -test.run 'TestCases|TestActivationCases|TestGateFirst|TestActivationCodes|TestSmall|TestMaskedRows|TestErrors|TestOpen|TestHeader|TestStructs|TestOptions|TestLibraryChecksStructs|TestBlockScales|TestDeepSeekV3Full|TestCUDAIPC|TestPinnedHost|TestConcurrentCallsOnOneSet|TestSharedMemoryFaults|TestCutlass' -test.timeout 295s > "$out/test.log" 2>&1
+  -test.run 'TestCases|TestActivationCases|TestGateFirst|TestActivationCodes|TestSmall|TestMaskedRows|TestErrors|TestOpen|TestHeader|TestStructs|TestOptions|TestLibraryChecksStructs|TestBlockScales|TestDeepSeekV3Full|TestCUDAIPC|TestPinnedHost|TestConcurrentCallsOnOneSet|TestSharedMemoryFaults|TestCutlass|TestGatherFold' -test.timeout 295s > "$out/test.log" 2>&1
 rc=$?
 grep -E 'rel-L2|FAIL|PASS|ok |device:|panic|unsupported|Error' "$out/test.log" | grep -v '^=== RUN' | head -150
 say "correctness rc=$rc: $(grep -c -- '--- FAIL' "$out/test.log") failing tests, $(grep -c 'rel-L2.*vs reference' "$out/test.log") checked calls logged"
 (( rc == 0 )) || status=1
 
-say "== correctness with GEMM2 on CUTLASS wherever the set allows (EXPERTD_SM90_CUTLASS=1: static scales at any M)"
-EXPERTD_SM90_CUTLASS=1 EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 300 "$build/cuda.test" -test.v \
-  -test.run 'TestCases|TestActivationCases|TestSmall|TestCutlass' -test.timeout 295s > "$out/test-cutlass.log" 2>&1
-rc=$?
-grep -E 'FAIL|panic|GEMM2|CUTLASS' "$out/test-cutlass.log" | grep -v '^=== RUN' | head -40
-say "correctness (cutlass) rc=$rc: $(grep -c -- '--- FAIL' "$out/test-cutlass.log") failing tests, $(grep -c 'rel-L2.*vs reference' "$out/test-cutlass.log") checked calls logged"
-(( rc == 0 )) || status=1
+# switch_pass TITLE LOG LIMIT_S PATTERN TESTS VAR=VALUE... runs TESTS again
+# with the library switches given (read at init), prints the lines of the
+# log matching PATTERN and counts the failures.
+switch_pass() {
+  local title="$1" log="$out/$2" limit="$3" pattern="$4" tests="$5" rc
+  shift 5
+  say "== correctness, $title ($*)"
+  env "$@" EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout "$limit" "$build/cuda.test" -test.v \
+    -test.run "$tests" -test.timeout "$((limit - 5))s" > "$log" 2>&1
+  rc=$?
+  grep -E "$pattern" "$log" | grep -v '^=== RUN' | head -50
+  say "correctness ($title) rc=$rc: $(grep -c -- '--- FAIL' "$log") failing tests, $(grep -c 'rel-L2.*vs reference' "$log") checked calls logged"
+  (( rc == 0 )) || status=1
+}
+
+# CUTLASS's GEMM2 wherever the set allows: static scales at any M.
+switch_pass "GEMM2 on CUTLASS" test-cutlass.log 300 'FAIL|panic|GEMM2|CUTLASS' \
+  'TestCases|TestActivationCases|TestSmall|TestCutlass' EXPERTD_SM90_CUTLASS=1
+# The sm90 path's GEMM1 reads the FP8 hidden rows by token on every call
+# its 64- and 128-token tiles take (TestGatherFold's cases are all such
+# calls); unset, it never does.
+switch_pass "GEMM1 reading the hidden rows by token" test-gather.log 200 'FAIL|panic|Error' \
+  'TestGatherFold|TestCases|TestActivationCases' EXPERTD_SM90_GATHER=1
+if [[ -x "$build/gemm_sm90_check" ]]; then
+  EXPERTD_SM90_GATHER=1 timeout 120 "$build/gemm_sm90_check" quick > "$out/gemm-check-gather.log" 2>&1
+  rc=$?
+  say "gemm_sm90_check quick (by token) rc=$rc: $(grep -c 'by-token.*ok' "$out/gemm-check-gather.log") by-token GEMM1 checks ok, $(grep -c FAIL "$out/gemm-check-gather.log") failing"
+  (( rc == 0 )) || status=1
+fi
 
 say "== SASS instruction counts"
 if command -v cuobjdump >/dev/null; then

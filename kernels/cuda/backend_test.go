@@ -365,6 +365,82 @@ func checkCases(t *testing.T, b *Backend, ref kernels.Backend, cases []kerneltes
 	}
 }
 
+// gatherFoldCases are calls whose sm90 token tiles are 64 or 128 tokens
+// (17 to 256 routed pairs per expert on average), the tiles whose GEMM1 can
+// read the FP8 hidden rows by token (sm90_gather_fold): BF16 and FP32
+// hidden states (quantized once per token for it) and FP8 ones with
+// per-token and single scales, static scales, ReLU² and SiLU-gated,
+// per-tensor and per-channel weights, a K whose last 128-byte stage is
+// partial (400, 272), all tokens to one expert, precomputed routing, and
+// expert runs that end in padding rows.
+func gatherFoldCases() []kerneltest.Case {
+	gated := kerneltest.Shape{Name: "fold-gated", Activation: moe.SiluGated, E: 8, TopK: 2, K: 400, N: 208,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
+	relu := kerneltest.Shape{Name: "fold-relu2", Activation: moe.Relu2, E: 8, TopK: 2, K: 400, N: 208,
+		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, NumGroups: 1, TopKGroups: 1, ScalingFactor: 2.5}
+	// 4096 routed pairs and more at 128-token tiles, small enough for the
+	// references: prefill-shaped calls.
+	wide := kerneltest.Shape{Name: "fold-wide-relu2", Activation: moe.Relu2, E: 32, TopK: 4, K: 256, N: 128,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
+	wideG := kerneltest.Shape{Name: "fold-wide-gated", Activation: moe.SiluGated, E: 32, TopK: 4, K: 272, N: 96,
+		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, NumGroups: 4, TopKGroups: 2, ScalingFactor: 2.5}
+	fp8 := kerneltest.WithHidden(moe.Float8E4M3FN)
+	perCh := kerneltest.WithGranularity(scaling.PerChannel)
+	type opts = []kerneltest.Option
+	return []kerneltest.Case{
+		{Name: "fold/gated/K=400,N=208/M=150", Shape: gated, M: 150},
+		{Name: "fold/gated/K=400,N=208/M=500/fp8-in-per-token", Shape: gated, M: 500, Opts: opts{fp8}},
+		{Name: "fold/gated/K=400,N=208/M=500/fp8-in-per-tensor", Shape: gated, M: 500,
+			Opts: opts{fp8, kerneltest.WithHiddenScale(scaling.PerTensor)}},
+		{Name: "fold/gated/K=400,N=208/M=300/all-to-one", Shape: gated, M: 300, Opts: opts{kerneltest.WithAllTokensTo(5)}},
+		{Name: "fold/gated/K=400,N=208/M=150/precomputed/per-channel", Shape: gated, M: 150,
+			Opts: opts{kerneltest.WithPrecomputedRouting(), perCh}},
+		{Name: "fold/relu2/K=400,N=208/M=150/fp8-in/per-channel", Shape: relu, M: 150, Opts: opts{fp8, perCh}},
+		{Name: "fold/relu2/K=400,N=208/M=600/static", Shape: relu, M: 600, Opts: opts{kerneltest.WithStaticScales()}},
+		{Name: "fold/relu2/K=400,N=208/M=600/fp32-in/fp32-out", Shape: relu, M: 600,
+			Opts: opts{kerneltest.WithHidden(moe.Float32), kerneltest.WithOutput(moe.Float32)}},
+		{Name: "fold/wide-relu2/K=256,N=128/M=1024", Shape: wide, M: 1024},
+		{Name: "fold/wide-gated/K=272,N=96/M=1100/fp8-in", Shape: wideG, M: 1100, Opts: opts{fp8}},
+	}
+}
+
+// TestGatherFold runs gatherFoldCases through checkCase, then a call whose
+// precomputed ids include invalid ones (-1 and E), whose pairs every path
+// must drop: its expected output is the same call with those pairs given a
+// valid id and weight 0. scripts/device-check.sh runs it twice: as is, and
+// with EXPERTD_SM90_GATHER=1, where the sm90 path's GEMM1 reads the hidden
+// rows by token on every case.
+func TestGatherFold(t *testing.T) {
+	b := gpuBackend(t)
+	ref := cpu.New(kernels.Config{})
+	checkCases(t, b, ref, gatherFoldCases())
+
+	name := "fold/gated/K=400,N=208/M=300/precomputed-with-invalid-ids"
+	if !wantCase(name) {
+		return
+	}
+	seed := caseSeed(t)
+	gated := gatherFoldCases()[0].Shape
+	set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 0x6a7)), gated, 300, kerneltest.WithPrecomputedRouting())
+	refReq := *req
+	refReq.TopKIDs = slices.Clone(req.TopKIDs)
+	refReq.TopKWeights = slices.Clone(req.TopKWeights)
+	for i := range req.TopKIDs {
+		switch {
+		case i%5 == 1:
+			req.TopKIDs[i] = -1
+		case i%7 == 3:
+			req.TopKIDs[i] = int32(set.E)
+		default:
+			continue
+		}
+		// The library drops the pair whatever its weight; the references
+		// get a valid pair that adds nothing.
+		refReq.TopKWeights[i] = 0
+	}
+	checkCaseAgainst(t, b, ref, fmt.Sprintf("%s (seed %d)", name, seed), set, req, &refReq)
+}
+
 // TestCasesMixedBlock runs block sets whose weight scales are not block
 // scales (the service accepts any granularity with a weight_block_shape):
 // activations are still quantized per group of Bk, and the backend expands
@@ -393,6 +469,14 @@ func TestCasesMixedBlock(t *testing.T) {
 // cannot take the set must report kernels.ErrUnsupported.
 func checkCase(t *testing.T, b *Backend, ref kernels.Backend, name string, set *moe.ExpertSet, req *moe.Request) {
 	t.Helper()
+	checkCaseAgainst(t, b, ref, name, set, req, req)
+}
+
+// checkCaseAgainst is checkCase with the expected output computed from
+// refReq instead of req (the same call but for what the references cannot
+// take). Precomputed routing must come back as req gave it.
+func checkCaseAgainst(t *testing.T, b *Backend, ref kernels.Backend, name string, set *moe.ExpertSet, req, refReq *moe.Request) {
+	t.Helper()
 	ctx := context.Background()
 	l, err := b.Load(ctx, set)
 	if err != nil {
@@ -400,8 +484,11 @@ func checkCase(t *testing.T, b *Backend, ref kernels.Backend, name string, set *
 		return
 	}
 	defer l.Close()
-	want, wantIDs, wantW, tol := kerneltest.ReferenceTol(set, req)
-	cres, err := ref.FusedMoE(ctx, mustLoad(t, ref, set), req)
+	want, wantIDs, wantW, tol := kerneltest.ReferenceTol(set, refReq)
+	if req.TopKIDs != nil {
+		wantIDs, wantW = req.TopKIDs, req.TopKWeights
+	}
+	cres, err := ref.FusedMoE(ctx, mustLoad(t, ref, set), refReq)
 	if err != nil {
 		t.Fatalf("%s: cpu backend: %v", name, err)
 	}

@@ -247,7 +247,12 @@ EXPERTD_API void expertd_call_init(expertd_call* call);
  * unless it sets CUDA_MODULE_LOADING, sets that to EAGER: a kernel loaded on
  * its first launch may wait for the whole context, which a waiting lane
  * keeps busy (both take effect only if that init creates the process's
- * CUDA context). Each init also reads EXPERTD_SM90_CUTLASS from the environment, a development
+ * CUDA context).
+ * EXPERTD_SM90_GATHER, read by each init, sets whether the Hopper GEMM1
+ * reads FP8 hidden rows by token instead of after a gather pass: "1"
+ * wherever its kernels can; unset or "0" never (the default until a device
+ * run times it faster); any other value fails the init.
+ * Each init also reads EXPERTD_SM90_CUTLASS from the environment, a development
  * switch for timing GEMM2 on CUTLASS's grouped GEMM against the library's
  * own: 0 never, 1 wherever the set allows it (Hopper path, static a2
  * scale, one weight scale per expert); unset, from 192 rows per expert. */

@@ -45,6 +45,15 @@
 // 256-token tiles of two blocks of one expert (kPair, see TileScheduler). The
 // token tile per layer shape comes from the measured table in sm90_tiles.h.
 //
+// Prefill GEMM1 tiles may read the FP8 hidden rows by token instead of
+// sorted rows a gather pass wrote (kGather, MoeGemmArgs::gather): Hopper's
+// TMA has no row gather, so the producer warpgroup's four warps load each
+// stage's token tile (a quarter of its rows each) with 16-byte cp.async
+// from the rows sorted_pairs names, into the layout TMA's 128-byte swizzle
+// writes, and the consumers run as they do on TMA tiles. The hidden rows
+// fit in L2, which serves the repeated reads; the gather's write and read
+// back of a row per pair go away.
+//
 // It implements the sm90 half of moe_gemm.h.
 #include "moe_gemm.h"
 
@@ -172,6 +181,10 @@ struct Params {
   GemmAct act;
   const float* bias;
   float swiglu_limit, swiglu_alpha;
+  // kGather: the FP8 hidden rows [tokens, k] and the call's top_k (a sorted
+  // row's token is its pair / top_k).
+  const uint8_t* a_tokens;
+  int top_k;
 };
 
 // Tile is one tile of a CTA's walk: nblk alignment blocks from blk on, all
@@ -342,7 +355,7 @@ __device__ int decode_route(const Params& p, uint8_t* scratch, int* blocks, int*
 // shared memory (docs/perf-notes.md). The launch sizes the kernel's
 // dynamic shared memory by it and the kernel carves it up by it
 // (MoeGemm::Smem).
-template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kBlk, bool kPP>
+template <int BN, int kNWG, bool kGated, GemmEpilogue kEpi, bool kBlk, bool kPP, bool kGather = false>
 struct SmemPlan {
   static constexpr int kWTile = kNWG * kWGRows * kBK;  // bytes of a stage's weight tile
   static constexpr int kATile = BN * kBK;              // bytes of a stage's token tile
@@ -355,8 +368,10 @@ struct SmemPlan {
   static constexpr int kPitch = kOC * out_size(kEpi) + 16;  // staging row, padded against bank conflicts
   static constexpr int kStaging = kSets * kStageRows * kPitch;
   static constexpr int kRouteTab = can_route<BN, kNWG, kEpi, kBlk, false, false>() ? kRouteTabBytes : 0;
-  // The alignment slack, staging, barriers, row tables and routing tables.
-  static constexpr int kFixed = 1024 + kStaging + 256 + kSets * BN * 8 + kRouteTab;
+  static constexpr int kTokRows = kGather ? BN * 8 : 0;  // kGather: the tile's token row addresses
+  // The alignment slack, staging, barriers, row tables, and routing tables
+  // or token row addresses.
+  static constexpr int kFixed = 1024 + kStaging + 256 + kSets * BN * 8 + kRouteTab + kTokRows;
   static constexpr int kStagesMax = (kSmemBudget - kFixed) / kStageBytes;
   static constexpr int kStages = kStagesMax > 8 ? 8 : kStagesMax;
   static constexpr int bytes() { return kFixed + kStages * kStageBytes; }
@@ -366,13 +381,14 @@ struct SmemPlan {
 // MoeGemm is one kernel's traits (its constants, shared-memory plan and
 // carve-up, Smem) and the roles of its producer warpgroup, each a function
 // the kernel dispatches a thread or warp to: barrier setup, the TMA thread
-// (produce) and the scale warp (stage_scales), over the CTA's tile walk
-// (TileScheduler). The consumers' mainloop and epilogue are the kernel's
-// own body (moe_gemm_kernel says why).
+// or kGather's producer warpgroup (produce) and the scale warp
+// (stage_scales), over the CTA's tile walk (TileScheduler). The consumers'
+// mainloop and epilogue are the kernel's own body (moe_gemm_kernel says
+// why).
 template <int BN, int kNWG, int kStages, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk,
-          bool kTokA, bool kPair, bool kPP>
+          bool kTokA, bool kPair, bool kPP, bool kGather = false>
 struct MoeGemm {
-  using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP>;
+  using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP, kGather>;
   using Sched = TileScheduler<kPair>;
   static constexpr int kWTile = Plan::kWTile;
   static constexpr int kATile = Plan::kATile;
@@ -390,6 +406,14 @@ struct MoeGemm {
   static_assert(!kTokA || (kBlk && BN == 128 && kNWG == 2), "tokens-as-A is the 128x128 block tile");
   static_assert(!kPair || (!kBlk && BN == 256 && kNWG == 2), "paired blocks are the 256-token tile");
   static_assert(!kPP || (!kBlk && !kPair && kNWG == 2 && BN <= 128), "ping-pong: per-expert/channel, two sets");
+  static_assert(!kGather || (!kBlk && !kPair && !kTokA && kEpi != GemmEpilogue::kWeightedBF16),
+                "token rows by index: GEMM1 without block scales or paired blocks");
+  // kGather: the producer warpgroup's warps all copy token rows (the scale
+  // warp of kBlk is why the two do not mix), a quarter of the tile each.
+  static constexpr int kGatherWarps = 4;
+  static constexpr int kWarpRows = BN / kGatherWarps;
+  static_assert(!kGather || (kWarpRows % 8 == 0 && kWarpRows <= 32),
+                "token rows by index: whole 8-row swizzle groups, at most a row per lane");
 
   // Smem is the CTA's shared memory carved up in the plan's order from a
   // 1024-byte aligned start (TMA's 128-byte swizzle needs it): the kernel
@@ -411,6 +435,10 @@ struct MoeGemm {
     // kBlk: per stage, the activation scales of the tile's BN tokens for
     // the stage's K block (kAsStage floats, see as_slot).
     float* a_sc;
+    // kGather (where a_sc would be): the current tile's BN token rows'
+    // addresses, null for padding; each producer warp writes and reads its
+    // own quarter (kWarpRows).
+    const uint8_t** tok_rows;
   };
 
   // init_barriers (one thread) sets up the ring's barriers and ping-pong's
@@ -418,8 +446,9 @@ struct MoeGemm {
   __device__ __forceinline__ static void init_barriers(const Smem& sm) {
     for (int s = 0; s < kStages; ++s) {
       // kBlk: the TMA thread and the 32 lanes of the scale warp arrive on
-      // full; every consumer warp on empty (see the mainloop).
-      mbar_init(&sm.full[s], kBlk ? 1 + 32 : 1);
+      // full; kGather: the TMA thread and the producer warpgroup's 128
+      // threads; every consumer warp on empty (see the mainloop).
+      mbar_init(&sm.full[s], kBlk ? 1 + 32 : kGather ? 1 + 32 * kGatherWarps : 1);
       mbar_init(&sm.empty[s], kBlk ? kNWG * 4 : kPP ? 1 : kNWG);
     }
     mbar_init(&sm.order[0], 1);
@@ -427,8 +456,12 @@ struct MoeGemm {
     fence_mbar_init();
   }
 
-  // produce (the producer warpgroup's first thread) loads every stage of
-  // the CTA's tiles with TMA: the weight tile and the tile's token rows.
+  // produce (the producer warpgroup's first thread; kGather: all of its
+  // threads) loads every stage of the CTA's tiles: the weight tile with
+  // TMA, and the tile's token rows with TMA or, kGather, with each warp's
+  // cp.async copies (gather_tokens). kGather's warps wait on nothing but
+  // the ring's empty barriers, so a warp that has issued its quarter of a
+  // stage moves on to the next free stage without waiting for the others.
   // With DecodeRoute (routed) the rows are the token's row of the hidden
   // states. routed and sorted_pairs are the kernel's variables, taken by
   // reference: by value, cicc reorders the routing's address arithmetic
@@ -443,29 +476,93 @@ struct MoeGemm {
       // DecodeRoute: the token's row (rows past the token's come in
       // zero-filled or belong to rows whose outputs are dropped).
       const int row0 = routed ? sorted_pairs[tr.blk * p.block_rows] / p.route.rp.top_k : tr.blk * p.block_rows;
+      if constexpr (kGather) token_rows(p, sm, sorted_pairs, row0);
       for (int kt = 0; kt < p.num_k_iters; ++kt, ++it) {
         const int s = it % kStages;
         mbar_wait(&sm.empty[s], ((it / kStages) & 1) ^ 1);
-        mbar_expect_tx(&sm.full[s], kWTile + (kPair ? tr.nblk * (BN / 2) * kBK : kATile));
         const int kb = kt * kBK;
-        if (kGated) {
-          // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
-          // group holds 8 gate channels then the same 8 up channels, so a
-          // thread's accumulator rows r and r+8 are a gate/up pair.
-          tma_load_5d(sm.w + s * kWTile, &tm_w, &sm.full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
-        } else {
-          tma_load_3d(sm.w + s * kWTile, &tm_w, &sm.full[s], kb, wtile * kNWG * kWGRows, expert);
-        }
-        if (kPair) {
-          // Box of BN/2 rows: one load per block of the tile.
-          for (int h = 0; h < tr.nblk; ++h) {
-            tma_load_2d(sm.a + s * kATile + h * (BN / 2) * kBK, &tm_a, &sm.full[s], kb, row0 + h * (BN / 2));
+        if (!kGather || threadIdx.x % 128 == 0) {
+          // kGather: TMA brings the weights' bytes alone, issued before the
+          // thread's token copies so the larger load starts first.
+          mbar_expect_tx(&sm.full[s], kWTile + (kGather ? 0 : kPair ? tr.nblk * (BN / 2) * kBK : kATile));
+          if (kGated) {
+            // Box {128 B, 8 rows, gate/up, 4*kNWG row groups}: each 16-row
+            // group holds 8 gate channels then the same 8 up channels, so a
+            // thread's accumulator rows r and r+8 are a gate/up pair.
+            tma_load_5d(sm.w + s * kWTile, &tm_w, &sm.full[s], kb, 0, 0, wtile * 4 * kNWG, expert);
+          } else {
+            tma_load_3d(sm.w + s * kWTile, &tm_w, &sm.full[s], kb, wtile * kNWG * kWGRows, expert);
           }
-        } else {
-          tma_load_2d(sm.a + s * kATile, &tm_a, &sm.full[s], kb, row0);
+          if (kGather) {
+            // The token rows come by cp.async, below.
+          } else if (kPair) {
+            // Box of BN/2 rows: one load per block of the tile.
+            for (int h = 0; h < tr.nblk; ++h) {
+              tma_load_2d(sm.a + s * kATile + h * (BN / 2) * kBK, &tm_a, &sm.full[s], kb, row0 + h * (BN / 2));
+            }
+          } else {
+            tma_load_2d(sm.a + s * kATile, &tm_a, &sm.full[s], kb, row0);
+          }
         }
+        if constexpr (kGather) gather_tokens(p, sm, s, kb);
       }
     });
+    if constexpr (kGather) cp_async_wait_all();
+  }
+
+  // token_rows (kGather, each producer warp, at each tile's start) writes
+  // the warp's kWarpRows row addresses to sm.tok_rows, a lane a row: sorted
+  // row row0 + r is token sorted_pairs[row0 + r] / top_k's hidden row, or
+  // null for padding (-1). A warp reads back only its own rows, so the
+  // table needs no barrier wider than the warp; a copy reads its source
+  // address when it is issued, so the rows are free to rewrite once every
+  // lane of the warp has issued the previous tile's.
+  __device__ __forceinline__ static void token_rows(const Params& p, const Smem& sm, const int32_t* sorted_pairs,
+                                                    int row0) {
+    const int lane = threadIdx.x % 32;
+    const int r = (threadIdx.x % 128) / 32 * kWarpRows + lane;
+    __syncwarp();
+    if (lane < kWarpRows) {
+      const int pair = sorted_pairs[row0 + r];
+      sm.tok_rows[r] = pair >= 0 ? p.a_tokens + size_t(pair / p.top_k) * p.k : nullptr;
+    }
+    __syncwarp();
+  }
+
+  // gather_tokens (kGather, each producer warp) loads its kWarpRows rows
+  // of stage s's token tile, K bytes [kb, kb + 128) of the rows in
+  // sm.tok_rows, with 16-byte cp.async into the layout TMA's 128-byte
+  // swizzle writes (16-byte chunk c of row r at r * 128 + (c ^ r % 8) * 16
+  // of the 1024-byte aligned tile), which the consumers' wgmma descriptors
+  // (smem_desc) read. Eight lanes take a row's eight chunks, so each copy
+  // instruction reads four rows' 128 contiguous bytes, whole L2 sectors;
+  // a lane issues kWarpRows / 4 copies a stage (8 at 128-token tiles).
+  // Padding rows and chunks past k are zero-filled: TMA zero-fills the
+  // weights past k, and stale bytes there could be FP8 NaNs, which times
+  // zero is still NaN. Each thread arrives on full once its copies have
+  // landed (the barrier counts the warpgroup's 128), as CUTLASS's cp.async
+  // warp-specialized mainloop does, and the wgmmas then read the stage as
+  // they read a TMA-loaded one.
+  __device__ __forceinline__ static void gather_tokens(const Params& p, const Smem& sm, int s, int kb) {
+    const int lane = threadIdx.x % 32;
+    const int c = lane % 8;
+    const int col = kb + 16 * c;
+    const bool in_k = col < p.k;  // k % 16 == 0: a chunk is all in or all out
+    uint8_t* tile = sm.a + s * kATile;
+    const int r0 = (threadIdx.x % 128) / 32 * kWarpRows + lane / 8;
+    // Every row address first: the copies' memory clobber would otherwise
+    // hold each table read behind the copy before it, one shared-memory
+    // latency per copy.
+    const uint8_t* src[kWarpRows / 4];
+#pragma unroll
+    for (int i = 0; i < kWarpRows / 4; ++i) src[i] = sm.tok_rows[r0 + 4 * i];
+#pragma unroll
+    for (int i = 0; i < kWarpRows / 4; ++i) {
+      const int r = r0 + 4 * i;
+      const bool load = in_k && src[i] != nullptr;
+      cp_async_16_zfill(tile + r * kBK + (c ^ (r % 8)) * 16, load ? src[i] + col : p.a_tokens, load ? 16 : 0);
+    }
+    cp_async_mbar_arrive_noinc(&sm.full[s]);
   }
 
   // stage_scales (kBlk: the producer warpgroup's second warp) follows the
@@ -502,9 +599,9 @@ struct MoeGemm {
 // Persistent: each CTA walks its tiles in TileScheduler's order; a tile is
 // kNWG*64 weight rows x BN tokens of one expert. Warpgroups 0..kNWG-1
 // consume (wgmma + epilogue); warpgroup kNWG produces (one thread issues
-// the TMA loads). The producer's ring runs on across tiles, so while the
-// consumers run a tile's epilogue the next tile's operands are already
-// streaming in.
+// the TMA loads; kGather: its four warps also copy the token rows). The
+// producer's ring runs on across tiles, so while the consumers run a
+// tile's epilogue the next tile's operands are already streaming in.
 //
 // kPP (ping-pong): each consumer warpgroup takes every other tile of the
 // CTA whole (both 64-row halves, two accumulator sets), and the two take
@@ -523,12 +620,12 @@ struct MoeGemm {
 // consumers' address arithmetic and registers (scripts/sass-diff.sh shows
 // it), so their code stays in the kernel's own body.
 template <int BN, int kNWG, int kStages, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk,
-          bool kTokA, bool kPair, bool kPP>
+          bool kTokA, bool kPair, bool kPP, bool kGather>
 __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_a,
                     const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using K = MoeGemm<BN, kNWG, kStages, kGated, kAct, kEpi, kPC, kBlk, kTokA, kPair, kPP>;
+  using K = MoeGemm<BN, kNWG, kStages, kGated, kAct, kEpi, kPC, kBlk, kTokA, kPair, kPP, kGather>;
   constexpr int kWTile = K::kWTile, kATile = K::kATile, kRegs = K::kRegs, kHalves = K::kHalves;
   constexpr int kTileThreads = K::kTileThreads, kOC = K::kOC, kESize = K::kESize, kPitch = K::kPitch;
   constexpr int kStageRows = K::kStageRows, kAsStage = K::kAsStage;
@@ -555,7 +652,8 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
   float* row_scale = reinterpret_cast<float*>(order + 2);
   int* row_dst = reinterpret_cast<int*>(row_scale + K::kSets * BN);
   float* a_sc = reinterpret_cast<float*>(row_dst + K::kSets * BN);
-  const typename K::Smem sm{w_smem, a_smem, stage, full, empty, order, row_scale, row_dst, a_sc};
+  const typename K::Smem sm{w_smem, a_smem, stage, full, empty, order, row_scale, row_dst, a_sc,
+                            reinterpret_cast<const uint8_t**>(a_sc)};
 
   // The call's layout: the align step's, or with DecodeRoute this CTA's
   // own (tables where a_sc would be, which these kernels do not use), and
@@ -592,7 +690,7 @@ __global__ void __launch_bounds__((kNWG + 1) * 128, 1)
 
   if (wg == kNWG) {
     setmaxnreg_dec<40>();
-    if (threadIdx.x == kNWG * 128) {
+    if (kGather || threadIdx.x == kNWG * 128) {
       K::produce(tm_w, tm_a, p, sm, sched, routed, sorted_pairs);
     } else if (kBlk && (threadIdx.x % 128) / 32 == 1) {
       K::stage_scales(p, sm, sched);
@@ -960,9 +1058,9 @@ Act1 act1_of(const MoeGemmArgs& a, bool gated) {
 }
 
 template <int BN, int kNWG, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA,
-          bool kPair, bool kPP>
+          bool kPair, bool kPP, bool kGather>
 cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
-  using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP>;
+  using Plan = SmemPlan<BN, kNWG, kGated, kEpi, kBlk, kPP, kGather>;
   constexpr int kOC = Plan::kOC;
   constexpr int kStages = Plan::kStages;
   static_assert(kStages >= 3, "tile too large for shared memory");
@@ -984,7 +1082,10 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
     err = encode(&tm_w, a.w, 3, dims, strides, box);
   }
   if (err != cudaSuccess) return err;
-  {
+  if constexpr (kGather) {
+    // The producer warp reads the token rows by address instead.
+    std::memset(&tm_a, 0, sizeof tm_a);
+  } else {
     cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.a_rows)};
     cuuint64_t strides[1] = {cuuint64_t(a.k)};
     cuuint32_t box[2] = {kBK, kPair ? BN / 2 : BN};
@@ -992,7 +1093,7 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
 
-  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kAct, kEpi, kPC, kBlk, kTokA, kPair, kPP>;
+  auto kernel = moe_gemm_kernel<BN, kNWG, kStages, kGated, kAct, kEpi, kPC, kBlk, kTokA, kPair, kPP, kGather>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
 
@@ -1027,6 +1128,8 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
   p.block_n = kBlk ? a.block_n : 1;
   p.w_row_blocks = kBlk ? (a.w_rows + a.block_n - 1) / a.block_n : 0;
   p.w_k_blocks = kBlk ? (a.k + a.block_k - 1) / a.block_k : 0;
+  p.a_tokens = kGather ? a.a : nullptr;
+  p.top_k = kGather ? a.top_k : 0;
 
   // Persistent grid: as many CTAs as fit on the current device at once,
   // never more than the largest possible tile count (the real count is on
@@ -1054,41 +1157,46 @@ cudaError_t launch_plan(const MoeGemmArgs& a, cudaStream_t stream) {
 }
 
 template <int BN, int kNWG, bool kGated, Act1 kAct, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA = false,
-          bool kPair = false, bool kPP = false>
+          bool kPair = false, bool kPP = false, bool kGather = false>
 cudaError_t launch_cfg(const MoeGemmArgs& a, cudaStream_t stream) {
   // Ping-pong's second staging tile must leave four stages: one is held by
   // the wgmma group in flight, and the rest stream the next tile while a
   // warpgroup runs its epilogue. Tiles where it does not (FP32 staging of
   // 128 tokens) run cooperatively.
-  constexpr bool kRunPP = kPP && SmemPlan<BN, kNWG, kGated, kEpi, kBlk, true>::kStages >= 4;
-  return launch_plan<BN, kNWG, kGated, kAct, kEpi, kPC, kBlk, kTokA, kPair, kRunPP>(a, stream);
+  constexpr bool kRunPP = kPP && SmemPlan<BN, kNWG, kGated, kEpi, kBlk, true, kGather>::kStages >= 4;
+  return launch_plan<BN, kNWG, kGated, kAct, kEpi, kPC, kBlk, kTokA, kPair, kRunPP, kGather>(a, stream);
 }
 
 // launch_epi picks the kernel for one epilogue and weight-scale layout.
 // GEMM1's activation: gated or not, and which Act1 (act1_of).
-template <int BN, int kNWG, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA, bool kPair, bool kPP>
+template <int BN, int kNWG, GemmEpilogue kEpi, bool kPC, bool kBlk, bool kTokA, bool kPair, bool kPP, bool kGather>
 cudaError_t launch_act(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (act1_of(a, gated)) {
     case Act1::kPlain:
-      return gated ? launch_cfg<BN, kNWG, true, Act1::kPlain, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s)
-                   : launch_cfg<BN, kNWG, false, Act1::kPlain, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, Act1::kPlain, kEpi, kPC, kBlk, kTokA, kPair, kPP, kGather>(a, s)
+                   : launch_cfg<BN, kNWG, false, Act1::kPlain, kEpi, kPC, kBlk, kTokA, kPair, kPP, kGather>(a, s);
     case Act1::kSwiglu:
-      return launch_cfg<BN, kNWG, true, Act1::kSwiglu, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+      return launch_cfg<BN, kNWG, true, Act1::kSwiglu, kEpi, kPC, kBlk, kTokA, kPair, kPP, kGather>(a, s);
     default:
-      return gated ? launch_cfg<BN, kNWG, true, Act1::kAny, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s)
-                   : launch_cfg<BN, kNWG, false, Act1::kAny, kEpi, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+      return gated ? launch_cfg<BN, kNWG, true, Act1::kAny, kEpi, kPC, kBlk, kTokA, kPair, kPP, kGather>(a, s)
+                   : launch_cfg<BN, kNWG, false, Act1::kAny, kEpi, kPC, kBlk, kTokA, kPair, kPP, kGather>(a, s);
   }
 }
 
-template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false, bool kPP = false>
+template <int BN, int kNWG, bool kPC, bool kBlk, bool kTokA = false, bool kPair = false, bool kPP = false,
+          bool kGather = false>
 cudaError_t launch_epi(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
   switch (a.epilogue) {
     case GemmEpilogue::kAct1FP8:
-      return launch_act<BN, kNWG, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPP>(a, gated, s);
+      return launch_act<BN, kNWG, GemmEpilogue::kAct1FP8, kPC, kBlk, kTokA, kPair, kPP, kGather>(a, gated, s);
     case GemmEpilogue::kAct1F32:
-      return launch_act<BN, kNWG, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPP>(a, gated, s);
+      return launch_act<BN, kNWG, GemmEpilogue::kAct1F32, kPC, kBlk, kTokA, kPair, kPP, kGather>(a, gated, s);
     case GemmEpilogue::kWeightedBF16:
-      return launch_cfg<BN, kNWG, false, Act1::kPlain, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+      if constexpr (kGather) {
+        return cudaErrorInvalidValue;  // GEMM2 reads GEMM1's sorted rows
+      } else {
+        return launch_cfg<BN, kNWG, false, Act1::kPlain, GemmEpilogue::kWeightedBF16, kPC, kBlk, kTokA, kPair, kPP>(a, s);
+      }
   }
   return cudaErrorInvalidValue;
 }
@@ -1105,16 +1213,36 @@ bool toka_ok(const MoeGemmArgs& a, bool gated) {
 // pair_tiles says whether 128-row alignment blocks run as 256-token tiles
 // of two blocks (kPair; per-expert and per-channel scales): the sm90_pair
 // option, off by default until its timing beats 128- and 256-token tiles.
-bool pair_tiles(const MoeGemmArgs& a) {
-  return switches().sm90_pair.load(std::memory_order_relaxed) && a.w_mode != WScale::kBlock;
+bool pair_tiles(WScale w_mode) {
+  return switches().sm90_pair.load(std::memory_order_relaxed) && w_mode != WScale::kBlock;
 }
 
 bool ping_pong() { return switches().sm90_pingpong.load(std::memory_order_relaxed); }
 
+// gather_tiles says whether the kernels can read a GEMM1's token rows by
+// token (kGather): the prefill tiles of 64 and 128 tokens, two consumer
+// warpgroups under the default ping-pong schedule, without block scales
+// (whose scale warp has the producer warpgroup's second warp; their tiles
+// would need kGather's own kernels too) or paired blocks; rows of whole
+// 16-byte chunks at 16-byte aligned addresses, as cp.async copies them.
+bool gather_tiles(int block_rows, WScale w_mode, int k, const void* rows) {
+  return (block_rows == 64 || block_rows == 128) && w_mode != WScale::kBlock &&
+         !(block_rows == 128 && pair_tiles(w_mode)) && ping_pong() && k % 16 == 0 &&
+         (reinterpret_cast<uintptr_t>(rows) & 15) == 0;
+}
+
 template <int BN, int kNWG>
 cudaError_t launch_scales(const MoeGemmArgs& a, bool gated, cudaStream_t s) {
+  if constexpr (BN == 64 || BN == 128) {
+    // Ping-pong kernels (launch_cfg runs them cooperatively where their
+    // staging leaves too few stages), as the tiles without kGather.
+    if (a.gather) {
+      return a.w_mode == WScale::kPerChannel ? launch_epi<BN, kNWG, true, false, false, false, true, true>(a, gated, s)
+                                             : launch_epi<BN, kNWG, false, false, false, false, true, true>(a, gated, s);
+    }
+  }
   if constexpr (BN == 128) {
-    if (pair_tiles(a)) {
+    if (pair_tiles(a.w_mode)) {
       return a.w_mode == WScale::kPerChannel ? launch_epi<256, 2, true, false, false, true>(a, gated, s)
                                              : launch_epi<256, 2, false, false, false, true>(a, gated, s);
     }
@@ -1149,6 +1277,11 @@ cudaError_t launch(const MoeGemmArgs& a, bool gated, cudaStream_t stream) {
   if (a.k % 16 != 0 || n % 16 != 0 || a.n_out % 16 != 0 || a.max_blocks <= 0) return cudaErrorInvalidValue;
   // Block scales: K blocks of one stage (128), any block_n.
   if (a.w_mode == WScale::kBlock && (a.block_k != kBK || a.block_n <= 0)) return cudaErrorInvalidValue;
+  // kGather: GEMM1's tiles that gather_tiles names.
+  if (a.gather && (a.epilogue == GemmEpilogue::kWeightedBF16 || a.route.on || a.top_k < 1 ||
+                   !gather_tiles(a.block_rows, a.w_mode, a.k, a.a))) {
+    return cudaErrorInvalidValue;
+  }
   // DecodeRoute: only the kernels can_route names take it.
   if (a.route.on && (a.epilogue == GemmEpilogue::kWeightedBF16 || a.a_rows != 1 ||
                      !sm90_decode_route(a.route.rp.m, a.route.rp.top_k, a.route.rp.e, a.block_rows, a.w_mode, a.a))) {
@@ -1194,6 +1327,13 @@ bool sm90_block_supported(int block_n, int block_k) { return block_n > 0 && bloc
 bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale w_mode, const void* hidden) {
   return m == 1 && block_rows == 8 && w_mode != WScale::kBlock && top_k >= 1 && top_k <= kRoutePairs &&
          route_smem_per_warp(num_experts) + 256 <= kRouteScratch && (reinterpret_cast<uintptr_t>(hidden) & 15) == 0;
+}
+
+// sm90_gather_fold is off unless EXPERTD_SM90_GATHER=1: the by-token
+// GEMM1 has yet to time faster than the gather pass and TMA-fed GEMM1 on
+// a device (docs/perf-notes.md, "gatherfold2").
+bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows) {
+  return switches().sm90_gather.load(std::memory_order_relaxed) && gather_tiles(block_rows, w_mode, k, rows);
 }
 
 int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden, int inter, bool gated) {

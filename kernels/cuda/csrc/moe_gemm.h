@@ -7,7 +7,9 @@
 // one expert (block_expert[block]). Sorted row r holds pair sorted_pairs[r],
 // or -1 for padding. The activations are gathered into sorted order before
 // GEMM1 (a1q[r] = quantized hidden[token of sorted_pairs[r]]), so both GEMMs
-// read A rows contiguously, which TMA and cp.async want.
+// read A rows contiguously, which TMA and cp.async want; with
+// EXPERTD_SM90_GATHER=1 the Hopper GEMM1 may read the hidden rows by token
+// instead (MoeGemmArgs::gather).
 //
 // GEMM1: act[r, :] = epilogue((a1q[r] . W13[e]^T) * a_scale(r) * w_scale[e])
 //   written in sorted order, FP8 (static a2) or FP32 (dynamic a2 runs a
@@ -54,6 +56,9 @@ struct Switches {
   // EXPERTD_SM90_CUTLASS (0 or 1) sets it at each expertd_init, so one
   // process can time both with two copies of the library.
   std::atomic<int> sm90_cutlass{-1};
+  // GEMM1 reading FP8 hidden rows by token wherever the kernels can
+  // (sm90_gather_fold; EXPERTD_SM90_GATHER=1, see parse_sm90_gather).
+  std::atomic<bool> sm90_gather{false};
   std::atomic<bool> poison{false};
   std::atomic<bool> host_trace{false};
   std::atomic<int> sync_spin_us{0};
@@ -65,6 +70,21 @@ struct Switches {
 inline Switches& switches() {
   static Switches s;
   return s;
+}
+
+// parse_sm90_gather reads EXPERTD_SM90_GATHER's value v (null where unset)
+// into *on for Switches::sm90_gather: "1" on; unset or "0" off; any other
+// value is refused (false). The variable rather than an option, so one
+// library is timed both ways (a device A/B) without a new ABI field.
+inline bool parse_sm90_gather(const char* v, bool* on) {
+  if (v == nullptr || (v[0] == '0' && v[1] == 0)) {
+    *on = false;
+  } else if (v[0] == '1' && v[1] == 0) {
+    *on = true;
+  } else {
+    return false;
+  }
+  return true;
 }
 
 constexpr float kMinScale = 1e-10f;  // MOE_SPEC: near-zero scales give NaN on Hopper
@@ -236,6 +256,14 @@ struct MoeGemmArgs {
   // kSwigluOAI's limit and alpha.
   const float* bias;
   float swiglu_limit, swiglu_alpha;
+
+  // GEMM1 only, Hopper only, appended for the same reason. With gather set
+  // (sm90_gather_fold says when), a is the FP8 hidden rows themselves
+  // [a_rows = tokens, k] and sorted row r is token sorted_pairs[r] / top_k's
+  // row (zeros for -1): the tiles read the rows by token, so no pass copies
+  // them into sorted order first. a_scale_rows stays per sorted row.
+  bool gather;
+  int top_k;
 };
 
 // Portable path (gemm_portable.cu), every epilogue: mma.sync m16n8k32 e4m3 on sm_89+, or
@@ -276,6 +304,13 @@ int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hi
 // address, 8-token tiles, per-expert or per-channel weight scales, top_k
 // within a warp and the routing scratch within the kernel's ring.
 bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale w_mode, const void* hidden);
+// sm90_gather_fold says whether a call's GEMM1 reads its FP8 hidden rows
+// (rows, [tokens, k]) by token (MoeGemmArgs::gather) instead of from rows a
+// gather pass has copied into sorted order: where Switches::sm90_gather is
+// on (off by default) and the kernels can (token tiles of 64 or 128
+// without block scales or paired blocks, k % 16 == 0, 16-byte aligned
+// rows).
+bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows);
 #endif
 
 }  // namespace expertd

@@ -401,6 +401,23 @@ __global__ void gather_quant_kernel(GatherParams p, const void* hidden, const fl
 // kGatherRowsPerBlock is gather_fp8_kernel's rows per block: a warp a row.
 constexpr int kGatherRowsPerBlock = 8;
 
+// token_scale is the clamped scale of scale group gi (of ng) of token tok's
+// FP8 hidden row, as kernels/cpu reads hidden_scale: one value, one per
+// token (checked first, so M = M*ng means per token), else one per token
+// and group; none: fallback_scale.
+__device__ __forceinline__ float token_scale(const GatherParams& p, const float* hidden_scale, int tok, int gi,
+                                             int ng) {
+  float s = p.fallback_scale;
+  if (p.n_hidden_scale == 1) {
+    s = hidden_scale[0];
+  } else if (p.n_hidden_scale == p.m) {
+    s = hidden_scale[tok];
+  } else if (p.n_hidden_scale > 1) {
+    s = hidden_scale[size_t(tok) * ng + gi];
+  }
+  return clamp_scale(s);
+}
+
 // gather_fp8_row copies sorted row `row` (pair >= 0) with one warp; see
 // gather_fp8_kernel.
 __device__ __forceinline__ void gather_fp8_row(const GatherParams& p, const uint8_t* hidden, const float* hidden_scale,
@@ -435,26 +452,14 @@ __device__ __forceinline__ void gather_fp8_row(const GatherParams& p, const uint
   } else {
     for (int i = lane; i < K; i += 32) dst[i] = src[i];
   }
-  for (int gi = lane; gi < ng; gi += 32) {
-    float s = p.fallback_scale;
-    if (p.n_hidden_scale == 1) {
-      s = hidden_scale[0];
-    } else if (p.n_hidden_scale == p.m) {
-      s = hidden_scale[tok];
-    } else if (p.n_hidden_scale > 1) {
-      s = hidden_scale[size_t(tok) * ng + gi];
-    }
-    a1s[size_t(row) * ng + gi] = clamp_scale(s);
-  }
+  for (int gi = lane; gi < ng; gi += 32) a1s[size_t(row) * ng + gi] = token_scale(p, hidden_scale, tok, gi, ng);
 }
 
 // gather_fp8_kernel: the gather when the hidden rows are FP8 already (the
 // caller's, or quant_tokens_kernel's): a warp copies one sorted row, so a
 // block moves eight rows instead of one (a block a row leaves the kernel
 // bound by block scheduling at prefill sizes). a1s[row, ceil(k/group)]
-// takes the row's scales as kernels/cpu reads hidden_scale: one value, one
-// per token (checked first, so M = M*ng means per token), else one per
-// token and group; none: fallback_scale.
+// takes the row's token's scales (token_scale).
 __global__ void gather_fp8_kernel(GatherParams p, const uint8_t* hidden, const float* hidden_scale,
                                   const int32_t* sorted_pairs, const int32_t* num_blocks, int block_rows,
                                   uint8_t* a1q, float* a1s) {
@@ -465,6 +470,24 @@ __global__ void gather_fp8_kernel(GatherParams p, const uint8_t* hidden, const f
   const int pair = sorted_pairs[row];
   if (pair < 0) return;
   gather_fp8_row(p, hidden, hidden_scale, row, pair, a1q, a1s);
+}
+
+// kGatherScalesThreads is gather_scales_kernel's block size: a thread a row.
+constexpr int kGatherScalesThreads = 256;
+
+// gather_scales_kernel: gather_fp8_kernel's a1s alone, a thread a sorted
+// row, for calls whose GEMM1 reads the FP8 hidden rows by token itself
+// (sm90_gather_fold) and still takes the row scales by sorted row.
+__global__ void gather_scales_kernel(GatherParams p, const float* hidden_scale, const int32_t* sorted_pairs,
+                                     const int32_t* num_blocks, int block_rows, float* a1s) {
+  pdl_wait();
+  pdl_trigger();
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= *num_blocks * block_rows) return;
+  const int pair = sorted_pairs[row];
+  if (pair < 0) return;
+  const int ng = (p.k + p.group - 1) / p.group;
+  for (int gi = 0; gi < ng; ++gi) a1s[size_t(row) * ng + gi] = token_scale(p, hidden_scale, pair / p.top_k, gi, ng);
 }
 
 // decode_prologue_kernel (one block) runs a small call's steps before

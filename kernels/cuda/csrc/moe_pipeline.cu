@@ -4,9 +4,11 @@
 //
 // One call runs, all on the GPU and on the set's own stream:
 //   route (or take precomputed ids) -> align (expert-sorted, block-padded
-//   rows) -> gather + quantize hidden into sorted FP8 rows -> GEMM1 with the
-//   activation epilogue -> [dynamic a2 only: per-row FP8 requant] -> GEMM2
-//   with the router weight -> combine into BF16/FP32.
+//   rows) -> gather + quantize hidden into sorted FP8 rows (on the Hopper
+//   path with EXPERTD_SM90_GATHER=1, the rows' scales alone: GEMM1 reads the
+//   FP8 rows by token, fold_gather) -> GEMM1 with the activation epilogue
+//   -> [dynamic a2 only: per-row FP8 requant] -> GEMM2 with the router
+//   weight -> combine into BF16/FP32.
 // The steps before GEMM1 take a shape per call size (enqueue): a one-token
 // call with FP8 hidden states on the Hopper path leaves them to GEMM1
 // (DecodeRoute), other small calls run them as one launch
@@ -265,6 +267,23 @@ Prologue prologue(const Call& c, int E, int pairs) {
 // the kernels around the GEMMs").
 bool quantize_once(const Call& c) { return int64_t(c.top_k - 1) * c.m >= 2048; }
 
+// fold_gather says whether a call's GEMM1 reads the FP8 hidden rows by
+// token itself (sm90_gather_fold) instead of a gather pass copying them
+// into sorted order first: the caller's FP8 rows (hidden), or BF16/FP32
+// ones quantized once per token into the workspace (hq) for it. A call
+// whose prologue copies its few rows in the same launch keeps that.
+bool fold_gather(const Set& s, const Call& c, const Layout& L, bool sm90, const Prologue& pro, const void* hidden,
+                 const uint8_t* hq) {
+#ifdef EXPERTD_HAVE_SM90
+  if (!sm90 || (pro.one_launch && pro.gather)) return false;
+  const void* rows = c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN ? hidden : hq;
+  return sm90_gather_fold(L.block_rows, s.w13_mode, s.K, rows);
+#else
+  (void)s, (void)c, (void)L, (void)sm90, (void)pro, (void)hidden, (void)hq;
+  return false;
+#endif
+}
+
 // launch_gemm launches GEMM1 or GEMM2 (which) on the call's path.
 int launch_gemm(int which, const MoeGemmArgs& a, bool sm90, bool f16, cudaStream_t st) {
   cudaError_t err;
@@ -321,11 +340,13 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   decode_route = sm90 && !L.cutlass2 &&
                  sm90_decode_route(c.m, c.top_k, s.E, BM, s.w13_mode, fp8_in ? p.hidden : ws + L.hq);
 #endif
+  const Prologue pro = prologue(c, s.E, L.p);
+  const bool fold = !decode_route && fold_gather(s, c, L, sm90, pro, p.hidden, ws + L.hq);
   // Large calls quantize each token's row once and gather FP8 copies of
-  // it; small ones quantize in the gather, one launch fewer on the chain,
-  // unless GEMM1 routes: then one small launch replaces the prologue's
-  // routing block and the quantizing gather.
-  const bool quant_once = !fp8_in && (quantize_once(c) || decode_route);
+  // it, or fold the gather into GEMM1; small ones quantize in the gather,
+  // one launch fewer on the chain, unless GEMM1 routes: then one small
+  // launch replaces the prologue's routing block and the quantizing gather.
+  const bool quant_once = !fp8_in && (quantize_once(c) || decode_route || fold);
   const int group1 = s.block_k > 0 ? s.block_k : s.K;
   const void* hidden = p.hidden;
   const float* hidden_scale = p.hidden_scale;
@@ -357,7 +378,6 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   const RouteParams rp{c.m, s.E, c.top_k, c.renormalize, c.scoring, c.num_groups, c.topk_groups, c.scaling,
                        c.logits_dtype};
   const size_t align_smem = 2 * size_t(s.E) * sizeof(int);
-  const Prologue pro = prologue(c, s.E, L.p);
   if (decode_route) {
     // GEMM1 does it.
   } else if (pro.one_launch) {
@@ -386,8 +406,15 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
                        block_expert, num_blocks));
     }
   }
+  const bool a1_rows = !(c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && s.a13_scale > 0);
   if (decode_route) {
     // GEMM1 reads the token's row.
+  } else if (fold) {
+    // GEMM1 reads the rows by token; it takes their scales by sorted row.
+    if (a1_rows) {
+      CK(launch_kernel(pdl, gather_scales_kernel, (L.max_rows + kGatherScalesThreads - 1) / kGatherScalesThreads,
+                       kGatherScalesThreads, 0, st, gp, hidden_scale, sorted, num_blocks, BM, a1s));
+    }
   } else if (fp8_rows && !(pro.one_launch && pro.gather)) {
     CK(launch_kernel(pdl, gather_fp8_kernel, (L.max_rows + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock,
                      32 * kGatherRowsPerBlock, 0, st, gp, static_cast<const uint8_t*>(hidden), hidden_scale, sorted,
@@ -396,7 +423,6 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
     CK(launch_kernel(pdl, gather_quant_kernel, L.max_rows, 128, 0, st, gp, hidden, hidden_scale, sorted,
                      num_blocks, BM, a1q, a1s));
   }
-  const bool a1_rows = !(c.hidden_dtype != EXPERTD_DTYPE_FLOAT8_E4M3FN && s.a13_scale > 0);
 
   MoeGemmArgs g1{};
   g1.w = s.w13;
@@ -431,6 +457,12 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g1.out_inv_scale = static_a2 ? 1.0f / clamp_scale(s.a2_scale) : 1.f;
   g1.pair_weight = p.w;
   g1.pdl = pdl;
+  if (fold) {
+    g1.a = static_cast<const uint8_t*>(hidden);
+    g1.a_rows = c.m;
+    g1.gather = true;
+    g1.top_k = c.top_k;
+  }
   if (decode_route) {
     // The token's row and scale as the gather would have made them: the
     // scale clamped, the fallback where the call has none.
@@ -457,6 +489,7 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
 
   MoeGemmArgs g2 = g1;
   g2.route = DecodeRoute{};
+  g2.gather = false;
   g2.a_rows = L.max_rows;
   g2.w = s.w2;
   g2.w_rows = s.K;

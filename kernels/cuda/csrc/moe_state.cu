@@ -287,7 +287,12 @@ int set_options(const expertd_options* o) {
     return fail(EXPERTD_ERR_INVALID, "init: %d streams per set, want 1..%d", o->streams, EXPERTD_MAX_STREAMS);
   if (o->sync_spin_us < 0 || o->sync_spin_us > EXPERTD_MAX_SPIN_US)
     return fail(EXPERTD_ERR_INVALID, "init: sync_spin_us=%d, want 0..%d", o->sync_spin_us, EXPERTD_MAX_SPIN_US);
+  const char* gather = std::getenv("EXPERTD_SM90_GATHER");
+  bool gather_on;
+  if (!parse_sm90_gather(gather, &gather_on))
+    return fail(EXPERTD_ERR_INVALID, "init: EXPERTD_SM90_GATHER=%.16s: want 0 or 1 (or unset)", gather);
   Switches& s = switches();
+  s.sm90_gather = gather_on;
   s.streams = o->streams;
   s.pdl = o->pdl != 0;
   s.sm90_block = o->sm90_block != 0;

@@ -9,8 +9,8 @@
 //   mbarriers                mbar_init, fence_mbar_init, mbar_expect_tx,
 //                            mbar_arrive, mbar_wait
 //   TMA (async proxy)        tma_load_2d/3d/5d, fence_proxy_async_smem
-//   cp.async (4-byte gather) cp_async_4, cp_async_mbar_arrive_noinc,
-//                            cp_async_wait_all
+//   cp.async (gathers)       cp_async_4, cp_async_16_zfill,
+//                            cp_async_mbar_arrive_noinc, cp_async_wait_all
 //   warpgroup registers      setmaxnreg_dec<N>, setmaxnreg_inc<N>
 //   named barriers           bar_sync_n<kId, kThreads>, bar_sync<kThreads>
 //   wgmma                    wgmma_fence, wgmma_commit, wgmma_wait<N>,
@@ -104,6 +104,14 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 // (through L1).
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+// cp_async_16_zfill copies the first src_bytes (0 or 16) of 16 bytes from
+// global src to shared dst asynchronously and zero-fills the rest; it
+// bypasses L1 (.cg), since each byte is read once per stage. With
+// src_bytes 0 nothing is read, but src must still be a global address.
+__device__ __forceinline__ void cp_async_16_zfill(void* dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
 }
 // cp_async_mbar_arrive_noinc arrives on bar once this thread's earlier
 // cp.async copies have landed; the arrival counts against the barrier's

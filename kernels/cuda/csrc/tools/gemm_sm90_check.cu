@@ -22,7 +22,11 @@
 // the tree's kernels at each forced token tile), BN=n (force the tile
 // everywhere), PROFILE_M / PROFILE_CASE,
 // EXPERTD_SM90_PAIR=1 (paired 256-token tiles), EXPERTD_SM90_PINGPONG=0
-// (two-warpgroup tiles cooperative instead of ping-pong), AB_WARM=1 (an
+// (two-warpgroup tiles cooperative instead of ping-pong),
+// EXPERTD_SM90_GATHER=1 (GEMM1 reads each pair's row of [M, K] token rows
+// by token wherever its kernels can, MoeGemmArgs::gather, checked against
+// the reference on the rows gathered into sorted order; under ab the
+// baseline reads the gathered rows), AB_WARM=1 (an
 // untimed run after each L2 flush, so the timed one finds what fits of its
 // weights in L2).
 #include <cuda_bf16.h>
@@ -62,6 +66,9 @@ int cdiv(int a, int b) { return (a + b - 1) / b; }
 // token tile (BN, BNS).
 bool g_base = false;
 int g_force_bn = 0;
+// g_gather (EXPERTD_SM90_GATHER=1): the tree's GEMM1 reads token rows by
+// token where sm90_gather_fold allows.
+bool g_gather = false;
 // g_warm (AB_WARM): time each GEMM after an untimed run of it, so it finds
 // what fits of its weights in L2: its time when they are not what bounds it.
 bool g_warm = false;
@@ -210,6 +217,16 @@ Layout make_layout(const Case& c, std::mt19937& rng) {
   return L;
 }
 
+// gather_rows copies token rows into sorted order (one block a sorted row;
+// padding rows stay as they are), as the library's gather pass does: the
+// reference's input for a GEMM1 that reads the token rows itself.
+__global__ void gather_rows(const uint8_t* tokens, int k, int top_k, const int32_t* sorted_pairs, uint8_t* rows) {
+  const int r = blockIdx.x;
+  const int pair = sorted_pairs[r];
+  if (pair < 0) return;
+  for (int i = threadIdx.x; i < k; i += blockDim.x) rows[size_t(r) * k + i] = tokens[size_t(pair / top_k) * k + i];
+}
+
 uint8_t* rand_fp8_dev(size_t n, float sd, std::mt19937& rng) {
   uint8_t* d;
   CK(cudaMalloc(&d, n + 16));
@@ -236,6 +253,11 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
   uint8_t* dw1 = rand_fp8_dev(size_t(c.E) * w1_rows * c.K, 1.f, rng);
   uint8_t* dw2 = rand_fp8_dev(size_t(c.E) * c.K * c.N, 1.f, rng);
   uint8_t* da = rand_fp8_dev(size_t(L.rows) * c.K, 4.f, rng);
+  // g_gather: the token rows GEMM1 reads where it can, and da their copies
+  // in sorted order (the reference's and the baseline's input). The rows
+  // are drawn whether or not the tree's GEMM1 takes them, so ab's baseline
+  // and tree runs see the same data.
+  uint8_t* dtok = g_gather && !g_block ? rand_fp8_dev(size_t(c.M) * c.K, 4.f, rng) : nullptr;
   uint8_t* di = rand_fp8_dev(size_t(L.rows) * c.N, 4.f, rng);
   // Block mode: weight scales [E, row blocks, K blocks], activation scales
   // [rows, K blocks] for both GEMMs; else per expert, and per row for GEMM1.
@@ -254,6 +276,11 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
   int32_t *dbe = to_dev(L.block_expert), *dsp = to_dev(L.sorted_pairs);
   std::vector<int32_t> nb{L.num_blocks};
   int32_t* dnb = to_dev(nb);
+  const bool gather = dtok && expertd::sm90_gather_fold(L.block_rows, WScale::kPerExpert, c.K, dtok);
+  if (gather) {
+    gather_rows<<<L.rows, 128>>>(dtok, c.K, c.topk, dsp, da);
+    CK(cudaGetLastError());
+  }
   size_t out1 = size_t(L.rows) * c.N, out2 = size_t(L.pairs) * c.K;
   void* dout;
   CK(cudaMalloc(&dout, std::max(out1, out2) * 4));
@@ -294,6 +321,12 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
     g.ld_out = g.n_out;
     g.out_inv_scale = 1.f / 0.01f;
     g.pair_weight = dpw;
+    if (gather && !second && !g_base) {
+      g.a = dtok;
+      g.a_rows = c.M;
+      g.gather = true;
+      g.top_k = c.topk;
+    }
     size_t nout = second ? out2 : out1;
     auto launch = [&] {
       if (g_base) return second ? expertd_base_gemm2(&g, 0) : expertd_base_gemm1(&g, 0);
@@ -315,7 +348,7 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
     }
     CK(cudaGetLastError());
     dim3 rg(L.rows, (g.n_out + 127) / 128);
-    ref_gemm<<<rg, 128>>>(g.w, g.w_rows, g.k, gated, g.n_out, g.a, L.rows, L.block_rows, dbe, dsp,
+    ref_gemm<<<rg, 128>>>(g.w, g.w_rows, g.k, gated, g.n_out, second ? di : da, L.rows, L.block_rows, dbe, dsp,
                           g.a_scale_rows, g.a_scale, g.w_scale, epi, g.out_inv_scale, dpw, dref, g_block);
     CK(cudaGetLastError());
     decode_out<<<(nout + 255) / 256, 256>>>(dout, epi, nout, dgot);
@@ -346,8 +379,8 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
     double tol = epi == 0 ? 3e-2 : 1e-2;
     bool pass = bad == 0 && rel <= tol && den > 0;
     ok = ok && pass;
-    std::printf("%-28s epi=%d BN=%3d blocks=%4d rel_l2=%.3e nonfinite=%ld checked=%ld %s\n", c.name, epi,
-                L.block_rows, L.num_blocks, rel, bad, checked, pass ? "ok" : "FAIL");
+    std::printf("%-28s epi=%d BN=%3d blocks=%4d%s rel_l2=%.3e nonfinite=%ld checked=%ld %s\n", c.name, epi,
+                L.block_rows, L.num_blocks, g.gather ? " by-token" : "", rel, bad, checked, pass ? "ok" : "FAIL");
     }
 
     if (time_it && (epi == 0 || epi == 2) && ok) {
@@ -380,8 +413,8 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
         if (b == 0 || L.block_expert[b] != L.block_expert[b - 1]) hit++;
       double flops = 2.0 * L.pairs * g.k * (second ? c.K : w1_rows);
       double wbytes = double(hit) * g.w_rows * g.k;
-      std::fprintf(g_log, "  time %-4s %-12s epi=%d M=%5d BN=%3d  %.4f ms  %7.1f TFLOP/s (%.0f%% of 1471)  %5.2f TB/s weights (%.0f%% of 4.28)\n",
-                  g_base ? "base" : "new", c.name, epi, c.M, L.block_rows, med, flops / med / 1e9,
+      std::fprintf(g_log, "  time %-4s %-12s epi=%d M=%5d BN=%3d%s  %.4f ms  %7.1f TFLOP/s (%.0f%% of 1471)  %5.2f TB/s weights (%.0f%% of 4.28)\n",
+                  g_base ? "base" : "new", c.name, epi, c.M, L.block_rows, g.gather ? " by-token" : "", med, flops / med / 1e9,
                   flops / med / 1e9 / 14.71, wbytes / med / 1e9, wbytes / med / 1e6 / 42.8);
       g_sum_ms += med;
       g_sum_flops += flops;
@@ -390,7 +423,7 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
   }
   cudaFree(dw1); cudaFree(dw2); cudaFree(da); cudaFree(di); cudaFree(dws1); cudaFree(dws2);
   cudaFree(dasr); cudaFree(dasr2); cudaFree(dpw); cudaFree(dbe); cudaFree(dsp); cudaFree(dnb); cudaFree(dout);
-  cudaFree(dref); cudaFree(dgot);
+  cudaFree(dref); cudaFree(dgot); cudaFree(dtok);
   return ok;
 }
 
@@ -492,7 +525,7 @@ int tiles_table(std::mt19937& rng) {
   // The command as run: the variables that change what is timed, then the
   // tool, so the header says how to reproduce this very table.
   std::string cmd;
-  for (const char* v : {"TILES_M", "EXPERTD_SM90_PAIR", "EXPERTD_SM90_PINGPONG", "AB_WARM"})
+  for (const char* v : {"TILES_M", "EXPERTD_SM90_PAIR", "EXPERTD_SM90_PINGPONG", "EXPERTD_SM90_GATHER", "AB_WARM"})
     if (const char* x = std::getenv(v)) cmd += std::string(v) + "=" + x + " ";
   cmd += "build/gemm_sm90_check tiles > kernels/cuda/csrc/sm90_tiles.h";
   std::printf("// Code generated by gemm_sm90_check tiles. DO NOT EDIT.\n");
@@ -527,6 +560,11 @@ int main(int argc, char** argv) {
   // links the GEMM alone, so it sets the one it times from the environment.
   if (const char* pair = std::getenv("EXPERTD_SM90_PAIR")) expertd::switches().sm90_pair = std::strcmp(pair, "1") == 0;
   if (const char* pp = std::getenv("EXPERTD_SM90_PINGPONG")) expertd::switches().sm90_pingpong = std::strcmp(pp, "0") != 0;
+  if (!expertd::parse_sm90_gather(std::getenv("EXPERTD_SM90_GATHER"), &g_gather)) {
+    std::fprintf(stderr, "EXPERTD_SM90_GATHER: want 0 or 1\n");
+    return 2;
+  }
+  expertd::switches().sm90_gather = g_gather;
   if (ab && (expertd_base_gemm1 == nullptr || expertd_base_block_rows == nullptr)) {
     std::fprintf(stderr, "ab: this binary has no baseline linked (scripts/sm90-ab-build.sh builds one)\n");
     return 2;
