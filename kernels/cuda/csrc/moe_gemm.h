@@ -54,6 +54,9 @@ struct Switches {
   // EXPERTD_SM90_CUTLASS (0 or 1) sets it at each expertd_init, so one
   // process can time both with two copies of the library.
   std::atomic<int> sm90_cutlass{-1};
+  // GEMM1 of ReLU² layers on CUTLASS (use_cutlass1), the same three ways
+  // from EXPERTD_SM90_CUTLASS1; the rule is off for now.
+  std::atomic<int> sm90_cutlass1{-1};
   std::atomic<bool> poison{false};
   std::atomic<bool> host_trace{false};
   std::atomic<int> sync_spin_us{0};
