@@ -36,12 +36,20 @@ grep -E 'rel-L2|FAIL|PASS|ok |device:|panic|unsupported|Error' "$out/test.log" |
 say "correctness rc=$rc: $(grep -c -- '--- FAIL' "$out/test.log") failing tests, $(grep -c 'rel-L2.*vs reference' "$out/test.log") checked calls logged"
 (( rc == 0 )) || status=1
 
-say "== correctness with GEMM2 on CUTLASS wherever the set allows (EXPERTD_SM90_CUTLASS=1: static scales at any M)"
-EXPERTD_SM90_CUTLASS=1 EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 300 "$build/cuda.test" -test.v \
+say "== correctness with both GEMMs on CUTLASS wherever the set allows (EXPERTD_SM90_CUTLASS=1 EXPERTD_SM90_CUTLASS1=1: static scales at any M; GEMM1 for ReLU² layers without bias)"
+EXPERTD_SM90_CUTLASS=1 EXPERTD_SM90_CUTLASS1=1 EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 300 "$build/cuda.test" -test.v \
   -test.run 'TestCases|TestActivationCases|TestSmall|TestCutlass' -test.timeout 295s > "$out/test-cutlass.log" 2>&1
 rc=$?
-grep -E 'FAIL|panic|GEMM2|CUTLASS' "$out/test-cutlass.log" | grep -v '^=== RUN' | head -40
+grep -E 'FAIL|panic|GEMM|CUTLASS' "$out/test-cutlass.log" | grep -v '^=== RUN' | head -40
 say "correctness (cutlass) rc=$rc: $(grep -c -- '--- FAIL' "$out/test-cutlass.log") failing tests, $(grep -c 'rel-L2.*vs reference' "$out/test-cutlass.log") checked calls logged"
+(( rc == 0 )) || status=1
+
+say "== correctness with GEMM1 alone on CUTLASS (EXPERTD_SM90_CUTLASS1=1 EXPERTD_SM90_CUTLASS=0: the hand-written GEMM2 after it)"
+EXPERTD_SM90_CUTLASS=0 EXPERTD_SM90_CUTLASS1=1 EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 120 "$build/cuda.test" -test.v \
+  -test.run 'TestCutlass' -test.timeout 115s > "$out/test-cutlass1.log" 2>&1
+rc=$?
+grep -E 'FAIL|panic' "$out/test-cutlass1.log" | head -20
+say "correctness (cutlass1) rc=$rc: $(grep -c -- '--- FAIL' "$out/test-cutlass1.log") failing tests, $(grep -c 'rel-L2.*vs reference' "$out/test-cutlass1.log") checked calls logged"
 (( rc == 0 )) || status=1
 
 say "== SASS instruction counts"
