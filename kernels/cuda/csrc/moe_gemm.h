@@ -55,7 +55,7 @@ struct Switches {
   // process can time both with two copies of the library.
   std::atomic<int> sm90_cutlass{-1};
   // GEMM1 of ReLU² layers on CUTLASS (use_cutlass1), the same three ways
-  // from EXPERTD_SM90_CUTLASS1; the rule is off for now.
+  // from EXPERTD_SM90_CUTLASS1; the rule itself is off (kByDefault).
   std::atomic<int> sm90_cutlass1{-1};
   std::atomic<bool> poison{false};
   std::atomic<bool> host_trace{false};
