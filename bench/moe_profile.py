@@ -53,7 +53,8 @@ def kernel_label(name: str) -> str:
     if "moe_gemm" in name:
         return "gemm?"
     if "cutlass::device_kernel" in name:
-        return "gemm2 (cutlass)"
+        # GEMM1's epilogue (cutlass_grouped.cuh) names its functor.
+        return "gemm1 (cutlass)" if "Relu2Scale" in name else "gemm2 (cutlass)"
     base = name.split("(")[0].split("<")[0]
     return base.replace("void ", "").split("::")[-1]
 

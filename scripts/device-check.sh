@@ -53,9 +53,13 @@ switch_pass() {
   (( rc == 0 )) || status=1
 }
 
-# CUTLASS's GEMM2 wherever the set allows: static scales at any M.
-switch_pass "GEMM2 on CUTLASS" test-cutlass.log 300 'FAIL|panic|GEMM2|CUTLASS' \
-  'TestCases|TestActivationCases|TestSmall|TestCutlass' EXPERTD_SM90_CUTLASS=1
+# Both GEMMs on CUTLASS wherever the set allows: static scales at any M;
+# GEMM1 for ReLU² layers without bias.
+switch_pass "both GEMMs on CUTLASS" test-cutlass.log 300 'FAIL|panic|GEMM|CUTLASS' \
+  'TestCases|TestActivationCases|TestSmall|TestCutlass' EXPERTD_SM90_CUTLASS=1 EXPERTD_SM90_CUTLASS1=1
+# GEMM1 alone on CUTLASS, the hand-written GEMM2 after it.
+switch_pass "GEMM1 alone on CUTLASS" test-cutlass1.log 120 'FAIL|panic' \
+  'TestCutlass' EXPERTD_SM90_CUTLASS=0 EXPERTD_SM90_CUTLASS1=1
 # The sm90 path's GEMM1 reads the FP8 hidden rows by token on every call
 # its 64- and 128-token tiles take (TestGatherFold's cases are all such
 # calls); unset, it never does.
@@ -67,6 +71,7 @@ if [[ -x "$build/gemm_sm90_check" ]]; then
   say "gemm_sm90_check quick (by token) rc=$rc: $(grep -c 'by-token.*ok' "$out/gemm-check-gather.log") by-token GEMM1 checks ok, $(grep -c FAIL "$out/gemm-check-gather.log") failing"
   (( rc == 0 )) || status=1
 fi
+
 
 say "== SASS instruction counts"
 if command -v cuobjdump >/dev/null; then

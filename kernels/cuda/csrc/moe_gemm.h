@@ -59,6 +59,9 @@ struct Switches {
   // GEMM1 reading FP8 hidden rows by token wherever the kernels can
   // (sm90_gather_fold; EXPERTD_SM90_GATHER=1, see parse_sm90_gather).
   std::atomic<bool> sm90_gather{false};
+  // GEMM1 of ReLU² layers on CUTLASS (use_cutlass1), the same three ways
+  // from EXPERTD_SM90_CUTLASS1; the rule itself is off (kByDefault).
+  std::atomic<int> sm90_cutlass1{-1};
   std::atomic<bool> poison{false};
   std::atomic<bool> host_trace{false};
   std::atomic<int> sync_spin_us{0};

@@ -110,14 +110,17 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.a2s = take(R * g2 * 4);
   // GEMM2's rows: one per pair (the hand-written kernel's), or one per
   // sorted row (CUTLASS's) with the pairs' rows and the GEMM's scratch.
+  L.cutlass1 = use_cutlass1(s, c);
   L.cutlass2 = use_cutlass2(s, c);
   L.y = take((L.cutlass2 ? R : P) * K * 2);
   L.pair_row = take(L.cutlass2 ? P * 4 : 0);
-  size_t cutlass2_ws = 0;
+  size_t cutlass1_ws = 0, cutlass2_ws = 0;
 #ifdef EXPERTD_HAVE_CUTLASS
+  if (L.cutlass1) cutlass1_ws = gemm1_cutlass_workspace(s.device, s.E);
   if (L.cutlass2) cutlass2_ws = gemm2_cutlass_workspace(s.device, s.E);
 #endif
   L.cutlass2_ws = take(cutlass2_ws);
+  L.cutlass1_ws = take(cutlass1_ws);
   L.total = off;
   return L;
 }
@@ -335,9 +338,9 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   // caller's or quant_tokens_kernel's.
   bool decode_route = false;
 #ifdef EXPERTD_HAVE_SM90
-  // Not under CUTLASS's GEMM2, which reads the align step's layout: each
+  // Not under CUTLASS's GEMMs, which read the align step's layout: each
   // expert's rows in one run, experts in order.
-  decode_route = sm90 && !L.cutlass2 &&
+  decode_route = sm90 && !L.cutlass1 && !L.cutlass2 &&
                  sm90_decode_route(c.m, c.top_k, s.E, BM, s.w13_mode, fp8_in ? p.hidden : ws + L.hq);
 #endif
   const Prologue pro = prologue(c, s.E, L.p);
@@ -479,14 +482,6 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
     g1.route.a_scale = gp.n_hidden_scale > 0 ? hidden_scale : nullptr;
   }
 
-  if (int rc = launch_gemm(1, g1, sm90, f16, st)) return rc;
-
-  if (!static_a2) {
-    const int group2 = s.block_k > 0 ? s.block_k : s.N;
-    CK(launch_kernel(pdl, requant_kernel, L.max_rows, 128, 0, st, static_cast<const float*>(act), s.N,
-                     group2, sorted, num_blocks, BM, a2q, a2s));
-  }
-
   MoeGemmArgs g2 = g1;
   g2.route = DecodeRoute{};
   g2.gather = false;
@@ -509,14 +504,34 @@ int enqueue(Set& s, uint8_t* ws, const Call& c, const Layout& L, const Ptrs& p, 
   g2.ld_out = s.K;
   g2.out_inv_scale = 1.f;
   int32_t* pair_row = reinterpret_cast<int32_t*>(ws + L.pair_row);
-  if (L.cutlass2) {
+
+  // gemm runs GEMM which (1 or 2) on CUTLASS where the layout says so,
+  // else on the call's path; one setup launch for the GEMMs on CUTLASS
+  // goes ahead of the first of them.
+  [[maybe_unused]] bool prepped = false;
+  auto gemm = [&](int which, const MoeGemmArgs& g, bool on_cutlass) -> int {
+    if (!on_cutlass) return launch_gemm(which, g, sm90, f16, st);
 #ifdef EXPERTD_HAVE_CUTLASS
-    const cudaError_t err = launch_gemm2_cutlass(g2, s.device, pair_row, ws + L.cutlass2_ws, st);
-    if (err != cudaSuccess) return cuda_fail(err, "gemm2 (cutlass)");
+    if (!prepped) {
+      prepped = true;
+      CK(launch_cutlass_prep(L.cutlass1 ? &g1 : nullptr, ws + L.cutlass1_ws, L.cutlass2 ? &g2 : nullptr, pair_row,
+                             ws + L.cutlass2_ws, s.device, st));
+    }
+    const cudaError_t err = which == 1 ? launch_gemm1_cutlass(g, s.device, ws + L.cutlass1_ws, st)
+                                       : launch_gemm2_cutlass(g, s.device, ws + L.cutlass2_ws, st);
+    if (err != cudaSuccess) return cuda_fail(err, which == 1 ? "gemm1 (cutlass)" : "gemm2 (cutlass)");
 #endif
-  } else if (int rc = launch_gemm(2, g2, sm90, f16, st)) {
-    return rc;
+    return EXPERTD_OK;
+  };
+  if (int rc = gemm(1, g1, L.cutlass1)) return rc;
+
+  if (!static_a2) {
+    const int group2 = s.block_k > 0 ? s.block_k : s.N;
+    CK(launch_kernel(pdl, requant_kernel, L.max_rows, 128, 0, st, static_cast<const float*>(act), s.N,
+                     group2, sorted, num_blocks, BM, a2q, a2s));
   }
+
+  if (int rc = gemm(2, g2, L.cutlass2)) return rc;
 
   const dim3 combine_grid(c.m, (s.K + kCombineCols - 1) / kCombineCols);
   auto* combine = L.cutlass2 ? combine_kernel<true> : combine_kernel<false>;

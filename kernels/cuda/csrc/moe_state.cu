@@ -274,6 +274,15 @@ int host_unregister(int device, void* ptr) {
   return EXPERTD_OK;
 }
 
+namespace {
+// env_switch is a three-way development switch from the environment: 0
+// or 1 as set, -1 (the library's rule) when unset or anything else.
+int env_switch(const char* name) {
+  const char* v = std::getenv(name);
+  return !v ? -1 : std::strcmp(v, "0") == 0 ? 0 : std::strcmp(v, "1") == 0 ? 1 : -1;
+}
+}  // namespace
+
 int set_options(const expertd_options* o) {
   expertd_options d;
   if (!o) {
@@ -305,8 +314,8 @@ int set_options(const expertd_options* o) {
   // A development switch rather than an option: it picks between two
   // kernels that compute the same thing, for timing them against each
   // other (docs/perf-notes.md).
-  const char* cutlass = std::getenv("EXPERTD_SM90_CUTLASS");
-  s.sm90_cutlass = !cutlass ? -1 : std::strcmp(cutlass, "0") == 0 ? 0 : std::strcmp(cutlass, "1") == 0 ? 1 : -1;
+  s.sm90_cutlass = env_switch("EXPERTD_SM90_CUTLASS");
+  s.sm90_cutlass1 = env_switch("EXPERTD_SM90_CUTLASS1");
   return EXPERTD_OK;
 }
 
@@ -475,28 +484,57 @@ bool use_sm90(const Set& s, const Call& c) {
          (c.gemm == EXPERTD_GEMM_AUTO && sm90_ok(s) && (s.block_k == 0 || sm90_block_default()));
 }
 
-// use_cutlass2 says whether a call's GEMM2 runs on CUTLASS's grouped GEMM
-// (gemm_cutlass.h): on the Hopper path, with one weight scale per expert and
-// a static a2 scale, whose product is the expert's epilogue alpha, and from
-// kMinRows mean rows per expert (M * top_k / E) on, unless the sm90_cutlass
-// switch says never or always.
-bool use_cutlass2(const Set& s, const Call& c) {
 #ifdef EXPERTD_HAVE_CUTLASS
+namespace {
+// cutlass_size says whether a call is large enough for CUTLASS's grouped
+// GEMMs by the default rule, or sw (a sm90_cutlass switch) says always:
+// from kMinRows mean rows per expert (M * top_k / E) on.
+bool cutlass_size(int sw, const Set& s, const Call& c) {
   // Below 128 an expert's rows fill less than one of CUTLASS's 128-token
   // tiles, while the hand-written kernel's token tile follows the call's
   // size; kMinRows is the least mean the library's whole call has been
-  // timed faster at with CUTLASS (docs/perf-notes.md, "CUTLASS GEMM2 in the
-  // library"), so no unmeasured size changes kernel.
+  // timed faster at with CUTLASS's GEMM2 (docs/perf-notes.md, "CUTLASS
+  // GEMM2 in the library"), so no unmeasured size changes kernel.
   constexpr int64_t kMinRows = 192;
+  return sw == 1 || int64_t(c.m) * c.top_k >= kMinRows * s.E;
+}
+}  // namespace
+
+// use_cutlass1 says whether a call's GEMM1 runs on CUTLASS's grouped GEMM
+// (gemm_cutlass.h): on the Hopper path, for a ReLU² layer with no expert
+// bias, one weight scale per expert, one activation scale for all of the
+// call's rows (a static a13 scale, or FP8 hidden states with at most one
+// scale) and a static a2 scale, at cutlass_size's sizes. Off unless the
+// sm90_cutlass1 switch says always, until a device run times the whole
+// call faster with it (docs/perf-notes.md, "CUTLASS GEMM1 for ReLU²
+// layers"); kByDefault then turns on the size rule.
+bool use_cutlass1(const Set& s, const Call& c) {
+  constexpr bool kByDefault = false;
+  const int sw = switches().sm90_cutlass1.load(std::memory_order_relaxed);
+  // An FP8 call's per-token or per-group scales differ within an expert's
+  // rows, and the epilogue has one alpha per expert.
+  const bool one_a1_scale =
+      c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN ? c.n_hidden_scale <= 1 : s.a13_scale > 0;
+  if (sw == 0 || (sw == -1 && !kByDefault) || !use_sm90(s, c) || s.w13_bias || !one_a1_scale ||
+      !(s.a2_scale > 0) || !gemm1_cutlass_supported(s.K, s.N, s.w13_mode, gemm_act(s.act)))
+    return false;
+  return cutlass_size(sw, s, c);
+}
+
+// use_cutlass2 says whether a call's GEMM2 runs on CUTLASS's grouped GEMM
+// (gemm_cutlass.h): on the Hopper path, with one weight scale per expert and
+// a static a2 scale, whose product is the expert's epilogue alpha, at
+// cutlass_size's sizes unless the sm90_cutlass switch says never or always.
+bool use_cutlass2(const Set& s, const Call& c) {
   const int sw = switches().sm90_cutlass.load(std::memory_order_relaxed);
   if (sw == 0 || !use_sm90(s, c) || !(s.a2_scale > 0) || !gemm2_cutlass_supported(s.K, s.N, s.w2_mode)) return false;
-  return sw == 1 || int64_t(c.m) * c.top_k >= kMinRows * s.E;
-#else
-  (void)s;
-  (void)c;
-  return false;
-#endif
+  return cutlass_size(sw, s, c);
 }
+#else
+// Without the CUTLASS unit every GEMM runs on the library's own kernels.
+bool use_cutlass1(const Set&, const Call&) { return false; }
+bool use_cutlass2(const Set&, const Call&) { return false; }
+#endif
 
 int block_rows_for(const Set& s, const Call& c, bool sm90) {
 #ifdef EXPERTD_HAVE_SM90

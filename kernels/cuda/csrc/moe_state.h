@@ -108,8 +108,9 @@ struct Layout {
   size_t sorted, block_expert, num_blocks, align, a1q, a1s, hq, hqs, act, a2q, a2s, y, out;
   // GEMM2 on CUTLASS (use_cutlass2): y then holds max_rows sorted rows, and
   // the call has pair_row [p] and the GEMM's scratch (gemm_cutlass.h).
-  bool cutlass2;
-  size_t pair_row, cutlass2_ws;
+  // GEMM1 on CUTLASS (use_cutlass1): its scratch.
+  bool cutlass1, cutlass2;
+  size_t pair_row, cutlass2_ws, cutlass1_ws;
   size_t in_begin, in_end, out_end, total;
 };
 
@@ -277,6 +278,7 @@ bool e4m3_mma(const Set& s);
 bool sm90_ok(const Set& s);
 bool use_pdl(const Set& s);
 bool use_sm90(const Set& s, const Call& c);
+bool use_cutlass1(const Set& s, const Call& c);
 bool use_cutlass2(const Set& s, const Call& c);
 int block_rows_for(const Set& s, const Call& c, bool sm90);
 

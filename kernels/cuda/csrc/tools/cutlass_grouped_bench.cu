@@ -130,7 +130,7 @@ struct Grouped {
                           reinterpret_cast<StrideA*>(b + o_a),
                           reinterpret_cast<const ElementIn**>(const_cast<const void**>(p.ptr_b)),
                           reinterpret_cast<StrideB*>(b + o_b), reinterpret_cast<ElementOut**>(const_cast<void**>(p.ptr_d)),
-                          reinterpret_cast<StrideD*>(b + o_d), p.ptr_alpha, hw);
+                          reinterpret_cast<StrideD*>(b + o_d), T::fusion(p.ptr_alpha), hw);
     };
     const size_t ws = Gemm::get_workspace_size(args_at(reinterpret_cast<char*>(256)));
     if (cudaMalloc(&plan->dev, o_ws + ws + 256) != cudaSuccess) return fail("cudaMalloc");
