@@ -278,7 +278,8 @@ bool quantize_once(const Call& c) { return int64_t(c.top_k - 1) * c.m >= 2048; }
 bool fold_gather(const Set& s, const Call& c, const Layout& L, bool sm90, const Prologue& pro, const void* hidden,
                  const uint8_t* hq) {
 #ifdef EXPERTD_HAVE_SM90
-  if (!sm90 || (pro.one_launch && pro.gather)) return false;
+  // CUTLASS's GEMM1 reads its rows through TMA in sorted order: it needs the gather pass.
+  if (!sm90 || L.cutlass1 || (pro.one_launch && pro.gather)) return false;
   const void* rows = c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN ? hidden : hq;
   return sm90_gather_fold(L.block_rows, s.w13_mode, s.K, rows);
 #else
