@@ -52,10 +52,11 @@ def kernel_label(name: str) -> str:
         return "gemm2" if m.group(1) == "2" else "gemm1"
     if "moe_gemm" in name:
         return "gemm?"
-    if "cutlass::device_kernel" in name:
+    # CUPTI gives some kernels' names demangled and others mangled.
+    if "cutlass::device_kernel" in name or "cutlass13device_kernel" in name:
         # GEMM1's epilogue (cutlass_grouped.cuh) names its functor.
         return "gemm1 (cutlass)" if "Relu2Scale" in name else "gemm2 (cutlass)"
-    base = name.split("(")[0].split("<")[0]
+    base = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
     return base.replace("void ", "").split("::")[-1]
 
 
