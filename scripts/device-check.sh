@@ -32,7 +32,7 @@ say "== correctness (go test, every GEMM path, poisoned outputs)"
 # TestDeepSeekV3Full needs ~12 GB of GPU memory and ~50 s (the CPU backend
 # checks it); it skips on smaller cards.
 EXPERTD_CUDA_GEMM=portable EXPERTD_CUDA_POISON=1 timeout 300 "$build/cuda.test" -test.v \
-  -test.run 'TestCases|TestActivationCases|TestGateFirst|TestActivationCodes|TestSmall|TestMaskedRows|TestErrors|TestOpen|TestHeader|TestStructs|TestOptions|TestLibraryChecksStructs|TestBlockScales|TestDeepSeekV3Full|TestCUDAIPC|TestPinnedHost|TestConcurrentCallsOnOneSet|TestSharedMemoryFaults|TestCutlass|TestGatherFold' -test.timeout 295s > "$out/test.log" 2>&1
+  -test.run 'TestCases|TestActivationCases|TestGateFirst|TestActivationCodes|TestSmall|TestMaskedRows|TestErrors|TestOpen|TestHeader|TestStructs|TestOptions|TestLibraryChecksStructs|TestBlockScales|TestDeepSeekV3Full|TestCUDAIPC|TestPinnedHost|TestConcurrentCallsOnOneSet|TestSharedMemoryFaults|TestCutlass|TestGatherFold|TestOneSetManySizes' -test.timeout 295s > "$out/test.log" 2>&1
 rc=$?
 grep -E 'rel-L2|FAIL|PASS|ok |device:|panic|unsupported|Error' "$out/test.log" | grep -v '^=== RUN' | head -150
 say "correctness rc=$rc: $(grep -c -- '--- FAIL' "$out/test.log") failing tests, $(grep -c 'rel-L2.*vs reference' "$out/test.log") checked calls logged"

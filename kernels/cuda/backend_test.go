@@ -441,6 +441,34 @@ func TestGatherFold(t *testing.T) {
 	checkCaseAgainst(t, b, ref, fmt.Sprintf("%s (seed %d)", name, seed), set, req, &refReq)
 }
 
+// TestOneSetManySizes calls one loaded set at several large M in an order
+// where the workspace grows only once (the largest M first), so every later
+// call lays its buffers out over what an earlier, larger call left there.
+// The multi-block align keeps counters in the workspace from call to call;
+// each call must still find them zeroed, wherever its other buffers lie.
+func TestOneSetManySizes(t *testing.T) {
+	b := gpuBackend(t)
+	ref := cpu.New(kernels.Config{})
+	// E = 32, top_k 4: M >= 2048 is 8192 routed pairs or more, where the
+	// align runs over many blocks.
+	wide := kerneltest.Shape{Name: "sizes-relu2", Activation: moe.Relu2, E: 32, TopK: 4, K: 256, N: 128,
+		Scoring: moe.Softmax, Renormalize: true, ScalingFactor: 1}
+	seed := caseSeed(t)
+	rng := rand.New(rand.NewPCG(seed, 0x512e5))
+	var l kernels.Loaded
+	for i, m := range []int{4096, 2048, 3000, 2600, 2048, 4096} {
+		set, req := kerneltest.Case{Shape: wide, M: m}.New(rng)
+		if l == nil {
+			var err error
+			if l, err = b.Load(context.Background(), set); err != nil {
+				t.Fatalf("Load: %v", err)
+			}
+			defer l.Close()
+		}
+		checkLoaded(t, b, ref, l, fmt.Sprintf("sizes/relu2/K=256,N=128/call%d/M=%d (seed %d)", i, m, seed), set, req, req)
+	}
+}
+
 // TestCasesMixedBlock runs block sets whose weight scales are not block
 // scales (the service accepts any granularity with a weight_block_shape):
 // activations are still quantized per group of Bk, and the backend expands
@@ -477,13 +505,20 @@ func checkCase(t *testing.T, b *Backend, ref kernels.Backend, name string, set *
 // take). Precomputed routing must come back as req gave it.
 func checkCaseAgainst(t *testing.T, b *Backend, ref kernels.Backend, name string, set *moe.ExpertSet, req, refReq *moe.Request) {
 	t.Helper()
-	ctx := context.Background()
-	l, err := b.Load(ctx, set)
+	l, err := b.Load(context.Background(), set)
 	if err != nil {
 		t.Errorf("%s: Load: %v", name, err)
 		return
 	}
 	defer l.Close()
+	checkLoaded(t, b, ref, l, name, set, req, refReq)
+}
+
+// checkLoaded is checkCaseAgainst on a set already loaded as l (set holds
+// the same weights and scales as the set l was loaded from).
+func checkLoaded(t *testing.T, b *Backend, ref kernels.Backend, l kernels.Loaded, name string, set *moe.ExpertSet, req, refReq *moe.Request) {
+	t.Helper()
+	ctx := context.Background()
 	want, wantIDs, wantW, tol := kerneltest.ReferenceTol(set, refReq)
 	if req.TopKIDs != nil {
 		wantIDs, wantW = req.TopKIDs, req.TopKWeights

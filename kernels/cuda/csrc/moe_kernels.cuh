@@ -155,7 +155,8 @@ __global__ void align_kernel(const int32_t* ids, int n_pairs, int E, int block_r
 // AlignScratch is the multi-block align's global state: per-expert counts
 // and cursors, and the count kernel's ticket. The workspace starts zeroed,
 // and the count kernel's last block zeroes counts and ticket again once it
-// has read them, so every call (and graph replay) finds them zero.
+// has read them, so every call (and graph replay) finds them zero, as long
+// as every call finds them at the same place (Layout puts them first).
 struct AlignScratch {
   int* count;   // [E]
   int* cursor;  // [E]: next free sorted row of each expert

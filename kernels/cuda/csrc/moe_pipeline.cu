@@ -83,6 +83,12 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
     off += align_up(bytes);
     return at;
   };
+  // AlignScratch (count, cursor, ticket) carries state from one call to
+  // the next: the large-call align zeroes it as it finishes, so the next
+  // call must find it where the last one left it. It comes first, where
+  // its offset depends only on the set, not on the call's M; a lane's
+  // workspace serves one set.
+  L.align = take((2 * size_t(s.E) + 1) * 4);
   L.in_begin = off;
   // Inputs in the order the host path copies them: hidden states and their
   // scales, then either bias and logits or precomputed ids and weights.
@@ -100,7 +106,6 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.sorted = take(R * 4);
   L.block_expert = take(size_t(L.max_blocks) * 4);
   L.num_blocks = take(4);
-  L.align = take((2 * size_t(s.E) + 1) * 4);  // AlignScratch: count, cursor, ticket
   L.a1q = take(R * K);
   L.a1s = take(R * g1 * 4);
   L.hq = take(m * K);
