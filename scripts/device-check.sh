@@ -62,9 +62,11 @@ switch_pass "GEMM1 alone on CUTLASS" test-cutlass1.log 120 'FAIL|panic' \
   'TestCutlass' EXPERTD_SM90_CUTLASS=0 EXPERTD_SM90_CUTLASS1=1
 # The sm90 path's GEMM1 reads the FP8 hidden rows by token on every call
 # its 64- and 128-token tiles take (TestGatherFold's cases are all such
-# calls); unset, it never does.
+# calls); then never, where the rule would (the gather pass and TMA feed).
 switch_pass "GEMM1 reading the hidden rows by token" test-gather.log 200 'FAIL|panic|Error' \
   'TestGatherFold|TestCases|TestActivationCases' EXPERTD_SM90_GATHER=1
+switch_pass "GEMM1 after the gather pass" test-gather0.log 120 'FAIL|panic|Error' \
+  'TestGatherFold|TestOneSetManySizes' EXPERTD_SM90_GATHER=0
 if [[ -x "$build/gemm_sm90_check" ]]; then
   EXPERTD_SM90_GATHER=1 timeout 120 "$build/gemm_sm90_check" quick > "$out/gemm-check-gather.log" 2>&1
   rc=$?

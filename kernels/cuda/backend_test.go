@@ -407,9 +407,10 @@ func gatherFoldCases() []kerneltest.Case {
 // TestGatherFold runs gatherFoldCases through checkCase, then a call whose
 // precomputed ids include invalid ones (-1 and E), whose pairs every path
 // must drop: its expected output is the same call with those pairs given a
-// valid id and weight 0. scripts/device-check.sh runs it twice: as is, and
-// with EXPERTD_SM90_GATHER=1, where the sm90 path's GEMM1 reads the hidden
-// rows by token on every case.
+// valid id and weight 0. scripts/device-check.sh runs it three ways: by the
+// library's rule, with EXPERTD_SM90_GATHER=1, where the sm90 path's GEMM1
+// reads the hidden rows by token on every case, and with =0, where it never
+// does.
 func TestGatherFold(t *testing.T) {
 	b := gpuBackend(t)
 	ref := cpu.New(kernels.Config{})

@@ -1329,11 +1329,15 @@ bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale
          route_smem_per_warp(num_experts) + 256 <= kRouteScratch && (reinterpret_cast<uintptr_t>(hidden) & 15) == 0;
 }
 
-// sm90_gather_fold is off unless EXPERTD_SM90_GATHER=1: the by-token
-// GEMM1 has yet to time faster than the gather pass and TMA-fed GEMM1 on
-// a device (docs/perf-notes.md, "gatherfold2").
-bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows) {
-  return switches().sm90_gather.load(std::memory_order_relaxed) && gather_tiles(block_rows, w_mode, k, rows);
+// sm90_gather_fold's rule: the by-token GEMM1 wherever it times faster
+// than the gather pass and the TMA-fed GEMM1 together (docs/perf-notes.md,
+// "The gather folded into GEMM1, on"): at 64-token tiles, and at 128-token
+// tiles of non-gated layers. A gated layer's 128-token tiles time within
+// noise either way, so they keep the TMA feed.
+bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows, bool gated) {
+  const int sw = switches().sm90_gather.load(std::memory_order_relaxed);
+  if (sw == 0 || !gather_tiles(block_rows, w_mode, k, rows)) return false;
+  return sw == 1 || block_rows == 64 || !gated;
 }
 
 int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden, int inter, bool gated) {

@@ -56,9 +56,10 @@ struct Switches {
   // EXPERTD_SM90_CUTLASS (0 or 1) sets it at each expertd_init, so one
   // process can time both with two copies of the library.
   std::atomic<int> sm90_cutlass{-1};
-  // GEMM1 reading FP8 hidden rows by token wherever the kernels can
-  // (sm90_gather_fold; EXPERTD_SM90_GATHER=1, see parse_sm90_gather).
-  std::atomic<bool> sm90_gather{false};
+  // GEMM1 reading FP8 hidden rows by token (sm90_gather_fold): -1 by the
+  // rule, 0 never, 1 wherever the kernels can; EXPERTD_SM90_GATHER (see
+  // parse_sm90_gather) sets it at each expertd_init.
+  std::atomic<int> sm90_gather{-1};
   // GEMM1 of ReLU² layers on CUTLASS (use_cutlass1), the same three ways
   // from EXPERTD_SM90_CUTLASS1; the rule itself is off (kByDefault).
   std::atomic<int> sm90_cutlass1{-1};
@@ -76,14 +77,14 @@ inline Switches& switches() {
 }
 
 // parse_sm90_gather reads EXPERTD_SM90_GATHER's value v (null where unset)
-// into *on for Switches::sm90_gather: "1" on; unset or "0" off; any other
-// value is refused (false). The variable rather than an option, so one
-// library is timed both ways (a device A/B) without a new ABI field.
-inline bool parse_sm90_gather(const char* v, bool* on) {
-  if (v == nullptr || (v[0] == '0' && v[1] == 0)) {
-    *on = false;
-  } else if (v[0] == '1' && v[1] == 0) {
-    *on = true;
+// into *sw for Switches::sm90_gather: unset -1 (the rule), "0" 0, "1" 1;
+// any other value is refused (false). The variable rather than an option,
+// so one library is timed every way (a device A/B) without a new ABI field.
+inline bool parse_sm90_gather(const char* v, int* sw) {
+  if (v == nullptr) {
+    *sw = -1;
+  } else if ((v[0] == '0' || v[0] == '1') && v[1] == 0) {
+    *sw = v[0] - '0';
   } else {
     return false;
   }
@@ -309,11 +310,10 @@ int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hi
 bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale w_mode, const void* hidden);
 // sm90_gather_fold says whether a call's GEMM1 reads its FP8 hidden rows
 // (rows, [tokens, k]) by token (MoeGemmArgs::gather) instead of from rows a
-// gather pass has copied into sorted order: where Switches::sm90_gather is
-// on (off by default) and the kernels can (token tiles of 64 or 128
-// without block scales or paired blocks, k % 16 == 0, 16-byte aligned
-// rows).
-bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows);
+// gather pass has copied into sorted order: where the kernels can (token
+// tiles of 64 or 128 without block scales or paired blocks, k % 16 == 0,
+// 16-byte aligned rows) and Switches::sm90_gather or its rule says so.
+bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows, bool gated);
 #endif
 
 }  // namespace expertd

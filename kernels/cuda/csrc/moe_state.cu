@@ -297,11 +297,11 @@ int set_options(const expertd_options* o) {
   if (o->sync_spin_us < 0 || o->sync_spin_us > EXPERTD_MAX_SPIN_US)
     return fail(EXPERTD_ERR_INVALID, "init: sync_spin_us=%d, want 0..%d", o->sync_spin_us, EXPERTD_MAX_SPIN_US);
   const char* gather = std::getenv("EXPERTD_SM90_GATHER");
-  bool gather_on;
-  if (!parse_sm90_gather(gather, &gather_on))
+  int gather_sw;
+  if (!parse_sm90_gather(gather, &gather_sw))
     return fail(EXPERTD_ERR_INVALID, "init: EXPERTD_SM90_GATHER=%.16s: want 0 or 1 (or unset)", gather);
   Switches& s = switches();
-  s.sm90_gather = gather_on;
+  s.sm90_gather = gather_sw;
   s.streams = o->streams;
   s.pdl = o->pdl != 0;
   s.sm90_block = o->sm90_block != 0;
