@@ -323,11 +323,14 @@ def run(args) -> int:
     if lib.abi < 4:
         print(f"host_trace: library ABI {lib.abi} has no expertd_call (needs 4)", file=sys.stderr)
         return 2
-    lib.init(0)
-    log(f"lib {lib.path}: {lib.device_info(0)}; torch {torch.__version__}")
     dev = torch.device("cuda")
+    # torch makes the context before expertd_init, as in moe_bench: the
+    # library's eager module loading (expertd_init) would otherwise load every
+    # torch kernel too.
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed)
+    lib.init(0)
+    log(f"lib {lib.path}: {lib.device_info(0)}; torch {torch.__version__}")
     out_dir = os.environ.get("OUT")
 
     def label(name: str) -> str:
