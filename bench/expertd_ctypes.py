@@ -1,7 +1,9 @@
 """ctypes mirror of kernels/cuda/csrc/expertd_cuda.h, for the device benchmark.
 
-Only what the benchmark needs: version check, init, expert-set create/free
-and the device-pointer entry point expertd_moe_device.
+Only what the benchmarks need: version check, init, expert-set create/free,
+the device-pointer entry point expertd_moe_device and (ABI 4 on) the
+synchronous host entry point expertd_moe, which bench/host_trace.py times
+against it.
 The constants below must equal the header's #defines. Five ABI versions load: v1; v2, whose
 expertd_set_create also takes the weight block shape (block_n, block_k; 0, 0:
 no block mode); v3, whose expertd_init also takes the streams per set
@@ -47,6 +49,9 @@ _ACTIVATIONS = {"silu_gated": ACT_SILU_GATED, "relu2": ACT_RELU2, "swiglu_oai": 
 SCORING_SOFTMAX = 1
 SCORING_SIGMOID = 2
 
+MEM_UNKNOWN = 0
+MEM_PAGEABLE = 1
+MEM_PINNED = 2
 MEM_DEVICE = 3
 
 GEMM_AUTO = 0
@@ -174,6 +179,7 @@ _SIGNATURES = [
     ("expertd_set_create", ctypes.c_int, None),
     ("expertd_set_free", ctypes.c_int, [ctypes.c_uint64]),
     ("expertd_moe_device", ctypes.c_int, None),
+    ("expertd_moe", ctypes.c_int, None),
     ("expertd_last_error", ctypes.c_char_p, []),
 ]
 
@@ -185,6 +191,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     if not t.is_contiguous():
         raise ValueError("expertd needs contiguous tensors")
     return t.data_ptr()
+
+
+def buf(t: torch.Tensor, mem: int = MEM_DEVICE) -> Buf:
+    """struct expertd_buf of a tensor: its address, its element type's code
+    (0 where the ABI has none: int32 ids) and where it lives (MEM_*)."""
+    return Buf(_ptr(t), _DTYPES.get(t.dtype, 0), mem)
 
 
 class Library:
@@ -208,6 +220,7 @@ class Library:
         self.lib.expertd_init.argtypes = _INIT[got]
         self.lib.expertd_moe_device.argtypes = _MOE_DEVICE[got]
         if got >= 4:
+            self.lib.expertd_moe.argtypes = _MOE_DEVICE[got]
             self.lib.expertd_options_default.restype = None
             self.lib.expertd_options_default.argtypes = [ctypes.POINTER(Options)]
         if got >= 5:
@@ -369,23 +382,35 @@ class ExpertSet:
             hs = hidden_scale
         else:
             hs = self.hidden_scale
-        stream = torch.cuda.current_stream(x_fp8.device).cuda_stream
         if isinstance(params, Call):
             c = Call.from_buffer_copy(params)
             for name, t in (("hidden", x_fp8), ("hidden_scale", hs), ("logits", logits),
                             ("correction_bias", self.bias), ("out", out),
                             ("topk_ids_out", topk_ids), ("topk_weights_out", topk_w)):
                 if t is not None:
-                    setattr(c, name, Buf(_ptr(t), _DTYPES.get(t.dtype, 0), MEM_DEVICE))
-            c.stream = stream
-            self.lib.check("expertd_moe_device", self.lib.lib.expertd_moe_device(self.handle, ctypes.byref(c)))
+                    setattr(c, name, buf(t))
+            self.launch(c, x_fp8.device)
             return out
+        stream = torch.cuda.current_stream(x_fp8.device).cuda_stream
         ip, fp = params
         self.lib.check("expertd_moe_device", self.lib.lib.expertd_moe_device(
             self.handle, ip, NUM_IPARAMS, fp, NUM_FPARAMS,
             _ptr(x_fp8), _ptr(hs), _ptr(logits), _ptr(self.bias),
             None, None, _ptr(out), _ptr(topk_ids), _ptr(topk_w), stream))
         return out
+
+    def launch(self, call: Call, device=None) -> None:
+        """expertd_moe_device of a filled-in Call (ABI 4 on; device buffers),
+        enqueued on torch's current stream of device (capturable)."""
+        call.stream = torch.cuda.current_stream(device).cuda_stream
+        self.lib.check("expertd_moe_device", self.lib.lib.expertd_moe_device(self.handle, ctypes.byref(call)))
+
+    def moe_host(self, call: Call) -> None:
+        """expertd_moe of a filled-in Call (ABI 4 on): synchronous, on the
+        library's own streams; buffers anywhere, as each Buf's mem says."""
+        if self.lib.abi < 4:
+            raise ExpertdError("expertd_moe", ERR_UNSUPPORTED, f"library ABI {self.lib.abi}: no expertd_call")
+        self.lib.check("expertd_moe", self.lib.lib.expertd_moe(self.handle, ctypes.byref(call)))
 
     def free(self) -> None:
         """expertd_set_free; safe to call twice."""

@@ -5,18 +5,24 @@ import (
 	"testing"
 )
 
-// TestBenchReport runs bench/test_moe_bench.py, the GPU benchmark's report
-// arithmetic (shares of the card's ceilings, the targets per model and M,
-// the header, --ceilings), which needs torch but no GPU. Without torch the
-// file skips its tests, which fails here where torchRequired.
+// TestBenchReport runs the GPU benchmarks' tests that need no GPU:
+// bench/test_moe_bench.py (the report's arithmetic: shares of the card's
+// ceilings, the targets per model and M, the header, --ceilings) and
+// bench/test_host_trace.py (host_trace.py's arguments and how it splits
+// and reports a profiler trace). Torch's absence skips what needs it,
+// which fails here where torchRequired.
 func TestBenchReport(t *testing.T) {
 	python := pythonPath(t)
-	t.Logf("$ python -m pytest -q bench/test_moe_bench.py")
-	if pytest(t, python, 4*defaultTimeout, filepath.Join(repoRoot(t), "bench", "test_moe_bench.py")) {
-		return
+	for _, file := range []string{"test_moe_bench.py", "test_host_trace.py"} {
+		t.Run(file, func(t *testing.T) {
+			t.Logf("$ python -m pytest -q bench/%s", file)
+			if pytest(t, python, 4*defaultTimeout, filepath.Join(repoRoot(t), "bench", file)) {
+				return
+			}
+			if torchRequired() {
+				t.Fatal("pytest ran no tests")
+			}
+			t.Skipf("bench/%s skipped its tests: no torch in this Python (scripts/e2e-setup.sh installs it)", file)
+		})
 	}
-	if torchRequired() {
-		t.Fatal("pytest ran no tests")
-	}
-	t.Skip("bench/test_moe_bench.py skipped its tests: no torch in this Python (scripts/e2e-setup.sh installs it)")
 }
