@@ -251,8 +251,8 @@ EXPERTD_API void expertd_call_init(expertd_call* call);
  * EXPERTD_SM90_GATHER, read by each init, sets whether the Hopper GEMM1
  * reads FP8 hidden rows by token instead of after a gather pass: "1"
  * wherever its kernels can, "0" never; unset, by the library's rule (64-token
- * tiles, and 128-token tiles of non-gated layers); any other value fails
- * the init.
+ * tiles; 128-token tiles of non-gated layers, and of gated ones at 96 routed
+ * rows per expert or fewer); any other value fails the init.
  * Each init also reads EXPERTD_SM90_CUTLASS from the environment, a development
  * switch for timing GEMM2 on CUTLASS's grouped GEMM against the library's
  * own: 0 never, 1 wherever the set allows it (Hopper path, static a2

@@ -1331,13 +1331,14 @@ bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale
 
 // sm90_gather_fold's rule: the by-token GEMM1 wherever it times faster
 // than the gather pass and the TMA-fed GEMM1 together (docs/perf-notes.md,
-// "The gather folded into GEMM1, on"): at 64-token tiles, and at 128-token
-// tiles of non-gated layers. A gated layer's 128-token tiles time within
-// noise either way, so they keep the TMA feed.
-bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows, bool gated) {
+// "The gather folded into GEMM1, on"): at 64-token tiles, at 128-token
+// tiles of non-gated layers, and where a gated layer's tiles are at least
+// a quarter padding on average (by token, padding rows cost no reads). A
+// gated layer's fuller 128-token tiles are as fast or faster fed by TMA.
+bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows, bool gated, int rows_per_expert) {
   const int sw = switches().sm90_gather.load(std::memory_order_relaxed);
   if (sw == 0 || !gather_tiles(block_rows, w_mode, k, rows)) return false;
-  return sw == 1 || block_rows == 64 || !gated;
+  return sw == 1 || block_rows == 64 || !gated || 4 * rows_per_expert <= 3 * block_rows;
 }
 
 int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden, int inter, bool gated) {

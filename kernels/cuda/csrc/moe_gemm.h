@@ -312,8 +312,9 @@ bool sm90_decode_route(int m, int top_k, int num_experts, int block_rows, WScale
 // (rows, [tokens, k]) by token (MoeGemmArgs::gather) instead of from rows a
 // gather pass has copied into sorted order: where the kernels can (token
 // tiles of 64 or 128 without block scales or paired blocks, k % 16 == 0,
-// 16-byte aligned rows) and Switches::sm90_gather or its rule says so.
-bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows, bool gated);
+// 16-byte aligned rows) and Switches::sm90_gather or its rule says so;
+// rows_per_expert is the call's mean routed rows per expert, rounded up.
+bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows, bool gated, int rows_per_expert);
 #endif
 
 }  // namespace expertd

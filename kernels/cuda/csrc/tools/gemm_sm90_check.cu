@@ -276,7 +276,7 @@ bool run(const Case& c, bool check, bool time_it, std::mt19937& rng) {
   int32_t *dbe = to_dev(L.block_expert), *dsp = to_dev(L.sorted_pairs);
   std::vector<int32_t> nb{L.num_blocks};
   int32_t* dnb = to_dev(nb);
-  const bool gather = dtok && expertd::sm90_gather_fold(L.block_rows, WScale::kPerExpert, c.K, dtok, c.gated);
+  const bool gather = dtok && expertd::sm90_gather_fold(L.block_rows, WScale::kPerExpert, c.K, dtok, c.gated, L.block_rows);
   if (gather) {
     gather_rows<<<L.rows, 128>>>(dtok, c.K, c.topk, dsp, da);
     CK(cudaGetLastError());
