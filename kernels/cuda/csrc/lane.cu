@@ -183,7 +183,16 @@ struct GpuLane {
     if (launcher.joinable()) release();
     cudaSetDevice(set->device);
     if (ws.stream) cudaStreamSynchronize(ws.stream);
-    if (exec) cudaGraphExecDestroy(exec);
+    // Destroying an executable graph waits for the device while another
+    // lane's graph sits at its doorbell: it goes with the frees that wait
+    // for the last lane to close.
+    if (exec) {
+      release([dev = set->device, e = exec] {
+        cudaSetDevice(dev);
+        cudaGraphExecDestroy(e);
+        return EXPERTD_OK;
+      });
+    }
     for (cudaEvent_t e : ev) cudaEventDestroy(e);
     release_device(set->device, flags);
     release_device(set->device, bias);
