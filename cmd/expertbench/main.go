@@ -12,7 +12,9 @@
 // A progress line goes to stderr once a second; the summary goes to
 // stdout. -load first uploads a random layer of the model's shape (scale
 // it down with -e, -k and -n); without it, -set names a layer already
-// loaded. Only loopback addresses are accepted unless -allow-remote is
+// loaded. -scales static gives the layer static per-tensor activation
+// scales (scales.go), as bench/peer.py's layers have, instead of dynamic
+// ones. Only loopback addresses are accepted unless -allow-remote is
 // given. -tls-ca, -tls-cert, -tls-key, -server-name and -token-file reach
 // a daemon with TLS and authorization, as in expertd-load.
 //
@@ -96,8 +98,8 @@ type config struct {
 	set         string
 	out         moe.DType
 	// fp8Hidden sends hidden states as FP8 E4M3 with per-token scales
-	// (per token and group in block mode), as the contract's callers do,
-	// instead of BF16.
+	// (per token and group in block mode; the layer's a13 with static
+	// scales), as the contract's callers do, instead of BF16.
 	fp8Hidden bool
 	seed      uint64
 	progress  time.Duration
@@ -153,7 +155,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&c.keep, "keep", false, "with -load: leave the set loaded")
 	fs.StringVar(&c.set, "set", "expertbench", "expert set name to call (and to load with -load)")
 	out := fs.String("out", "bf16", "output dtype: bf16 or fp32")
-	hidden := fs.String("hidden", "bf16", "hidden-state dtype sent: bf16, or fp8 (E4M3 with one scale per token, or per token and block group on block-scaled models; half the bytes)")
+	hidden := fs.String("hidden", "bf16", "hidden-state dtype sent: bf16, or fp8 (E4M3 with one scale per token, or per token and block group on block-scaled models, or with -scales static the layer's a13; half the bytes)")
+	scales := fs.String("scales", "dynamic", scalesUsage)
 	fs.Uint64Var(&c.seed, "seed", uint64(time.Now().UnixNano()), "random seed of weights and tokens")
 	fs.DurationVar(&c.progress, "progress", time.Second, "progress line interval on stderr (0: none)")
 	fs.BoolVar(&c.jsonOut, "json", false, "print the summary as JSON")
@@ -199,6 +202,19 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	}
 	if err := m.validate(); err != nil {
 		return c, err
+	}
+	switch *scales {
+	case "dynamic":
+	case "static":
+		switch {
+		case m.block != [2]int{}:
+			return c, fmt.Errorf("-scales static: %s is block-scaled, whose activations are quantized per token group (dynamic), as bench/peer.py's are", m.name)
+		case c.soak.on:
+			return c, errors.New("-scales static and -soak: the soak loads its own layers; pick one")
+		}
+		m.a13 = m.staticA13()
+	default:
+		return c, fmt.Errorf("-scales %s: want dynamic or static", clip.Quote(*scales))
 	}
 	c.model = m
 	c.k, c.n = *k, *n
@@ -323,6 +339,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			}
 		}
 		return err
+	}
+	if !cfg.load && cfg.model.a13 > 0 {
+		if err := checkStaticSet(ctx, c, cfg); err != nil {
+			return err
+		}
 	}
 	if cfg.load {
 		if err := loadSet(ctx, c, cfg, stderr); err != nil {

@@ -169,6 +169,11 @@ func TestFlags(t *testing.T) {
 		{[]string{"-soak", "-admin-addr", "10.1.2.3:9090"}, `-admin-addr "10.1.2.3:9090" is not a loopback`},
 		{[]string{"-soak", "-admin-addr", "127.0.0.1:9090"}, ""},
 		{[]string{"-timeout", "0s"}, "-timeout 0s: want > 0"},
+		{[]string{"-scales", "fixed"}, `-scales "fixed": want dynamic or static`},
+		{[]string{"-scales", "static"}, ""},
+		{[]string{"-scales", "dynamic", "-model", "deepseek"}, ""},
+		{[]string{"-scales", "static", "-model", "deepseek"}, "-scales static: deepseek is block-scaled"},
+		{[]string{"-scales", "static", "-soak"}, "-scales static and -soak"},
 	}
 	for _, tc := range tests {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {

@@ -24,6 +24,10 @@ type model struct {
 	// block is the [Bn, Bk] of block-scaled checkpoints; zero means one
 	// scale per expert.
 	block [2]int
+	// a13 is the layer's static GEMM1 input scale (staticA13), 0 when
+	// its activations are quantized dynamically. A static layer also has
+	// a static a2 scale, calibrated when its weights are drawn.
+	a13 float32
 }
 
 var models = map[string]model{
@@ -53,6 +57,9 @@ func (m model) String() string {
 	s := fmt.Sprintf("%s (E=%d top_k=%d K=%d N=%d %v", m.name, m.e, m.topK, m.k, m.n, m.activation)
 	if m.block != [2]int{} {
 		s += fmt.Sprintf(" block %dx%d", m.block[0], m.block[1])
+	}
+	if m.a13 > 0 {
+		s += " static scales"
 	}
 	return s + ")"
 }
@@ -99,11 +106,17 @@ func randomCodes(rng *rand.ChaCha8, n int64) []byte {
 	return b
 }
 
+// codeWeightScale dequantizes randomCodes to about N(0, 1/cols) weights
+// of a matrix with cols columns, which keeps activations of unit size
+// through the layer.
+func codeWeightScale(cols int) float32 {
+	return float32(1 / (codeScale * math.Sqrt(float64(cols))))
+}
+
 // weightScale is a scale of the FP8 codes of a [e, rows, cols] weight:
-// per expert, or per block, chosen so that the weights are about
-// N(0, 1/cols), which keeps activations of unit size through the layer.
+// codeWeightScale per expert, or per block.
 func (m model) weightScale(rows, cols int) client.Tensor {
-	s := float32(1 / (codeScale * math.Sqrt(float64(cols))))
+	s := codeWeightScale(cols)
 	if m.block == [2]int{} {
 		v := make([]float32, m.e)
 		for i := range v {
@@ -126,7 +139,7 @@ func (m model) randomWeights(seed uint64) *client.ExpertWeights {
 		key[i] = byte(seed >> (8 * i))
 	}
 	rng := rand.NewChaCha8(key)
-	return &client.ExpertWeights{
+	w := &client.ExpertWeights{
 		Activation: m.activation,
 		W13:        client.FromFP8(randomCodes(rng, int64(m.e)*int64(m.rows1())*int64(m.k)), m.e, m.rows1(), m.k),
 		W2:         client.FromFP8(randomCodes(rng, int64(m.e)*int64(m.k)*int64(m.n)), m.e, m.k, m.n),
@@ -134,55 +147,71 @@ func (m model) randomWeights(seed uint64) *client.ExpertWeights {
 		W2Scale:    m.weightScale(m.k, m.n),
 		BlockShape: m.block,
 	}
+	if m.a13 > 0 {
+		w.A13Scale = client.FromFloat32([]float32{m.a13})
+		w.A2Scale = client.FromFloat32([]float32{m.calibrateA2(w.W13.Data)})
+	}
+	return w
+}
+
+// randn is n normal samples times scale.
+func randn(rng *rand.Rand, n int, scale float64) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = float32(rng.NormFloat64() * scale)
+	}
+	return v
+}
+
+// tokens is tokens random tokens: hidden states randn/10 [tokens, K] and
+// FP32 router logits randn [tokens, E].
+func (m model) tokens(rng *rand.Rand, tokens int) (hidden, logits []float32) {
+	return randn(rng, tokens*m.k, 0.1), randn(rng, tokens*m.e, 1)
 }
 
 // request is a FusedMoE call of tokens random tokens on the loaded set:
-// hidden states randn/10 (BF16, or with fp8 E4M3 quantized per token, per
-// token and group on block-scaled models),
-// FP32 logits randn, and for models that have one the layer's correction
-// bias.
+// m.tokens' hidden states in BF16, or with fp8 in E4M3, quantized with
+// the layer's static a13 scale (one per-tensor hidden_states_scale, as a
+// static-scale model's FP8 path produces them) or dynamically per token
+// (per token and group on block-scaled models); its logits; and for
+// models that have one the layer's correction bias.
 func (m model) request(rng *rand.Rand, set string, tokens int, out moe.DType, fp8 bool) *client.FusedMoERequest {
-	randn := func(n int, scale float64) []float32 {
-		v := make([]float32, n)
-		for i := range v {
-			v[i] = float32(rng.NormFloat64() * scale)
-		}
-		return v
-	}
+	hidden, logits := m.tokens(rng, tokens)
 	r := &client.FusedMoERequest{
 		ExpertSet:    set,
-		Hidden:       client.BFloat16FromFloat32(randn(tokens*m.k, 0.1), tokens, m.k),
-		RouterLogits: client.FromFloat32(randn(tokens*m.e, 1), tokens, m.e),
+		RouterLogits: client.FromFloat32(logits, tokens, m.e),
 		Routing: client.Routing{TopK: m.topK, Renormalize: true, Scoring: m.scoring,
 			NumGroups: m.groups, TopKGroups: m.topKGroups, ScalingFactor: m.scalingFactor},
 		OutputDType: out,
 	}
-	if fp8 {
+	switch {
+	case !fp8:
+		r.Hidden = client.BFloat16FromFloat32(hidden, tokens, m.k)
+	case m.a13 > 0:
+		q := make([]byte, len(hidden))
+		scaling.QuantizeStatic(q, hidden, m.a13)
+		r.Hidden, r.HiddenScale = client.FromFP8(q, tokens, m.k), client.FromFloat32([]float32{m.a13}, 1)
+	default:
 		// One scale per token, or per token and group of Bk in block mode.
 		group := m.k
 		if m.block[1] > 0 {
 			group = m.block[1]
 		}
 		var err error
-		if r.Hidden, r.HiddenScale, err = client.QuantizeFP8(randn(tokens*m.k, 0.1), tokens, m.k, group); err != nil {
+		if r.Hidden, r.HiddenScale, err = client.QuantizeFP8(hidden, tokens, m.k, group); err != nil {
 			panic(err) // the model's shape is validated at start-up
 		}
 	}
 	if m.bias {
-		r.Routing.CorrectionBias = m.correctionBias()
+		r.Routing.CorrectionBias = client.FromFloat32(m.correctionBias(), m.e)
 	}
 	return r
 }
 
-// correctionBias is the layer's routing bias, randn/10 from a seed fixed
-// by the shape. It belongs to the layer like its weights, so every call
-// sends the same one, as a model's callers do; the server batches only
-// calls that agree on it.
-func (m model) correctionBias() client.Tensor {
-	rng := rand.New(rand.NewPCG(uint64(m.e), uint64(m.k)<<32|uint64(m.n)))
-	v := make([]float32, m.e)
-	for i := range v {
-		v[i] = float32(rng.NormFloat64() * 0.1)
-	}
-	return client.FromFloat32(v, m.e)
+// correctionBias is the layer's routing bias [E], randn/10 from a seed
+// fixed by the shape. It belongs to the layer like its weights, so every
+// call sends the same one, as a model's callers do; the server batches
+// only calls that agree on it.
+func (m model) correctionBias() []float32 {
+	return randn(rand.New(rand.NewPCG(uint64(m.e), uint64(m.k)<<32|uint64(m.n))), m.e, 0.1)
 }
