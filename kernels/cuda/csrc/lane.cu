@@ -187,7 +187,7 @@ struct GpuLane {
     // lane's graph sits at its doorbell: it goes with the frees that wait
     // for the last lane to close.
     if (exec) {
-      release([dev = set->device, e = exec] {
+      expertd::release([dev = set->device, e = exec] {
         cudaSetDevice(dev);
         cudaGraphExecDestroy(e);
         return EXPERTD_OK;
