@@ -260,11 +260,13 @@ func TestRunStarted(t *testing.T) {
 	close(f.g.release)
 	_, req := kerneltest.NewCase(f.rng, kerneltest.Mixtral.Scaled(40, 24), 2)
 	const held = 20 * time.Millisecond
+	// begin comes before the sleep starts, so the slot's release is at
+	// least held after it however the goroutines are scheduled.
+	begin := time.Now()
 	go func() {
 		time.Sleep(held)
 		slots.Release()
 	}()
-	begin := time.Now()
 	_, started, err := f.b.Run(testContext(t), f.set, req)
 	if err != nil {
 		t.Fatal(err)
