@@ -270,6 +270,20 @@ func TestCasesAmbiguity(t *testing.T) {
 	if n*100 > total {
 		t.Errorf("%d of %d tokens ambiguous, want under 1%%", n, total)
 	}
+	// Prefill-sized routing at the reference models' E and top_k, logged
+	// for docs/perf-notes.md.
+	sig := Shape{Name: "sigmoid/E=128", Activation: moe.Relu2, E: 128, TopK: 8, K: 16, N: 16,
+		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, ScalingFactor: 2.5}
+	for _, s := range []Shape{sig, Nemotron.Scaled(16, 16), Qwen3.Scaled(16, 16), DeepSeekV3.Scaled(16, 16)} {
+		_, req := NewCase(rand.New(rand.NewPCG(9, 9)), s, 8192)
+		n := 0
+		for _, a := range ReferenceRouting(&moe.ExpertSet{E: s.E}, req).Ambiguous {
+			if a {
+				n++
+			}
+		}
+		t.Logf("%s, M = 8192: %d tokens ambiguous", s.Name, n)
+	}
 }
 
 // TestSubRequest: the reference of a request cut to some tokens is those
