@@ -254,13 +254,18 @@ func groupScores(sel, bound []float64, groups int) (score, gbound []float64) {
 		members := slices.Clone(sel[g*size : (g+1)*size])
 		sort.Slice(members, func(i, j int) bool { return key(members[i]) > key(members[j]) })
 		score[g] = members[0]
-		b := slices.Clone(bound[g*size : (g+1)*size])
-		slices.Sort(b)
-		slices.Reverse(b)
-		d := b[0]
+		var b0, b1 float64 // the two largest bounds
+		for _, b := range bound[g*size : (g+1)*size] {
+			if b > b0 {
+				b0, b1 = b, b0
+			} else if b > b1 {
+				b1 = b
+			}
+		}
+		d := b0
 		if size > 1 {
 			score[g] += members[1]
-			d += b[1]
+			d += b1
 		}
 		if !math.IsInf(score[g], 0) && !math.IsNaN(score[g]) {
 			gbound[g] = d + 2*f32Unit*(math.Abs(score[g])+d)
@@ -372,11 +377,17 @@ func ambiguous(sel, bound []float64, ids, kept []int, r moe.Routing) bool {
 			}
 		}
 	}
+	// A candidate left out may beat some chosen expert exactly when it may
+	// beat the easiest one to beat: the lowest bottom, the highest id.
+	low := ids[0]
 	for _, a := range ids {
-		for c, ok := range cand {
-			if ok && mayBeat(c, sp[c], a, sp[a]) {
-				return true
-			}
+		if sp[a].lo < sp[low].lo || (sp[a].lo == sp[low].lo && a > low) {
+			low = a
+		}
+	}
+	for c, ok := range cand {
+		if ok && mayBeat(c, sp[c], low, sp[low]) {
+			return true
 		}
 	}
 	return false

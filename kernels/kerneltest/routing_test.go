@@ -249,40 +249,26 @@ func TestFloat32RouterAccepted(t *testing.T) {
 	}
 }
 
-// TestCasesAmbiguity: the reference's own cases are seldom ambiguous, so
-// their ids stay almost exactly compared.
-func TestCasesAmbiguity(t *testing.T) {
-	var n, total int
-	for i, c := range append(Cases(), ActivationCases()...) {
-		if slices.ContainsFunc(c.Opts, func(o Option) bool { var cc caseConfig; o(&cc); return cc.precomputed }) {
-			continue
-		}
-		_, req := c.New(rand.New(rand.NewPCG(uint64(i)+1, 0x5eed)))
-		rt := ReferenceRouting(&moe.ExpertSet{E: c.Shape.E}, req)
-		for _, a := range rt.Ambiguous {
-			if a {
-				n++
-			}
-		}
-		total += req.M()
-	}
-	t.Logf("%d of %d tokens ambiguous", n, total)
-	if n*100 > total {
-		t.Errorf("%d of %d tokens ambiguous, want under 1%%", n, total)
-	}
-	// Prefill-sized routing at the reference models' E and top_k, logged
-	// for docs/perf-notes.md.
-	sig := Shape{Name: "sigmoid/E=128", Activation: moe.Relu2, E: 128, TopK: 8, K: 16, N: 16,
+// TestPrefillAmbiguity: at prefill sizes, with the reference models' E,
+// top_k and routing, a few tokens are ambiguous (so an exact id comparison
+// fails on some seeds) and nearly all are not (so ids stay compared
+// exactly); the counts are in docs/perf-notes.md.
+func TestPrefillAmbiguity(t *testing.T) {
+	const m = 8192
+	sig := Shape{Name: "sigmoid+bias/E=128/top_k=8", Activation: moe.Relu2, E: 128, TopK: 8, K: 16, N: 16,
 		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, ScalingFactor: 2.5}
-	for _, s := range []Shape{sig, Nemotron.Scaled(16, 16), Qwen3.Scaled(16, 16), DeepSeekV3.Scaled(16, 16)} {
-		_, req := NewCase(rand.New(rand.NewPCG(9, 9)), s, 8192)
+	for _, s := range []Shape{sig, DeepSeekV3.Scaled(16, 16), Qwen3.Scaled(16, 16)} {
+		_, req := NewCase(rand.New(rand.NewPCG(9, 9)), s, m)
 		n := 0
 		for _, a := range ReferenceRouting(&moe.ExpertSet{E: s.E}, req).Ambiguous {
 			if a {
 				n++
 			}
 		}
-		t.Logf("%s, M = 8192: %d tokens ambiguous", s.Name, n)
+		t.Logf("%s, M = %d: %d tokens ambiguous", s.Name, m, n)
+		if n*1000 > m {
+			t.Errorf("%s, M = %d: %d tokens ambiguous, want under 0.1%%", s.Name, m, n)
+		}
 	}
 }
 
