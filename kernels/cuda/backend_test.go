@@ -277,12 +277,7 @@ func blockCases() []kerneltest.Case {
 }
 
 func decode64(dt moe.DType, b []byte) []float64 {
-	f := kerneltest.DecodeOutput(dt, b)
-	out := make([]float64, len(f))
-	for i, x := range f {
-		out[i] = float64(x)
-	}
-	return out
+	return kerneltest.Widen(kerneltest.DecodeOutput(dt, b))
 }
 
 // caseSeed is a case's data seed: fresh each run, or EXPERTD_TEST_SEED's,
@@ -520,26 +515,86 @@ func checkCaseAgainst(t *testing.T, b *Backend, ref kernels.Backend, name string
 func checkLoaded(t *testing.T, b *Backend, ref kernels.Backend, l kernels.Loaded, name string, set *moe.ExpertSet, req, refReq *moe.Request) {
 	t.Helper()
 	ctx := context.Background()
-	want, wantIDs, wantW, tol := kerneltest.ReferenceTol(set, refReq)
+	want := expected{ref: kerneltest.Expect(set, refReq)}
 	if req.TopKIDs != nil {
-		wantIDs, wantW = req.TopKIDs, req.TopKWeights
+		want.ids, want.weights = req.TopKIDs, req.TopKWeights
 	}
 	cres, err := ref.FusedMoE(ctx, mustLoad(t, ref, set), refReq)
 	if err != nil {
 		t.Fatalf("%s: cpu backend: %v", name, err)
 	}
-	checkPaths(t, b, l, name, set, req, expected{out: want, cpu: decode64(req.OutDType, cres.Output), ids: wantIDs,
-		weights: wantW, tol: tol})
+	want.cpu = decode64(req.OutDType, cres.Output)
+	checkPaths(t, b, l, name, set, req, want)
 }
 
-// expected is what a call must return: its output within tol of the
-// float64 reference's out and of the CPU backend's cpu (rel-L2), and its
-// routing results.
+// expected is what a call must return: its output within ref's tolerance
+// of the float64 reference's and of the CPU backend's cpu (rel-L2), and
+// its routing: with precomputed ids, ids and weights as given; otherwise
+// ref's, except where ref.For accepts a float32 router's choice among tied
+// experts.
 type expected struct {
-	out, cpu []float64
-	ids      []int32
-	weights  []float32
-	tol      float64
+	ref     *kerneltest.Expected
+	cpu     []float64
+	ids     []int32
+	weights []float32
+}
+
+// forCall is want for a call that routed as got: the reference's answer
+// for that routing (ref.For), and the CPU backend's output with the rows
+// of the tokens it routed otherwise replaced by the reference's, since the
+// CPU backend routes as the reference does. The error says got's routing
+// is wrong.
+func (want expected) forCall(got []int32, width int) (ref *kerneltest.Expected, cpu []float64, flipped []int, err error) {
+	if want.ids != nil {
+		if !slices.Equal(got, want.ids) {
+			err = errors.New("topk ids differ from the precomputed ones")
+		}
+		return want.ref, want.cpu, nil, err
+	}
+	ref, flipped, err = want.ref.For(got)
+	if len(flipped) == 0 {
+		return ref, want.cpu, nil, err
+	}
+	cpu = slices.Clone(want.cpu)
+	for _, tok := range flipped {
+		copy(cpu[tok*width:(tok+1)*width], ref.Out[tok*width:(tok+1)*width])
+	}
+	return ref, cpu, flipped, nil
+}
+
+// TestExpectedForCall (no GPU): checkPaths's expectation for a call that
+// routes kerneltest.NearTie's tied token the float32 way is the
+// reference's for that routing, with the CPU backend's rows of that token
+// replaced by the reference's; a call that routes outside the tie fails,
+// and precomputed ids must come back exactly.
+func TestExpectedForCall(t *testing.T) {
+	set, req, got := kerneltest.NearTie(false)
+	res, err := kernels.Run(t.Context(), cpu.New(kernels.Config{}), set, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := set.K
+	want := expected{ref: kerneltest.Expect(set, req), cpu: decode64(req.OutDType, res.Output)}
+	ref, cpuOut, flipped, err := want.forCall(got, k)
+	if err != nil || !slices.Equal(flipped, []int{0}) || !slices.Equal(ref.IDs, got) {
+		t.Fatalf("forCall(%v) = ids %v, flipped %v, %v; want those ids, [0], nil", got, ref.IDs, flipped, err)
+	}
+	if !slices.Equal(cpuOut[:k], ref.Out[:k]) || !slices.Equal(cpuOut[k:], want.cpu[k:]) {
+		t.Error("forCall's cpu rows: want token 0's from the reference, token 1's from the CPU backend")
+	}
+	if want.cpu[0] == cpuOut[0] {
+		t.Error("forCall changed want.cpu in place")
+	}
+	if _, _, _, err := want.forCall([]int32{0, 3, 0, 1}, k); err == nil {
+		t.Error("forCall accepted expert 3 on the tied token")
+	}
+	want.ids, want.weights = want.ref.IDs, want.ref.Weights
+	if _, _, _, err := want.forCall(got, k); err == nil {
+		t.Error("forCall accepted precomputed ids changed")
+	}
+	if _, _, _, err := want.forCall(want.ids, k); err != nil {
+		t.Errorf("forCall refused precomputed ids as given: %v", err)
+	}
 }
 
 // checkPaths is checkCase's comparison of req's calls on l, on every GEMM
@@ -547,11 +602,6 @@ type expected struct {
 func checkPaths(t *testing.T, b *Backend, l kernels.Loaded, name string, set *moe.ExpertSet, req *moe.Request, want expected) {
 	t.Helper()
 	ctx := context.Background()
-	tol := want.tol
-	w64 := make([]float64, len(want.weights))
-	for i, x := range want.weights {
-		w64[i] = float64(x)
-	}
 	for _, p := range paths(b, set) {
 		if p.unsupported {
 			out := make([]byte, req.M()*set.K*req.OutDType.Size())
@@ -576,17 +626,25 @@ func checkPaths(t *testing.T, b *Backend, l kernels.Loaded, name string, set *mo
 			if i := slices.IndexFunc(got, func(v float32) bool { return math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) }); i >= 0 {
 				t.Errorf("%s: output[%d] = %v", name, i, got[i])
 			}
-			eRef := kerneltest.RelL2(got, want.out)
-			eCPU := kerneltest.RelL2(got, want.cpu)
+			ref, cpuOut, flipped, err := want.forCall(res.TopKIDs, set.K)
+			if err != nil {
+				t.Errorf("%s: %v", name, err)
+			} else if len(flipped) > 0 {
+				t.Logf("%s: tokens %v routed among experts tied at float32 precision otherwise than the reference", name, flipped)
+			}
+			tol := ref.Tol
+			eRef := kerneltest.RelL2(got, ref.Out)
+			eCPU := kerneltest.RelL2(got, cpuOut)
 			if !(eRef <= tol) || !(eCPU <= tol) {
 				t.Errorf("%s: rel-L2 %.3g vs reference, %.3g vs cpu; want <= %.3g", name, eRef, eCPU, tol)
 			} else if call == 0 {
 				t.Logf("%s: rel-L2 %.3g vs reference, %.3g vs cpu, %.3f ms", name, eRef, eCPU, float64(res.KernelNanos)/1e6)
 			}
-			if !slices.Equal(res.TopKIDs, want.ids) {
-				t.Errorf("%s: topk ids differ from the reference's", name)
+			wantW := ref.Weights
+			if want.weights != nil {
+				wantW = want.weights
 			}
-			if e := kerneltest.RelL2(res.TopKWeights, w64); !(e <= 1e-5) {
+			if e := kerneltest.RelL2(res.TopKWeights, kerneltest.Widen(wantW)); !(e <= 1e-5) {
 				t.Errorf("%s: topk weights rel-L2 %.3g", name, e)
 			}
 		}
@@ -633,7 +691,7 @@ func TestSmall(t *testing.T) {
 		seed := caseSeed(t)
 		set, req := kerneltest.NewCase(rand.New(rand.NewPCG(seed, 1)), c.Shape, c.M, c.Opts...)
 		l := mustLoad(t, b, set)
-		want, _, _, tol := kerneltest.ReferenceTol(set, req)
+		ref := kerneltest.Expect(set, req)
 		for _, p := range paths(b, set) {
 			if p.unsupported {
 				continue
@@ -644,8 +702,12 @@ func TestSmall(t *testing.T) {
 				t.Errorf("%s/%s: %v", c.Name, p.name, err)
 				continue
 			}
-			if e := kerneltest.RelL2(kerneltest.DecodeOutput(req.OutDType, res.Output), want); !(e <= tol) {
-				t.Errorf("%s/%s (seed %d): rel-L2 %.3g, want <= %.3g", c.Name, p.name, seed, e, tol)
+			want, _, err := ref.For(res.TopKIDs)
+			if err != nil {
+				t.Errorf("%s/%s (seed %d): %v", c.Name, p.name, seed, err)
+			}
+			if e := kerneltest.RelL2(kerneltest.DecodeOutput(req.OutDType, res.Output), want.Out); !(e <= want.Tol) {
+				t.Errorf("%s/%s (seed %d): rel-L2 %.3g, want <= %.3g", c.Name, p.name, seed, e, want.Tol)
 			}
 		}
 	}

@@ -311,3 +311,29 @@ func Unwritten(b []byte, size int) int {
 	}
 	return n
 }
+
+// NearTie is a request of E = 4, top_k 2, sigmoid scores with a correction
+// bias, two tokens, on which a correct float32 router routes token 0
+// otherwise than the float64 reference, and the ids such a router gives.
+// Token 0's logits are all equal and two experts differ only by one
+// float32 ulp of their bias, far below the ulp of score + bias: the
+// reference takes the one with the larger bias, a float32 router finds the
+// two equal and takes the lower id. Token 1's selection values lie far
+// apart. With groups, experts {0, 1} and {2, 3} form two groups of which
+// one is kept, and the two groups tie the same way.
+func NearTie(groups bool) (*moe.ExpertSet, *moe.Request, []int32) {
+	s := Shape{Name: "near-tie", Activation: moe.SiluGated, E: 4, TopK: 2, K: 32, N: 16,
+		Scoring: moe.Sigmoid, Renormalize: true, Bias: true, ScalingFactor: 2.5}
+	set, req := NewCase(rand.New(rand.NewPCG(1, 2)), s, 2)
+	const b = 0.01
+	up := math.Nextafter32(b, 1)
+	req.Routing.CorrectionBias = []float32{0.05, b, up, -0.2}
+	logits := []float32{0.3, 0.3, 0.3, 0.3, 2, 1, 0, -1}
+	if groups {
+		req.Routing.NumGroups, req.Routing.TopKGroups = 2, 1
+		req.Routing.CorrectionBias = []float32{b, b, b, up}
+		logits = []float32{0.3, 0.3, 0.3, 0.3, 2, 1, -1, -2}
+	}
+	req.Logits = floatTensor(moe.Float32, logits, 2, 4)
+	return set, req, []int32{0, 1, 0, 1}
+}

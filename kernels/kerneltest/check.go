@@ -182,7 +182,9 @@ type TB interface {
 // granularity and shared between cases: they must not be modified), and fails t with the relative
 // L2 error against Reference for each case over its tolerance. It also
 // requires the routing the backend reports to match the reference's ids
-// exactly and its weights to 1e-5, and every output element to be finite.
+// (exactly, except where Expected.For accepts a float32 router's choice
+// among tied experts, whose output and weights it then expects) and its
+// weights to 1e-5, and every output element to be finite.
 func CheckBackend(t TB, b kernels.Backend, cases ...Case) {
 	t.Helper()
 	if len(cases) == 0 {
@@ -197,25 +199,30 @@ func CheckBackend(t TB, b kernels.Backend, cases ...Case) {
 			t.Errorf("%s: %v", c.Name, err)
 			continue
 		}
-		want, wantIDs, wantW, tol := ReferenceTol(set, req)
+		ref := Expect(set, req)
+		want, flipped, err := ref.For(got.TopKIDs)
+		if err != nil {
+			t.Errorf("%s: %v", c.Name, err)
+		}
+		tol := want.Tol
 		if c.Tol != 0 {
 			tol = c.Tol
 		}
 		out := DecodeOutput(req.OutDType, got.Output)
-		if e := RelL2(out, want); !(e <= tol) {
+		if e := RelL2(out, want.Out); !(e <= tol) {
 			t.Errorf("%s: rel-L2 %.3g, want <= %.3g", c.Name, e, tol)
 		} else {
 			t.Logf("%s: rel-L2 %.3g", c.Name, e)
 		}
-		if !slices.Equal(got.TopKIDs, wantIDs) {
-			t.Errorf("%s: topk ids differ from the reference's", c.Name)
+		if len(flipped) > 0 {
+			t.Logf("%s: tokens %v routed among experts tied at float32 precision otherwise than the reference", c.Name, flipped)
 		}
-		if e := relL2f(got.TopKWeights, wantW); !(e <= 1e-5) {
+		if e := RelL2(got.TopKWeights, Widen(want.Weights)); !(e <= 1e-5) {
 			t.Errorf("%s: topk weights rel-L2 %.3g, want <= 1e-5", c.Name, e)
 		}
 		if c.EmptyExperts {
 			hit := make([]bool, set.E)
-			for _, e := range wantIDs {
+			for _, e := range ref.IDs {
 				hit[e] = true
 			}
 			if !slices.Contains(hit, false) {
@@ -235,10 +242,47 @@ func RunCase(ctx context.Context, b kernels.Backend, set *moe.ExpertSet, req *mo
 	return res, nil
 }
 
-func relL2f(got, want []float32) float64 {
-	w := make([]float64, len(want))
-	for i, x := range want {
+// SubRequest is req cut down to the tokens toks, in that order: their
+// hidden states and scales, and their logits or precomputed routing.
+func SubRequest(req *moe.Request, toks []int) *moe.Request {
+	sub := *req
+	m, n := req.M(), len(toks)
+	cut := func(t moe.Tensor) moe.Tensor {
+		if t.Data == nil {
+			return t
+		}
+		row := len(t.Data) / m
+		out := moe.Tensor{DType: t.DType, Shape: append([]int{n}, t.Shape[1:]...), Data: make([]byte, 0, n*row)}
+		for _, tk := range toks {
+			out.Data = append(out.Data, t.Data[tk*row:(tk+1)*row]...)
+		}
+		return out
+	}
+	sub.Hidden, sub.Logits = cut(req.Hidden), cut(req.Logits)
+	if hs := req.HiddenScale; len(hs) > 1 { // per token, or per token and group; one value is for all
+		ng := len(hs) / m
+		sub.HiddenScale = nil
+		for _, tk := range toks {
+			sub.HiddenScale = append(sub.HiddenScale, hs[tk*ng:(tk+1)*ng]...)
+		}
+	}
+	k := req.Routing.TopK
+	if req.TopKIDs != nil {
+		sub.TopKIDs, sub.TopKWeights = nil, nil
+		for _, tk := range toks {
+			sub.TopKIDs = append(sub.TopKIDs, req.TopKIDs[tk*k:(tk+1)*k]...)
+			sub.TopKWeights = append(sub.TopKWeights, req.TopKWeights[tk*k:(tk+1)*k]...)
+		}
+	}
+	sub.Out, sub.OutDev = nil, 0
+	return &sub
+}
+
+// Widen is v in float64.
+func Widen(v []float32) []float64 {
+	w := make([]float64, len(v))
+	for i, x := range v {
 		w[i] = float64(x)
 	}
-	return RelL2(got, w)
+	return w
 }

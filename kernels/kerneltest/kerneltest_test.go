@@ -133,7 +133,7 @@ func TestNewCaseOptions(t *testing.T) {
 			return nil
 		}},
 		{"routed all-to-one", []Option{WithAllTokensTo(200), WithLogits(moe.BFloat16)}, func(set *moe.ExpertSet, req *moe.Request) error {
-			ids, _ := referenceRouting(set, req)
+			ids := ReferenceRouting(set, req).IDs
 			for tk := range m {
 				if ids[tk*s.TopK] != 200 {
 					return fmt.Errorf("token %d routed to %v, want 200 first", tk, ids[tk*s.TopK:(tk+1)*s.TopK])
@@ -251,7 +251,8 @@ func TestReferenceMaskedRow(t *testing.T) {
 			Logits:  moe.Tensor{DType: moe.Float32, Shape: []int{1, 4}, Data: logits},
 			Routing: moe.Routing{TopK: 2, Scoring: moe.Softmax, Renormalize: renorm, ScalingFactor: 1},
 		}
-		ids, w := referenceRouting(set, req)
+		rt := ReferenceRouting(set, req)
+		ids, w := rt.IDs, rt.Weights
 		if !slices.Equal(ids, []int32{0, 1}) || !slices.Equal(w, []float64{0, 0}) {
 			t.Errorf("renormalize %v: ids %v weights %v, want [0 1] [0 0]", renorm, ids, w)
 		}
@@ -286,7 +287,7 @@ func TestReferenceTol(t *testing.T) {
 	}
 	// Put the largest intermediate element of the first routed pair at
 	// the 416/448 midpoint.
-	ids, _ := referenceRouting(set, req)
+	ids := ReferenceRouting(set, req).IDs
 	a := referenceHidden(set, req)
 	x := referenceIntermediate(set, a[:set.K], dequantExpert(set.W13, set.W13Scale, int(ids[0]), set.Rows1(), set.K), int(ids[0]))
 	s := float32(slices.Max(x) / 432)

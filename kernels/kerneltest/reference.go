@@ -3,6 +3,7 @@ package kerneltest
 import (
 	"encoding/binary"
 	"math"
+	"slices"
 	"sort"
 
 	"github.com/expertd/expertd/moe"
@@ -43,59 +44,116 @@ const KnifeEdge = 1.0 / 2048
 // several percent; at the reference shapes' sizes the slack is
 // negligible, and a case without knife-edge elements keeps the bar exactly.
 func ReferenceTol(set *moe.ExpertSet, req *moe.Request) (out []float64, ids []int32, w []float32, tol float64) {
-	m, k := req.M(), req.Routing.TopK
-	ids, w64 := referenceRouting(set, req)
-	w = make([]float32, len(w64))
-	for i, x := range w64 {
-		w[i] = float32(x)
+	e := Expect(set, req)
+	return e.Out, e.IDs, e.Weights, e.Tol
+}
+
+// Expected is ReferenceTol's answer for one request, kept so that a
+// backend's result can be judged with the routing it chose where a float32
+// router may legitimately choose otherwise (For).
+type Expected struct {
+	Out     []float64
+	IDs     []int32
+	Weights []float32
+	Tol     float64
+	// Routing is the reference's own routing, which IDs and Weights follow
+	// except on the tokens For adopted from a backend.
+	Routing *Routing
+
+	set    *moe.ExpertSet
+	req    *moe.Request
+	slack2 []float64 // per token: the squared knife-edge slack of its rows
+}
+
+// Expect computes ReferenceTol's output, routing and bound for req.
+func Expect(set *moe.ExpertSet, req *moe.Request) *Expected {
+	rt := ReferenceRouting(set, req)
+	e := &Expected{IDs: rt.IDs, Routing: rt, set: set, req: req,
+		Out: make([]float64, req.M()*set.K), slack2: make([]float64, req.M())}
+	e.fill(rt.IDs, rt.Weights, nil)
+	return e
+}
+
+// For is the expectation for a backend whose top-k ids came back as got: e
+// itself when got is e.IDs; when got differs only on Ambiguous tokens and
+// only as Routing.Check allows, a copy of e whose ids, weights and output
+// rows on those tokens follow got's choice (the reference's weights for
+// got's ids, its output for that routing), and those tokens; otherwise e
+// and Check's error.
+func (e *Expected) For(got []int32) (*Expected, []int, error) {
+	if slices.Equal(got, e.IDs) {
+		return e, nil, nil
 	}
-	if req.TopKWeights != nil {
-		for i, x := range req.TopKWeights {
-			w64[i] = float64(x)
+	toks, err := e.Routing.Check(got)
+	if err != nil {
+		return e, nil, err
+	}
+	ids, w64 := e.Routing.follow(got, toks)
+	f := *e
+	f.IDs, f.Out, f.slack2 = ids, slices.Clone(e.Out), slices.Clone(e.slack2)
+	for _, t := range toks {
+		clear(f.Out[t*e.set.K : (t+1)*e.set.K])
+	}
+	f.fill(ids, w64, toks)
+	return &f, toks, nil
+}
+
+// fill computes the output rows and slack of the tokens toks (every token
+// when nil) for the routing ids, w64, then the weights and the bound.
+func (e *Expected) fill(ids []int32, w64 []float64, toks []int) {
+	set, k := e.set, e.req.Routing.TopK
+	if toks == nil {
+		toks = make([]int, e.req.M())
+		for t := range toks {
+			toks[t] = t
 		}
 	}
-
-	a := referenceHidden(set, req)
-	out = make([]float64, m*set.K)
+	a := referenceHidden(set, e.req)
 	w13 := map[int32][]float64{}
 	w2 := map[int32][]float64{}
 	w2Norms := map[int32][]float64{}
-	var slack2 float64
-	for t := range m {
+	for _, t := range toks {
+		e.slack2[t] = 0
 		for j := range k {
-			e := ids[t*k+j]
-			if w13[e] == nil {
-				w13[e] = dequantExpert(set.W13, set.W13Scale, int(e), set.Rows1(), set.K)
-				w2[e] = dequantExpert(set.W2, set.W2Scale, int(e), set.K, set.N)
-				w2Norms[e] = columnNorms(w2[e], set.K, set.N)
+			ex := ids[t*k+j]
+			if w13[ex] == nil {
+				w13[ex] = dequantExpert(set.W13, set.W13Scale, int(ex), set.Rows1(), set.K)
+				w2[ex] = dequantExpert(set.W2, set.W2Scale, int(ex), set.K, set.N)
+				w2Norms[ex] = columnNorms(w2[ex], set.K, set.N)
 			}
-			x := referenceIntermediate(set, a[t*set.K:(t+1)*set.K], w13[e], int(e))
+			x := referenceIntermediate(set, a[t*set.K:(t+1)*set.K], w13[ex], int(ex))
 			xq, flip := requantize(set, x)
 			for r := range set.K {
 				var y float64
 				for n := range set.N {
-					y += xq[n] * w2[e][r*set.N+n]
+					y += xq[n] * w2[ex][r*set.N+n]
 				}
 				if set.W2Bias != nil {
-					y += float64(set.W2Bias[int(e)*set.K+r])
+					y += float64(set.W2Bias[int(ex)*set.K+r])
 				}
-				out[t*set.K+r] += w64[t*k+j] * y
+				e.Out[t*set.K+r] += w64[t*k+j] * y
 			}
 			for n, d := range flip {
-				c := w64[t*k+j] * d * w2Norms[e][n]
-				slack2 += c * c
+				c := w64[t*k+j] * d * w2Norms[ex][n]
+				e.slack2[t] += c * c
 			}
 		}
 	}
-	tol = FP8Tol
-	var norm2 float64
-	for _, v := range out {
+	e.Weights = make([]float32, len(w64))
+	for i, x := range w64 {
+		e.Weights[i] = float32(x)
+	}
+	var slack2, norm2 float64
+	for _, s := range e.slack2 {
+		slack2 += s
+	}
+	for _, v := range e.Out {
 		norm2 += v * v
 	}
+	e.Tol = FP8Tol
 	if slack2 > 0 && norm2 > 0 {
-		tol += math.Sqrt(slack2 / norm2)
+		e.Tol += math.Sqrt(slack2 / norm2)
 	}
-	return out, ids, w, tol
 }
 
 // columnNorms is the L2 norm of each column of a [rows, cols] matrix.
@@ -272,7 +330,7 @@ func knifeEdgeStep(v float64) float64 {
 // intermediateAmax is the largest |intermediate| over every routed pair
 // under dynamic quantization, for calibrating a static A2Scale.
 func intermediateAmax(set *moe.ExpertSet, req *moe.Request) float64 {
-	ids, _ := referenceRouting(set, req)
+	ids := ReferenceRouting(set, req).IDs
 	a := referenceHidden(set, req)
 	k := req.Routing.TopK
 	var mx float64
@@ -284,117 +342,6 @@ func intermediateAmax(set *moe.ExpertSet, req *moe.Request) float64 {
 		}
 	}
 	return mx
-}
-
-// referenceRouting is MOE_SPEC.md's routing by sorting: scores in float64,
-// selection on score+bias, groups by the sum of their top-2 selection
-// scores, ties to the lower id (stable sorts over ascending ids), weights
-// the unbiased scores, renormalized, times the scaling factor.
-func referenceRouting(set *moe.ExpertSet, req *moe.Request) ([]int32, []float64) {
-	m, k, e := req.M(), req.Routing.TopK, set.E
-	r := req.Routing
-	if req.TopKIDs != nil {
-		w := make([]float64, len(req.TopKWeights))
-		for i, x := range req.TopKWeights {
-			w[i] = float64(x)
-		}
-		return append([]int32(nil), req.TopKIDs...), w
-	}
-	ids := make([]int32, m*k)
-	weights := make([]float64, m*k)
-	for t := range m {
-		score := make([]float64, e)
-		for i := range e {
-			var x float64
-			if req.Logits.DType == moe.BFloat16 {
-				x = float64(scaling.BF16ToFloat32(binary.LittleEndian.Uint16(req.Logits.Data[2*(t*e+i):])))
-			} else {
-				x = float64(math.Float32frombits(binary.LittleEndian.Uint32(req.Logits.Data[4*(t*e+i):])))
-			}
-			score[i] = x
-		}
-		if r.Scoring == moe.Sigmoid {
-			for i := range score {
-				score[i] = 1 / (1 + math.Exp(-score[i]))
-			}
-		} else {
-			mx := math.Inf(-1)
-			for _, x := range score {
-				mx = math.Max(mx, x)
-			}
-			var sum float64
-			for i := range score {
-				score[i] = math.Exp(score[i] - mx)
-				sum += score[i]
-			}
-			for i := range score {
-				if math.IsInf(mx, -1) {
-					score[i] = 0 // every expert masked: 0, as moe.Route defines it, not 0/0
-					continue
-				}
-				score[i] /= sum
-			}
-		}
-		sel := make([]float64, e)
-		for i := range sel {
-			sel[i] = score[i]
-			if r.CorrectionBias != nil {
-				sel[i] += float64(r.CorrectionBias[i])
-			}
-		}
-		// NaN sorts last.
-		key := func(x float64) float64 {
-			if math.IsNaN(x) {
-				return math.Inf(-1)
-			}
-			return x
-		}
-		candidates := make([]int, 0, e)
-		if r.NumGroups > 1 {
-			size := e / r.NumGroups
-			groups := make([]int, r.NumGroups)
-			gscore := make([]float64, r.NumGroups)
-			for g := range groups {
-				groups[g] = g
-				members := append([]float64(nil), sel[g*size:(g+1)*size]...)
-				sort.Slice(members, func(i, j int) bool { return key(members[i]) > key(members[j]) })
-				gscore[g] = members[0]
-				if size > 1 {
-					gscore[g] += members[1]
-				}
-			}
-			sort.SliceStable(groups, func(i, j int) bool { return key(gscore[groups[i]]) > key(gscore[groups[j]]) })
-			kept := groups[:r.TopKGroups]
-			sort.Ints(kept)
-			for _, g := range kept {
-				for i := g * size; i < (g+1)*size; i++ {
-					candidates = append(candidates, i)
-				}
-			}
-		} else {
-			for i := range e {
-				candidates = append(candidates, i)
-			}
-		}
-		sort.SliceStable(candidates, func(i, j int) bool { return key(sel[candidates[i]]) > key(sel[candidates[j]]) })
-		var sum float64
-		for j := range k {
-			ids[t*k+j] = int32(candidates[j])
-			sum += score[candidates[j]]
-		}
-		f := float64(r.ScalingFactor)
-		if f == 0 {
-			f = 1
-		}
-		for j := range k {
-			w := score[candidates[j]]
-			if r.Renormalize && sum > 0 {
-				w /= sum
-			}
-			weights[t*k+j] = w * f
-		}
-	}
-	return ids, weights
 }
 
 // RelL2 is ‖got−want‖₂/‖want‖₂; +Inf when any element of got is NaN or
