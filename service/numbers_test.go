@@ -186,7 +186,19 @@ func checkAgainstReference(t *testing.T, backend kernels.Backend, exact bool) {
 				t.Errorf("ran on %q, want %q", resp.GetBackend(), backend.Name())
 			}
 
-			ref, refIDs, _ := kerneltest.Reference(set, req)
+			// The reference routes in float64; a backend's float32 routing may
+			// take the other side of a near-tie, and the expectation then
+			// follows its choice on that token (kerneltest.Expected.For).
+			want := kerneltest.Expect(set, req)
+			gotIDs := make([]int32, len(want.IDs))
+			for i := range gotIDs {
+				gotIDs[i] = int32(binary.LittleEndian.Uint32(resp.GetTopkIds().GetData()[4*i:]))
+			}
+			want, _, err = want.For(gotIDs)
+			if err != nil {
+				t.Errorf("returned topk ids: %v", err)
+			}
+			ref := want.Out
 			got := kerneltest.DecodeOutput(req.OutDType, resp.GetOutput().GetData())
 			tol := tc.Tol
 			if tol == 0 {
@@ -196,13 +208,6 @@ func checkAgainstReference(t *testing.T, backend kernels.Backend, exact bool) {
 				t.Errorf("rel-L2 vs reference %.3g, want <= %.3g", e, tol)
 			} else {
 				t.Logf("rel-L2 vs reference %.3g", e)
-			}
-			gotIDs := make([]int32, len(refIDs))
-			for i := range gotIDs {
-				gotIDs[i] = int32(binary.LittleEndian.Uint32(resp.GetTopkIds().GetData()[4*i:]))
-			}
-			if !slices.Equal(gotIDs, refIDs) {
-				t.Errorf("returned topk ids %v, want the reference's %v", gotIDs, refIDs)
 			}
 			if !exact {
 				return
