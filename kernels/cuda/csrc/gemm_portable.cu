@@ -411,7 +411,7 @@ bool args_ok(const MoeGemmArgs& a) {
 }  // namespace
 
 int portable_block_rows(int m, int top_k, int num_experts) {
-  const long per_expert = (long(m) * top_k + num_experts - 1) / num_experts;
+  const int per_expert = mean_rows_per_expert(m, top_k, num_experts);
   if (per_expert <= 16) return 16;
   if (per_expert <= 32) return 32;
   return 64;

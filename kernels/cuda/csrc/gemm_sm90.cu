@@ -1342,7 +1342,7 @@ bool sm90_gather_fold(int block_rows, WScale w_mode, int k, const void* rows, bo
 }
 
 int sm90_block_rows(int m, int top_k, int num_experts, bool block_scales, int hidden, int inter, bool gated) {
-  const int per_expert = (m * top_k + num_experts - 1) / num_experts;
+  const int per_expert = mean_rows_per_expert(m, top_k, num_experts);
   // The measured table: the row of the shape with the least per_expert at
   // or above this call's (its last row past the end); below the shape's
   // first row, which is where no tile was timed, the rule. A row's tile

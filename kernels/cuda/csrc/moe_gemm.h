@@ -93,6 +93,12 @@ inline bool parse_sm90_gather(const char* v, int* sw) {
 
 constexpr float kMinScale = 1e-10f;  // MOE_SPEC: near-zero scales give NaN on Hopper
 
+// mean_rows_per_expert is a call's routed rows per expert on average,
+// rounded up: what the token-tile rules key on.
+inline int mean_rows_per_expert(int m, int top_k, int num_experts) {
+  return int((int64_t(m) * top_k + num_experts - 1) / num_experts);
+}
+
 // clamp_scale is the one floor on scales, for the host's static ones and
 // the kernels' dynamic ones alike.
 __host__ __device__ inline float clamp_scale(float s) { return s > kMinScale ? s : kMinScale; }

@@ -286,8 +286,8 @@ bool fold_gather(const Set& s, const Call& c, const Layout& L, bool sm90, const 
   // CUTLASS's GEMM1 reads its rows through TMA in sorted order: it needs the gather pass.
   if (!sm90 || L.cutlass1 || (pro.one_launch && pro.gather)) return false;
   const void* rows = c.hidden_dtype == EXPERTD_DTYPE_FLOAT8_E4M3FN ? hidden : hq;
-  const int per_expert = int((int64_t(c.m) * c.top_k + s.E - 1) / s.E);
-  return sm90_gather_fold(L.block_rows, s.w13_mode, s.K, rows, act_gated(s.act), per_expert);
+  return sm90_gather_fold(L.block_rows, s.w13_mode, s.K, rows, act_gated(s.act),
+                          mean_rows_per_expert(c.m, c.top_k, s.E));
 #else
   (void)s, (void)c, (void)L, (void)sm90, (void)pro, (void)hidden, (void)hq;
   return false;
