@@ -310,7 +310,7 @@ def run(args) -> int:
     import expertd_ctypes as xc
     import peer
     from moe_bench import capture, log
-    from moe_profile import kernel_label
+    from kernel_names import kernel_label
 
     unknown = [m for m in args.models if m not in peer.MODELS]
     if unknown:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -38,26 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import expertd_ctypes  # noqa: E402
 import peer  # noqa: E402
+from kernel_names import kernel_label  # noqa: E402
 from moe_bench import capture, log, vllm_table  # noqa: E402
-
-# The pipeline's kernels by their template-free names; the GEMMs by epilogue
-# (GemmEpilogue 0 and 3 are GEMM1's, 2 is GEMM2's).
-_GEMM_EPI = re.compile(r"moe_gemm(?:_portable)?_kernel<.*?\(expertd::GemmEpilogue\)(\d)")
-
-
-def kernel_label(name: str) -> str:
-    """A short label for a demangled kernel name."""
-    m = _GEMM_EPI.search(name)
-    if m:
-        return "gemm2" if m.group(1) == "2" else "gemm1"
-    if "moe_gemm" in name:
-        return "gemm?"
-    # CUPTI gives some kernels' names demangled and others mangled.
-    if "cutlass::device_kernel" in name or "cutlass13device_kernel" in name:
-        # GEMM1's epilogue (cutlass_grouped.cuh) names its functor.
-        return "gemm1 (cutlass)" if "Relu2Scale" in name else "gemm2 (cutlass)"
-    base = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
-    return base.replace("void ", "").split("::")[-1]
 
 
 def exclusive_us(prof, calls: int) -> dict[str, float]:
