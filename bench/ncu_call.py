@@ -42,7 +42,6 @@ def main(argv=None) -> int:
     gen.manual_seed(args.seed)
     lib = expertd_ctypes.load(args.lib)
     lib.init(0)
-    cudart = torch.cuda.cudart()
     # Each range begins with this fill, which ncu_summary.py splits calls at.
     marker = torch.empty(1, device=dev)
     for name in args.models.split(","):
@@ -63,11 +62,11 @@ def main(argv=None) -> int:
                 call(0)
             torch.cuda.synchronize()
             print(f"== {name} M={M}", flush=True)
-            cudart.cudaProfilerStart()
+            torch.cuda.profiler.start()
             marker.fill_(M)
             call(1)
             torch.cuda.synchronize()
-            cudart.cudaProfilerStop()
+            torch.cuda.profiler.stop()
             del inputs, out
         es.free()
         del w
