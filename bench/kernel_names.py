@@ -24,8 +24,9 @@ def kernel_label(name: str) -> str:
     if "cutlass::device_kernel" in name or "cutlass13device_kernel" in name:
         # GEMM1's epilogue (cutlass_grouped.cuh) names its functor.
         return "gemm1 (cutlass)" if "Relu2Scale" in name else "gemm2 (cutlass)"
-    base = name.replace("(anonymous namespace)::", "").replace("unnamed>::", "")
-    base = base.split("(")[0].split("<")[0]
+    for anon in ("(anonymous namespace)::", "<unnamed>::", "unnamed>::"):
+        name = name.replace(anon, "")
+    base = name.split("(")[0].split("<")[0]
     return base.replace("void ", "").split("::")[-1]
 
 

@@ -71,6 +71,7 @@ def test_missing_metric_prints_a_dash():
 def test_kernel_label_names():
     assert kn.kernel_label(ROUTE) == "route_kernel"
     assert kn.kernel_label("void expertd::(anonymous namespace)::combine_kernel<8>(Args)") == "combine_kernel"
+    assert kn.kernel_label("expertd::<unnamed>::cutlass_prep_kernel(expertd::<unnamed>::PrepParams)") == "cutlass_prep_kernel"
     assert kn.kernel_label("moe_gemm_kernel<64, (expertd::GemmEpilogue)2>") == "gemm2"
     assert kn.kernel_label("moe_gemm_kernel<64, (expertd::GemmEpilogue)3>") == "gemm1"
     assert kn.call_labels([GEMM, GEMM, GEMM]) == ["gemm1", "gemm2", "gemm2"]
