@@ -170,18 +170,25 @@ func summarize(calls []callSample) breakdown {
 	return b
 }
 
+// afterWorkerSetup runs after each caller's setup; tests make setup slow
+// with it.
+var afterWorkerSetup = func() {}
+
 // bench runs the load and summarizes it. The first failed call ends the
 // run with its error: a load generator whose calls fail is measuring the
 // wrong thing.
 func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) (*result, error) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	start := time.Now()
-	deadline := start.Add(cfg.duration)
 	var (
 		rec    recorder
 		issued atomic.Int64
 		wg     sync.WaitGroup
+		// The clock starts once every caller is set up: opening the GPU
+		// library and registering regions and rings takes up to seconds,
+		// which are neither calls nor time the callers could have called in.
+		start, deadline time.Time
+		workers         []func()
 	)
 	var gpu *cuda.Backend
 	if cfg.cudaIPC {
@@ -230,18 +237,16 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 			defer free()
 			call = r.FusedMoE
 		}
-		wg.Add(1)
+		afterWorkerSetup()
 		if cfg.stream {
-			go func() {
-				defer wg.Done()
+			workers = append(workers, func() {
 				if err := streamWorker(ctx, c, cfg, reqs, deadline, &issued, &rec); err != nil {
 					cancel(err)
 				}
-			}()
+			})
 			continue
 		}
-		go func() {
-			defer wg.Done()
+		workers = append(workers, func() {
 			for i := 0; ; i++ {
 				if ctx.Err() != nil || time.Now().After(deadline) {
 					return
@@ -262,6 +267,15 @@ func bench(ctx context.Context, c *client.Client, cfg config, stderr io.Writer) 
 				rec.add(d, res, ct)
 				res.Release() // only its timings are kept
 			}
+		})
+	}
+	start = time.Now()
+	deadline = start.Add(cfg.duration)
+	for _, run := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			run()
 		}()
 	}
 

@@ -127,6 +127,33 @@ func TestBenchDurationAndProgress(t *testing.T) {
 	}
 }
 
+// TestBenchClockStartsAfterSetup: callers whose setup is slow (a GPU
+// library opened, regions and rings registered) all get the whole
+// -duration to call in, and the time spent setting them up is not part of
+// the elapsed time tokens/s divides by.
+func TestBenchClockStartsAfterSetup(t *testing.T) {
+	addr := startServer(t)
+	const setup = time.Second
+	afterWorkerSetup = func() { time.Sleep(setup) }
+	t.Cleanup(func() { afterWorkerSetup = func() {} })
+	stdout, stderr, err := runBench(t, "-addr", addr, "-model", "qwen3", "-e", "8", "-k", "32", "-n", "16",
+		"-load", "-m", "2", "-c", "2", "-duration", "300ms", "-json", "-no-rtt")
+	if err != nil {
+		t.Fatalf("run: %v\nstderr:\n%s", err, stderr)
+	}
+	var r result
+	if err := json.Unmarshal([]byte(stdout), &r); err != nil {
+		t.Fatalf("parsing the JSON summary: %v\n%s", err, stdout)
+	}
+	// Two callers' setup takes 2 s; the run itself 300 ms and one call.
+	if r.Elapsed < 300*time.Millisecond || r.Elapsed >= 2*setup {
+		t.Errorf("elapsed %v: want the 300ms run without the callers' %v of setup", r.Elapsed, 2*setup)
+	}
+	if r.Calls < 2 {
+		t.Errorf("%d calls: want both callers calling", r.Calls)
+	}
+}
+
 // TestBenchFailsFast: calling a set that is not loaded ends the run with
 // the server's error instead of a summary of failures.
 func TestBenchFailsFast(t *testing.T) {
