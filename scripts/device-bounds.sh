@@ -6,9 +6,11 @@
 # the SM's throughput, and the warps' stall reasons.
 #   run: BOUNDS="nemotron-3-nano:1,256,1024,8192 qwen3-30b-a3b:1024,8192" bash scripts/device-bounds.sh
 #   (carry build/libexpertd_cuda.so)
-# Writes $OUT/ncu-<model>.txt (the details page: sections per kernel) and
-# $OUT/ncu-<model>.csv (the raw page, the metrics below), then prints
-# bench/ncu_summary.py's table of both.
+# Writes $OUT/ncu-<model>.txt (the details page: sections per kernel),
+# $OUT/ncu-<model>.csv (the raw page: every metric collected) and .log (the
+# driver's output), then prints bench/ncu_summary.py's table of each model.
+# The device tool brings back only so many files from $OUT: with several
+# models, pack them into one archive in the calling command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -17,9 +19,9 @@ lib="${EXPERTD_LIB:-build/libexpertd_cuda.so}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 ncu --version | tail -1
-# Metric names differ between Nsight Compute versions: ask this one which of
-# the wanted bases it has (the tensor pipe's wgmma counter is the one that
-# moves most) and pass only those.
+# Metric names differ between Nsight Compute versions (the tensor pipe's
+# cycle counter is named per instruction family): ask this one which of the
+# wanted bases it has and pass only those.
 have=$(ncu --query-metrics --chip gh100 2>/dev/null | awk '{print $1}')
 want="gpu__time_duration.sum sm__throughput.avg.pct_of_peak_sustained_elapsed
 dram__throughput.avg.pct_of_peak_sustained_elapsed dram__bytes_read.sum dram__bytes_write.sum
