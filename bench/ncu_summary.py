@@ -41,18 +41,14 @@ class Call:
 
 
 def read_csv(text: str) -> list[Kernel]:
-    """The raw page's rows (the header, then a units row, then one per kernel)."""
+    """The raw page's kernel rows: after the header, those whose ID is a
+    number (the units row's is empty)."""
     rows = list(csv.reader(line for line in text.splitlines() if line.startswith('"')))
     if not rows:
         return []
-    head, body = rows[0], rows[1:]
-    if body and body[0] and not body[0][0].strip().isdigit() and body[0][0] != head[0]:
-        body = body[1:]  # the units row
-    out = []
-    for r in body:
-        m = dict(zip(head, r))
-        out.append(Kernel(m.get("Kernel Name", "?"), m))
-    return out
+    head = rows[0]
+    kernels = (dict(zip(head, r)) for r in rows[1:] if r and r[0].strip().isdigit())
+    return [Kernel(m.get("Kernel Name", "?"), m) for m in kernels]
 
 
 def calls_of(log_text: str, kernels: list[Kernel]) -> list[Call]:
