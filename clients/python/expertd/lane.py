@@ -69,6 +69,14 @@ class Driver:
         self._close.argtypes = [ctypes.c_uint64]
         self._attr = fn("cuDeviceGetAttribute")
         self._attr.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        self._get_ctx = fn("cuCtxGetCurrent")
+        self._get_ctx.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self._set_ctx = fn("cuCtxSetCurrent")
+        self._set_ctx.argtypes = [ctypes.c_void_p]
+        self._init = fn("cuInit")
+        self._init.argtypes = [ctypes.c_uint]
+        self._retain = fn("cuDevicePrimaryCtxRetain_v2", "cuDevicePrimaryCtxRetain")
+        self._retain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -89,6 +97,33 @@ class Driver:
 
     def ipc_close(self, ptr: int) -> None:
         self._check(self._close(ptr), "cuIpcCloseMemHandle")
+
+    def context(self, device: int | None) -> int:
+        """The context a lane's driver calls run in: the calling thread's
+        current one, else device's primary context (the one the CUDA
+        runtime, and so torch, uses), made current on this thread. A
+        thread that has touched no CUDA yet has none current, and the
+        driver refuses IPC and stream calls there (CUresult 201)."""
+        cur = ctypes.c_void_p()
+        self._check(self._get_ctx(ctypes.byref(cur)), "cuCtxGetCurrent")
+        if cur.value:
+            return cur.value
+        if device is None:
+            raise RuntimeError("no CUDA context is current on this thread: pass the device index of the lane's "
+                               "regions (open_lane's device)")
+        self._check(self._init(0), "cuInit")
+        self._check(self._retain(ctypes.byref(cur), device), "cuDevicePrimaryCtxRetain")
+        self._check(self._set_ctx(cur), "cuCtxSetCurrent")
+        return cur.value
+
+    def bind(self, ctx: int) -> None:
+        """Makes ctx current on a thread that has no context current (a
+        thread other than the one that opened the lane); a thread's own
+        current context is left alone."""
+        cur = ctypes.c_void_p()
+        self._check(self._get_ctx(ctypes.byref(cur)), "cuCtxGetCurrent")
+        if not cur.value:
+            self._check(self._set_ctx(ctx), "cuCtxSetCurrent")
 
     def mps_enabled(self, device: int) -> bool:
         v = ctypes.c_int(0)
@@ -121,9 +156,12 @@ class Lane:
     returns; close ends the OpenLane call, after which the daemon releases
     the calls it had enqueued."""
 
-    def __init__(self, rpc, resp: pb.OpenLaneResponse, drv: Driver):
+    def __init__(self, rpc, resp: pb.OpenLaneResponse, drv: Driver, device: int | None):
         self._rpc, self._drv = rpc, drv
         self.depth, self.mps, self.skips_on_close = resp.depth, resp.mps, resp.skips_on_close
+        # The flags are mapped into one context; calls from other threads
+        # run in it too.
+        self._ctx = drv.context(device)
         self._base = drv.ipc_open(resp.flags_cuda_ipc_handle)
         self.doorbell = self._base + resp.doorbell_offset
         self.done = self._base + resp.done_offset
@@ -133,6 +171,7 @@ class Lane:
         torch.cuda.current_stream().cuda_stream): what the stream did
         before is the call's input, what it does after sees the output.
         Capturable in a CUDA graph."""
+        self._drv.bind(self._ctx)
         self._drv.write(stream, self.done, 0)
         self._drv.write(stream, self.doorbell, 1)
         self._drv.wait_eq(stream, self.done, 1)
@@ -144,14 +183,17 @@ class Lane:
             return
         rpc, self._rpc = self._rpc, None
         try:
+            self._drv.bind(self._ctx)
             self._drv.ipc_close(self._base)
         finally:
             rpc.cancel()
 
 
-def open_lane(client, call: pb.FusedMoERequest, depth: int = 0, drv: Driver | None = None) -> Lane:
+def open_lane(client, call: pb.FusedMoERequest, device: int | None = None, *, depth: int = 0,
+              drv: Driver | None = None) -> Lane:
     """Opens a lane on client's connection for call, whose hidden states,
-    router logits and output reference CUDA IPC regions client registered;
+    router logits and output reference CUDA IPC regions client registered
+    on GPU device (an index; None: the context current on this thread);
     depth is how many calls the daemon keeps enqueued (0: its default).
     Raises the typed ExpertdError the daemon answers with."""
     drv = drv if drv is not None else driver()
@@ -161,7 +203,7 @@ def open_lane(client, call: pb.FusedMoERequest, depth: int = 0, drv: Driver | No
     except grpc.RpcError as e:
         raise from_rpc_error(e) from None
     try:
-        return Lane(rpc, resp, drv)
+        return Lane(rpc, resp, drv, device)
     except BaseException:
         rpc.cancel()
         raise

@@ -127,6 +127,11 @@ def _expert_weights(experts, k: int):
     return gu, down, gated
 
 
+def _device_index(device) -> int:
+    """A CUDA torch.device's index; "cuda" alone means torch's current one."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _layout(*sizes: int) -> tuple[list[int], int]:
     """Offsets of buffers of sizes bytes laid out in order on _ALIGN
     boundaries, and the bytes they span."""
@@ -225,7 +230,7 @@ class _Link:
         call = _common.fused_moe_request(region.tensor(h), expert_set=expert_set, router_logits=region.tensor(lg),
                                          routing_message=routing, output_shm=region.ref(out))
         try:
-            lane = _lane.open_lane(self.client, call)
+            lane = _lane.open_lane(self.client, call, _device_index(device))
         except BaseException:
             self._drop(what)
             raise
@@ -418,7 +423,7 @@ class RemoteMoE(nn.Module):
                 why = "the daemon serves no GPU-ordered lanes (-lanes with -shared-memory, cuda backend)"
             else:
                 try:
-                    mps = _lane.mps_enabled(device.index if device.index is not None else torch.cuda.current_device())
+                    mps = _lane.mps_enabled(_device_index(device))
                 except OSError as e:
                     why = f"libcuda: {e}"
                 else:

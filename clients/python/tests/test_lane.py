@@ -3,7 +3,9 @@ operations a lane call enqueues, in order, through a recording stand-in for
 libcuda; closing; the daemon's refusals typed; and RemoteMoE's choice of
 the path (MPS on both sides under "auto")."""
 
+import ctypes
 import logging
+import threading
 
 import grpc
 import pytest
@@ -37,6 +39,13 @@ class FakeDriver:
 
     def mps_enabled(self, device):
         return self.mps
+
+    def context(self, device):
+        self.ops.append(("context", device))
+        return 0xC0
+
+    def bind(self, ctx):
+        assert ctx == 0xC0
 
 
 class FakeCall:
@@ -101,7 +110,7 @@ def test_lane_call_is_three_stream_operations():
     lane.enqueue(0x1234)
     base = 0x7F0000001000
     one = [("write", 0x1234, base + 128, 0), ("write", 0x1234, base, 1), ("wait==", 0x1234, base + 128, 1)]
-    assert drv.ops == one + one
+    assert drv.ops == [("context", None)] + one + one
     lane.close()
     lane.close()
     assert drv.ops[-1] == ("ipc_close", base) and call.cancelled == 1
@@ -219,6 +228,102 @@ def test_gpu_path_refusals(caller_mps):
     for m in range(1, et.MAX_LANES + 1):
         assert remote._choose(dev, m) == "gpu"
     assert remote._choose(dev, et.MAX_LANES + 1) == "cuda_ipc"
+
+
+class FakeLibcuda:
+    """libcuda's context entry points, per thread as the driver keeps
+    them; the lane's own calls refuse a thread without one (CUresult 201,
+    CUDA_ERROR_INVALID_CONTEXT), as the driver does."""
+
+    def __init__(self):
+        self.local, self.calls = threading.local(), []
+        self.primary = {0: 0xA0, 1: 0xA1}
+        lib = self
+
+        class Fn:
+            def __init__(self, name, body):
+                self.name, self.body = name, body
+                self.restype, self.argtypes = None, None
+
+            def __call__(self, *args):
+                lib.calls.append(self.name)
+                return self.body(*args)
+
+        def cur():
+            return getattr(lib.local, "ctx", None)
+
+        def needs_ctx(*_):
+            return 0 if cur() else 201
+
+        def get_ctx(p):
+            p._obj.value = cur()
+            return 0
+
+        def set_ctx(c):
+            lib.local.ctx = c.value if isinstance(c, ctypes.c_void_p) else c
+            return 0
+
+        def retain(p, dev):
+            p._obj.value = lib.primary[dev]
+            return 0
+
+        def ipc_open(p, handle, flags):
+            if not cur():
+                return 201
+            p._obj.value = 0x7F0000002000
+            return 0
+
+        self.fns = {
+            "cuStreamWriteValue32_v2": Fn("write", needs_ctx), "cuStreamWaitValue32_v2": Fn("wait", needs_ctx),
+            "cuIpcOpenMemHandle_v2": Fn("ipc_open", ipc_open), "cuIpcCloseMemHandle": Fn("ipc_close", needs_ctx),
+            "cuDeviceGetAttribute": Fn("attr", lambda *a: 0), "cuCtxGetCurrent": Fn("get", get_ctx),
+            "cuCtxSetCurrent": Fn("set", set_ctx), "cuInit": Fn("init", lambda flags: 0),
+            "cuDevicePrimaryCtxRetain_v2": Fn("retain", retain),
+        }
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["fns"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _on_thread(f):
+    got = {}
+
+    def run():
+        try:
+            got["v"] = f()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            got["e"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "e" in got:
+        raise got["e"]
+    return got.get("v")
+
+
+def test_lane_runs_in_one_context_from_any_thread():
+    lib = FakeLibcuda()
+    drv = el.Driver(lib)
+    # A thread with no context current: the device's primary context,
+    # then every call of the lane from other bare threads runs in it.
+    lane = _on_thread(lambda: el.open_lane(FakeClient(FakeCall([RESP])), pb.FusedMoERequest(), 1, drv=drv))
+    assert lane._ctx == 0xA1 and lane.doorbell == 0x7F0000002000
+    _on_thread(lambda: lane.enqueue(0x1234))
+    _on_thread(lane.close)
+    assert lib.calls.count("ipc_close") == 1
+    # Without a device, a bare thread is told what to pass.
+    with pytest.raises(RuntimeError, match="pass the device index"):
+        _on_thread(lambda: el.open_lane(FakeClient(FakeCall([RESP])), pb.FusedMoERequest(), drv=drv))
+    # A thread's own current context is used and left current.
+    def own():
+        lib.local.ctx = 0xB0
+        lane = el.open_lane(FakeClient(FakeCall([RESP])), pb.FusedMoERequest(), 0, drv=drv)
+        lane.enqueue(7)
+        return lane._ctx, lib.local.ctx
+    assert _on_thread(own) == (0xB0, 0xB0)
 
 
 def test_ipc_handle_keeps_every_byte():
