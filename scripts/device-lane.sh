@@ -162,7 +162,7 @@ def step(name, fn, timeout=60):
 # doorbell nobody rings yet), every other path of the daemon completes: a
 # synchronizing CUDA call in the daemon would wait for that lane forever.
 hold = buffers("hold", 1)
-hold_lane = el.open_lane(c, hold[4], depth=2)
+hold_lane = el.open_lane(c, hold[4], 0, depth=2)
 hold[1].copy_((torch.randn(1, K, generator=gen, device=dev) / 10).bfloat16())
 hold[2].copy_(torch.randn(1, E, generator=gen, device=dev))
 torch.cuda.synchronize()
@@ -173,9 +173,10 @@ for m in (8, 256):  # new shapes, the second growing the workspace (a free)
     torch.cuda.synchronize()
     step(f"cuda_ipc FusedMoE at new M={m}", lambda: c.stub.FusedMoE(kept[4], timeout=120))
     step(f"unregister the M={m} CUDA IPC region (cudaIpcCloseMemHandle)", lambda: c.unregister_shared_memory(f"grow{m}"))
+cpu_gen = torch.Generator().manual_seed(2)
 for m in (8, 256):  # host memory: the pinned staging grows too (cudaFreeHost)
-    xh = (torch.randn(m, K, generator=gen) / 10).numpy()
-    lh = torch.randn(m, E, generator=gen).numpy()
+    xh = (torch.randn(m, K, generator=cpu_gen) / 10).numpy()
+    lh = torch.randn(m, E, generator=cpu_gen).numpy()
     step(f"host-memory FusedMoE at new M={m}",
          lambda: c.fused_moe(xh, expert_set="lane", router_logits=lh, routing_message=routing, timeout=120))
 shm = expertd.SharedMemory.create(1 << 20)
@@ -192,7 +193,7 @@ second = step("register the second lane's CUDA IPC region", lambda: buffers("sec
 second[1].copy_((torch.randn(4, K, generator=gen, device=dev) / 10).bfloat16())
 second[2].copy_(torch.randn(4, E, generator=gen, device=dev))
 torch.cuda.synchronize()
-lane2 = step("open a second lane (M=4)", lambda: el.open_lane(c, second[4], depth=2))
+lane2 = step("open a second lane (M=4)", lambda: el.open_lane(c, second[4], 0, depth=2))
 
 
 def ring_and_wait(lane):
@@ -218,7 +219,7 @@ for m in (1, 16, 64):
     _, h, lg, out, req = keep_ipc
     keep_lane = buffers(f"lane{m}", m)
     _, h2, lg2, out2, lreq = keep_lane
-    lane = el.open_lane(c, lreq, depth=16)
+    lane = el.open_lane(c, lreq, 0, depth=16)
     lanes[m] = (lane, keep_ipc, keep_lane)
     xi, yi = torch.empty(m, K, dtype=torch.bfloat16, device=dev), torch.empty(m, K, dtype=torch.bfloat16, device=dev)
     li = torch.empty(m, E, dtype=torch.float32, device=dev)
