@@ -4,9 +4,11 @@ import (
 	"context"
 	"log/slog"
 	"runtime/debug"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -426,7 +428,7 @@ func (sr *servedRing) call(c slotCall) (*pb.FusedMoEResponse, []byte, error) {
 		defer cancel()
 	}
 	var p pb.FusedMoERequest
-	if err := codec.Unmarshal(c.req, &p); err != nil {
+	if err := decodeSlot(c.req, &p); err != nil {
 		return nil, nil, invalidf("slot", "%d: the request is not a serialized expertd.v1.FusedMoERequest: %v", c.i, err)
 	}
 	resp, out, err := sr.s.fusedMoE(ctx, c.start, &p)
@@ -465,4 +467,50 @@ func (sr *servedRing) complete(i int, seq uint64, resp *pb.FusedMoEResponse, st 
 		kind = ring.KindStatus
 	}
 	sr.r.Complete(i, seq, kind, len(b))
+}
+
+// decodeSlot parses a request taken from a slot into p. b is the call's
+// copy of the slot, unchanged until the call ends, so p's tensors alias
+// it, as codec.Unmarshal's do in a large message. The generated decoder
+// does that with no reflection and no copy, where codec.Unmarshal spends
+// microseconds on a decode-sized call's few kilobytes; its strings are
+// then copied (b goes back to a pool after the call, and names outlive
+// it: metric labels, logs). Whatever protobuf parses, it parses to the
+// same message. It is laxer on malformed input (strings need not be
+// UTF-8, a varint may overflow, an unknown field is skipped by rules of
+// its own), which validation then judges like any request; a known field
+// of the wrong wire type, which protobuf keeps as an unknown field, it
+// refuses, and a string that is not UTF-8 protobuf refuses: those go to
+// codec.Unmarshal, for protobuf's verdict.
+func decodeSlot(b []byte, p *pb.FusedMoERequest) error {
+	if p.UnmarshalVTUnsafe(b) == nil && ownStrings(p) {
+		return nil
+	}
+	return codec.Unmarshal(b, p)
+}
+
+// ownStrings replaces the strings of p, which alias the decoder's input,
+// by copies, and reports whether all are valid UTF-8. They are the set's
+// name and the regions of shared-memory references (TestOwnStringsCovers
+// keeps this in step with the contract).
+func ownStrings(p *pb.FusedMoERequest) bool {
+	own := func(s *string) bool {
+		if !utf8.ValidString(*s) {
+			return false
+		}
+		*s = strings.Clone(*s)
+		return true
+	}
+	if e, ok := p.Experts.(*pb.FusedMoERequest_ExpertSet); ok && !own(&e.ExpertSet) {
+		return false
+	}
+	if r := p.OutputShm; r != nil && !own(&r.RegionName) {
+		return false
+	}
+	for _, x := range requestTensors(p) {
+		if r := x.t.GetShm(); r != nil && !own(&r.RegionName) {
+			return false
+		}
+	}
+	return true
 }
