@@ -196,6 +196,36 @@ func TestRingFusedMoE(t *testing.T) {
 	}
 }
 
+// TestRingResultOwned: a result keeps its output and strings when its
+// slot carries the next call, whose answer differs (its hidden states are
+// zero): the result must not refer to the slot.
+func TestRingResultOwned(t *testing.T) {
+	ctx := testContext(t)
+	f := newRingFixture(t, ringConfig, 3)
+	r, err := f.c.OpenRing(ctx, f.region, 0, client.RingOptions{Slots: 1})
+	if err != nil {
+		t.Fatalf("OpenRing: %v", err)
+	}
+	defer r.Close()
+	first, err := r.FusedMoE(ctx, f.request())
+	if err != nil {
+		t.Fatalf("Ring.FusedMoE: %v", err)
+	}
+	out, backend := bytes.Clone(first.Output.Data), strings.Clone(first.Backend)
+	zero := f.request()
+	zero.Hidden.Data = make([]byte, len(zero.Hidden.Data))
+	second, err := r.FusedMoE(ctx, zero)
+	if err != nil {
+		t.Fatalf("Ring.FusedMoE: %v", err)
+	}
+	if bytes.Equal(second.Output.Data, out) {
+		t.Fatal("the second call's output equals the first's: the test cannot tell them apart")
+	}
+	if !bytes.Equal(first.Output.Data, out) || first.Backend != backend {
+		t.Error("the first result changed when its slot carried the next call")
+	}
+}
+
 // TestRingInFlight runs more concurrent callers than the ring has slots.
 func TestRingInFlight(t *testing.T) {
 	ctx := testContext(t)

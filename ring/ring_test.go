@@ -57,3 +57,33 @@ func FuzzSlot(f *testing.F) {
 		}
 	})
 }
+
+// TestPostWritten: a request encoded into RequestBuffer and posted in
+// place reads back as Post's would, and the buffer cannot be appended
+// past the slot's payload into the next slot.
+func TestPostWritten(t *testing.T) {
+	const slots, slotSize = 2, MinSlotSize
+	mem := alignedMem(int(Size(slots, slotSize)))
+	caller, err := Init(mem, slots, slotSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	daemon, err := Attach(mem, slots, slotSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := caller.RequestBuffer(0)
+	if len(buf) != 0 || cap(buf) != caller.Payload() {
+		t.Fatalf("RequestBuffer: len %d, cap %d; want 0, %d", len(buf), cap(buf), caller.Payload())
+	}
+	req := append(buf, "in place"...)
+	caller.PostWritten(0, 3, len(req), 0)
+	got, seq, _, ok, err := daemon.Take(0, nil)
+	if !ok || err != nil || string(got) != "in place" || seq != 3 {
+		t.Fatalf("Take = %q, %d, %v, %v; want \"in place\", 3, true, nil", got, seq, ok, err)
+	}
+	full := append(caller.RequestBuffer(1), make([]byte, caller.Payload())...)
+	if grown := append(full, 1); &grown[0] == &full[0] {
+		t.Fatal("appending past the payload wrote into the ring")
+	}
+}
