@@ -68,14 +68,15 @@ package batch
 
 import (
 	"context"
-	"encoding/binary"
 	"fmt"
 	"log/slog"
 	"runtime"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -327,11 +328,15 @@ type batchKey struct {
 	scoring            moe.Scoring
 	groups, topKGroups int
 	scalingFactor      float32
-	// bias is the correction bias's bytes, "" for none.
+	// bias is the correction bias's bytes (in host order: the key only
+	// compares them), "" for none.
 	bias string
 	out  moe.DType
 }
 
+// keyOf is r's key for looking batches up. Its bias refers to r's own
+// memory, which the caller may reuse once its call returns: a key kept
+// in a batch or a map is an owned one (batchKey.owned).
 func keyOf(l *loaded, r *moe.Request) batchKey {
 	k := batchKey{
 		set: l, hidden: r.Hidden.DType, logits: r.Logits.DType,
@@ -340,11 +345,17 @@ func keyOf(l *loaded, r *moe.Request) batchKey {
 		out: r.OutDType,
 	}
 	k.groupScale = groupScale(r)
-	if b := r.Routing.CorrectionBias; b != nil {
-		// Appending a []float32 cannot fail.
-		bs, _ := binary.Append(nil, binary.LittleEndian, b)
-		k.bias = string(bs)
+	if b := r.Routing.CorrectionBias; len(b) > 0 {
+		// A view, not an encoding: encoding the bias cost a lone call more
+		// than the rest of its way through the batcher.
+		k.bias = unsafe.String((*byte)(unsafe.Pointer(&b[0])), 4*len(b))
 	}
+	return k
+}
+
+// owned is k with a bias of its own, to be kept beyond its caller's call.
+func (k batchKey) owned() batchKey {
+	k.bias = strings.Clone(k.bias)
 	return k
 }
 
@@ -484,6 +495,7 @@ func (bt *Backend) join(ctx context.Context, key batchKey, m *member) (b *batch,
 		b = nil
 	}
 	if b == nil {
+		key = key.owned()
 		b = &batch{key: key, start: make(chan struct{}), merged: make(chan struct{})}
 		b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(ctx))
 		// The batch holds the set itself: its callers may all leave
