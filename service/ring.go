@@ -2,6 +2,7 @@ package service
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"runtime/debug"
 	"strings"
@@ -435,7 +436,7 @@ func (sr *servedRing) call(c slotCall) (*pb.FusedMoEResponse, []byte, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	if n, limit := proto.Size(resp), sr.r.Payload(); n > limit {
+	if n, limit := resp.SizeVT(), sr.r.Payload(); n > limit {
 		sr.s.outputs.Put(out)
 		return nil, nil, exhaustedf("slot_size", "the response takes %d bytes, a slot's payload %d; set output_shm or attach a ring with larger slots", n, limit)
 	}
@@ -444,12 +445,20 @@ func (sr *servedRing) call(c slotCall) (*pb.FusedMoEResponse, []byte, error) {
 
 // complete encodes resp (or st, when resp is nil) into slot i and marks it
 // Done. Either fits: responses are sized by call, and a status message is
-// bounded by the messages this package writes, cut to the payload.
+// bounded by the messages this package writes, cut to the payload. A
+// response is encoded by vtprotobuf's generated encoder, which writes
+// proto.Marshal's bytes (FuzzCompletionBytes) without reflection.
 func (sr *servedRing) complete(i int, seq uint64, resp *pb.FusedMoEResponse, st *status.Status) {
 	buf := sr.r.CompletionBuffer(i)
 	kind := ring.KindResponse
-	var m proto.Message = resp
-	if resp == nil {
+	var b []byte
+	err := errCompletionSize
+	if resp != nil {
+		if n := resp.SizeVT(); n <= cap(buf) {
+			b = buf[:n]
+			_, err = resp.MarshalToSizedBufferVT(b)
+		}
+	} else {
 		kind = ring.KindStatus
 		sp := st.Proto()
 		// Leave room for the code and framing.
@@ -457,9 +466,8 @@ func (sr *servedRing) complete(i int, seq uint64, resp *pb.FusedMoEResponse, st 
 			sp.Message = sp.Message[:max(limit, 0)]
 		}
 		sp.Details = nil
-		m = sp
+		b, err = proto.MarshalOptions{}.MarshalAppend(buf, sp)
 	}
-	b, err := proto.MarshalOptions{}.MarshalAppend(buf, m)
 	if err != nil || len(b) > cap(buf) || (len(b) > 0 && &b[0] != &buf[:1][0]) {
 		// Cannot happen for the sizes checked above; answer something the
 		// caller can read rather than a torn slot.
@@ -468,6 +476,9 @@ func (sr *servedRing) complete(i int, seq uint64, resp *pb.FusedMoEResponse, st 
 	}
 	sr.r.Complete(i, seq, kind, len(b))
 }
+
+// errCompletionSize is a completion larger than its slot.
+var errCompletionSize = errors.New("completion larger than the slot")
 
 // decodeSlot parses a request taken from a slot into p. b is the call's
 // copy of the slot, unchanged until the call ends, so p's tensors alias

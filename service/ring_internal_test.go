@@ -1,6 +1,7 @@
 package service
 
 import (
+	"bytes"
 	"fmt"
 	"testing"
 	"unicode/utf8"
@@ -14,11 +15,10 @@ import (
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
-// fillRequest sets every field reachable from m to a value naming its
-// path: strings to the path, numbers to 1, bytes to the path's bytes, and
+// fill sets every field reachable from m to a value naming its path: strings to the path, numbers to 1, bytes to the path's bytes, and
 // messages filled likewise. Of a oneof, the member declared last wins,
 // except in Tensor, whose shared-memory reference is what holds a string.
-func fillRequest(m protoreflect.Message, path string) {
+func fill(m protoreflect.Message, path string) {
 	fields := m.Descriptor().Fields()
 	for i := range fields.Len() {
 		fd := fields.Get(i)
@@ -32,7 +32,7 @@ func fillRequest(m protoreflect.Message, path string) {
 		case protoreflect.BytesKind:
 			m.Set(fd, protoreflect.ValueOfBytes([]byte(p)))
 		case protoreflect.MessageKind:
-			fillRequest(m.Mutable(fd).Message(), p)
+			fill(m.Mutable(fd).Message(), p)
 		case protoreflect.BoolKind:
 			m.Set(fd, protoreflect.ValueOfBool(true))
 		case protoreflect.EnumKind:
@@ -48,7 +48,7 @@ func fillRequest(m protoreflect.Message, path string) {
 		case protoreflect.Uint64Kind:
 			m.Set(fd, protoreflect.ValueOfUint64(1))
 		default:
-			panic(fmt.Sprintf("fillRequest: field %s of kind %v", p, fd.Kind()))
+			panic(fmt.Sprintf("fill: field %s of kind %v", p, fd.Kind()))
 		}
 	}
 	if t, ok := m.Interface().(*pb.Tensor); ok {
@@ -62,7 +62,7 @@ func fillRequest(m protoreflect.Message, path string) {
 // shared memory, inline weights or a named set.
 func TestDecodeSlotOwnsStrings(t *testing.T) {
 	weights := &pb.FusedMoERequest{}
-	fillRequest(weights.ProtoReflect(), "req")
+	fill(weights.ProtoReflect(), "req")
 	named := proto.Clone(weights).(*pb.FusedMoERequest)
 	named.Experts = &pb.FusedMoERequest_ExpertSet{ExpertSet: "req.expert_set"}
 	for name, want := range map[string]*pb.FusedMoERequest{"weights": weights, "expert_set": named} {
@@ -135,7 +135,7 @@ func TestOwnStringsCovers(t *testing.T) {
 	}
 	// Every Tensor reachable is one requestTensors lists (or output_shm).
 	req := &pb.FusedMoERequest{}
-	fillRequest(req.ProtoReflect(), "req")
+	fill(req.ProtoReflect(), "req")
 	listed := map[*pb.Tensor]bool{}
 	for _, x := range requestTensors(req) {
 		listed[x.t] = true
@@ -217,7 +217,7 @@ func dropUnknown(m protoreflect.Message) {
 
 func decodeSlotSeeds(t testing.TB) [][]byte {
 	full := &pb.FusedMoERequest{}
-	fillRequest(full.ProtoReflect(), "req")
+	fill(full.ProtoReflect(), "req")
 	named := proto.Clone(full).(*pb.FusedMoERequest)
 	named.Experts = &pb.FusedMoERequest_ExpertSet{ExpertSet: "layer"}
 	var seeds [][]byte
@@ -241,4 +241,36 @@ func decodeSlotSeeds(t testing.TB) [][]byte {
 		append(tag(3, protowire.BytesType), 9, 0),
 		nil,
 	)
+}
+
+// FuzzCompletionBytes: a response complete encodes with the generated
+// encoder is, byte for byte, what proto.Marshal writes (seeds: every
+// field set, an output inline and one in shared memory, the empty
+// response).
+func FuzzCompletionBytes(f *testing.F) {
+	full := &pb.FusedMoEResponse{}
+	fill(full.ProtoReflect(), "resp")
+	inline := proto.Clone(full).(*pb.FusedMoEResponse)
+	inline.Output.Source = &pb.Tensor_Data{Data: []byte{}}
+	for _, m := range []*pb.FusedMoEResponse{full, inline, {}} {
+		b, err := proto.Marshal(m)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	f.Fuzz(func(t *testing.T, in []byte) {
+		var resp pb.FusedMoEResponse
+		if proto.Unmarshal(in, &resp) != nil {
+			return
+		}
+		want, err := proto.Marshal(&resp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, resp.SizeVT())
+		if _, err := resp.MarshalToSizedBufferVT(got); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("MarshalToSizedBufferVT = % x, %v; proto.Marshal % x", got, err, want)
+		}
+	})
 }
