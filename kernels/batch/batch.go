@@ -38,7 +38,9 @@
 //
 // A batch that opens while its key is idle (no batch of the key started
 // and unfinished) starts at once: a lone caller pays no window, and a GPU
-// decode call's kernel is shorter than any window worth having. A batch
+// decode call's kernel is shorter than any window worth having. When an
+// execution slot is free too, nothing could join such a batch before it
+// runs, so the call runs as a batch of one without one (solo). A batch
 // that opens while one of its key runs gathers calls until that one finishes, then waits Window more (see
 // await) and starts; it starts at once instead when it fills up to
 // MaxTokens or the owner drains (Flush). A batch not full keeps taking
@@ -103,6 +105,9 @@ type Slots interface {
 	// ended, or the owner refuses (a full queue), with an error the
 	// Backend returns to the call's callers as it is.
 	Acquire(ctx context.Context) error
+	// TryAcquire takes a slot if one is free now, without waiting, and
+	// reports whether it did.
+	TryAcquire() bool
 	// Release frees a slot Acquire took.
 	Release()
 }
@@ -441,8 +446,12 @@ func (bt *Backend) start(b *batch) {
 func (bt *Backend) do(ctx context.Context, l *loaded, req *moe.Request) (*moe.Result, time.Time, error) {
 	ctx, span := bt.startSpan(ctx, spanBatch)
 	defer span.End()
+	key := keyOf(l, req)
+	if res, queued, ok, err := bt.solo(ctx, key, l, req); ok {
+		return res, queued, err
+	}
 	m := &member{req: req, done: make(chan struct{})}
-	b, lead := bt.join(ctx, keyOf(l, req), m)
+	b, lead := bt.join(ctx, key, m)
 	if lead {
 		return bt.lead(ctx, b, m)
 	}
@@ -456,6 +465,46 @@ func (bt *Backend) do(ctx context.Context, l *loaded, req *moe.Request) (*moe.Re
 		bt.leave(b, m)
 		return nil, time.Time{}, ctx.Err()
 	}
+}
+
+// solo runs req as a batch of one with nothing to merge, if its key is
+// idle (no batch of it open or started) and an execution slot is free: a
+// batch opened now would start at once, take its one member and run its
+// request as it is, so the batch itself (its channels, context, members
+// and map entry) would be work only other calls need. ok is false, with
+// nothing done, otherwise. The key counts as busy while the call runs, so
+// calls arriving meanwhile wait for it and batch, as behind any batch. It
+// records the batch metrics and recovers a backend's panic as dispatch
+// does. Its caller cannot leave early (a batch's only caller would wait
+// for the backend call anyway), so the backend call has the caller's
+// context, cancelled exactly when the batch's would be.
+func (bt *Backend) solo(ctx context.Context, key batchKey, l *loaded, req *moe.Request) (res *moe.Result, queued time.Time, ok bool, err error) {
+	_, span := bt.startSpan(ctx, spanQueue)
+	bt.mu.Lock()
+	ok = bt.open[key] == nil && bt.busy[key] == nil && bt.slots.TryAcquire()
+	if ok {
+		key = key.owned()
+		bt.busy[key] = &keyState{running: 1, idle: make(chan struct{})}
+	}
+	bt.mu.Unlock()
+	span.End()
+	if !ok {
+		return nil, time.Time{}, false, nil
+	}
+	// The set stays open for the call, as for a batch's: its owner may
+	// close it meanwhile.
+	l.hold()
+	defer l.release()
+	defer func() {
+		bt.mu.Lock()
+		bt.idle(key)
+		bt.mu.Unlock()
+	}()
+	queued = time.Now()
+	bt.batchCalls.Record(ctx, 1, bt.backendAttr)
+	bt.batchTokens.Record(ctx, int64(req.M()), bt.backendAttr)
+	res, err = bt.compute(ctx, l.Loaded, req)
+	return res, queued, true, err
 }
 
 // lead runs b, which m's call opened on an idle key, on that call's
@@ -719,13 +768,18 @@ func (bt *Backend) pause(b *batch, d time.Duration) {
 func (bt *Backend) finish(b *batch) {
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
-	if !b.started {
-		return
+	if b.started {
+		bt.idle(b.key)
 	}
-	st := bt.busy[b.key]
+}
+
+// idle ends one started batch's count in key's busy state; bt.mu must be
+// held.
+func (bt *Backend) idle(key batchKey) {
+	st := bt.busy[key]
 	if st.running--; st.running == 0 {
 		close(st.idle)
-		delete(bt.busy, b.key)
+		delete(bt.busy, key)
 	}
 }
 

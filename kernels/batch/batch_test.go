@@ -41,6 +41,15 @@ func (s sem) Acquire(ctx context.Context) error {
 	}
 }
 
+func (s sem) TryAcquire() bool {
+	select {
+	case s <- struct{}{}:
+		return true
+	default:
+		return false
+	}
+}
+
 func (s sem) Release() { <-s }
 
 // gated is a CPU backend whose every FusedMoE call signals started, then
@@ -280,6 +289,7 @@ func TestRunStarted(t *testing.T) {
 type refusing struct{ err error }
 
 func (r refusing) Acquire(context.Context) error { return r.err }
+func (r refusing) TryAcquire() bool              { return false }
 func (r refusing) Release()                      { panic("release without acquire") }
 
 // TestSlotsRefused checks a refusal of the slots reaches the caller as it
@@ -379,5 +389,28 @@ func TestKeyOwnsBias(t *testing.T) {
 	}
 	if got := f.g.calls(); !slices.Equal(got, []int{1, 5}) {
 		t.Errorf("backend calls of %v tokens, want [1 5]: C and D in one batch", got)
+	}
+}
+
+// TestIdleKeyWaitingForSlot checks a call on an idle key that finds no
+// free slot opens a batch, which calls arriving while it waits join: the
+// batch is skipped only when nothing could join it (a free slot).
+func TestIdleKeyWaitingForSlot(t *testing.T) {
+	slots := make(sem, 1)
+	slots <- struct{}{} // taken until released below
+	f := newFixture(t, batch.Options{Window: neverEnds, MaxTokens: 8, Slots: slots})
+	_, a := f.call(testContext(t), f.set, 1)
+	f.waitWaiting(1)
+	_, b := f.call(testContext(t), f.set, 2)
+	f.waitWaiting(2)
+	slots.Release()
+	close(f.g.release)
+	for _, ch := range []<-chan result{a, b} {
+		if r := <-ch; r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+	if got := f.g.calls(); !slices.Equal(got, []int{3}) {
+		t.Errorf("backend calls of %v tokens, want [3]: one batch", got)
 	}
 }
