@@ -483,7 +483,8 @@ func (bt *Backend) solo(ctx context.Context, key batchKey, l *loaded, req *moe.R
 	bt.mu.Lock()
 	ok = bt.open[key] == nil && bt.busy[key] == nil && bt.slots.TryAcquire()
 	if ok {
-		key = key.owned()
+		// The key may keep viewing the caller's bias: it leaves the map
+		// before the call returns.
 		bt.busy[key] = &keyState{running: 1, idle: make(chan struct{})}
 	}
 	bt.mu.Unlock()
