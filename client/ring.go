@@ -197,7 +197,7 @@ func (r *Ring) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoERes
 	if err != nil {
 		return nil, invalid("Ring.FusedMoE", err)
 	}
-	n := proto.Size(p)
+	n := p.SizeVT()
 	if n > r.r.Payload() {
 		return nil, wrap("Ring.FusedMoE", status.Errorf(codes.ResourceExhausted, "the request takes %d bytes, a slot's payload %d; put tensors in shared memory or open a ring with larger slots", n, r.r.Payload()))
 	}
@@ -222,14 +222,12 @@ func (r *Ring) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoERes
 			return nil, wrap("Ring.FusedMoE", status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error()))
 		}
 	}
-	// The request is encoded straight into the slot: a buffer of its own
-	// would cost an allocation and a copy of the tensors per call.
-	buf := r.r.RequestBuffer(i)
-	b, err := proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(buf, p)
-	if err == nil && (len(b) != n || (n > 0 && &b[0] != &buf[:1][0])) {
-		err = fmt.Errorf("the request encoded to %d bytes, not the %d it measured, or outside the slot", len(b), n)
-	}
-	if err != nil {
+	// The request is encoded straight into the slot (a buffer of its own
+	// would cost an allocation and a copy of the tensors per call), by
+	// vtprotobuf's generated encoder, which unlike proto.Marshal neither
+	// reflects nor checks that strings are UTF-8: a name that is not is
+	// refused by the daemon's parse, InvalidArgument naming the field.
+	if _, err := p.MarshalToSizedBufferVT(r.r.RequestBuffer(i)[:n]); err != nil {
 		r.free <- i
 		return nil, invalid("Ring.FusedMoE", err)
 	}

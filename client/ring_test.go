@@ -226,6 +226,28 @@ func TestRingResultOwned(t *testing.T) {
 	}
 }
 
+// TestRingNameNotUTF8: a set name that is not UTF-8 (which protobuf
+// cannot carry) is refused as an invalid argument naming the field.
+func TestRingNameNotUTF8(t *testing.T) {
+	ctx := testContext(t)
+	f := newRingFixture(t, ringConfig, 1)
+	r, err := f.c.OpenRing(ctx, f.region, 0, client.RingOptions{Slots: 1})
+	if err != nil {
+		t.Fatalf("OpenRing: %v", err)
+	}
+	defer r.Close()
+	req := f.request()
+	req.ExpertSet = "layer\xff"
+	_, err = r.FusedMoE(ctx, req)
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "expert_set") {
+		t.Fatalf("Ring.FusedMoE: %v, want InvalidArgument naming expert_set", err)
+	}
+	// The ring still serves.
+	if _, err := r.FusedMoE(ctx, f.request()); err != nil {
+		t.Fatalf("Ring.FusedMoE after the refusal: %v", err)
+	}
+}
+
 // TestRingInFlight runs more concurrent callers than the ring has slots.
 func TestRingInFlight(t *testing.T) {
 	ctx := testContext(t)

@@ -407,9 +407,11 @@ func (sr *servedRing) serve(c slotCall) {
 		}
 	}
 	if s.rings.calls != nil {
-		attrs := metric.WithAttributes(attribute.String("code", code.String()))
+		var attrs metric.MeasurementOption
 		if int(code) < len(s.rings.codeAttrs) {
 			attrs = s.rings.codeAttrs[code]
+		} else {
+			attrs = metric.WithAttributes(attribute.String("code", code.String()))
 		}
 		s.rings.calls.Add(sr.ctx, 1, attrs)
 	}
@@ -429,8 +431,8 @@ func (sr *servedRing) call(c slotCall) (*pb.FusedMoEResponse, []byte, error) {
 		defer cancel()
 	}
 	var p pb.FusedMoERequest
-	if err := decodeSlot(c.req, &p); err != nil {
-		return nil, nil, invalidf("slot", "%d: the request is not a serialized expertd.v1.FusedMoERequest: %v", c.i, err)
+	if err := decodeSlot(c.i, c.req, &p); err != nil {
+		return nil, nil, err
 	}
 	resp, out, err := sr.s.fusedMoE(ctx, c.start, &p)
 	if err != nil {
@@ -480,7 +482,7 @@ func (sr *servedRing) complete(i int, seq uint64, resp *pb.FusedMoEResponse, st 
 // errCompletionSize is a completion larger than its slot.
 var errCompletionSize = errors.New("completion larger than the slot")
 
-// decodeSlot parses a request taken from a slot into p. b is the call's
+// decodeSlot parses a request taken from slot i into p. b is the call's
 // copy of the slot, unchanged until the call ends, so p's tensors alias
 // it, as codec.Unmarshal's do in a large message. The generated decoder
 // does that with no reflection and no copy, where codec.Unmarshal spends
@@ -489,22 +491,30 @@ var errCompletionSize = errors.New("completion larger than the slot")
 // it: metric labels, logs). Whatever protobuf parses, it parses to the
 // same message. It is laxer on malformed input (strings need not be
 // UTF-8, a varint may overflow, an unknown field is skipped by rules of
-// its own), which validation then judges like any request; a known field
-// of the wrong wire type, which protobuf keeps as an unknown field, it
-// refuses, and a string that is not UTF-8 protobuf refuses: those go to
-// codec.Unmarshal, for protobuf's verdict.
-func decodeSlot(b []byte, p *pb.FusedMoERequest) error {
-	if p.UnmarshalVTUnsafe(b) == nil && ownStrings(p) {
+// its own), which validation then judges like any request; a string that
+// is not UTF-8, which protobuf refuses, is refused naming its field; and a
+// known field of the wrong wire type, which protobuf keeps as an unknown
+// field, it refuses: what it refuses goes to codec.Unmarshal, for
+// protobuf's verdict.
+func decodeSlot(i int, b []byte, p *pb.FusedMoERequest) error {
+	if p.UnmarshalVTUnsafe(b) == nil {
+		if field := ownStrings(p); field != "" {
+			return invalidf(field, "not valid UTF-8")
+		}
 		return nil
 	}
-	return codec.Unmarshal(b, p)
+	if err := codec.Unmarshal(b, p); err != nil {
+		return invalidf("slot", "%d: the request is not a serialized expertd.v1.FusedMoERequest: %v", i, err)
+	}
+	return nil
 }
 
 // ownStrings replaces the strings of p, which alias the decoder's input,
-// by copies, and reports whether all are valid UTF-8. They are the set's
-// name and the regions of shared-memory references (TestOwnStringsCovers
-// keeps this in step with the contract).
-func ownStrings(p *pb.FusedMoERequest) bool {
+// by copies, and returns the field of the first that is not valid UTF-8
+// ("" when all are). They are the set's name and the regions of
+// shared-memory references (TestOwnStringsCovers keeps this in step with
+// the contract).
+func ownStrings(p *pb.FusedMoERequest) string {
 	own := func(s *string) bool {
 		if !utf8.ValidString(*s) {
 			return false
@@ -513,15 +523,15 @@ func ownStrings(p *pb.FusedMoERequest) bool {
 		return true
 	}
 	if e, ok := p.Experts.(*pb.FusedMoERequest_ExpertSet); ok && !own(&e.ExpertSet) {
-		return false
+		return "expert_set"
 	}
 	if r := p.OutputShm; r != nil && !own(&r.RegionName) {
-		return false
+		return "output_shm.region_name"
 	}
 	for _, x := range requestTensors(p) {
 		if r := x.t.GetShm(); r != nil && !own(&r.RegionName) {
-			return false
+			return x.field + ".shm.region_name"
 		}
 	}
-	return true
+	return ""
 }

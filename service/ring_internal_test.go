@@ -72,7 +72,7 @@ func TestDecodeSlotOwnsStrings(t *testing.T) {
 				t.Fatal(err)
 			}
 			var got pb.FusedMoERequest
-			if err := decodeSlot(b, &got); err != nil {
+			if err := decodeSlot(0, b, &got); err != nil {
 				t.Fatal(err)
 			}
 			clear(b) // the tensors' bytes alias it; the strings must not
@@ -172,7 +172,7 @@ func FuzzDecodeSlot(f *testing.F) {
 func checkDecodeSlot(t *testing.T, in []byte) {
 	var want, got pb.FusedMoERequest
 	werr := proto.Unmarshal(in, &want)
-	gerr := decodeSlot(in, &got)
+	gerr := decodeSlot(0, in, &got)
 	if werr != nil {
 		if gerr == nil && !utf8Strings(got.ProtoReflect()) {
 			t.Fatalf("% x: decodeSlot took a string that is not UTF-8: %v", in, &got)
