@@ -94,6 +94,18 @@ func newRingFixture(t *testing.T, cfg service.Config, m int) *ringFixture {
 	return &ringFixture{srv: srv, c: c, backend: g, shm: shm, region: region, set: set, req: req}
 }
 
+// openRing opens a ring at the start of the fixture's region, closed
+// when the test ends.
+func (f *ringFixture) openRing(t *testing.T, opts client.RingOptions) *client.Ring {
+	t.Helper()
+	r, err := f.c.OpenRing(testContext(t), f.region, 0, opts)
+	if err != nil {
+		t.Fatalf("OpenRing: %v", err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
 func (f *ringFixture) request() *client.FusedMoERequest {
 	return clienttest.Request(ringLayer, f.set, f.req)
 }
@@ -202,11 +214,7 @@ func TestRingFusedMoE(t *testing.T) {
 func TestRingResultOwned(t *testing.T) {
 	ctx := testContext(t)
 	f := newRingFixture(t, ringConfig, 3)
-	r, err := f.c.OpenRing(ctx, f.region, 0, client.RingOptions{Slots: 1})
-	if err != nil {
-		t.Fatalf("OpenRing: %v", err)
-	}
-	defer r.Close()
+	r := f.openRing(t, client.RingOptions{Slots: 1})
 	first, err := r.FusedMoE(ctx, f.request())
 	if err != nil {
 		t.Fatalf("Ring.FusedMoE: %v", err)
@@ -231,14 +239,10 @@ func TestRingResultOwned(t *testing.T) {
 func TestRingNameNotUTF8(t *testing.T) {
 	ctx := testContext(t)
 	f := newRingFixture(t, ringConfig, 1)
-	r, err := f.c.OpenRing(ctx, f.region, 0, client.RingOptions{Slots: 1})
-	if err != nil {
-		t.Fatalf("OpenRing: %v", err)
-	}
-	defer r.Close()
+	r := f.openRing(t, client.RingOptions{Slots: 1})
 	req := f.request()
 	req.ExpertSet = "layer\xff"
-	_, err = r.FusedMoE(ctx, req)
+	_, err := r.FusedMoE(ctx, req)
 	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "expert_set") {
 		t.Fatalf("Ring.FusedMoE: %v, want InvalidArgument naming expert_set", err)
 	}

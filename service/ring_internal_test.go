@@ -15,7 +15,16 @@ import (
 	pb "github.com/expertd/expertd/proto/expertd/v1"
 )
 
-// fill sets every field reachable from m to a value naming its path: strings to the path, numbers to 1, bytes to the path's bytes, and
+// ones are the values fill gives scalar fields.
+var ones = map[protoreflect.Kind]protoreflect.Value{
+	protoreflect.BoolKind: protoreflect.ValueOfBool(true), protoreflect.EnumKind: protoreflect.ValueOfEnum(1),
+	protoreflect.FloatKind: protoreflect.ValueOfFloat32(1), protoreflect.Int32Kind: protoreflect.ValueOfInt32(1),
+	protoreflect.Int64Kind: protoreflect.ValueOfInt64(1), protoreflect.Uint32Kind: protoreflect.ValueOfUint32(1),
+	protoreflect.Uint64Kind: protoreflect.ValueOfUint64(1),
+}
+
+// fill sets every field reachable from m to a value naming its path:
+// strings to the path, numbers to 1, bytes to the path's bytes, and
 // messages filled likewise. Of a oneof, the member declared last wins,
 // except in Tensor, whose shared-memory reference is what holds a string.
 func fill(m protoreflect.Message, path string) {
@@ -33,22 +42,12 @@ func fill(m protoreflect.Message, path string) {
 			m.Set(fd, protoreflect.ValueOfBytes([]byte(p)))
 		case protoreflect.MessageKind:
 			fill(m.Mutable(fd).Message(), p)
-		case protoreflect.BoolKind:
-			m.Set(fd, protoreflect.ValueOfBool(true))
-		case protoreflect.EnumKind:
-			m.Set(fd, protoreflect.ValueOfEnum(1))
-		case protoreflect.FloatKind:
-			m.Set(fd, protoreflect.ValueOfFloat32(1))
-		case protoreflect.Int32Kind:
-			m.Set(fd, protoreflect.ValueOfInt32(1))
-		case protoreflect.Int64Kind:
-			m.Set(fd, protoreflect.ValueOfInt64(1))
-		case protoreflect.Uint32Kind:
-			m.Set(fd, protoreflect.ValueOfUint32(1))
-		case protoreflect.Uint64Kind:
-			m.Set(fd, protoreflect.ValueOfUint64(1))
 		default:
-			panic(fmt.Sprintf("fill: field %s of kind %v", p, fd.Kind()))
+			v, ok := ones[fd.Kind()]
+			if !ok {
+				panic(fmt.Sprintf("fill: field %s of kind %v", p, fd.Kind()))
+			}
+			m.Set(fd, v)
 		}
 	}
 	if t, ok := m.Interface().(*pb.Tensor); ok {
