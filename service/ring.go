@@ -485,8 +485,8 @@ var errCompletionSize = errors.New("completion larger than the slot")
 // decodeSlot parses a request taken from slot i into p. b is the call's
 // copy of the slot, unchanged until the call ends, so p's tensors alias
 // it, as codec.Unmarshal's do in a large message. The generated decoder
-// does that with no reflection and no copy, where codec.Unmarshal spends
-// microseconds on a decode-sized call's few kilobytes; its strings are
+// does that with no reflection and no copy at any size, where
+// codec.Unmarshal copies each tensor of a small message; its strings are
 // then copied (b goes back to a pool after the call, and names outlive
 // it: metric labels, logs). Whatever protobuf parses, it parses to the
 // same message. It is laxer on malformed input (strings need not be

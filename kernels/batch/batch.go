@@ -351,8 +351,8 @@ func keyOf(l *loaded, r *moe.Request) batchKey {
 	}
 	k.groupScale = groupScale(r)
 	if b := r.Routing.CorrectionBias; len(b) > 0 {
-		// A view, not an encoding: encoding the bias cost a lone call more
-		// than the rest of its way through the batcher.
+		// A view: every call looks its key up, and only a kept key needs
+		// the bias copied.
 		k.bias = unsafe.String((*byte)(unsafe.Pointer(&b[0])), 4*len(b))
 	}
 	return k
