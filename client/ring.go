@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -196,12 +197,9 @@ func (r *Ring) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoERes
 	if err != nil {
 		return nil, invalid("Ring.FusedMoE", err)
 	}
-	b, err := proto.Marshal(p)
-	if err != nil {
-		return nil, invalid("Ring.FusedMoE", err)
-	}
-	if len(b) > r.r.Payload() {
-		return nil, wrap("Ring.FusedMoE", status.Errorf(codes.ResourceExhausted, "the request takes %d bytes, a slot's payload %d; put tensors in shared memory or open a ring with larger slots", len(b), r.r.Payload()))
+	n := p.SizeVT()
+	if n > r.r.Payload() {
+		return nil, wrap("Ring.FusedMoE", status.Errorf(codes.ResourceExhausted, "the request takes %d bytes, a slot's payload %d; put tensors in shared memory or open a ring with larger slots", n, r.r.Payload()))
 	}
 	r.use.RLock()
 	defer r.use.RUnlock()
@@ -224,11 +222,17 @@ func (r *Ring) FusedMoE(ctx context.Context, req *FusedMoERequest) (*FusedMoERes
 			return nil, wrap("Ring.FusedMoE", status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error()))
 		}
 	}
-	seq := r.seq.Add(1)
-	if err := r.r.Post(i, seq, b, timeout); err != nil {
+	// The request is encoded straight into the slot (a buffer of its own
+	// would cost an allocation and a copy of the tensors per call), by
+	// vtprotobuf's generated encoder, which unlike proto.Marshal neither
+	// reflects nor checks that strings are UTF-8: a name that is not is
+	// refused by the daemon's parse, InvalidArgument naming the field.
+	if _, err := p.MarshalToSizedBufferVT(r.r.RequestBuffer(i)[:n]); err != nil {
 		r.free <- i
 		return nil, invalid("Ring.FusedMoE", err)
 	}
+	seq := r.seq.Add(1)
+	r.r.PostWritten(i, seq, n, timeout)
 	if !r.r.WaitDone(i, r.spin, ringWaitTick, func() bool { return ctx.Err() != nil || r.gone.Load() }) {
 		go r.reclaim(i)
 		if err := ctx.Err(); err != nil {
@@ -259,10 +263,18 @@ func (r *Ring) result(i int, seq uint64) (*FusedMoEResult, error) {
 		}
 		return nil, wrap("Ring.FusedMoE", status.ErrorProto(&sp))
 	case ring.KindResponse:
-		// proto.Unmarshal copies bytes fields: the slot is reused.
+		// The slot is reused, so the response is copied out of it once and
+		// parsed in place by the generated decoder, which (unlike
+		// proto.Unmarshal) neither copies each field again nor reflects:
+		// everything the result holds refers to the copy, which the
+		// garbage collector frees. A response it refuses is parsed again
+		// by proto.Unmarshal, for protobuf's verdict.
+		b := slices.Clone(payload)
 		var resp pb.FusedMoEResponse
-		if err := proto.Unmarshal(payload, &resp); err != nil {
-			return nil, wrap("Ring.FusedMoE", fmt.Errorf("malformed response: %w", err))
+		if resp.UnmarshalVTUnsafe(b) != nil {
+			if err := proto.Unmarshal(b, &resp); err != nil {
+				return nil, wrap("Ring.FusedMoE", fmt.Errorf("malformed response: %w", err))
+			}
 		}
 		res, err := resultFromProto(&resp)
 		if err != nil {

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
 	"github.com/expertd/expertd/client"
 	"github.com/expertd/expertd/client/clienttest"
 	"github.com/expertd/expertd/internal/durstat"
@@ -22,8 +24,8 @@ import (
 // of a call, which a GPU call pays on top of the library's own host
 // work. inline posts the tensors in the slot; shm places hidden states,
 // logits and output in the registered region, as a same-host engine
-// does. The server batches as the daemon does by default. It reports the
-// client latency's p50 and p99 and the median of
+// does. The server batches and records metrics as the daemon does by
+// default. It reports the client latency's p50 and p99 and the median of
 // the server's total time; -benchmem's allocs/op counts both sides (one
 // process).
 //
@@ -32,7 +34,11 @@ func BenchmarkRingPath(b *testing.B) {
 	ctx := context.Background()
 	rng := rand.New(rand.NewPCG(3, 4))
 	shape := kerneltest.Nemotron.Scaled(kerneltest.Nemotron.K, 16)
-	srv := serveNull(b, service.Config{SharedMemory: true, Ring: true, RingSpin: time.Second, MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow})
+	// The daemon records its metrics with the OpenTelemetry SDK, which
+	// costs what a no-op meter does not.
+	meter := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader())).Meter("bench")
+	srv := serveNull(b, service.Config{SharedMemory: true, Ring: true, RingSpin: time.Second, MaxConcurrent: 4, BatchWindow: service.SuggestedBatchWindow,
+		Meter: meter})
 	c, err := client.Dial(ctx, srv.Addr)
 	if err != nil {
 		b.Fatal(err)

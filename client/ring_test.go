@@ -94,6 +94,18 @@ func newRingFixture(t *testing.T, cfg service.Config, m int) *ringFixture {
 	return &ringFixture{srv: srv, c: c, backend: g, shm: shm, region: region, set: set, req: req}
 }
 
+// openRing opens a ring at the start of the fixture's region, closed
+// when the test ends.
+func (f *ringFixture) openRing(t *testing.T, opts client.RingOptions) *client.Ring {
+	t.Helper()
+	r, err := f.c.OpenRing(testContext(t), f.region, 0, opts)
+	if err != nil {
+		t.Fatalf("OpenRing: %v", err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
 func (f *ringFixture) request() *client.FusedMoERequest {
 	return clienttest.Request(ringLayer, f.set, f.req)
 }
@@ -193,6 +205,50 @@ func TestRingFusedMoE(t *testing.T) {
 				t.Fatalf("shm ring call: output %v differs from the RPC's answer", got.Output.Shm)
 			}
 		})
+	}
+}
+
+// TestRingResultOwned: a result keeps its output and strings when its
+// slot carries the next call, whose answer differs (its hidden states are
+// zero): the result must not refer to the slot.
+func TestRingResultOwned(t *testing.T) {
+	ctx := testContext(t)
+	f := newRingFixture(t, ringConfig, 3)
+	r := f.openRing(t, client.RingOptions{Slots: 1})
+	first, err := r.FusedMoE(ctx, f.request())
+	if err != nil {
+		t.Fatalf("Ring.FusedMoE: %v", err)
+	}
+	out, backend := bytes.Clone(first.Output.Data), strings.Clone(first.Backend)
+	zero := f.request()
+	zero.Hidden.Data = make([]byte, len(zero.Hidden.Data))
+	second, err := r.FusedMoE(ctx, zero)
+	if err != nil {
+		t.Fatalf("Ring.FusedMoE: %v", err)
+	}
+	if bytes.Equal(second.Output.Data, out) {
+		t.Fatal("the second call's output equals the first's: the test cannot tell them apart")
+	}
+	if !bytes.Equal(first.Output.Data, out) || first.Backend != backend {
+		t.Error("the first result changed when its slot carried the next call")
+	}
+}
+
+// TestRingNameNotUTF8: a set name that is not UTF-8 (which protobuf
+// cannot carry) is refused as an invalid argument naming the field.
+func TestRingNameNotUTF8(t *testing.T) {
+	ctx := testContext(t)
+	f := newRingFixture(t, ringConfig, 1)
+	r := f.openRing(t, client.RingOptions{Slots: 1})
+	req := f.request()
+	req.ExpertSet = "layer\xff"
+	_, err := r.FusedMoE(ctx, req)
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "expert_set") {
+		t.Fatalf("Ring.FusedMoE: %v, want InvalidArgument naming expert_set", err)
+	}
+	// The ring still serves.
+	if _, err := r.FusedMoE(ctx, f.request()); err != nil {
+		t.Fatalf("Ring.FusedMoE after the refusal: %v", err)
 	}
 }
 

@@ -217,7 +217,20 @@ func (r *Ring) Post(i int, seq uint64, req []byte, timeout time.Duration) error 
 		return fmt.Errorf("request of %d bytes exceeds the slot payload of %d bytes", len(req), r.payload)
 	}
 	copy(r.payloadOf(i), req)
-	atomic.StoreUint32(r.slotWord(i, slotReqLen), uint32(len(req)))
+	r.PostWritten(i, seq, len(req), timeout)
+	return nil
+}
+
+// RequestBuffer is slot i's payload, for the caller to encode a request
+// into (appending: its capacity is the payload) before PostWritten, so
+// the request is written once, in place. The slot must be the caller's
+// (Free, or Done and read).
+func (r *Ring) RequestBuffer(i int) []byte { return r.payloadOf(i)[:0] }
+
+// PostWritten posts slot i as Post does, with the request of n bytes
+// (at most Payload) already in RequestBuffer(i).
+func (r *Ring) PostWritten(i int, seq uint64, n int, timeout time.Duration) {
+	atomic.StoreUint32(r.slotWord(i, slotReqLen), uint32(n))
 	atomic.StoreUint32(r.slotWord(i, slotRespLen), 0)
 	atomic.StoreUint32(r.slotWord(i, slotRespKind), 0)
 	atomic.StoreUint32(r.slotWord(i, slotWaiting), 0)
@@ -227,7 +240,6 @@ func (r *Ring) Post(i int, seq uint64, req []byte, timeout time.Duration) error 
 	// sequentially consistent).
 	atomic.StoreUint32(r.slotWord(i, slotState), Posted)
 	r.Ring()
-	return nil
 }
 
 // Ring rings the doorbell: it counts one post and wakes the daemon's

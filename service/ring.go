@@ -2,11 +2,14 @@ package service
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"runtime/debug"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -404,9 +407,11 @@ func (sr *servedRing) serve(c slotCall) {
 		}
 	}
 	if s.rings.calls != nil {
-		attrs := metric.WithAttributes(attribute.String("code", code.String()))
+		var attrs metric.MeasurementOption
 		if int(code) < len(s.rings.codeAttrs) {
 			attrs = s.rings.codeAttrs[code]
+		} else {
+			attrs = metric.WithAttributes(attribute.String("code", code.String()))
 		}
 		s.rings.calls.Add(sr.ctx, 1, attrs)
 	}
@@ -426,14 +431,14 @@ func (sr *servedRing) call(c slotCall) (*pb.FusedMoEResponse, []byte, error) {
 		defer cancel()
 	}
 	var p pb.FusedMoERequest
-	if err := codec.Unmarshal(c.req, &p); err != nil {
-		return nil, nil, invalidf("slot", "%d: the request is not a serialized expertd.v1.FusedMoERequest: %v", c.i, err)
+	if err := decodeSlot(c.i, c.req, &p); err != nil {
+		return nil, nil, err
 	}
 	resp, out, err := sr.s.fusedMoE(ctx, c.start, &p)
 	if err != nil {
 		return nil, nil, err
 	}
-	if n, limit := proto.Size(resp), sr.r.Payload(); n > limit {
+	if n, limit := resp.SizeVT(), sr.r.Payload(); n > limit {
 		sr.s.outputs.Put(out)
 		return nil, nil, exhaustedf("slot_size", "the response takes %d bytes, a slot's payload %d; set output_shm or attach a ring with larger slots", n, limit)
 	}
@@ -442,12 +447,20 @@ func (sr *servedRing) call(c slotCall) (*pb.FusedMoEResponse, []byte, error) {
 
 // complete encodes resp (or st, when resp is nil) into slot i and marks it
 // Done. Either fits: responses are sized by call, and a status message is
-// bounded by the messages this package writes, cut to the payload.
+// bounded by the messages this package writes, cut to the payload. A
+// response is encoded by vtprotobuf's generated encoder, which writes
+// proto.Marshal's bytes (FuzzCompletionBytes) without reflection.
 func (sr *servedRing) complete(i int, seq uint64, resp *pb.FusedMoEResponse, st *status.Status) {
 	buf := sr.r.CompletionBuffer(i)
 	kind := ring.KindResponse
-	var m proto.Message = resp
-	if resp == nil {
+	var b []byte
+	err := errCompletionSize
+	if resp != nil {
+		if n := resp.SizeVT(); n <= cap(buf) {
+			b = buf[:n]
+			_, err = resp.MarshalToSizedBufferVT(b)
+		}
+	} else {
 		kind = ring.KindStatus
 		sp := st.Proto()
 		// Leave room for the code and framing.
@@ -455,9 +468,8 @@ func (sr *servedRing) complete(i int, seq uint64, resp *pb.FusedMoEResponse, st 
 			sp.Message = sp.Message[:max(limit, 0)]
 		}
 		sp.Details = nil
-		m = sp
+		b, err = proto.MarshalOptions{}.MarshalAppend(buf, sp)
 	}
-	b, err := proto.MarshalOptions{}.MarshalAppend(buf, m)
 	if err != nil || len(b) > cap(buf) || (len(b) > 0 && &b[0] != &buf[:1][0]) {
 		// Cannot happen for the sizes checked above; answer something the
 		// caller can read rather than a torn slot.
@@ -465,4 +477,61 @@ func (sr *servedRing) complete(i int, seq uint64, resp *pb.FusedMoEResponse, st 
 		kind = ring.KindStatus
 	}
 	sr.r.Complete(i, seq, kind, len(b))
+}
+
+// errCompletionSize is a completion larger than its slot.
+var errCompletionSize = errors.New("completion larger than the slot")
+
+// decodeSlot parses a request taken from slot i into p. b is the call's
+// copy of the slot, unchanged until the call ends, so p's tensors alias
+// it, as codec.Unmarshal's do in a large message. The generated decoder
+// does that with no reflection and no copy at any size, where
+// codec.Unmarshal copies each tensor of a small message; its strings are
+// then copied (b goes back to a pool after the call, and names outlive
+// it: metric labels, logs). Whatever protobuf parses, it parses to the
+// same message. It is laxer on malformed input (strings need not be
+// UTF-8, a varint may overflow, an unknown field is skipped by rules of
+// its own), which validation then judges like any request; a string that
+// is not UTF-8, which protobuf refuses, is refused naming its field; and a
+// known field of the wrong wire type, which protobuf keeps as an unknown
+// field, it refuses: what it refuses goes to codec.Unmarshal, for
+// protobuf's verdict.
+func decodeSlot(i int, b []byte, p *pb.FusedMoERequest) error {
+	if p.UnmarshalVTUnsafe(b) == nil {
+		if field := ownStrings(p); field != "" {
+			return invalidf(field, "not valid UTF-8")
+		}
+		return nil
+	}
+	if err := codec.Unmarshal(b, p); err != nil {
+		return invalidf("slot", "%d: the request is not a serialized expertd.v1.FusedMoERequest: %v", i, err)
+	}
+	return nil
+}
+
+// ownStrings replaces the strings of p, which alias the decoder's input,
+// by copies, and returns the field of the first that is not valid UTF-8
+// ("" when all are). They are the set's name and the regions of
+// shared-memory references (TestOwnStringsCovers keeps this in step with
+// the contract).
+func ownStrings(p *pb.FusedMoERequest) string {
+	own := func(s *string) bool {
+		if !utf8.ValidString(*s) {
+			return false
+		}
+		*s = strings.Clone(*s)
+		return true
+	}
+	if e, ok := p.Experts.(*pb.FusedMoERequest_ExpertSet); ok && !own(&e.ExpertSet) {
+		return "expert_set"
+	}
+	if r := p.OutputShm; r != nil && !own(&r.RegionName) {
+		return "output_shm.region_name"
+	}
+	for _, x := range requestTensors(p) {
+		if r := x.t.GetShm(); r != nil && !own(&r.RegionName) {
+			return x.field + ".shm.region_name"
+		}
+	}
+	return ""
 }

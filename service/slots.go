@@ -28,10 +28,8 @@ func newExecSlots(cfg Config) *execSlots {
 // Acquire takes an execution slot, waiting in the bounded queue if none
 // is free; Release gives it back.
 func (q *execSlots) Acquire(ctx context.Context) error {
-	select {
-	case q.ch <- struct{}{}:
+	if q.TryAcquire() {
 		return nil
-	default:
 	}
 	if n := q.queued.Add(1); n > int64(q.maxQueued) {
 		q.queued.Add(-1)
@@ -47,7 +45,17 @@ func (q *execSlots) Acquire(ctx context.Context) error {
 	}
 }
 
-// Release frees a slot Acquire took.
+// TryAcquire takes an execution slot if one is free now.
+func (q *execSlots) TryAcquire() bool {
+	select {
+	case q.ch <- struct{}{}:
+		return true
+	default:
+		return false
+	}
+}
+
+// Release frees a slot Acquire or TryAcquire took.
 func (q *execSlots) Release() { <-q.ch }
 
 // Bounds of the retry delay a full queue answers with: below a millisecond

@@ -38,7 +38,9 @@
 //
 // A batch that opens while its key is idle (no batch of the key started
 // and unfinished) starts at once: a lone caller pays no window, and a GPU
-// decode call's kernel is shorter than any window worth having. A batch
+// decode call's kernel is shorter than any window worth having. When an
+// execution slot is free too, nothing could join such a batch before it
+// runs, so the call runs as a batch of one without one (solo). A batch
 // that opens while one of its key runs gathers calls until that one finishes, then waits Window more (see
 // await) and starts; it starts at once instead when it fills up to
 // MaxTokens or the owner drains (Flush). A batch not full keeps taking
@@ -68,14 +70,15 @@ package batch
 
 import (
 	"context"
-	"encoding/binary"
 	"fmt"
 	"log/slog"
 	"runtime"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -102,6 +105,9 @@ type Slots interface {
 	// ended, or the owner refuses (a full queue), with an error the
 	// Backend returns to the call's callers as it is.
 	Acquire(ctx context.Context) error
+	// TryAcquire takes a slot if one is free now, without waiting, and
+	// reports whether it did.
+	TryAcquire() bool
 	// Release frees a slot Acquire took.
 	Release()
 }
@@ -327,11 +333,15 @@ type batchKey struct {
 	scoring            moe.Scoring
 	groups, topKGroups int
 	scalingFactor      float32
-	// bias is the correction bias's bytes, "" for none.
+	// bias is the correction bias's bytes (in host order: the key only
+	// compares them), "" for none.
 	bias string
 	out  moe.DType
 }
 
+// keyOf is r's key for looking batches up. Its bias refers to r's own
+// memory, which the caller may reuse once its call returns: a key kept
+// in a batch or a map is an owned one (batchKey.owned).
 func keyOf(l *loaded, r *moe.Request) batchKey {
 	k := batchKey{
 		set: l, hidden: r.Hidden.DType, logits: r.Logits.DType,
@@ -340,11 +350,17 @@ func keyOf(l *loaded, r *moe.Request) batchKey {
 		out: r.OutDType,
 	}
 	k.groupScale = groupScale(r)
-	if b := r.Routing.CorrectionBias; b != nil {
-		// Appending a []float32 cannot fail.
-		bs, _ := binary.Append(nil, binary.LittleEndian, b)
-		k.bias = string(bs)
+	if b := r.Routing.CorrectionBias; len(b) > 0 {
+		// A view: every call looks its key up, and only a kept key needs
+		// the bias copied.
+		k.bias = unsafe.String((*byte)(unsafe.Pointer(&b[0])), 4*len(b))
 	}
+	return k
+}
+
+// owned is k with a bias of its own, to be kept beyond its caller's call.
+func (k batchKey) owned() batchKey {
+	k.bias = strings.Clone(k.bias)
 	return k
 }
 
@@ -430,8 +446,12 @@ func (bt *Backend) start(b *batch) {
 func (bt *Backend) do(ctx context.Context, l *loaded, req *moe.Request) (*moe.Result, time.Time, error) {
 	ctx, span := bt.startSpan(ctx, spanBatch)
 	defer span.End()
+	key := keyOf(l, req)
+	if res, queued, ok, err := bt.solo(ctx, key, l, req); ok {
+		return res, queued, err
+	}
 	m := &member{req: req, done: make(chan struct{})}
-	b, lead := bt.join(ctx, keyOf(l, req), m)
+	b, lead := bt.join(ctx, key, m)
 	if lead {
 		return bt.lead(ctx, b, m)
 	}
@@ -445,6 +465,47 @@ func (bt *Backend) do(ctx context.Context, l *loaded, req *moe.Request) (*moe.Re
 		bt.leave(b, m)
 		return nil, time.Time{}, ctx.Err()
 	}
+}
+
+// solo runs req as a batch of one with nothing to merge, if its key is
+// idle (no batch of it open or started) and an execution slot is free: a
+// batch opened now would start at once, take its one member and run its
+// request as it is, so the batch itself (its channels, context, members
+// and map entry) would be work only other calls need. ok is false, with
+// nothing done, otherwise. The key counts as busy while the call runs, so
+// calls arriving meanwhile wait for it and batch, as behind any batch. It
+// records the batch metrics and recovers a backend's panic as dispatch
+// does. Its caller cannot leave early (a batch's only caller would wait
+// for the backend call anyway), so the backend call has the caller's
+// context, cancelled exactly when the batch's would be.
+func (bt *Backend) solo(ctx context.Context, key batchKey, l *loaded, req *moe.Request) (res *moe.Result, queued time.Time, ok bool, err error) {
+	_, span := bt.startSpan(ctx, spanQueue)
+	bt.mu.Lock()
+	ok = bt.open[key] == nil && bt.busy[key] == nil && bt.slots.TryAcquire()
+	if ok {
+		// The key may keep viewing the caller's bias: it leaves the map
+		// before the call returns.
+		bt.busy[key] = &keyState{running: 1, idle: make(chan struct{})}
+	}
+	bt.mu.Unlock()
+	span.End()
+	if !ok {
+		return nil, time.Time{}, false, nil
+	}
+	// The set stays open for the call, as for a batch's: its owner may
+	// close it meanwhile.
+	l.hold()
+	defer l.release()
+	defer func() {
+		bt.mu.Lock()
+		bt.idle(key)
+		bt.mu.Unlock()
+	}()
+	queued = time.Now()
+	bt.batchCalls.Record(ctx, 1, bt.backendAttr)
+	bt.batchTokens.Record(ctx, int64(req.M()), bt.backendAttr)
+	res, err = bt.compute(ctx, l.Loaded, req)
+	return res, queued, true, err
 }
 
 // lead runs b, which m's call opened on an idle key, on that call's
@@ -484,6 +545,7 @@ func (bt *Backend) join(ctx context.Context, key batchKey, m *member) (b *batch,
 		b = nil
 	}
 	if b == nil {
+		key = key.owned()
 		b = &batch{key: key, start: make(chan struct{}), merged: make(chan struct{})}
 		b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(ctx))
 		// The batch holds the set itself: its callers may all leave
@@ -707,13 +769,18 @@ func (bt *Backend) pause(b *batch, d time.Duration) {
 func (bt *Backend) finish(b *batch) {
 	bt.mu.Lock()
 	defer bt.mu.Unlock()
-	if !b.started {
-		return
+	if b.started {
+		bt.idle(b.key)
 	}
-	st := bt.busy[b.key]
+}
+
+// idle ends one started batch's count in key's busy state; bt.mu must be
+// held.
+func (bt *Backend) idle(key batchKey) {
+	st := bt.busy[key]
 	if st.running--; st.running == 0 {
 		close(st.idle)
-		delete(bt.busy, b.key)
+		delete(bt.busy, key)
 	}
 }
 

@@ -41,6 +41,15 @@ func (s sem) Acquire(ctx context.Context) error {
 	}
 }
 
+func (s sem) TryAcquire() bool {
+	select {
+	case s <- struct{}{}:
+		return true
+	default:
+		return false
+	}
+}
+
 func (s sem) Release() { <-s }
 
 // gated is a CPU backend whose every FusedMoE call signals started, then
@@ -280,6 +289,7 @@ func TestRunStarted(t *testing.T) {
 type refusing struct{ err error }
 
 func (r refusing) Acquire(context.Context) error { return r.err }
+func (r refusing) TryAcquire() bool              { return false }
 func (r refusing) Release()                      { panic("release without acquire") }
 
 // TestSlotsRefused checks a refusal of the slots reaches the caller as it
@@ -328,4 +338,79 @@ func TestPanic(t *testing.T) {
 		f.b.FusedMoE(testContext(t), f.set, req) //nolint:errcheck // panics
 		t.Error("FusedMoE returned")
 	})
+}
+
+// TestKeyOwnsBias checks a batch's key keeps its correction bias when the
+// caller that opened the batch leaves and reuses the memory: a later call
+// with the first bias still joins the batch, so the two calls left in it
+// run as one backend call.
+func TestKeyOwnsBias(t *testing.T) {
+	f := newFixture(t, batch.Options{Window: neverEnds, MaxTokens: 8})
+	e := f.set.Set().E
+	biased := func(ctx context.Context, m int, bias []float32) <-chan result {
+		_, req := kerneltest.NewCase(f.rng, kerneltest.Mixtral.Scaled(40, 24), m)
+		req.Routing.Scoring = moe.Sigmoid
+		req.Routing.CorrectionBias = bias
+		ch := make(chan result, 1)
+		go func() {
+			res, err := f.b.FusedMoE(ctx, f.set, req)
+			ch <- result{res, err}
+		}()
+		return ch
+	}
+	bias := func(v float32) []float32 {
+		b := make([]float32, e)
+		for i := range b {
+			b[i] = v
+		}
+		return b
+	}
+	x := biased(testContext(t), 1, bias(0.5)) // idle key: runs at once
+	f.g.waitStarted(t)
+	ctx, cancel := context.WithCancel(testContext(t))
+	aBias := bias(0.5)
+	a := biased(ctx, 2, aBias) // opens the batch that waits for X
+	f.waitWaiting(1)
+	c := biased(testContext(t), 3, bias(0.5))
+	f.waitWaiting(2)
+	cancel()
+	if r := <-a; !errors.Is(r.err, context.Canceled) {
+		t.Fatalf("cancelled caller: %v, want context.Canceled", r.err)
+	}
+	copy(aBias, bias(-0.5)) // its memory, reused
+	d := biased(testContext(t), 2, bias(0.5))
+	f.waitWaiting(2)
+	f.b.Flush()
+	close(f.g.release)
+	for _, ch := range []<-chan result{x, c, d} {
+		if r := <-ch; r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+	if got := f.g.calls(); !slices.Equal(got, []int{1, 5}) {
+		t.Errorf("backend calls of %v tokens, want [1 5]: C and D in one batch", got)
+	}
+}
+
+// TestIdleKeyWaitingForSlot checks a call on an idle key that finds no
+// free slot opens a batch, which calls arriving while it waits join: the
+// batch is skipped only when nothing could join it (a free slot).
+func TestIdleKeyWaitingForSlot(t *testing.T) {
+	slots := make(sem, 1)
+	slots <- struct{}{} // taken until released below
+	f := newFixture(t, batch.Options{Window: neverEnds, MaxTokens: 8, Slots: slots})
+	_, a := f.call(testContext(t), f.set, 1)
+	f.waitWaiting(1)
+	_, b := f.call(testContext(t), f.set, 2)
+	f.waitWaiting(2)
+	slots.Release()
+	close(f.g.release)
+	for _, ch := range []<-chan result{a, b} {
+		if r := <-ch; r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+	if got := f.g.calls(); !slices.Equal(got, []int{3}) {
+		t.Errorf("backend calls of %v tokens, want [3]: one batch", got)
+	}
 }
