@@ -75,8 +75,10 @@ class Driver:
         self._set_ctx.argtypes = [ctypes.c_void_p]
         self._init = fn("cuInit")
         self._init.argtypes = [ctypes.c_uint]
-        self._retain = fn("cuDevicePrimaryCtxRetain_v2", "cuDevicePrimaryCtxRetain")
+        self._retain = fn("cuDevicePrimaryCtxRetain")
         self._retain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self._release = fn("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease")
+        self._release.argtypes = [ctypes.c_int]
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -98,32 +100,44 @@ class Driver:
     def ipc_close(self, ptr: int) -> None:
         self._check(self._close(ptr), "cuIpcCloseMemHandle")
 
-    def context(self, device: int | None) -> int:
-        """The context a lane's driver calls run in: the calling thread's
-        current one, else device's primary context (the one the CUDA
-        runtime, and so torch, uses), made current on this thread. A
-        thread that has touched no CUDA yet has none current, and the
-        driver refuses IPC and stream calls there (CUresult 201)."""
+    def _current(self) -> int:
         cur = ctypes.c_void_p()
         self._check(self._get_ctx(ctypes.byref(cur)), "cuCtxGetCurrent")
-        if cur.value:
-            return cur.value
-        if device is None:
-            raise RuntimeError("no CUDA context is current on this thread: pass the device index of the lane's "
-                               "regions (open_lane's device)")
-        self._check(self._init(0), "cuInit")
-        self._check(self._retain(ctypes.byref(cur), device), "cuDevicePrimaryCtxRetain")
-        self._check(self._set_ctx(cur), "cuCtxSetCurrent")
-        return cur.value
+        return cur.value or 0
 
-    def bind(self, ctx: int) -> None:
-        """Makes ctx current on a thread that has no context current (a
-        thread other than the one that opened the lane); a thread's own
-        current context is left alone."""
-        cur = ctypes.c_void_p()
-        self._check(self._get_ctx(ctypes.byref(cur)), "cuCtxGetCurrent")
-        if not cur.value:
-            self._check(self._set_ctx(ctx), "cuCtxSetCurrent")
+    def context(self, device: int | None) -> int:
+        """The context a lane's driver calls run in: device's primary
+        context (the one the CUDA runtime, and so torch, uses), retained
+        until release_context; with device None, the calling thread's
+        current one."""
+        if device is None:
+            cur = self._current()
+            if not cur:
+                raise RuntimeError("no CUDA context is current on this thread: pass the device index of the lane's "
+                                   "regions (open_lane's device)")
+            return cur
+        ctx = ctypes.c_void_p()
+        self._check(self._init(0), "cuInit")
+        self._check(self._retain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
+        return ctx.value
+
+    def release_context(self, device: int) -> None:
+        self._check(self._release(device), "cuDevicePrimaryCtxRelease")
+
+    def enter(self, ctx: int) -> int | None:
+        """Makes ctx current on this thread for the driver calls that
+        follow (a thread that has touched no CUDA has none, and one may
+        hold another device's) and returns what leave restores: None when
+        ctx already was current."""
+        cur = self._current()
+        if cur == ctx:
+            return None
+        self._check(self._set_ctx(ctx), "cuCtxSetCurrent")
+        return cur
+
+    def leave(self, prev: int | None) -> None:
+        if prev is not None:
+            self._check(self._set_ctx(prev or None), "cuCtxSetCurrent")
 
     def mps_enabled(self, device: int) -> bool:
         v = ctypes.c_int(0)
@@ -159,10 +173,17 @@ class Lane:
     def __init__(self, rpc, resp: pb.OpenLaneResponse, drv: Driver, device: int | None):
         self._rpc, self._drv = rpc, drv
         self.depth, self.mps, self.skips_on_close = resp.depth, resp.mps, resp.skips_on_close
-        # The flags are mapped into one context; calls from other threads
-        # run in it too.
-        self._ctx = drv.context(device)
-        self._base = drv.ipc_open(resp.flags_cuda_ipc_handle)
+        # The flags are mapped into one context, the regions' device's;
+        # every driver call of the lane runs in it, from any thread.
+        self._ctx, self._device = drv.context(device), device
+        prev = drv.enter(self._ctx)
+        try:
+            self._base = drv.ipc_open(resp.flags_cuda_ipc_handle)
+        except BaseException:
+            self._release()
+            raise
+        finally:
+            drv.leave(prev)
         self.doorbell = self._base + resp.doorbell_offset
         self.done = self._base + resp.done_offset
 
@@ -171,10 +192,13 @@ class Lane:
         torch.cuda.current_stream().cuda_stream): what the stream did
         before is the call's input, what it does after sees the output.
         Capturable in a CUDA graph."""
-        self._drv.bind(self._ctx)
-        self._drv.write(stream, self.done, 0)
-        self._drv.write(stream, self.doorbell, 1)
-        self._drv.wait_eq(stream, self.done, 1)
+        prev = self._drv.enter(self._ctx)
+        try:
+            self._drv.write(stream, self.done, 0)
+            self._drv.write(stream, self.doorbell, 1)
+            self._drv.wait_eq(stream, self.done, 1)
+        finally:
+            self._drv.leave(prev)
 
     def close(self) -> None:
         """Ends the lane. Streams must not ring it afterwards; synchronize
@@ -182,18 +206,25 @@ class Lane:
         if self._rpc is None:
             return
         rpc, self._rpc = self._rpc, None
+        prev = self._drv.enter(self._ctx)
         try:
-            self._drv.bind(self._ctx)
             self._drv.ipc_close(self._base)
         finally:
+            self._drv.leave(prev)
+            self._release()
             rpc.cancel()
+
+    def _release(self) -> None:
+        if self._device is not None:
+            self._drv.release_context(self._device)
 
 
 def open_lane(client, call: pb.FusedMoERequest, device: int | None = None, *, depth: int = 0,
               drv: Driver | None = None) -> Lane:
     """Opens a lane on client's connection for call, whose hidden states,
     router logits and output reference CUDA IPC regions client registered
-    on GPU device (an index; None: the context current on this thread);
+    on GPU device (an index; None: the device of the context current on
+    this thread);
     depth is how many calls the daemon keeps enqueued (0: its default).
     Raises the typed ExpertdError the daemon answers with."""
     drv = drv if drv is not None else driver()

@@ -44,8 +44,15 @@ class FakeDriver:
         self.ops.append(("context", device))
         return 0xC0
 
-    def bind(self, ctx):
+    def release_context(self, device):
+        self.ops.append(("release", device))
+
+    def enter(self, ctx):
         assert ctx == 0xC0
+        return None
+
+    def leave(self, prev):
+        assert prev is None
 
 
 class FakeCall:
@@ -231,12 +238,13 @@ def test_gpu_path_refusals(caller_mps):
 
 
 class FakeLibcuda:
-    """libcuda's context entry points, per thread as the driver keeps
-    them; the lane's own calls refuse a thread without one (CUresult 201,
+    """libcuda's context entry points, with the current context per thread
+    as the driver keeps it; the lane's own calls record the context current
+    when they are made and refuse a thread without one (CUresult 201,
     CUDA_ERROR_INVALID_CONTEXT), as the driver does."""
 
     def __init__(self):
-        self.local, self.calls = threading.local(), []
+        self.local, self.calls, self.retained = threading.local(), [], {0: 0, 1: 0}
         self.primary = {0: 0xA0, 1: 0xA1}
         lib = self
 
@@ -246,14 +254,20 @@ class FakeLibcuda:
                 self.restype, self.argtypes = None, None
 
             def __call__(self, *args):
-                lib.calls.append(self.name)
                 return self.body(*args)
 
         def cur():
             return getattr(lib.local, "ctx", None)
 
-        def needs_ctx(*_):
-            return 0 if cur() else 201
+        def in_ctx(name, result=None):
+            def body(*args):
+                if not cur():
+                    return 201
+                lib.calls.append((name, cur()))
+                if result is not None:
+                    args[0]._obj.value = result
+                return 0
+            return body
 
         def get_ctx(p):
             p._obj.value = cur()
@@ -264,21 +278,21 @@ class FakeLibcuda:
             return 0
 
         def retain(p, dev):
+            lib.retained[dev] += 1
             p._obj.value = lib.primary[dev]
             return 0
 
-        def ipc_open(p, handle, flags):
-            if not cur():
-                return 201
-            p._obj.value = 0x7F0000002000
+        def release(dev):
+            lib.retained[dev] -= 1
             return 0
 
         self.fns = {
-            "cuStreamWriteValue32_v2": Fn("write", needs_ctx), "cuStreamWaitValue32_v2": Fn("wait", needs_ctx),
-            "cuIpcOpenMemHandle_v2": Fn("ipc_open", ipc_open), "cuIpcCloseMemHandle": Fn("ipc_close", needs_ctx),
+            "cuStreamWriteValue32_v2": Fn("write", in_ctx("write")), "cuStreamWaitValue32_v2": Fn("wait", in_ctx("wait")),
+            "cuIpcOpenMemHandle_v2": Fn("ipc_open", in_ctx("ipc_open", 0x7F0000002000)),
+            "cuIpcCloseMemHandle": Fn("ipc_close", in_ctx("ipc_close")),
             "cuDeviceGetAttribute": Fn("attr", lambda *a: 0), "cuCtxGetCurrent": Fn("get", get_ctx),
             "cuCtxSetCurrent": Fn("set", set_ctx), "cuInit": Fn("init", lambda flags: 0),
-            "cuDevicePrimaryCtxRetain_v2": Fn("retain", retain),
+            "cuDevicePrimaryCtxRetain": Fn("retain", retain), "cuDevicePrimaryCtxRelease_v2": Fn("release", release),
         }
 
     def __getattr__(self, name):
@@ -304,26 +318,43 @@ def _on_thread(f):
     return got.get("v")
 
 
-def test_lane_runs_in_one_context_from_any_thread():
+def test_lane_runs_in_its_devices_context_from_any_thread():
     lib = FakeLibcuda()
     drv = el.Driver(lib)
-    # A thread with no context current: the device's primary context,
-    # then every call of the lane from other bare threads runs in it.
-    lane = _on_thread(lambda: el.open_lane(FakeClient(FakeCall([RESP])), pb.FusedMoERequest(), 1, drv=drv))
-    assert lane._ctx == 0xA1 and lane.doorbell == 0x7F0000002000
+
+    def opened(device):
+        return el.open_lane(FakeClient(FakeCall([RESP])), pb.FusedMoERequest(), device, drv=drv)
+    # Opened, rung and closed each from a thread that has touched no
+    # CUDA: every driver call runs in device 1's primary context, which
+    # the lane holds while it is open.
+    lane = _on_thread(lambda: opened(1))
+    assert lane.doorbell == 0x7F0000002000 and lib.retained[1] == 1
     _on_thread(lambda: lane.enqueue(0x1234))
     _on_thread(lane.close)
-    assert lib.calls.count("ipc_close") == 1
-    # Without a device, a bare thread is told what to pass.
-    with pytest.raises(RuntimeError, match="pass the device index"):
-        _on_thread(lambda: el.open_lane(FakeClient(FakeCall([RESP])), pb.FusedMoERequest(), drv=drv))
-    # A thread's own current context is used and left current.
+    assert lib.calls == [("ipc_open", 0xA1), ("write", 0xA1), ("write", 0xA1), ("wait", 0xA1), ("ipc_close", 0xA1)]
+    assert lib.retained[1] == 0
+
+    # A thread holding another device's context: the lane's calls run in
+    # the lane's, and the thread's own is current again after each.
+    def other():
+        lib.local.ctx = 0xA1
+        lane = opened(0)
+        lane.enqueue(7)
+        after = lib.local.ctx
+        lane.close()
+        return after, lib.local.ctx
+    lib.calls.clear()
+    assert _on_thread(other) == (0xA1, 0xA1)
+    assert {c for _, c in lib.calls} == {0xA0} and lib.retained[0] == 0
+
+    # Without a device the thread's current context serves; a bare thread
+    # is told what to pass.
     def own():
         lib.local.ctx = 0xB0
-        lane = el.open_lane(FakeClient(FakeCall([RESP])), pb.FusedMoERequest(), 0, drv=drv)
-        lane.enqueue(7)
-        return lane._ctx, lib.local.ctx
-    assert _on_thread(own) == (0xB0, 0xB0)
+        return opened(None)._ctx
+    assert _on_thread(own) == 0xB0
+    with pytest.raises(RuntimeError, match="pass the device index"):
+        _on_thread(lambda: opened(None))
 
 
 def test_ipc_handle_keeps_every_byte():
