@@ -44,6 +44,10 @@ _MAGIC, _VERSION, _SLOT_COUNT, _SLOT_SIZE, _FLAGS = 0, 4, 8, 12, 16
 _DOORBELL, _SLEEPING, _CLOSED = 64, 128, 192
 # Slot word offsets (bytes).
 _STATE, _WAITING, _SEQ, _REQ_LEN, _RESP_LEN, _RESP_KIND, _TIMEOUT, _RESP_SEQ = 0, 4, 8, 16, 20, 24, 32, 40
+# The same as indexes of 32- and 64-bit words from the slot's start, for
+# the per-call stores and loads.
+_W_STATE, _W_WAITING, _W_REQ_LEN, _W_RESP_LEN, _W_RESP_KIND = 0, 1, 4, 5, 6
+_Q_SEQ, _Q_TIMEOUT, _Q_RESP_SEQ = 1, 4, 5
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared, not FUTEX_PRIVATE_FLAG: two processes
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine())
@@ -82,6 +86,9 @@ class Ring:
         self._u32 = self._mem.cast("I")
         self._u64 = self._mem.cast("Q")
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
+        # Each slot's first byte: its words are at start // 4 + _W_*
+        # (start // 8 + _Q_*), its payload at start + SLOT_HEADER_SIZE.
+        self._start = [HEADER_SIZE + i * slot_size for i in range(slots)]
         if self._base % ALIGN:
             raise ValueError(f"the ring must start on a {ALIGN}-byte boundary of its object")
         self._bell = threading.Lock()
@@ -106,7 +113,7 @@ class Ring:
 
     # --- words ---
     def _slot(self, i: int, off: int) -> int:
-        return HEADER_SIZE + i * self.slot_size + off
+        return self._start[i] + off
 
     def _futex(self, byte_off: int, op: int, val: int, timeout_s: float | None) -> None:
         if _SYS_FUTEX is None or _libc is None:
@@ -130,15 +137,17 @@ class Ring:
         the doorbell, waking the daemon's poller only if it sleeps."""
         if len(request) > self.payload:
             raise ValueError(f"request of {len(request)} bytes exceeds the slot payload of {self.payload}")
-        p = self._slot(i, SLOT_HEADER_SIZE)
+        start, u32, u64 = self._start[i], self._u32, self._u64
+        p, w, q = start + SLOT_HEADER_SIZE, start // 4, start // 8
         self._mem[p:p + len(request)] = request
-        self._u32[self._slot(i, _REQ_LEN) // 4] = len(request)
-        self._u32[self._slot(i, _RESP_LEN) // 4] = 0
-        self._u32[self._slot(i, _RESP_KIND) // 4] = 0
-        self._u32[self._slot(i, _WAITING) // 4] = 0
-        self._u64[self._slot(i, _SEQ) // 8] = seq
-        self._u64[self._slot(i, _TIMEOUT) // 8] = max(timeout_ns, 0)
-        self._u32[self._slot(i, _STATE) // 4] = POSTED
+        u32[w + _W_REQ_LEN] = len(request)
+        u32[w + _W_RESP_LEN] = 0
+        u32[w + _W_RESP_KIND] = 0
+        u32[w + _W_WAITING] = 0
+        u64[q + _Q_SEQ] = seq
+        u64[q + _Q_TIMEOUT] = max(timeout_ns, 0)
+        # The state last: the daemon reads the rest once it sees POSTED.
+        u32[w + _W_STATE] = POSTED
         with self._bell:
             d = _DOORBELL // 4
             self._u32[d] = (self._u32[d] + 1) & 0xFFFFFFFF
@@ -149,10 +158,10 @@ class Ring:
         """Waits for slot i to be DONE: polls for spin_s, then sleeps on its
         state word in ticks. False if the ring closed or time.monotonic()
         passed deadline first."""
-        st = self._slot(i, _STATE) // 4
-        end = time.monotonic() + spin_s
-        while time.monotonic() < end:
-            if self._u32[st] == DONE:
+        st, u32, now = self._start[i] // 4 + _W_STATE, self._u32, time.monotonic
+        end = now() + spin_s
+        while now() < end:
+            if u32[st] == DONE:
                 return True
         while True:
             self._u32[self._slot(i, _WAITING) // 4] = 1
@@ -165,15 +174,16 @@ class Ring:
 
     def response(self, i: int) -> tuple[int, int, bytes]:
         """Slot i's completion: (kind, echoed seq, payload bytes copied)."""
-        n = self._u32[self._slot(i, _RESP_LEN) // 4]
+        start = self._start[i]
+        w = start // 4
+        n = self._u32[w + _W_RESP_LEN]
         if n > self.payload:
             raise ValueError(f"response length {n} exceeds the slot payload of {self.payload}")
-        p = self._slot(i, SLOT_HEADER_SIZE)
-        return (self._u32[self._slot(i, _RESP_KIND) // 4], self._u64[self._slot(i, _RESP_SEQ) // 8],
-                bytes(self._mem[p:p + n]))
+        p = start + SLOT_HEADER_SIZE
+        return self._u32[w + _W_RESP_KIND], self._u64[start // 8 + _Q_RESP_SEQ], bytes(self._mem[p:p + n])
 
     def release(self, i: int) -> None:
-        self._u32[self._slot(i, _STATE) // 4] = FREE
+        self._u32[self._start[i] // 4 + _W_STATE] = FREE
 
     # --- calls ---
     def call(self, request: bytes, timeout_s: float | None = None, spin_s: float = 1e-3) -> tuple[int, bytes]:
@@ -219,14 +229,28 @@ class Ring:
         the expert_pb2.FusedMoEResponse; an error completion raises the
         expertd.ExpertdError subclass of its gRPC code, as a unary call
         does."""
+        from_status, response, status = _messages()
+        kind, payload = self.call(request.SerializeToString(), timeout_s=timeout_s, spin_s=spin_s)
+        if kind == KIND_STATUS:
+            raise from_status(status.FromString(payload))
+        return response.FromString(payload)
+
+
+_message_types = None
+
+
+def _messages():
+    """What fused_moe parses completions with, imported on first use (the
+    ring itself needs only the standard library) and kept: an import
+    statement costs about a microsecond even when the module is loaded."""
+    global _message_types
+    if _message_types is None:
         from expertd.errors import from_status
         from expertd.v1 import expert_pb2  # the package's generated stubs
         from google.rpc import status_pb2  # googleapis-common-protos
 
-        kind, payload = self.call(request.SerializeToString(), timeout_s=timeout_s, spin_s=spin_s)
-        if kind == KIND_STATUS:
-            raise from_status(status_pb2.Status.FromString(payload))
-        return expert_pb2.FusedMoEResponse.FromString(payload)
+        _message_types = from_status, expert_pb2.FusedMoEResponse, status_pb2.Status
+    return _message_types
 
 
 def attach(stub, region_name: str, ring: Ring, offset: int = 0, metadata=None):
