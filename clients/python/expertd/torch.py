@@ -54,6 +54,7 @@ from expertd import _common
 from expertd import lane as _lane
 from expertd import ring as _ring
 from expertd import shm as _shm
+from expertd import tensors as _tensors
 from expertd.errors import ExpertdError, from_rpc_error
 from expertd.v1 import expert_pb2 as pb
 
@@ -67,6 +68,10 @@ PATHS = ("gpu", "ring+cuda_ipc", "cuda_ipc", "ring", "grpc")
 # MAX_LANES bounds one module's lanes (one per token count); each holds a
 # slot of the daemon's -lane-max.
 MAX_LANES = 8
+
+# _MAX_HOST_CALLS bounds one module's prepared host ring calls (one per
+# input shape); past it they are made again as needed.
+_MAX_HOST_CALLS = 64
 
 # A ring's slots carry requests and responses whose tensors are region
 # references: a few hundred bytes each, so small slots suffice.
@@ -159,6 +164,10 @@ class _Link:
         self._regions: dict[str, object] = {}
         # lanes by (device, M): the lane and its region's tensors.
         self.lanes: dict[tuple[str, int], _GpuLane] = {}
+        # Host ring calls by shape: views of the host region's buffers and
+        # the request naming them, made once (building them is most of a
+        # small call's Python time); they go with the region.
+        self.host_calls: dict[tuple, tuple] = {}
 
     def _register_posix(self, what: str, size: int):
         shm = _shm.SharedMemory.create(size)
@@ -172,6 +181,9 @@ class _Link:
         return shm, region
 
     def _drop(self, what: str) -> None:
+        if what == "host":
+            # Views of the mapping keep it from closing.
+            self.host_calls.clear()
         region, shm = self._regions.pop(what, None), self._shms.pop(what, None)
         try:
             if region is not None:
@@ -537,12 +549,27 @@ class RemoteMoE(nn.Module):
         need = [h.numel() * h.element_size(), logits.numel() * 4, m * k * (4 if output_dtype == "float32" else 2)]
         offs, size = _layout(*need)
         region = self._link.host(size)
-        req = _common.fused_moe_request(region.put(offs[0], h), expert_set=self.name,
-                                        router_logits=region.put(offs[1], logits), routing_message=self.routing,
-                                        output_dtype=output_dtype, output_shm=region.ref(offs[2], need[2]))
-        resp = self._link.call(req, ring=True)
+        key = (h.dtype, m, k, logits.shape[1], output_dtype)
+        call = self._link.host_calls.get(key)
+        if call is None:
+            if len(self._link.host_calls) >= _MAX_HOST_CALLS:
+                self._link.host_calls.clear()
+            hd = _tensors.DTYPES["bfloat16" if h.dtype == torch.bfloat16 else "float32"]
+            fp32 = _tensors.DTYPES["float32"]
+            views = [region.read(off, dt, shape, like="torch", widen=False) for off, dt, shape in (
+                (offs[0], hd, (m, k)), (offs[1], fp32, tuple(logits.shape)),
+                (offs[2], _tensors.DTYPES[output_dtype], (m, k)))]
+            req = _common.fused_moe_request(
+                region.tensor(_tensors.NAMES[hd], (m, k), offs[0]), expert_set=self.name,
+                router_logits=region.tensor("float32", tuple(logits.shape), offs[1]), routing_message=self.routing,
+                output_dtype=output_dtype, output_shm=region.ref(offs[2], need[2]))
+            call = self._link.host_calls[key] = (views, req)
+        (hv, lv, out), req = call
+        hv.copy_(h)
+        lv.copy_(logits)
+        self._link.call(req, ring=True)
         # The output is a view of the region, which the next call reuses.
-        return region.read(offs[2], resp.output.dtype, resp.output.shape, like="torch").clone()
+        return out.clone()
 
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape

@@ -66,7 +66,16 @@ def test_ring_when_served(ring_client, moe_set, rng, caplog):
     remote, inline = _module(ring_client, name, gate), _module(ring_client, name, gate, path="grpc")
     try:
         with caplog.at_level(logging.INFO, logger="expertd.torch"):
-            for m, dtype in ((M, torch.float32), (3, torch.bfloat16), (M, torch.float32)):
+            # Shapes again after others (their prepared calls reused with
+            # fresh inputs), and again once the host region is replaced by
+            # a larger one, as a call that outgrows it does (the calls are
+            # prepared anew: the old region's views went with it).
+            for step in ((M, torch.float32), (3, torch.bfloat16), (M, torch.float32), (512, torch.float32),
+                         None, (M, torch.float32), (3, torch.bfloat16)):
+                if step is None:
+                    remote._link.host(4 << 20)
+                    continue
+                m, dtype = step
                 x = _x(rng, m, dtype)
                 got = remote(x)
                 assert remote.path == "ring"
