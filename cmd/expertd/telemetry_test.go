@@ -454,6 +454,25 @@ func rpcSeries(fams map[string]*dto.MetricFamily, s string) (all, with int) {
 	return all, with
 }
 
+// scrapeUntil scrapes /metrics until some RPC series carries each of the
+// label values given, and fails the test if that takes
+// defaultTestTimeout.
+func scrapeUntil(t *testing.T, admin string, values ...string) map[string]*dto.MetricFamily {
+	t.Helper()
+	deadline := time.Now().Add(defaultTestTimeout)
+	for {
+		fams := scrape(t, admin)
+		missing := slices.IndexFunc(values, func(v string) bool { _, n := rpcSeries(fams, v); return n == 0 })
+		if missing < 0 {
+			return fams
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no RPC series with %q after %v", values[missing], defaultTestTimeout)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 // TestUnknownMethodsBounded: calls to methods the server does not serve,
 // without credentials, add no series per method name: they are all
 // recorded as _OTHER, and a served method keeps its own label.
@@ -476,7 +495,10 @@ func TestUnknownMethodsBounded(t *testing.T) {
 	if _, err := pb.NewExpertServiceClient(conn).GetServerInfo(authed, &pb.GetServerInfoRequest{}); err != nil {
 		t.Fatal(err)
 	}
-	before, named := rpcSeries(scrape(t, addrs.admin), "zqx")
+	// The server records an RPC once its status is sent, so the client
+	// can have its answer first: the baseline waits for the series of
+	// the calls made so far.
+	before, named := rpcSeries(scrapeUntil(t, addrs.admin, "_OTHER", "GetServerInfo"), "zqx")
 	if named != 0 {
 		t.Errorf("%d RPC series carry a caller's method name", named)
 	}
