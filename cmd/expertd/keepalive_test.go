@@ -160,7 +160,19 @@ func TestMaxConnectionAge(t *testing.T) {
 				t.Fatalf("first call: %v", err)
 			}
 			// The aged connection's GOAWAY takes the channel out of READY.
-			if !conn.WaitForStateChange(ctx, connectivity.Ready) {
+			// The channel may report READY only after the first call has
+			// its answer (the balancer's update is asynchronous), and a
+			// wait for a change from READY returns at once from any other
+			// state. No GOAWAY comes before the age less its jitter, so a
+			// state other than READY until then is the update still on
+			// its way; after it, the GOAWAY may have come already.
+			s := conn.GetState()
+			for ; s != connectivity.Ready && time.Since(start) < age*9/10; s = conn.GetState() {
+				if !conn.WaitForStateChange(ctx, s) {
+					t.Fatalf("channel not READY after the first call (%v): %v", s, ctx.Err())
+				}
+			}
+			if s == connectivity.Ready && !conn.WaitForStateChange(ctx, connectivity.Ready) {
 				t.Fatalf("no GOAWAY after the connection's age: %v", ctx.Err())
 			}
 			if tt.cut {
