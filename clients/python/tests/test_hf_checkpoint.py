@@ -175,7 +175,17 @@ def gpt_oss_config(k, n, e, top_k):
 
 def gpt_oss_block(cfg):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
-    return GptOssMLP(cfg)
+    block = GptOssMLP(cfg)
+    # Some transformers releases (5.17) fix the experts' clamp at gpt-oss's
+    # defaults instead of reading the config; the reference applies the
+    # config's, which config.json carries and the loader reads. Those
+    # releases' configs have no swiglu_alpha: the loader then takes
+    # gpt-oss's, as the experts do.
+    experts = block.experts
+    assert hasattr(experts, "limit") and hasattr(experts, "alpha"), "GptOssExperts has no limit/alpha to set"
+    experts.limit = cfg.swiglu_limit
+    experts.alpha = getattr(cfg, "swiglu_alpha", experts.alpha)
+    return block
 
 
 def nemotron_config(k, n, e, top_k):
