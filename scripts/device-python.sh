@@ -5,7 +5,7 @@
 # installed from .whl/ into a target directory put first on PYTHONPATH
 # (the machine's torch stays), then pytest with CUDA IPC and the
 # transformers comparisons required (EXPERTD_REQUIRE_TORCH=1: a missing
-# torch or transformers fails instead of skipping). The daemon's log and
+# torch or transformers fails instead of skipping). The daemons' logs and
 # pytest's output go to $OUT (or /tmp).
 # Carry: .whl build/expertd build/libexpertd_cuda.so
 # Usage: scripts/device-python.sh [pytest args]
@@ -23,20 +23,35 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "grp
       "protobuf", google.protobuf.__version__, "expertd", expertd.__version__, "from", expertd.__file__)'
 weights="$(mktemp -d)"
 port="${EXPERTD_PORT:-50561}"
-build/expertd -backend cuda -library-path build/libexpertd_cuda.so -listen "127.0.0.1:$port" -admin-addr "" \
-  -shared-memory -weights-dir "$weights" >"$out/expertd-python.log" 2>&1 &
-pid=$!
-trap 'kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; rm -rf "$weights" "$site"' EXIT
-up=
-for _ in $(seq 100); do
-  if "$py" -c "import expertd; expertd.Client('127.0.0.1:$port').server_info(timeout=1)" 2>/dev/null; then
-    up=1
-    break
-  fi
-  sleep 0.2
+# Three daemons on the cuda backend, as TestPythonPackage runs three on
+# the cpu one: the suite's (-shared-memory), the ring one RemoteMoE's path
+# tests use (-ring, and -lanes for its "gpu" path) and one serving no
+# shared memory.
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null; rm -rf "$weights" "$site"' EXIT
+start() { # start PORT LOG FLAGS...
+  local p=$1 log=$2
+  shift 2
+  build/expertd -backend cuda -library-path build/libexpertd_cuda.so -listen "127.0.0.1:$p" -admin-addr "" "$@" \
+    >"$out/$log" 2>&1 &
+  pids+=($!)
+}
+start "$port" expertd-python.log -shared-memory -weights-dir "$weights"
+start "$((port + 1))" expertd-python-ring.log -shared-memory -ring -lanes
+start "$((port + 2))" expertd-python-plain.log
+for p in "$port" "$((port + 1))" "$((port + 2))"; do
+  up=
+  for _ in $(seq 100); do
+    if "$py" -c "import expertd; expertd.Client('127.0.0.1:$p').server_info(timeout=1)" 2>/dev/null; then
+      up=1
+      break
+    fi
+    sleep 0.2
+  done
+  [[ -n "$up" ]] || { echo "device-python: the daemon on port $p did not answer; the logs:"; cat "$out"/expertd-python*.log; exit 1; }
 done
-[[ -n "$up" ]] || { echo "device-python: the daemon did not answer; its log:"; cat "$out/expertd-python.log"; exit 1; }
 cd "$weights"  # outside the source tree: the installed package is tested
-EXPERTD_ADDR="127.0.0.1:$port" EXPERTD_SHM=1 EXPERTD_CUDA=1 EXPERTD_WEIGHTS_DIR="$weights" EXPERTD_REQUIRE_TORCH=1 \
+EXPERTD_ADDR="127.0.0.1:$port" EXPERTD_RING_ADDR="127.0.0.1:$((port + 1))" EXPERTD_PLAIN_ADDR="127.0.0.1:$((port + 2))" \
+  EXPERTD_SHM=1 EXPERTD_CUDA=1 EXPERTD_WEIGHTS_DIR="$weights" EXPERTD_REQUIRE_TORCH=1 \
   "$py" -m pytest -q -rs -p no:cacheprovider "$OLDPWD/clients/python/tests" "$@" 2>&1 | tee "$out/pytest-python.txt"
 exit "${PIPESTATUS[0]}"

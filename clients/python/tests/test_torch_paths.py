@@ -2,9 +2,12 @@
 serves one on this host, plain gRPC otherwise, the choice named in its
 path attribute and one log line, and the same answer on every path. Needs
 torch; the daemons of EXPERTD_RING_ADDR (-shared-memory -ring),
-EXPERTD_ADDR (-shared-memory) and EXPERTD_PLAIN_ADDR (neither)."""
+EXPERTD_ADDR (-shared-memory) and EXPERTD_PLAIN_ADDR (neither). With
+EXPERTD_CUDA=1 the ring daemon runs the cuda backend on this host's GPU
+with -lanes too, and the paths that take CUDA tensors are tested."""
 
 import logging
+import os
 
 import grpc
 import numpy as np
@@ -145,6 +148,50 @@ def test_grpc_when_the_daemon_cannot_map_the_ring(ring_client, moe_set, rng, mon
     assert remote.path == "grpc"
     msgs = _picked(caplog)
     assert len(msgs) == 1 and "not found" in msgs[0], msgs
+
+
+def _gpu_ring(ring_client):
+    if os.environ.get("EXPERTD_CUDA") != "1" or not torch.cuda.is_available():
+        pytest.skip("needs a GPU and EXPERTD_RING_ADDR's daemon on its cuda backend (EXPERTD_CUDA=1)")
+    info = ring_client.server_info()
+    assert info.backends[0].name == "cuda", "EXPERTD_CUDA=1, but EXPERTD_RING_ADDR's daemon runs " + info.backends[0].name
+    assert info.lane.enabled, "EXPERTD_CUDA=1, but EXPERTD_RING_ADDR's daemon serves no lanes (-lanes)"
+
+
+@pytest.mark.parametrize("path", ["cuda_ipc", "ring+cuda_ipc", "gpu"])
+def test_cuda_paths(ring_client, moe_set, rng, path):
+    """Each path that takes CUDA tensors where they are answers as the
+    unary CUDA IPC path does, bytes for bytes (the router logits are made
+    on the same GPU either way), shapes again after others and after the
+    CUDA IPC region is replaced; the unary path itself against the
+    reference. Lanes serve decode sizes: M stays small."""
+    _gpu_ring(ring_client)
+    load, gate = moe_set
+    name, ref = load(ring_client)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    remote = _module(ring_client, name, gate, path=path).to(dev)
+    unary = _module(ring_client, name, gate, path="cuda_ipc").to(dev)
+    try:
+        for step in ((M, torch.bfloat16), (3, torch.float32), (M, torch.bfloat16), (64, torch.bfloat16),
+                     None, (M, torch.bfloat16), (3, torch.float32)):
+            if step is None:
+                remote._link.cuda(dev, 64 << 20)
+                continue
+            m, dtype = step
+            # On the BF16 grid, the form the daemon receives them in, so
+            # the reference routes what RemoteMoE routes.
+            x = _x(rng, m, torch.bfloat16).to(dev, dtype)
+            got = remote(x)
+            assert remote.path == path
+            assert got.shape == x.shape and got.device == x.device and got.dtype == torch.bfloat16
+            if path != "cuda_ipc":
+                assert torch.equal(got, unary(x)), f"{path} and cuda_ipc answers differ at M={m}"
+            assert moeref.rel_l2(got.float().cpu().numpy()[0], ref(x.float().cpu().numpy()[0])) <= 2e-2
+        assert unary.path == "cuda_ipc"
+    finally:
+        remote.close()
+        unary.close()
+    assert ring_client.list_shared_memory() == []
 
 
 def test_bad_path():
