@@ -46,8 +46,9 @@ _DOORBELL, _SLEEPING, _CLOSED = 64, 128, 192
 _STATE, _WAITING, _SEQ, _REQ_LEN, _RESP_LEN, _RESP_KIND, _TIMEOUT, _RESP_SEQ = 0, 4, 8, 16, 20, 24, 32, 40
 # The same as indexes of 32- and 64-bit words from the slot's start, for
 # the per-call stores and loads.
-_W_STATE, _W_WAITING, _W_REQ_LEN, _W_RESP_LEN, _W_RESP_KIND = 0, 1, 4, 5, 6
-_Q_SEQ, _Q_TIMEOUT, _Q_RESP_SEQ = 1, 4, 5
+_W_STATE, _W_WAITING, _W_REQ_LEN, _W_RESP_LEN, _W_RESP_KIND = (o // 4 for o in (
+    _STATE, _WAITING, _REQ_LEN, _RESP_LEN, _RESP_KIND))
+_Q_SEQ, _Q_TIMEOUT, _Q_RESP_SEQ = (o // 8 for o in (_SEQ, _TIMEOUT, _RESP_SEQ))
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared, not FUTEX_PRIVATE_FLAG: two processes
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine())
@@ -129,7 +130,7 @@ class Ring:
         return self._u32[_CLOSED // 4] != 0
 
     def state(self, i: int) -> int:
-        return self._u32[self._slot(i, _STATE) // 4]
+        return self._u32[self._start[i] // 4 + _W_STATE]
 
     # --- the caller's protocol ---
     def post(self, i: int, seq: int, request: bytes, timeout_ns: int = 0) -> None:
@@ -158,14 +159,15 @@ class Ring:
         """Waits for slot i to be DONE: polls for spin_s, then sleeps on its
         state word in ticks. False if the ring closed or time.monotonic()
         passed deadline first."""
-        st, u32, now = self._start[i] // 4 + _W_STATE, self._u32, time.monotonic
+        w, u32, now = self._start[i] // 4, self._u32, time.monotonic
+        st = w + _W_STATE
         end = now() + spin_s
         while now() < end:
             if u32[st] == DONE:
                 return True
         while True:
-            self._u32[self._slot(i, _WAITING) // 4] = 1
-            s = self._u32[st]
+            u32[w + _W_WAITING] = 1
+            s = u32[st]
             if s == DONE:
                 return True
             if self.closed or (deadline is not None and time.monotonic() > deadline):

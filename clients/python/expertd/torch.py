@@ -570,13 +570,12 @@ class RemoteMoE(nn.Module):
         key = (h.dtype, m, k, logits.shape[1], output_dtype)
         call = self._link.prepared("host", key)
         if call is None:
-            hd = _tensors.DTYPES["bfloat16" if h.dtype == torch.bfloat16 else "float32"]
-            fp32 = _tensors.DTYPES["float32"]
-            views = [region.read(off, dt, shape, like="torch", widen=False) for off, dt, shape in (
-                (offs[0], hd, (m, k)), (offs[1], fp32, tuple(logits.shape)),
-                (offs[2], _tensors.DTYPES[output_dtype], (m, k)))]
+            hname = "bfloat16" if h.dtype == torch.bfloat16 else "float32"
+            views = [region.read(off, _tensors.DTYPES[name], shape, like="torch", widen=False)
+                     for off, name, shape in ((offs[0], hname, (m, k)), (offs[1], "float32", tuple(logits.shape)),
+                                              (offs[2], output_dtype, (m, k)))]
             req = _common.fused_moe_request(
-                region.tensor(_tensors.NAMES[hd], (m, k), offs[0]), expert_set=self.name,
+                region.tensor(hname, (m, k), offs[0]), expert_set=self.name,
                 router_logits=region.tensor("float32", tuple(logits.shape), offs[1]), routing_message=self.routing,
                 output_dtype=output_dtype, output_shm=region.ref(offs[2], need[2]))
             call = self._link.prepare("host", key, views, req)
