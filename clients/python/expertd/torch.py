@@ -69,9 +69,9 @@ PATHS = ("gpu", "ring+cuda_ipc", "cuda_ipc", "ring", "grpc")
 # slot of the daemon's -lane-max.
 MAX_LANES = 8
 
-# _MAX_HOST_CALLS bounds one module's prepared host ring calls (one per
+# _MAX_PREPARED bounds one module's prepared calls per region (one per
 # input shape); past it they are made again as needed.
-_MAX_HOST_CALLS = 64
+_MAX_PREPARED = 64
 
 # A ring's slots carry requests and responses whose tensors are region
 # references: a few hundred bytes each, so small slots suffice.
@@ -164,10 +164,10 @@ class _Link:
         self._regions: dict[str, object] = {}
         # lanes by (device, M): the lane and its region's tensors.
         self.lanes: dict[tuple[str, int], _GpuLane] = {}
-        # Host ring calls by shape: views of the host region's buffers and
-        # the request naming them, made once (building them is most of a
-        # small call's Python time); they go with the region.
-        self.host_calls: dict[tuple, tuple] = {}
+        # Calls by region ("host", "cuda") and shape: views of the region's
+        # buffers and the request naming them, made once (building them is
+        # most of a small call's Python time); they go with the region.
+        self.calls: dict[str, dict[tuple, tuple]] = {"host": {}, "cuda": {}}
 
     def _register_posix(self, what: str, size: int):
         shm = _shm.SharedMemory.create(size)
@@ -180,10 +180,24 @@ class _Link:
         self._shms[what], self._regions[what] = shm, region
         return shm, region
 
+    def prepared(self, what: str, key: tuple):
+        """The call prepared for key's shape on region what, or None."""
+        return self.calls[what].get(key)
+
+    def prepare(self, what: str, key: tuple, views, req: pb.FusedMoERequest) -> tuple:
+        """Keeps a call prepared on region what (views of its buffers and
+        the request naming them) for key's shape, and returns it."""
+        calls = self.calls[what]
+        if len(calls) >= _MAX_PREPARED:
+            calls.clear()
+        calls[key] = views, req
+        return calls[key]
+
     def _drop(self, what: str) -> None:
-        if what == "host":
-            # Views of the mapping keep it from closing.
-            self.host_calls.clear()
+        if what in self.calls:
+            # Views of a POSIX mapping keep it from closing, and a new
+            # region of either kind has buffers of its own.
+            self.calls[what].clear()
         region, shm = self._regions.pop(what, None), self._shms.pop(what, None)
         try:
             if region is not None:
@@ -525,16 +539,20 @@ class RemoteMoE(nn.Module):
         need = [m * k * 2, m * logits.shape[1] * 4, m * k * 2]
         offs, size = _layout(*need)
         region = self._link.cuda(x.device, size)
-        a = region.base
-        h = a[offs[0]:offs[0] + need[0]].view(torch.bfloat16).view(m, k)
-        lg = a[offs[1]:offs[1] + need[1]].view(torch.float32).view(m, -1)
-        out = a[offs[2]:offs[2] + need[2]].view(torch.bfloat16).view(m, k)
+        call = self._link.prepared("cuda", (m, k, logits.shape[1]))
+        if call is None:
+            a = region.base
+            h = a[offs[0]:offs[0] + need[0]].view(torch.bfloat16).view(m, k)
+            lg = a[offs[1]:offs[1] + need[1]].view(torch.float32).view(m, -1)
+            out = a[offs[2]:offs[2] + need[2]].view(torch.bfloat16).view(m, k)
+            req = _common.fused_moe_request(region.tensor(h), expert_set=self.name, router_logits=region.tensor(lg),
+                                            routing_message=self.routing, output_shm=region.ref(out))
+            call = self._link.prepare("cuda", (m, k, logits.shape[1]), (h, lg, out), req)
+        (h, lg, out), req = call
         h.copy_(x)
         lg.copy_(logits)
         torch.cuda.current_stream(x.device).synchronize()
-        self._link.call(_common.fused_moe_request(
-            region.tensor(h), expert_set=self.name, router_logits=region.tensor(lg),
-            routing_message=self.routing, output_shm=region.ref(out)), ring)
+        self._link.call(req, ring)
         return out.clone()
 
     def _call_host(self, x: torch.Tensor, logits: torch.Tensor, output_dtype: str, ring: bool) -> torch.Tensor:
@@ -550,10 +568,8 @@ class RemoteMoE(nn.Module):
         offs, size = _layout(*need)
         region = self._link.host(size)
         key = (h.dtype, m, k, logits.shape[1], output_dtype)
-        call = self._link.host_calls.get(key)
+        call = self._link.prepared("host", key)
         if call is None:
-            if len(self._link.host_calls) >= _MAX_HOST_CALLS:
-                self._link.host_calls.clear()
             hname = "bfloat16" if h.dtype == torch.bfloat16 else "float32"
             views = [region.read(off, _tensors.DTYPES[name], shape, like="torch", widen=False)
                      for off, name, shape in ((offs[0], hname, (m, k)), (offs[1], "float32", tuple(logits.shape)),
@@ -562,7 +578,7 @@ class RemoteMoE(nn.Module):
                 region.tensor(hname, (m, k), offs[0]), expert_set=self.name,
                 router_logits=region.tensor("float32", tuple(logits.shape), offs[1]), routing_message=self.routing,
                 output_dtype=output_dtype, output_shm=region.ref(offs[2], need[2]))
-            call = self._link.host_calls[key] = (views, req)
+            call = self._link.prepare("host", key, views, req)
         (hv, lv, out), req = call
         hv.copy_(h)
         lv.copy_(logits)
