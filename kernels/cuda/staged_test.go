@@ -21,14 +21,14 @@ import (
 // last call's, different, and the same again; precomputed routing before
 // and after a call that routes over it; other M in between, growing the
 // workspace or laying their buffers over M = 1's. The host path sends a
-// small host input only when the workspace does not already hold its
-// bytes, so each call must still see its own. Each sequence runs on a
-// fresh load of the set (a fresh workspace), once from host memory (output
-// and routing checked against the reference) and once with the hidden
-// states, logits and output in device memory and no routing asked (only
-// the bias, the scale and precomputed routing then go through the staging;
-// a call with neither stages nothing), its output checked bit for bit
-// against the host-memory call's.
+// staged bias or hidden scale only when the workspace does not already
+// hold its bytes, so each call must still see its own. Each sequence runs
+// on a fresh load of the set (a fresh workspace), once from host memory
+// (output and routing checked against the reference) and once with the
+// hidden states, logits and output in device memory and no routing asked
+// (only the bias, the scale and precomputed routing then go through the
+// staging; a call with neither stages nothing), its output checked bit for
+// bit against the host-memory call's.
 func TestStagedInputsAcrossCalls(t *testing.T) {
 	b := gpuBackend(t)
 	ref := cpu.New(kernels.Config{})

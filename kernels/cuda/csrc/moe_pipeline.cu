@@ -694,10 +694,14 @@ int run_host(uint64_t handle, const expertd_call* call) {
   // and small page-locked ones through the lane's pinned staging, where
   // consecutive staged inputs share one copy; large page-locked ones (a
   // registered shared-memory region) by DMA straight from where they are.
-  // A staged input whose bytes the workspace already holds from an earlier
-  // call (the same bias, a static scale) is not sent again: the compare
-  // against pin_in costs less than a copy's enqueue, and the kernels do not
-  // wait behind a tiny H2D copy.
+  // A staged bias or hidden scale whose bytes the workspace already holds
+  // from an earlier call (a serving caller sends the same bias every call,
+  // and a static scale) is not sent again: the compare against pin_in costs
+  // less than a copy's enqueue, and the kernels do not wait behind a tiny
+  // H2D copy. Hidden states, logits and precomputed routing are the call's
+  // own activations, always sent: comparing them would cost a pass over
+  // them for nothing in serving, and would drop the copy a benchmark that
+  // repeats its inputs means to time.
   Ptrs p;
   p.hidden = ln.ws + L.hidden;
   p.hidden_scale = reinterpret_cast<const float*>(ln.ws + L.hscale);
@@ -711,16 +715,18 @@ int run_host(uint64_t handle, const expertd_call* call) {
     const expertd_buf* buf;
     size_t bytes;
     const void** key;  // its key.in slot: set when it is read in place
+    bool reuse;        // staged, it is not sent again while the workspace holds its bytes
   } ins[4];
   int nin = 0;
-  ins[nin++] = {L.hidden, &k.hidden, m * K * hsz, &key.in[0]};
-  if (c.n_hidden_scale > 0) ins[nin++] = {L.hscale, &k.hidden_scale, size_t(c.n_hidden_scale) * 4, &key.in[1]};
+  ins[nin++] = {L.hidden, &k.hidden, m * K * hsz, &key.in[0], false};
+  if (c.n_hidden_scale > 0)
+    ins[nin++] = {L.hscale, &k.hidden_scale, size_t(c.n_hidden_scale) * 4, &key.in[1], true};
   if (c.have_logits) {
-    if (c.have_bias) ins[nin++] = {L.bias, &k.correction_bias, size_t(s.E) * 4, &key.in[2]};
-    ins[nin++] = {L.logits, &k.logits, m * s.E * lsz, &key.in[3]};
+    if (c.have_bias) ins[nin++] = {L.bias, &k.correction_bias, size_t(s.E) * 4, &key.in[2], true};
+    ins[nin++] = {L.logits, &k.logits, m * s.E * lsz, &key.in[3], false};
   } else {
-    ins[nin++] = {L.ids, &k.topk_ids_in, P * 4, &key.in[2]};
-    ins[nin++] = {L.w, &k.topk_weights_in, P * 4, &key.in[3]};
+    ins[nin++] = {L.ids, &k.topk_ids_in, P * 4, &key.in[2], false};
+    ins[nin++] = {L.w, &k.topk_weights_in, P * 4, &key.in[3], false};
   }
   uint8_t* pin = ln.pin_in;
   size_t lo = 0, hi = 0;  // the staged range not yet copied
@@ -740,7 +746,7 @@ int run_host(uint64_t handle, const expertd_call* call) {
         *x.key = src;
         break;
       case Place::kStaged:
-        if (sent.holds(x.off, x.off + x.bytes) && std::memcmp(pin + x.off, src, x.bytes) == 0) break;
+        if (x.reuse && sent.holds(x.off, x.off + x.bytes) && std::memcmp(pin + x.off, src, x.bytes) == 0) break;
         std::memcpy(pin + x.off, src, x.bytes);
         if (hi == 0) lo = x.off;
         hi = x.off + x.bytes;
