@@ -19,16 +19,17 @@ import (
 // with a per-tensor scale, sigmoid routing with a correction bias, as a
 // Nemotron decode step) with the bias and the hidden scale the same as the
 // last call's, different, and the same again; precomputed routing before
-// and after a call that routes over it; other M in between, growing the
-// workspace or laying their buffers over M = 1's. The host path sends a
-// staged bias or hidden scale only when the workspace does not already
-// hold its bytes, so each call must still see its own. Each sequence runs
-// on a fresh load of the set (a fresh workspace), once from host memory
-// (output and routing checked against the reference) and once with the
-// hidden states, logits and output in device memory and no routing asked
-// (only the bias, the scale and precomputed routing then go through the
-// staging; a call with neither stages nothing), its output checked bit for
-// bit against the host-memory call's.
+// and after a call that routes over it; a larger top_k, which grows the
+// workspace but not the staging, with the same bias and scale; other M in
+// between, growing both or laying their buffers over M = 1's. The host
+// path sends a staged bias or hidden scale only when the workspace does
+// not already hold its bytes, so each call must still see its own. Each
+// sequence runs on a fresh load of the set (a fresh workspace), once from
+// host memory (output and routing checked against the reference) and once
+// with the hidden states, logits and output in device memory and no
+// routing asked (only the bias, the scale and precomputed routing then go
+// through the staging; a call with neither stages nothing), its output
+// checked bit for bit against the host-memory call's.
 func TestStagedInputsAcrossCalls(t *testing.T) {
 	b := gpuBackend(t)
 	ref := cpu.New(kernels.Config{})
@@ -68,6 +69,11 @@ func TestStagedInputsAcrossCalls(t *testing.T) {
 	add("B,s1", routed(biasB, s1))
 	add("A,s2", routed(biasA, s2))
 	add("B,s2", routed(biasB, s2))
+	// Twice the routed pairs: a workspace about twice as large (the sorted
+	// rows), the inputs where they were.
+	wide := routed(biasA, s1)
+	wide.Routing.TopK = 12
+	add("A,s1,k=12", wide)
 	if slices.Equal(variants["A,s1"].want.ref.IDs, variants["B,s1"].want.ref.IDs) {
 		t.Fatal("bias B routes as bias A does: a stale bias would go unseen")
 	}
@@ -89,8 +95,8 @@ func TestStagedInputsAcrossCalls(t *testing.T) {
 		_, r := kerneltest.Case{Shape: plain, M: m}.New(rng)
 		add(fmt.Sprintf("M=%d,bf16", m), r)
 	}
-	// The workspace grows at the first M = 4 and at M = 96.
-	steps := []string{"A,s1", "A,s1", "A,s1", "B,s1", "A,s1", "A,s2", "B,s2", "B,s2", "pre", "A,s1", "pre",
+	// The workspace grows at k=12, at the first M = 4 and at M = 96.
+	steps := []string{"A,s1", "A,s1", "A,s1", "A,s1,k=12", "B,s1", "A,s1", "A,s2", "B,s2", "B,s2", "pre", "A,s1", "pre",
 		"M=4", "M=1,bf16", "M=4", "B,s2", "A,s1", "M=96,bf16", "A,s1", "M=4", "A,s1", "B,s1", "pre", "pre", "B,s2"}
 
 	// copyReq is r with fresh copies of its host slices, so no two calls'
