@@ -514,17 +514,23 @@ func checkCaseAgainst(t *testing.T, b *Backend, ref kernels.Backend, name string
 // the same weights and scales as the set l was loaded from).
 func checkLoaded(t *testing.T, b *Backend, ref kernels.Backend, l kernels.Loaded, name string, set *moe.ExpertSet, req, refReq *moe.Request) {
 	t.Helper()
-	ctx := context.Background()
+	checkPaths(t, b, l, name, set, req, expect(t, ref, name, set, req, refReq))
+}
+
+// expect is what req's calls must return, computed from refReq (see
+// checkCaseAgainst) by the float64 reference and the CPU backend ref.
+func expect(t *testing.T, ref kernels.Backend, name string, set *moe.ExpertSet, req, refReq *moe.Request) expected {
+	t.Helper()
 	want := expected{ref: kerneltest.Expect(set, refReq)}
 	if req.TopKIDs != nil {
 		want.ids, want.weights = req.TopKIDs, req.TopKWeights
 	}
-	cres, err := ref.FusedMoE(ctx, mustLoad(t, ref, set), refReq)
+	cres, err := ref.FusedMoE(context.Background(), mustLoad(t, ref, set), refReq)
 	if err != nil {
 		t.Fatalf("%s: cpu backend: %v", name, err)
 	}
 	want.cpu = decode64(req.OutDType, cres.Output)
-	checkPaths(t, b, l, name, set, req, want)
+	return want
 }
 
 // expected is what a call must return: its output within ref's tolerance
@@ -619,35 +625,43 @@ func checkPaths(t *testing.T, b *Backend, l kernels.Loaded, name string, set *mo
 				t.Errorf("%s: %v", name, err)
 				break
 			}
-			if n := kerneltest.Unwritten(out, req.OutDType.Size()); n > 0 {
-				t.Errorf("%s: %d output elements left unwritten", name, n)
-			}
-			got := kerneltest.DecodeOutput(req.OutDType, res.Output)
-			if i := slices.IndexFunc(got, func(v float32) bool { return math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) }); i >= 0 {
-				t.Errorf("%s: output[%d] = %v", name, i, got[i])
-			}
-			ref, cpuOut, flipped, err := want.forCall(res.TopKIDs, set.K)
-			if err != nil {
-				t.Errorf("%s: %v", name, err)
-			} else if len(flipped) > 0 {
-				t.Logf("%s: tokens %v routed among experts tied at float32 precision otherwise than the reference", name, flipped)
-			}
-			tol := ref.Tol
-			eRef := kerneltest.RelL2(got, ref.Out)
-			eCPU := kerneltest.RelL2(got, cpuOut)
-			if !(eRef <= tol) || !(eCPU <= tol) {
-				t.Errorf("%s: rel-L2 %.3g vs reference, %.3g vs cpu; want <= %.3g", name, eRef, eCPU, tol)
-			} else if call == 0 {
-				t.Logf("%s: rel-L2 %.3g vs reference, %.3g vs cpu, %.3f ms", name, eRef, eCPU, float64(res.KernelNanos)/1e6)
-			}
-			wantW := ref.Weights
-			if want.weights != nil {
-				wantW = want.weights
-			}
-			if e := kerneltest.RelL2(res.TopKWeights, kerneltest.Widen(wantW)); !(e <= 1e-5) {
-				t.Errorf("%s: topk weights rel-L2 %.3g", name, e)
-			}
+			checkResult(t, name, set, req, want, res, call == 0)
 		}
+	}
+}
+
+// checkResult compares the result of one of req's calls from and to host
+// memory (its output poisoned first) against want; logged says to log the
+// errors of a result that passes.
+func checkResult(t *testing.T, name string, set *moe.ExpertSet, req *moe.Request, want expected, res *moe.Result, logged bool) {
+	t.Helper()
+	if n := kerneltest.Unwritten(res.Output, req.OutDType.Size()); n > 0 {
+		t.Errorf("%s: %d output elements left unwritten", name, n)
+	}
+	got := kerneltest.DecodeOutput(req.OutDType, res.Output)
+	if i := slices.IndexFunc(got, func(v float32) bool { return math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) }); i >= 0 {
+		t.Errorf("%s: output[%d] = %v", name, i, got[i])
+	}
+	ref, cpuOut, flipped, err := want.forCall(res.TopKIDs, set.K)
+	if err != nil {
+		t.Errorf("%s: %v", name, err)
+	} else if len(flipped) > 0 {
+		t.Logf("%s: tokens %v routed among experts tied at float32 precision otherwise than the reference", name, flipped)
+	}
+	tol := ref.Tol
+	eRef := kerneltest.RelL2(got, ref.Out)
+	eCPU := kerneltest.RelL2(got, cpuOut)
+	if !(eRef <= tol) || !(eCPU <= tol) {
+		t.Errorf("%s: rel-L2 %.3g vs reference, %.3g vs cpu; want <= %.3g", name, eRef, eCPU, tol)
+	} else if logged {
+		t.Logf("%s: rel-L2 %.3g vs reference, %.3g vs cpu, %.3f ms", name, eRef, eCPU, float64(res.KernelNanos)/1e6)
+	}
+	wantW := ref.Weights
+	if want.weights != nil {
+		wantW = want.weights
+	}
+	if e := kerneltest.RelL2(res.TopKWeights, kerneltest.Widen(wantW)); !(e <= 1e-5) {
+		t.Errorf("%s: topk weights rel-L2 %.3g", name, e)
 	}
 }
 

@@ -92,6 +92,9 @@ Layout layout(const Set& s, const Call& c, int block_rows) {
   L.in_begin = off;
   // Inputs in the order the host path copies them: hidden states and their
   // scales, then either bias and logits or precomputed ids and weights.
+  // Of everything between in_begin and in_end the pipeline writes only ids
+  // and w (routing results), and only when it routes: the host path counts
+  // on that to keep staged inputs from one call to the next (run_host).
   L.hidden = take(m * K * 4);
   L.hscale = take(m * g1 * 4);
   L.bias = take(size_t(s.E) * 4);
@@ -136,6 +139,7 @@ int ensure_workspace(Lane& l, const Layout& L) {
   if (L.total <= l.ws_bytes) return EXPERTD_OK;
   CK(cudaStreamSynchronize(l.stream));
   l.drop_graphs();
+  l.sent = Span{};
   free_workspace(l);
   const size_t want = L.total + L.total / 4;
   if (int rc = alloc_workspace(l, want)) return rc;
@@ -674,7 +678,13 @@ int run_host(uint64_t handle, const expertd_call* call) {
   const size_t osz = c.out_dtype == EXPERTD_DTYPE_FLOAT32 ? 4 : 2;
   const size_t m = c.m, K = s.K, P = L.p;
   const size_t lsz = c.logits_dtype == EXPERTD_DTYPE_BFLOAT16 ? 2 : 4;
+  // What the workspace already holds of pin_in; the lane has none of it
+  // back unless this call succeeds.
+  Span sent = ln.sent;
+  ln.sent = Span{};
+  const size_t pin_had = ln.pin_in_bytes;
   if (int rc = ensure_pinned(ln.device, &ln.pin_in, &ln.pin_in_bytes, L.in_end)) return rc;
+  if (ln.pin_in_bytes != pin_had) sent = Span{};  // a new pin_in: its bytes were never sent
   if (int rc = ensure_pinned(ln.device, &ln.pin_out, &ln.pin_out_bytes, L.out_end - L.ids)) return rc;
   cudaStream_t st = ln.stream;
 
@@ -684,6 +694,14 @@ int run_host(uint64_t handle, const expertd_call* call) {
   // and small page-locked ones through the lane's pinned staging, where
   // consecutive staged inputs share one copy; large page-locked ones (a
   // registered shared-memory region) by DMA straight from where they are.
+  // A staged bias or hidden scale whose bytes the workspace already holds
+  // from an earlier call (a serving caller sends the same bias every call,
+  // and a static scale) is not sent again: the compare against pin_in costs
+  // less than a copy's enqueue, and the kernels do not wait behind a tiny
+  // H2D copy. Hidden states, logits and precomputed routing are the call's
+  // own activations, always sent: comparing them would cost a pass over
+  // them for nothing in serving, and would drop the copy a benchmark that
+  // repeats its inputs means to time.
   Ptrs p;
   p.hidden = ln.ws + L.hidden;
   p.hidden_scale = reinterpret_cast<const float*>(ln.ws + L.hscale);
@@ -697,21 +715,26 @@ int run_host(uint64_t handle, const expertd_call* call) {
     const expertd_buf* buf;
     size_t bytes;
     const void** key;  // its key.in slot: set when it is read in place
+    bool reuse;        // staged, it is not sent again while the workspace holds its bytes
   } ins[4];
   int nin = 0;
-  ins[nin++] = {L.hidden, &k.hidden, m * K * hsz, &key.in[0]};
-  if (c.n_hidden_scale > 0) ins[nin++] = {L.hscale, &k.hidden_scale, size_t(c.n_hidden_scale) * 4, &key.in[1]};
+  ins[nin++] = {L.hidden, &k.hidden, m * K * hsz, &key.in[0], false};
+  if (c.n_hidden_scale > 0)
+    ins[nin++] = {L.hscale, &k.hidden_scale, size_t(c.n_hidden_scale) * 4, &key.in[1], true};
   if (c.have_logits) {
-    if (c.have_bias) ins[nin++] = {L.bias, &k.correction_bias, size_t(s.E) * 4, &key.in[2]};
-    ins[nin++] = {L.logits, &k.logits, m * s.E * lsz, &key.in[3]};
+    if (c.have_bias) ins[nin++] = {L.bias, &k.correction_bias, size_t(s.E) * 4, &key.in[2], true};
+    ins[nin++] = {L.logits, &k.logits, m * s.E * lsz, &key.in[3], false};
   } else {
-    ins[nin++] = {L.ids, &k.topk_ids_in, P * 4, &key.in[2]};
-    ins[nin++] = {L.w, &k.topk_weights_in, P * 4, &key.in[3]};
+    ins[nin++] = {L.ids, &k.topk_ids_in, P * 4, &key.in[2], false};
+    ins[nin++] = {L.w, &k.topk_weights_in, P * 4, &key.in[3], false};
   }
   uint8_t* pin = ln.pin_in;
   size_t lo = 0, hi = 0;  // the staged range not yet copied
   auto flush = [&]() -> int {
-    if (hi > lo) CK(cudaMemcpyAsync(ln.ws + lo, pin + lo, hi - lo, cudaMemcpyHostToDevice, st));
+    if (hi > lo) {
+      CK(cudaMemcpyAsync(ln.ws + lo, pin + lo, hi - lo, cudaMemcpyHostToDevice, st));
+      sent.add(lo, hi);
+    }
     lo = hi = 0;
     return EXPERTD_OK;
   };
@@ -723,6 +746,7 @@ int run_host(uint64_t handle, const expertd_call* call) {
         *x.key = src;
         break;
       case Place::kStaged:
+        if (x.reuse && sent.holds(x.off, x.off + x.bytes) && std::memcmp(pin + x.off, src, x.bytes) == 0) break;
         std::memcpy(pin + x.off, src, x.bytes);
         if (hi == 0) lo = x.off;
         hi = x.off + x.bytes;
@@ -730,6 +754,7 @@ int run_host(uint64_t handle, const expertd_call* call) {
       case Place::kDirect:
         if (int rc = flush()) return rc;
         CK(cudaMemcpyAsync(ln.ws + x.off, src, x.bytes, cudaMemcpyHostToDevice, st));
+        sent.cut(x.off, x.off + x.bytes);
         break;
     }
   }
@@ -789,6 +814,9 @@ int run_host(uint64_t handle, const expertd_call* call) {
     if (int rc = enqueue(s, ln.ws, c, L, p, st)) return rc;
   }
   if (kernel_ms) CK(cudaEventRecord(ln.ev1, st));
+  // The kernels write the routing results into the workspace, and, with
+  // their own layout's offsets, everything outside its inputs.
+  sent.keep(L.in_begin, c.have_logits ? L.ids : L.in_end);
 
   // Outputs. Routing results and a host output lie next to each other in
   // the workspace ([ids | w | out]); those bound for pageable or small
@@ -825,9 +853,16 @@ int run_host(uint64_t handle, const expertd_call* call) {
     CK(cudaMemcpyAsync(o.dst, o.src, o.bytes, cudaMemcpyDefault, st));
   }
   if (ohi > 0) CK(cudaMemcpyAsync(po + olo, ws_lo + olo, ohi - olo, cudaMemcpyDeviceToHost, st));
-  CK(cudaEventRecord(ln.ev_done, st));
+  // With nothing copied back, the call ends with its kernels, where ev1
+  // already is when kernel_ms is asked: one event record fewer.
+  cudaEvent_t done = ln.ev_done;
+  if (kernel_ms && nout == 0) {
+    done = ln.ev1;
+  } else {
+    CK(cudaEventRecord(ln.ev_done, st));
+  }
   tr.mark("launch");
-  if (int rc = wait_event(ln.ev_done)) return rc;
+  if (int rc = wait_event(done)) return rc;
   tr.mark("wait");
   for (int i = 0; i < nout; ++i) {
     const Out& o = outs[i];
@@ -841,6 +876,7 @@ int run_host(uint64_t handle, const expertd_call* call) {
   }
   tr.mark("copy_out");
   tr.print(c.m);
+  ln.sent = sent;
   return EXPERTD_OK;
 }
 

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -133,6 +134,37 @@ struct Graph {
   bool failed = false;
 };
 
+// Span is a byte range [lo, hi) of a lane's workspace; empty when lo >= hi.
+struct Span {
+  size_t lo = 0, hi = 0;
+  bool holds(size_t a, size_t b) const { return lo <= a && b <= hi && a < b; }
+  // add joins [a, b) to the span when they overlap or touch; otherwise the
+  // span becomes [a, b) (a span is one range, so it forgets the rest).
+  void add(size_t a, size_t b) {
+    if (lo < hi && a <= hi && lo <= b) {
+      lo = std::min(lo, a);
+      hi = std::max(hi, b);
+    } else {
+      lo = a;
+      hi = b;
+    }
+  }
+  // cut takes [a, b) out of the span, keeping the larger side of a hole.
+  void cut(size_t a, size_t b) {
+    if (b <= lo || hi <= a) return;
+    if (a - std::min(a, lo) >= hi - std::min(hi, b)) {
+      hi = std::min(hi, a);
+    } else {
+      lo = std::max(lo, b);
+    }
+  }
+  // keep narrows the span to [a, b).
+  void keep(size_t a, size_t b) {
+    lo = std::max(lo, a);
+    hi = std::min(hi, b);
+  }
+};
+
 // Lane is what one call in flight on a set needs to itself: a stream, its
 // timing events, the device workspace, pinned staging and the graphs that
 // bake its addresses in. A set has up to switches().streams of them, so
@@ -151,6 +183,11 @@ struct Lane {
   bool foreign = false;
   uint8_t* pin_in = nullptr;
   size_t pin_in_bytes = 0;
+  // sent: where the workspace holds the same bytes as pin_in (inputs staged
+  // and sent by earlier calls, not written since), so a staged input whose
+  // bytes match pin_in's there need not be sent again. A call takes it and
+  // gives it back only when it succeeds; a new workspace or pin_in empties it.
+  Span sent;
   uint8_t* pin_out = nullptr;
   size_t pin_out_bytes = 0;
   std::map<GraphKey, Graph> graphs;
