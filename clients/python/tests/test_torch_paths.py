@@ -8,6 +8,7 @@ with -lanes too, and the paths that take CUDA tensors are tested."""
 
 import logging
 import os
+import re
 
 import grpc
 import numpy as np
@@ -31,7 +32,8 @@ def moe_set(rng, request):
     (set name, reference of hidden states)."""
     w13, w2, s13, s2 = moeref.random_layer(rng, E, K, N)
     gate = (rng.standard_normal((E, K)) / 4).astype(np.float32)
-    name = "pytest-paths-" + request.node.name[:40]
+    # A parametrized test's name has brackets, which set names do not.
+    name = "pytest-paths-" + re.sub(r"[^A-Za-z0-9._-]", "-", request.node.name)[:40]
     loaded = []
 
     def load(client):
