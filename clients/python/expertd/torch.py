@@ -247,7 +247,8 @@ class _Link:
         need = [m * k * 2, m * e * 4, m * k * 2]
         offs, size = _layout(*need)
         arena = torch.empty(size, dtype=torch.uint8, device=device)
-        what = f"lane{m}@{device}"
+        # Region names take [A-Za-z0-9._/-] only.
+        what = f"lane{m}-cuda{_device_index(device)}"
         region = self.client.register_cuda_tensor(f"{self.prefix}/{what}", arena)
         self._regions[what] = region
         h = arena[offs[0]:offs[0] + need[0]].view(torch.bfloat16).view(m, k)
