@@ -98,7 +98,7 @@ func (c *Config) settings() []setting {
 		integer(&c.RingMaxPerConn, "ring-max-per-conn", service.DefaultRingMaxPerConn, "call rings one connection may attach"),
 		integer(&c.RingMax, "ring-max", service.DefaultRingMax, "call rings served at once"),
 		i64(&c.RingMaxSlotBytes, "ring-max-slot-bytes", service.DefaultRingMaxSlotBytes, "largest call-ring slot in bytes (suffixes KiB, MiB, GiB)"),
-		boolean(&c.Lanes, "lanes", false, "serve OpenLane, GPU-ordered lanes for same-GPU callers (experimental: while a lane waits, a device-wide synchronization in the daemon, such as a workspace growing for a new call shape or a set being freed, stalls until every lane is rung or closed; docs/gpu-ordered.md); needs -shared-memory and the cuda backend"),
+		boolean(&c.Lanes, "lanes", false, "serve OpenLane, GPU-ordered lanes for callers on the daemon's GPU (needs MPS to pay off, and -lane-max plus the daemon's other streams within the GPU's 32 hardware queues; docs/gpu-ordered.md); needs -shared-memory and the cuda backend"),
 		integer(&c.MaxLanes, "lane-max", service.DefaultLaneMax, "GPU-ordered lanes (OpenLane) open at once; served with -shared-memory by the cuda backend; each holds one of the GPU's 32 hardware queues (docs/gpu-ordered.md)"),
 		integer(&c.MaxShmRegions, "max-shm-regions", service.DefaultMaxShmRegions, "shared-memory regions mapped at once over all connections (each connection has at most 64); more are refused with RESOURCE_EXHAUSTED"),
 		i64(&c.MaxShmBytes, "max-shm-bytes", service.DefaultMaxShmBytes, "bytes of the shared-memory regions mapped at once over all connections (suffixes KiB, MiB, GiB); more are refused with RESOURCE_EXHAUSTED"),
