@@ -5,7 +5,9 @@ the path (MPS on both sides under "auto")."""
 
 import ctypes
 import logging
+import re
 import threading
+import types
 
 import grpc
 import pytest
@@ -363,3 +365,40 @@ def test_ipc_handle_keeps_every_byte():
     assert bytes(el._ipc_handle(h)) == h
     with pytest.raises(ValueError):
         el._ipc_handle(h[:63])
+
+
+def test_link_region_names_follow_the_daemons_rule(monkeypatch):
+    """The names of the regions a _Link registers, its lanes' among them
+    (which otherwise only a GPU run reaches), pass the daemon's rule for
+    names: 1-128 of [A-Za-z0-9._/-] (service's checkName)."""
+    from expertd import shm
+
+    rule = re.compile(r"[A-Za-z0-9._/-]{1,128}")
+    names = []
+
+    class Client:
+        def register_cuda_tensor(self, name, t):
+            names.append(name)
+            return shm.CudaRegion(name, t)
+
+        def register_shared_memory(self, name, region):
+            names.append(name)
+            return types.SimpleNamespace(name=name, size=region.size)
+
+        def unregister_shared_memory(self, name):
+            pass
+
+    empty = torch.empty
+    # Host tensors stand in for the GPU's.
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **kw: empty(*a, **kw))
+    monkeypatch.setattr(et._lane, "open_lane", lambda client, call, device, **kw: object())
+    link = et._Link(Client(), "layer-" + "x" * 200)
+    dev = torch.device("cuda", 3)
+    try:
+        for m in (1, 64, 8192):
+            link.lane(dev, m, 16, 8, "layer", expertd.routing(top_k=1))
+        link.cuda(dev, 1 << 10)
+        link.host(1 << 10)
+    finally:
+        link._drop("host")
+    assert len(names) == 5 and all(rule.fullmatch(n) for n in names), names
