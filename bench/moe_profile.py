@@ -3,8 +3,8 @@
 For each model and M it times the full op of every --lib given (CUDA-graph
 replay, median of --iters, --sets input sets rotated, as moe_bench.py does),
 interleaving the libraries round by round so they share the card's state,
-and splits one library's call into its kernels with the PyTorch profiler
-(CUPTI): each kernel's exclusive time is its end minus the later of its start
+and splits each library's call into its kernels with the PyTorch profiler
+(CUPTI), so an A/B names the kernel that moved: each kernel's exclusive time is its end minus the later of its start
 and the previous kernel's end, so the time a programmatic-dependent-launch
 kernel spends parked in griddepcontrol.wait behind its predecessor counts
 for the predecessor, and the exclusive times add up to the call. With two
@@ -62,6 +62,13 @@ def exclusive_us(prof, calls: int) -> dict[str, float]:
     return {k: v / calls for k, v in out.items()}
 
 
+def kernel_columns(splits: list[dict[str, float]]) -> str:
+    """Each kernel's exclusive µs in every library ("-" where one has no
+    such kernel), slowest first by the first library's figure."""
+    names = sorted({k for s in splits for k in s}, key=lambda k: -splits[0].get(k, 0.0))
+    return ", ".join(f"{k} " + "/".join(f"{s[k]:.1f}" if k in s else "-" for s in splits) for k in names)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lib", action="append", required=True, help="a libexpertd_cuda.so (repeat for A/B)")
@@ -74,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--sets", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per library")
-    ap.add_argument("--profile-calls", type=int, default=40, help="calls under the profiler (first --lib)")
+    ap.add_argument("--profile-calls", type=int, default=40, help="calls under the profiler, per --lib")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -146,31 +153,36 @@ def main(argv=None) -> int:
             # keeps between calls must not make later replays drift.
             if same is not None:
                 same = same and same_bytes()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for i in range(args.profile_calls):
-                    graphs[0][i % len(graphs[0])].replay()
-                torch.cuda.synchronize()
-            split = exclusive_us(prof, args.profile_calls)
+            splits = []
+            for gs in graphs:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for i in range(args.profile_calls):
+                        gs[i % len(gs)].replay()
+                    torch.cuda.synchronize()
+                splits.append(exclusive_us(prof, args.profile_calls))
             vllm = vllm_ms.get((name, M))
-            rec = {"model": name, "M": M, "ms": med, "same_bytes": same, "kernels_us": split,
+            # kernels_us: one split per --lib, in their order.
+            rec = {"model": name, "M": M, "ms": med, "same_bytes": same, "kernels_us": splits,
                    "vllm_gemms_ms": vllm}
             records.append(rec)
             ratio = "  ".join(f"{m / vllm:.3f}x" for m in med) if vllm else ""
             log(f"{name} M={M}: " + " / ".join(f"{m:.4f}" for m in med) + f" ms  (vs vLLM GEMMs {ratio})"
                 + (f"  same bytes: {same}" if same is not None else ""))
-            log("    " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]))
-                + f"  (sum {sum(split.values()):.1f} us)")
+            for li, split in enumerate(splits):
+                log(f"    lib{li}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]))
+                    + f"  (sum {sum(split.values()):.1f} us)")
             del graphs, outs, inputs
             torch.cuda.synchronize()
         for es in sets_by_lib:
             es.free()
         del w
         torch.cuda.empty_cache()
-    print("| model | M | " + " | ".join(f"lib{i} ms" for i in range(len(libs))) + " | same bytes | kernels (lib0, µs) |")
+    libs_label = " / ".join(f"lib{i}" for i in range(len(libs)))
+    print("| model | M | " + " | ".join(f"lib{i} ms" for i in range(len(libs))) + f" | same bytes | kernels (µs, {libs_label}) |")
     print("|---|---|" + "---|" * len(libs) + "---|---|")
     for r in records:
         print(f"| {r['model']} | {r['M']} | " + " | ".join(f"{m:.4f}" for m in r["ms"]) + f" | {r['same_bytes']} | "
-              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1])) + " |")
+              + kernel_columns(r["kernels_us"]) + " |")
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
         with open(os.path.join(os.environ["OUT"], "moe_profile.json"), "w") as f:
